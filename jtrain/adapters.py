@@ -1,0 +1,168 @@
+"""One model interface for the engine: Linen, NNX, or a pure (init, apply) pair.
+
+Every model becomes a `ModelFns`:
+  init(rng, inputs) -> params          pure; may return flax logical-partitioning boxes
+  apply(params, inputs, rng, train)    pure; -> outputs
+`init` is only ever traced by `jax.eval_shape` and then run under `jax.jit` with
+`out_shardings`, so parameters are created already sharded, never on one device first.
+
+Accepted user models:
+  * a `flax.linen.Module`;
+  * a `flax.nnx.Module` instance (its existing parameters are used and resharded), or a
+    function `rngs -> nnx.Module` (created shapes-first, like Linen);
+  * a tuple `(init, apply)` with `init(rng, inputs) -> params` and
+    `apply(params, inputs[, rng=..., train=...]) -> outputs`.
+Models are called with `batch["inputs"]`. If the call signature has `train` (or
+`deterministic`) it is passed; dropout draws from the `"dropout"` rng stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import nnx
+
+from jtrain import mesh as mesh_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFns:
+    init: Callable[[jax.Array, Any], Any]
+    apply: Callable[..., Any]
+    kind: str  # "linen", "nnx", "pure"
+    existing_params: Any = None  # NNX instance: its parameters, used instead of init
+    nnx_abstract: Callable | None = None  # NNX factory: abstract annotated param State
+    nnx_template: Callable | None = None  # NNX: the annotated param State
+
+    def abstract_and_shardings(self, rng, inputs, mesh):
+        """(abstract plain params, their NamedShardings), with no allocation.
+
+        Call under `jax.set_mesh(mesh)`."""
+        if self.kind == "nnx":
+            if self.nnx_abstract is not None:
+                self.nnx_abstract(rng, inputs)
+            annotated = self.nnx_template()
+            shardings = mesh_lib.logical_to_shardings(annotated, mesh).to_pure_dict()
+            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                    annotated.to_pure_dict())
+            return abstract, shardings
+        boxed = jax.eval_shape(self.init, rng, inputs)
+        return mesh_lib.unbox(boxed), mesh_lib.logical_to_shardings(boxed, mesh)
+
+
+def _mode_kwargs(fn: Callable, train: bool) -> dict:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    if "train" in params:
+        return {"train": train}
+    if "deterministic" in params:
+        return {"deterministic": not train}
+    return {}
+
+
+def from_linen(module: nn.Module) -> ModelFns:
+    def init(rng, inputs):
+        variables = module.init({"params": rng, "dropout": rng}, inputs,
+                                **_mode_kwargs(module.__call__, False))
+        extra = sorted(set(variables) - {"params"})
+        if extra:
+            raise NotImplementedError(
+                f"model: Linen variable collections other than 'params' ({', '.join(extra)}) "
+                "are not supported yet (e.g. BatchNorm batch_stats); use LayerNorm/RMSNorm")
+        return variables["params"]
+
+    def apply(params, inputs, rng=None, train=False):
+        rngs = {"dropout": rng} if (train and rng is not None) else {}
+        return module.apply({"params": params}, inputs, rngs=rngs,
+                            **_mode_kwargs(module.__call__, train))
+
+    return ModelFns(init=init, apply=apply, kind="linen")
+
+
+def from_nnx(model_or_factory) -> ModelFns:
+    """NNX parameters travel as plain nested dicts of arrays (`State.to_pure_dict()`),
+    so optimizer masks, checkpoints and hashes see the same tree for every model kind.
+    A factory is only called under `jax.set_mesh` (the engine holds the mesh), which NNX
+    needs for parameters annotated with `nnx.with_partitioning`."""
+    parts = {}  # graphdef, param template, other state; filled on first use
+
+    def split(model):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        parts.update(graphdef=graphdef, template=params, rest=rest)
+        return params
+
+    if isinstance(model_or_factory, nnx.Module):
+        existing = split(model_or_factory).to_pure_dict()
+        factory = None
+    else:
+        existing, factory = None, model_or_factory
+
+    def abstract(rng, inputs):
+        del rng, inputs
+        return split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))))
+
+    def init(rng, inputs):
+        del inputs
+        model = factory(nnx.Rngs(rng))
+        return nnx.split(model, nnx.Param, ...)[1].to_pure_dict()
+
+    def apply(params, inputs, rng=None, train=False):
+        rest = parts["rest"]
+        if train and rng is not None:
+            rest = _fresh_rng_state(rest, rng)
+        model = nnx.merge(parts["graphdef"], params, rest)
+        model.train() if train else model.eval()
+        return model(inputs, **_mode_kwargs(type(model).__call__, train))
+
+    return ModelFns(init=init, apply=apply, kind="nnx", existing_params=existing,
+                    nnx_abstract=abstract if factory else None,
+                    nnx_template=lambda: parts["template"])
+
+
+def _fresh_rng_state(rest, key):
+    """`rest` with every RNG key replaced by one derived from `key`. Built inside the
+    trace (not mutated with nnx.reseed: `rest` belongs to an outer trace)."""
+    leaves, treedef = jax.tree.flatten(rest)
+    out = [jax.random.fold_in(key, i)
+           if jnp.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key) else x
+           for i, x in enumerate(leaves)]
+    return jax.tree.unflatten(treedef, out)
+
+
+def from_pure(init_apply) -> ModelFns:
+    user_init, user_apply = init_apply
+    accepts = _mode_kwargs(user_apply, True)
+    try:
+        takes_rng = "rng" in inspect.signature(user_apply).parameters
+    except (TypeError, ValueError):
+        takes_rng = False
+
+    def apply(params, inputs, rng=None, train=False):
+        kwargs = _mode_kwargs(user_apply, train) if accepts else {}
+        if takes_rng:
+            kwargs["rng"] = rng
+        return user_apply(params, inputs, **kwargs)
+
+    return ModelFns(init=user_init, apply=apply, kind="pure")
+
+
+def to_model_fns(model) -> ModelFns:
+    """Dispatch on what the user handed over; a clear TypeError for anything else."""
+    if isinstance(model, nn.Module):
+        return from_linen(model)
+    if isinstance(model, nnx.Module):
+        return from_nnx(model)
+    if isinstance(model, (tuple, list)) and len(model) == 2 and all(map(callable, model)):
+        return from_pure(model)
+    if callable(model) and not isinstance(model, type):
+        return from_nnx(model)
+    raise TypeError(
+        f"model: expected a flax.linen.Module, a flax.nnx.Module (or a function "
+        f"rngs -> nnx.Module), or an (init, apply) pair; got {type(model).__name__}")

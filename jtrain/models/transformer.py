@@ -1,0 +1,232 @@
+"""Decoder-only transformer language model over bytes or tokens.
+
+Pre-norm blocks (RMSNorm -> causal self-attention -> residual, RMSNorm -> GELU MLP ->
+residual), rotary position embeddings (no position parameters, so nothing to resize),
+no biases, a final RMSNorm and an output projection that is the embedding table when
+`tie_embeddings` is on.
+
+Precision: parameters are stored in `param_dtype`; every matmul runs in `dtype`; norms,
+the softmax and the returned logits are float32.
+
+Every parameter carries logical axis names from `jtrain.mesh.LOGICAL_RULES`:
+  embedding            [V, D]      ("vocab", "embed")
+  query/key/value      [D, H, Dh]  ("embed", "heads", "kv")
+  attention out        [H, Dh, D]  ("heads", "kv", "embed")
+  mlp in               [D, F]      ("embed", "mlp")
+  mlp out              [F, D]      ("mlp", "embed")
+  untied logits        [D, V]      ("embed", "vocab")
+  norm scales          [D]         ("norm",)
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+DEFAULTS = {
+    "vocab_size": 256,
+    "d_model": 128,
+    "num_layers": 2,
+    "num_heads": 4,
+    "d_ff": 512,
+    "max_len": 256,
+    "dropout": 0.0,
+    "tie_embeddings": True,
+}
+
+Dtype = Any
+
+
+def _param(module: nn.Module, name: str, shape, axes, init):
+    """A parameter in module.param_dtype annotated with logical `axes`."""
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape,
+                        module.param_dtype)
+
+
+def _norm(param_dtype: Dtype, name: str) -> nn.RMSNorm:
+    # Norms compute in float32 whatever the compute dtype: bf16 mean-squares are too coarse.
+    return nn.RMSNorm(dtype=jnp.float32, param_dtype=param_dtype, name=name,
+                      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)))
+
+
+def _rope(x: jax.Array) -> jax.Array:
+    """Rotary position embedding over the last axis of x [B, T, H, Dh], in float32."""
+    _, t, _, dh = x.shape
+    half = dh // 2
+    freq = 1.0 / (10_000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))  # [Dh/2]
+    angle = jnp.arange(t, dtype=jnp.float32)[:, None] * freq[None, :]  # [T, Dh/2]
+    sin = jnp.sin(angle)[None, :, None, :]  # [1, T, 1, Dh/2]
+    cos = jnp.cos(angle)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [B, T, H, Dh/2] each
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    num_heads: int
+    dtype: Dtype
+    param_dtype: Dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # x [B, T, D]
+        d = x.shape[-1]
+        h, dh = self.num_heads, d // self.num_heads
+        in_init = nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2))
+        out_init = nn.initializers.lecun_normal(in_axis=(0, 1), out_axis=2)
+        x = x.astype(self.dtype)
+        qkv = []
+        for name in ("query", "key", "value"):
+            w = _param(self, name, (d, h, dh), ("embed", "heads", "kv"), in_init)
+            qkv.append(jnp.einsum("btd,dhk->bthk", x, w.astype(self.dtype)))  # [B, T, H, Dh]
+        q, k, v = qkv
+        q, k = _rope(q), _rope(k)
+        scores = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32)  # [B, H, T, T]
+        scores = scores / jnp.sqrt(jnp.float32(dh))
+        t = x.shape[1]
+        causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # [T, T]: query q sees keys s <= q
+        scores = jnp.where(causal[None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)  # [B, H, T, T]
+        ctx = jnp.einsum("bhqs,bshk->bqhk", probs, v)  # [B, T, H, Dh]
+        w_out = _param(self, "out", (h, dh, d), ("heads", "kv", "embed"), out_init)
+        return jnp.einsum("bthk,hkd->btd", ctx, w_out.astype(self.dtype))  # [B, T, D]
+
+
+class MlpBlock(nn.Module):
+    d_ff: int
+    dtype: Dtype
+    param_dtype: Dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # x [B, T, D]
+        d = x.shape[-1]
+        init = nn.initializers.lecun_normal()
+        w_in = _param(self, "wi", (d, self.d_ff), ("embed", "mlp"), init)
+        w_out = _param(self, "wo", (self.d_ff, d), ("mlp", "embed"), init)
+        h = jnp.einsum("btd,df->btf", x.astype(self.dtype), w_in.astype(self.dtype))  # [B, T, F]
+        h = nn.gelu(h)
+        return jnp.einsum("btf,fd->btd", h, w_out.astype(self.dtype))  # [B, T, D]
+
+
+class Block(nn.Module):
+    num_heads: int
+    d_ff: int
+    dropout: float
+    dtype: Dtype
+    param_dtype: Dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:  # x [B, T, D]
+        h = _norm(self.param_dtype, "attn_norm")(x)  # float32 [B, T, D]
+        h = CausalSelfAttention(self.num_heads, self.dtype, self.param_dtype, name="attn")(h)
+        x = x + _dropout(h, self.dropout, train)
+        h = _norm(self.param_dtype, "mlp_norm")(x)
+        h = MlpBlock(self.d_ff, self.dtype, self.param_dtype, name="mlp")(h)
+        return x + _dropout(h, self.dropout, train)  # [B, T, D]
+
+
+def _dropout(x: jax.Array, rate: float, train: bool) -> jax.Array:
+    if train and rate > 0:
+        return nn.Dropout(rate, deterministic=False)(x)  # draws from the "dropout" rng
+    return x
+
+
+class Transformer(nn.Module):
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    d_ff: int
+    max_len: int
+    dropout: float
+    tie_embeddings: bool
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
+        """tokens int [B, T] with T <= max_len -> logits float32 [B, T, vocab_size]."""
+        if tokens.ndim != 2 or tokens.shape[1] > self.max_len:
+            raise ValueError(f"model.max_len: expected tokens [batch, length<={self.max_len}], "
+                             f"got shape {tokens.shape}")
+        embed = nn.Embed(
+            self.vocab_size, self.d_model, dtype=self.dtype, param_dtype=self.param_dtype,
+            embedding_init=nn.with_logical_partitioning(
+                nn.initializers.normal(stddev=self.d_model ** -0.5), ("vocab", "embed")),
+            name="embed")
+        x = embed(tokens)  # [B, T, D] in dtype
+        x = _dropout(x, self.dropout, train)
+        for i in range(self.num_layers):
+            x = Block(self.num_heads, self.d_ff, self.dropout, self.dtype, self.param_dtype,
+                      name=f"layer_{i}")(x, train=train)
+        x = _norm(self.param_dtype, "final_norm")(x)  # float32 [B, T, D]
+        if self.tie_embeddings:
+            logits = embed.attend(x.astype(self.dtype))  # [B, T, V]
+        else:
+            w = _param(self, "logits", (self.d_model, self.vocab_size), ("embed", "vocab"),
+                       nn.initializers.lecun_normal())
+            logits = jnp.einsum("btd,dv->btv", x.astype(self.dtype), w.astype(self.dtype))
+        return logits.astype(jnp.float32)  # [B, T, V]
+
+
+def _fields(model_cfg) -> dict:
+    return {k: (model_cfg[k] if k in model_cfg else v) for k, v in DEFAULTS.items()}
+
+
+def _validate(c: dict) -> None:
+    for key in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
+        v = c[key]
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise ValueError(f"model.{key}: expected a positive integer, got {v!r}")
+    if c["d_model"] % c["num_heads"]:
+        raise ValueError(f"model.num_heads: d_model={c['d_model']} is not divisible by "
+                         f"num_heads={c['num_heads']}")
+    if (c["d_model"] // c["num_heads"]) % 2:
+        raise ValueError(f"model.num_heads: head size d_model/num_heads="
+                         f"{c['d_model'] // c['num_heads']} must be even for rotary positions")
+    rate = c["dropout"]
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0.0 <= rate < 1.0:
+        raise ValueError(f"model.dropout: expected a number in [0, 1), got {rate!r}")
+    if not isinstance(c["tie_embeddings"], bool):
+        raise ValueError(f"model.tie_embeddings: expected true or false, "
+                         f"got {c['tie_embeddings']!r}")
+
+
+def build(model_cfg, *, dtype, param_dtype) -> Transformer:
+    """A Transformer from `model_cfg` (fields of DEFAULTS; missing ones take the default)."""
+    c = _fields(model_cfg)
+    _validate(c)
+    return Transformer(
+        vocab_size=int(c["vocab_size"]), d_model=int(c["d_model"]),
+        num_layers=int(c["num_layers"]), num_heads=int(c["num_heads"]), d_ff=int(c["d_ff"]),
+        max_len=int(c["max_len"]), dropout=float(c["dropout"]),
+        tie_embeddings=c["tie_embeddings"], dtype=dtype, param_dtype=param_dtype)
+
+
+def matmul_params(model_cfg) -> int:
+    """N: parameters that take part in a matmul per token.
+
+    = L * (4*D^2 + 2*D*F)  (q, k, v, out; mlp in, mlp out)
+      + D*V                (the output projection; tied or not, the logits matmul is real
+                            work, while the embedding lookup itself costs nothing)
+    Norm scales (a few D-vectors) are left out.
+    """
+    c = _fields(model_cfg)
+    d, f, v, layers = c["d_model"], c["d_ff"], c["vocab_size"], c["num_layers"]
+    return int(layers * (4 * d * d + 2 * d * f) + d * v)
+
+
+def flops_per_example(model_cfg, input_shape) -> float:
+    """Training FLOPs (forward + backward) for one example of shape `input_shape` = (T,).
+
+    Per token: 6*N + 12*L*D*T (Kaplan et al. 2020, attention scores and context at full
+    T, not halved for the causal mask), with N = `matmul_params` (non-embedding params
+    plus the D*V output projection, counted even when tied). Times T tokens.
+    """
+    c = _fields(model_cfg)
+    t = int(input_shape[-1])
+    per_token = 6 * matmul_params(model_cfg) + 12 * c["num_layers"] * c["d_model"] * t
+    return float(per_token * t)

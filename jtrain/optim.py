@@ -1,0 +1,217 @@
+"""Optimizers and learning-rate schedules: the only reader of `config.optim`.
+
+`make_optimizer(config.optim, total_steps) -> (tx, schedule)` builds one optax chain:
+
+    clip_by_global_norm(clip_norm)       # only when clip_norm > 0
+    -> optimizer(learning_rate=schedule) # weight decay inside, masked by `weight_decay_mask`
+
+`schedule` is the very object inside `tx`, so `schedule(step)` is the learning rate
+the update at `step` used (step = number of updates applied so far).
+
+Choices worth knowing:
+- Every schedule warms up linearly from 0 to `lr` over `warmup_steps` when
+  `warmup_steps > 0`, "constant", "linear", "cosine" and "rsqrt" included (the warmup
+  is prepended with `optax.join_schedules`). So "cosine" with a warmup equals
+  "warmup_cosine" and "linear" with a warmup equals "warmup_linear".
+- Decays end at the absolute step `decay_steps` (0 means `total_steps`), warmup
+  included, at `lr * end_lr_factor`, and hold there afterwards.
+- "rsqrt": `lr * sqrt(max(warmup_steps, 1) / max(step, 1))` after the warmup; it has
+  no floor and ignores `decay_steps` / `end_lr_factor`.
+- Weight decay is decoupled and scaled by the learning rate (`p -= lr * wd * p`) for
+  adamw and lion (optax's own), and for adafactor (its `weight_decay_rate` is applied
+  after the learning rate, so we pass `wd * schedule(count)` to keep the same meaning).
+  For sgd it is `optax.add_decayed_weights` before sgd, i.e. classic L2 on the gradient
+  (identical to decoupled without momentum; with momentum it goes through the
+  momentum, as in `torch.optim.SGD(weight_decay=...)`).
+- "adam" with `weight_decay > 0` is an error, not L2 regularisation in disguise: use
+  "adamw".
+- "lion" reads `b1` / `b2` from the config like adam does. The defaults here are
+  Adam's (b2=0.999); the Lion paper (and optax) use b1=0.9, b2=0.99, and a learning
+  rate 3-10x smaller than AdamW's: set them explicitly.
+- "adafactor" uses optax's defaults (factored second moments, update clipping,
+  parameter-scale multiplication); `b1`, `b2`, `eps` and `momentum` are not used.
+- `grad_accum_steps` is read by the step builder (token-weighted accumulation inside the
+  train step, one step = one update), not here.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+OPTIM_DEFAULTS = dict(
+    name="adamw",
+    lr=1e-3,
+    schedule="warmup_cosine",
+    warmup_steps=0,
+    decay_steps=0,  # 0 = total_steps
+    end_lr_factor=0.0,
+    weight_decay=0.0,
+    decay_embeddings=False,
+    clip_norm=0.0,  # 0 = off
+    grad_accum_steps=1,
+    b1=0.9,
+    b2=0.999,
+    eps=1e-8,
+    momentum=0.9,
+    nesterov=False,
+)
+
+
+def _get(optim_cfg, key):
+    """A key of `config.optim`, or its default when the config leaves it out."""
+    return optim_cfg.get(key, OPTIM_DEFAULTS[key])
+
+
+# Schedules. Each builder returns the schedule *after* the warmup, as a function of
+# the steps since the warmup ended; `make_schedule` prepends the warmup.
+def _constant(lr, end_lr, warmup, decay_steps):
+    del end_lr, warmup, decay_steps
+    return optax.constant_schedule(lr)
+
+
+def _linear(lr, end_lr, warmup, decay_steps):
+    return optax.linear_schedule(lr, end_lr, decay_steps - warmup)
+
+
+def _cosine(lr, end_lr, warmup, decay_steps):
+    # optax's alpha is the final value as a fraction of the initial one.
+    alpha = end_lr / lr if lr else 0.0
+    return optax.cosine_decay_schedule(lr, decay_steps - warmup, alpha=alpha)
+
+
+def _rsqrt(lr, end_lr, warmup, decay_steps):
+    del end_lr, decay_steps
+    scale = max(warmup, 1)
+
+    def schedule(count):
+        step = jnp.maximum(jnp.asarray(count, jnp.float32) + warmup, 1.0)
+        return lr * jnp.sqrt(scale / step)
+
+    return schedule
+
+
+_SCHEDULES = {
+    "constant": (_constant, False),  # (builder, decays to decay_steps)
+    "linear": (_linear, True),
+    "cosine": (_cosine, True),
+    "warmup_cosine": (_cosine, True),
+    "warmup_linear": (_linear, True),
+    "rsqrt": (_rsqrt, False),
+}
+SCHEDULES = tuple(_SCHEDULES)
+
+
+def make_schedule(optim_cfg, total_steps):
+    """The learning rate as a function of the number of updates applied so far."""
+    name = _get(optim_cfg, "schedule")
+    if name not in _SCHEDULES:
+        raise ValueError(
+            f"optim.schedule: unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)}"
+        )
+    builder, decays = _SCHEDULES[name]
+    lr = float(_get(optim_cfg, "lr"))
+    end_lr = lr * float(_get(optim_cfg, "end_lr_factor"))
+    warmup = int(_get(optim_cfg, "warmup_steps"))
+    decay_steps = int(_get(optim_cfg, "decay_steps")) or int(total_steps)
+    if decays and decay_steps <= warmup:
+        raise ValueError(
+            f"optim.decay_steps: schedule {name!r} decays until step {decay_steps} "
+            f"(0 means total_steps={total_steps}), which must be > optim.warmup_steps={warmup}"
+        )
+    after_warmup = builder(lr, end_lr, warmup, decay_steps)
+    if warmup <= 0:
+        return after_warmup
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after_warmup], [warmup])
+
+
+def _key_name(key):
+    if isinstance(key, jax.tree_util.DictKey):
+        return str(key.key)
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return key.name
+    return ""  # sequence / flattened indices name nothing
+
+
+def weight_decay_mask(params, *, decay_embeddings):
+    """True for the leaves weight decay applies to: matrices and higher (ndim >= 2).
+
+    Biases, norm scales and scalars (ndim < 2) are never decayed; embedding tables (any
+    key on the leaf's path containing "embed", case-insensitive) only when
+    `decay_embeddings`. Works on plain dicts, flax `nn.LogicallyPartitioned` boxes and
+    NNX `nnx.State` (the mask keeps the boxes, with a bool inside), and on abstract
+    arrays, since it reads only `ndim` and the path.
+    """
+
+    def decays(path, leaf):
+        if jnp.ndim(leaf) < 2:
+            return False
+        is_embedding = any("embed" in _key_name(k).lower() for k in path)
+        return decay_embeddings or not is_embedding
+
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+# Optimizers: name -> builder(optim_cfg, schedule, weight_decay, mask) -> tx.
+def _adamw(cfg, schedule, wd, mask):
+    return optax.adamw(
+        schedule, b1=_get(cfg, "b1"), b2=_get(cfg, "b2"), eps=_get(cfg, "eps"),
+        weight_decay=wd, mask=mask,
+    )
+
+
+def _adam(cfg, schedule, wd, mask):
+    del mask
+    if wd > 0:
+        raise ValueError(
+            f"optim.weight_decay: adam has no weight decay (got {wd}); use adamw"
+        )
+    return optax.adam(schedule, b1=_get(cfg, "b1"), b2=_get(cfg, "b2"), eps=_get(cfg, "eps"))
+
+
+def _sgd(cfg, schedule, wd, mask):
+    momentum = float(_get(cfg, "momentum")) or None  # 0 = plain sgd, no momentum state
+    sgd = optax.sgd(schedule, momentum=momentum, nesterov=bool(_get(cfg, "nesterov")))
+    if wd <= 0:
+        return sgd
+    return optax.chain(optax.add_decayed_weights(wd, mask=mask), sgd)
+
+
+def _lion(cfg, schedule, wd, mask):
+    return optax.lion(schedule, b1=_get(cfg, "b1"), b2=_get(cfg, "b2"), weight_decay=wd, mask=mask)
+
+
+def _adafactor(cfg, schedule, wd, mask):
+    del cfg
+    # adafactor adds `rate * p` after the learning-rate scaling: scale it by the
+    # schedule so weight_decay means the same as in adamw (p -= lr * wd * p).
+    rate = (lambda count: wd * schedule(count)) if wd > 0 else None
+    return optax.adafactor(learning_rate=schedule, weight_decay_rate=rate, weight_decay_mask=mask)
+
+
+_OPTIMIZERS = {
+    "adamw": _adamw,
+    "adam": _adam,
+    "sgd": _sgd,
+    "lion": _lion,
+    "adafactor": _adafactor,
+}
+OPTIMIZERS = tuple(_OPTIMIZERS)
+
+
+def make_optimizer(optim_cfg, total_steps):
+    """Returns `(tx, schedule)`; `schedule` is the one inside `tx` (log `schedule(step)`)."""
+    name = _get(optim_cfg, "name")
+    if name not in _OPTIMIZERS:
+        raise ValueError(
+            f"optim.name: unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZERS)}"
+        )
+    schedule = make_schedule(optim_cfg, total_steps)
+    wd = float(_get(optim_cfg, "weight_decay"))
+    mask = functools.partial(weight_decay_mask, decay_embeddings=bool(_get(optim_cfg, "decay_embeddings")))
+    tx = _OPTIMIZERS[name](optim_cfg, schedule, wd, mask)
+    clip_norm = float(_get(optim_cfg, "clip_norm"))
+    if clip_norm > 0:
+        tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)
+    return tx, schedule

@@ -1,0 +1,65 @@
+"""The mixed-precision policy and fp16 dynamic loss scaling.
+
+Reads `config.model.dtype`, `config.model.param_dtype`, `config.model.loss_scale`,
+`config.model.init_scale`. The policy is applied in one place: models get
+`compute_dtype` / `param_dtype` when they are built, and the train step casts outputs to
+`output_dtype` (float32) before the loss, so losses and norms are always float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+# Dynamic loss scaling: halve on overflow, double after this many finite steps in a row.
+GROWTH_INTERVAL = 2000
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    param_dtype: jnp.dtype
+    compute_dtype: jnp.dtype
+    output_dtype: jnp.dtype
+    dynamic_loss_scale: bool
+    init_scale: float
+
+    def describe(self) -> str:
+        scale = ", dynamic loss scale" if self.dynamic_loss_scale else ""
+        return (f"params {jnp.dtype(self.param_dtype).name}, compute "
+                f"{jnp.dtype(self.compute_dtype).name}{scale}")
+
+
+def make_policy(model_cfg, platform: str | None = None) -> Policy:
+    """`model.dtype="auto"` means bfloat16 compute on GPU/TPU and float32 on CPU."""
+    platform = platform or jax.default_backend()
+    name = model_cfg.dtype
+    if name == "auto":
+        name = "float32" if platform == "cpu" else "bfloat16"
+    compute = _DTYPES[name]
+    scale = model_cfg.loss_scale
+    dynamic = scale == "dynamic" or (scale == "auto" and compute == jnp.float16)
+    return Policy(param_dtype=_DTYPES[model_cfg.param_dtype], compute_dtype=compute,
+                  output_dtype=jnp.float32, dynamic_loss_scale=dynamic,
+                  init_scale=float(model_cfg.init_scale))
+
+
+def init_loss_scale(policy: Policy) -> dict:
+    """The loss-scale part of the train state: a scale and a count of finite steps."""
+    scale = policy.init_scale if policy.dynamic_loss_scale else 1.0
+    return {"scale": jnp.asarray(scale, jnp.float32), "good_steps": jnp.asarray(0, jnp.int32)}
+
+
+def update_loss_scale(loss_scale: dict, grads_finite: jax.Array, dynamic: bool) -> dict:
+    """Next loss scale: halve on a non-finite gradient, double after GROWTH_INTERVAL."""
+    if not dynamic:
+        return loss_scale
+    scale, good = loss_scale["scale"], loss_scale["good_steps"]
+    grow = grads_finite & (good + 1 >= GROWTH_INTERVAL)
+    new_scale = jnp.where(grads_finite, jnp.where(grow, scale * 2.0, scale),
+                          jnp.maximum(scale / 2.0, 1.0))
+    new_good = jnp.where(grads_finite & ~grow, good + 1, 0)
+    return {"scale": new_scale.astype(jnp.float32), "good_steps": new_good.astype(jnp.int32)}

@@ -1,0 +1,92 @@
+"""TrainState: everything the step reads and writes, as a plain pytree."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+from flax import struct
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 [], number of optimizer updates applied
+    params: Any  # the model's parameters (plain arrays, no metadata boxes)
+    opt_state: Any  # optax state
+    rng: jax.Array  # uint32 [2], raw key data; per-step keys are fold_in(rng, step)
+    loss_scale: dict  # {"scale": f32 [], "good_steps": i32 []}; scale 1 unless fp16
+    skipped_steps: jax.Array  # int32 [], updates skipped for non-finite gradients
+
+
+def make_abstract_state(model_fns, tx, policy, sample_inputs, mesh, seed: int):
+    """(abstract TrainState, its shardings): shapes first, nothing allocated.
+
+    Parameter shardings come from the model's logical-axis annotations; optimizer
+    state that mirrors a parameter gets that parameter's sharding (so FSDP shards
+    Adam's moments too); everything else is replicated."""
+    rng = jax.random.key(seed)
+    with jax.set_mesh(mesh):
+        abstract_params, param_shardings = model_fns.abstract_and_shardings(
+            rng, sample_inputs, mesh)
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    repl = NamedSharding(mesh, P())
+    opt_shardings = optax.tree_map_params(
+        tx, lambda leaf, p, s: s if leaf.shape == p.shape else repl,
+        abstract_opt, abstract_params, param_shardings,
+        transform_non_params=lambda _: repl,
+        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    abstract = jax.eval_shape(lambda: _fresh_state(abstract_params, tx, policy, rng, None))
+    abstract = abstract.replace(params=abstract_params, opt_state=abstract_opt)
+    shardings = jax.tree.map(lambda _: repl, abstract).replace(
+        params=param_shardings, opt_state=opt_shardings)
+    return abstract, shardings
+
+
+def _fresh_state(params, tx, policy, rng, _):
+    from jtrain import precision
+
+    return TrainState(
+        step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params),
+        rng=jax.random.key_data(jax.random.fold_in(rng, 1)),
+        loss_scale=precision.init_loss_scale(policy),
+        skipped_steps=jnp.asarray(0, jnp.int32))
+
+
+def init_state(model_fns, tx, policy, sample_inputs, mesh, seed: int, shardings) -> TrainState:
+    """A fresh TrainState, created directly in its shardings by one jitted function."""
+    rng = jax.random.key(seed)
+    inputs = jax.tree.map(lambda s: jnp.zeros((1,) + tuple(s.shape[1:]), s.dtype),
+                          sample_inputs)
+    if model_fns.existing_params is not None:  # an NNX instance the user already built
+        fn = jax.jit(lambda p: _fresh_state(p, tx, policy, rng, None), out_shardings=shardings)
+        return fn(model_fns.existing_params)
+
+    def create():
+        params = nn.unbox(model_fns.init(jax.random.fold_in(rng, 0), inputs))
+        return _fresh_state(params, tx, policy, rng, None)
+
+    with jax.set_mesh(mesh):
+        return jax.jit(create, out_shardings=shardings)()
+
+
+def state_sha256(state: TrainState) -> str:
+    """SHA-256 over params and optimizer state: leaf paths, dtypes, shapes and bytes in
+    path order. The same on every process, and across runs for identical state."""
+    tree = {"params": state.params, "opt_state": state.opt_state}
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    digest = hashlib.sha256()
+    for path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            leaf = multihost_utils.process_allgather(leaf, tiled=True)
+        arr = np.ascontiguousarray(np.asarray(leaf))
+        digest.update(jax.tree_util.keystr(path).encode())
+        digest.update(f"{arr.dtype.name}{arr.shape}".encode())
+        digest.update(arr.tobytes())
+    return digest.hexdigest()
