@@ -32,6 +32,7 @@ class ConfigError(ValueError):
 # (tuple of str), "dict" (free-form, for kwargs). `check` is a range (lo, hi) with None
 # for open ends (inclusive), a tuple of choices, or None.
 INF = None
+INT_MAX = 2**31 - 1
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 WRITERS = ("jsonl", "tensorboard", "mlflow", "wandb")
 
@@ -259,6 +260,8 @@ def _check_value(key: str, typ, check, value) -> None:
         return
     if isinstance(check, tuple) and len(check) == 2 and not isinstance(check[0], str):
         lo, hi = check
+        if typ is int and hi is None:
+            hi = INT_MAX  # steps and sizes become int32 on device
         if lo is not None and value < lo:
             raise ConfigError(key, f"must be >= {lo}, got {value!r}")
         if hi is not None and value > hi:
@@ -284,6 +287,12 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
         raise ConfigError("optim.grad_accum_steps",
                           f"data.batch_size={batch} is not divisible by grad_accum_steps={accum}")
     model = tree["model"]
+    try:  # the family's own checks (head size, dropout, ...); builds no arrays
+        models_lib.make_model(model, dtype=None, param_dtype=None)
+    except ValueError as e:
+        key, _, why = str(e).partition(": ")
+        raise (ConfigError(key, why) if key.startswith("model.") and why
+               else ConfigError("model", str(e))) from None
     if model["name"] == "transformer" and tree["data"]["seq_len"] > model.get("max_len", 0):
         raise ConfigError("data.seq_len",
                           f"{tree['data']['seq_len']} exceeds model.max_len={model['max_len']}")

@@ -16,13 +16,16 @@ import sys
 
 from absl import app, flags
 from absl import logging as absl_logging
+import ml_collections
 from ml_collections import config_flags
 
 
 
-def define_flags(fv: flags.FlagValues) -> None:
+def define_flags(fv: flags.FlagValues, sys_argv=None) -> None:
+    # sys_argv: the argv that `--config.x.y=` overrides are read from (default sys.argv);
+    # config_flags finds overrides there, not in the list the FlagValues is called with.
     config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/base.py:debug.",
-                                    lock_config=True, flag_values=fv)
+                                    lock_config=True, flag_values=fv, sys_argv=sys_argv)
     flags.DEFINE_string("workdir", None, "The run's directory: checkpoints, logs, summary.",
                         flag_values=fv)
     flags.DEFINE_string("coordinator_address", os.environ.get("JTRAIN_COORDINATOR"),
@@ -52,38 +55,110 @@ def fail(kind: str, message: str, code: int = EXIT_USER_ERROR):
 
 def parse_flags(argv, fv: flags.FlagValues = FLAGS):
     """absl's parser, with config file and override errors turned into one line."""
+    # config_flags loads every file as module "config_config" and reuses a loaded one:
+    # a file without get_config() would borrow the previous file's (in-process runs).
+    sys.modules.pop("config_config", None)
+    # ...and logs a warning for get_config() -> None, which we report as the one line.
+    def quiet(record):
+        return "get_config() returned None" not in record.getMessage()
+
+    absl_logging.get_absl_logger().addFilter(quiet)
     try:
-        return fv(argv)
+        rest = fv(argv)
+        if fv["config"].present:
+            config = fv.config
+            # config_flags defers a missing or unreadable file until the config is touched.
+            getattr(config, "lock", None)
+            if not isinstance(config, (dict, ml_collections.ConfigDict)):
+                raise TypeError(f"get_config() returned {type(config).__name__}, "
+                                "expected a ConfigDict")
+        return rest
     except Exception as e:  # flags.Error, and what config_flags raises while loading
         fail("config", describe_flag_error(e, argv))
+    finally:
+        absl_logging.get_absl_logger().removeFilter(quiet)
 
 
 def describe_flag_error(error: Exception, argv) -> str:
     """`<dotted.key or file>: <why>` for what absl / config_flags raised."""
+    if isinstance(error, AttributeError) and error.args and isinstance(error.args[0], KeyError):
+        error = error.args[0]  # config_flags wraps a typo below the top level: optim.lrr
     text = str(error.args[0] if isinstance(error, KeyError) and error.args else error)
+    m = re.search(r"Attempting to lookup: ([\w.]+)", text) if isinstance(error, KeyError) else None
+    if m:  # --config.optim.lr.x=1: a field below a plain value
+        key = m.group(1)
+        return f"{key}: unknown key; {key.rsplit('.', 1)[0]} is a value, not a section"
     if isinstance(error, KeyError):  # a typo in an override: 'optimzer' ... Did you mean
         bad = text.splitlines()[0].strip("'\"")
         hint = re.search(r'Did you mean "([^"]+)"', text)
-        key = next((a[len("--config."):].split("=")[0] for a in argv
-                    if a.startswith("--config.") and bad in a.split("=")[0].split(".")), bad)
+        key = next((a.lstrip("-")[len("config."):].split("=")[0] for a in argv
+                    if re.match(r"--?config\.", a) and bad in a.split("=")[0].split(".")), bad)
         return f"{key}: unknown key" + (f'; did you mean "{hint.group(1)}"?' if hint else "")
+    if not isinstance(error, flags.Error):  # raised while loading the config file
+        return _describe_file_error(error, _config_file(argv))
     m = re.match(r"flag --config\.([\w.]+)=(.*?): (.*)", text, re.S)
     if m:
-        return f"{m.group(1)}: {m.group(3).strip().splitlines()[-1]}"
+        return f"{m.group(1)}: {_plain_why(m.group(3).strip().splitlines()[-1])}"
     m = re.match(r"Missing value for flag --config\.([\w.]+)", text)
     if m:
         return f"{m.group(1)}: missing value"
-    m = re.match(r"flag --config=([^:]+)(:\S*)?: Error whilst parsing config file", text)
+    m = re.match(r"Found --?config\.([\w.]+)\S* in argv before a value for --config", text)
+    if m:
+        return f"{m.group(1)}: override given before --config=...; put --config first"
+    m = re.match(r"Flag --config\.([\w.]+) is provided after --config\.([\w.]+)", text)
+    if m:
+        return f"{m.group(1)}: given after --config.{m.group(2)}, and would overwrite it"
+    m = re.match(r"flag --config=([^:]*)(:\S*)?: Error whilst parsing config file", text)
     if m:  # get_config raised: its own message is the last line of the traceback
         last = [ln for ln in text.strip().splitlines() if ln.strip()][-1]
-        return f"{m.group(1)}: {last.split(': ', 1)[-1]}"
-    m = re.search(r"Attempted.*?\n\s*(\S+)\n\s*(\[Errno[^\n]*)", text, re.S)
-    if m:
-        return f"{m.group(1)}: {m.group(2).split(': ', 1)[0]} {m.group(2).split(': ')[1]}"
+        why = last.split(": ", 1)[-1]
+        return why if why.startswith(f"{m.group(1)}:") else f"{m.group(1)}: {why}"
     m = re.match(r"Unknown command line flag '([^']+)'", text)
     if m:
         return f"--{m.group(1)}: unknown flag"
     return text.strip().splitlines()[0] if text.strip() else type(error).__name__
+
+
+def _config_file(argv) -> str:
+    """The path part of `--config=PATH[:variant]` (or `--config PATH`) in argv."""
+    for i, a in enumerate(argv):
+        m = re.match(r"--?config(=|$)(.*)", a)
+        if m:
+            value = m.group(2) if m.group(1) else (argv[i + 1] if i + 1 < len(argv) else "")
+            return value.split(":", 1)[0] or "--config"
+    return "--config"
+
+
+def _describe_file_error(error: Exception, path: str) -> str:
+    inner = error.__cause__ or error  # a deferred load error is re-raised as its cause
+    if isinstance(inner, SyntaxError):
+        return f"{path}: syntax error at line {inner.lineno}: {inner.msg}"
+    if isinstance(inner, OSError):
+        if inner.strerror:  # permission denied, is a directory, ...
+            return f"{path}: cannot read: {inner.strerror.lower()}"
+        if "Attempted" in str(inner):  # config_flags' file-not-found report
+            return f"{path}: no such file"
+        return f"{path}: cannot read: {str(inner).strip().splitlines()[0]}"
+    if isinstance(inner, AttributeError) and "get_config" in str(inner):
+        return f"{path}: has no get_config() function"
+    if isinstance(inner, TypeError) and str(inner).startswith("get_config() returned"):
+        return f"{path}: {inner}"
+    first = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
+    return f"{path}: {type(inner).__name__}" + (f": {first}" if first else "")
+
+
+def _plain_why(why: str) -> str:
+    """Python's parse errors in the words config.py uses."""
+    m = re.match(r"invalid literal for int\(\) with base 10: (.*)", why)
+    if m:
+        return f"must be an integer, got {m.group(1)}"
+    m = re.match(r"could not convert string to float: (.*)", why)
+    if m:
+        return f"must be a number, got {m.group(1)}"
+    m = re.match(r"\('Non-boolean argument to boolean flag', (.*)\)$", why)
+    if m:
+        return f"must be true or false, got {m.group(1)}"
+    return why
 
 
 def main(argv, fv: flags.FlagValues = FLAGS):
@@ -108,10 +183,10 @@ def main(argv, fv: flags.FlagValues = FLAGS):
 
     from jtrain import config as config_lib
     from jtrain import data as data_lib
-    from jtrain import train as train_lib
+    from jtrain.train import train
 
     try:
-        train_lib.train(fv.config, fv.workdir)
+        train(fv.config, fv.workdir)
     except config_lib.ConfigError as e:
         fail("config", e)
     except data_lib.DataError as e:
@@ -121,9 +196,10 @@ def main(argv, fv: flags.FlagValues = FLAGS):
 def cli(argv) -> None:
     """Parse `argv` on fresh flags and run, without absl's app (for tests and embedding).
     User errors raise SystemExit(2) after printing their one line."""
+    argv = list(argv)
     fv = flags.FlagValues()
-    define_flags(fv)
-    main(parse_flags(list(argv), fv), fv)
+    define_flags(fv, sys_argv=argv)
+    main(parse_flags(argv, fv), fv)
 
 
 def run():

@@ -1,0 +1,301 @@
+"""The two sides of `python -m jtrain.bench overhead`: the real jtrain loop and a
+hand-written minimal `jax.jit` loop, on the same model, optimizer, init and batches.
+
+How each side is timed (steady state, compilation excluded on both sides):
+
+jtrain: `jtrain.train(config, workdir)` runs `log_every + steps` steps in a fresh
+  workdir, with `log.every_steps = log_every`, eval and checkpoint only at the end
+  (`eval.every_steps = checkpoint.every_steps = 0`) and every other setting as the preset
+  has it (writers, progress, steps in flight). The loop writes one `metrics.jsonl` record
+  per log interval; its `time` stamp is taken in the loop thread right after the loop has
+  fetched that step's metrics (so that step has finished on the device). The first
+  interval holds compilation and is dropped; the steady time is
+  `time[last] - time[first]` over the `steps` steps in between, and the per-step time is
+  that divided by `steps`. Setup, compilation, the final eval and the final checkpoint
+  fall outside it; they are reported apart as the run's fixed cost (wall time of
+  `train()` minus the steady time). The sum of the loop's own `perf/steps_per_sec`
+  intervals is kept as a cross-check.
+
+hand: the same `make_model` / `make_optimizer` / `make_train_iterator` (same source, seed,
+  shuffle), the same initial parameters (jtrain's init key), a textbook step
+  (`value_and_grad` -> `tx.update` -> `apply_updates`, mean token cross-entropy),
+  `jax.jit(step, donate_argnums=0)`, `jax.device_put` of each batch. It runs the same
+  `log_every` warm-up steps (compilation), blocks, then times `steps` steps with
+  `time.perf_counter()` up to `block_until_ready` on the last state. Like any loop that
+  prints its loss, it fetches the loss every `log_every` steps (one step late, so the
+  device never idles) and stamps the time: per-interval samples like jtrain's.
+
+Per round, each side gives its mean time per step over the window; the headline is the
+ratio of the medians over rounds. On a shared machine, load from other processes comes
+in bursts of seconds that can swamp a round; the per-interval view (10th and 50th
+percentile of all intervals of a side, pooled over rounds) shows what the quiet stretches
+measured. It is a secondary view: a stall that jtrain caused only now and then would hide
+below the 10th percentile.
+
+Both sides train the same trajectory, so their final losses agree to float noise: the
+check that they did the same work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+
+from jtrain import config as config_lib
+from jtrain import data as data_lib
+from jtrain import models as models_lib
+from jtrain import optim as optim_lib
+from jtrain import precision as precision_lib
+from jtrain.train import train as jtrain_train  # `jtrain.train` itself is this function
+
+BASE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "base.py"
+
+# Defaults per preset: (steps timed per round, log interval = warm-up steps, rounds).
+# Base runs ~0.1-1 s/step on 2 shared CPU cores, so its rounds are short.
+PRESETS = {
+    "base": dict(steps=12, log_every=4, rounds=3),
+    "tiny": dict(steps=2000, log_every=100, rounds=5),
+}
+
+# Dense bf16 peak FLOP/s per device (no sparsity), matched against jax's device_kind.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}
+
+
+class BenchError(ValueError):
+    """A bad bench argument or a missing file; printed as one line, exit 2."""
+
+
+def load_base_config():
+    if not BASE_CONFIG.is_file():
+        raise BenchError(f"{BASE_CONFIG}: not found (the base preset reads configs/base.py)")
+    spec = importlib.util.spec_from_file_location("jtrain_bench_base_config", BASE_CONFIG)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def preset_config(name: str):
+    """The preset's config before the bench's run-length overrides."""
+    if name == "base":
+        return load_base_config()
+    if name == "tiny":  # dispatch-bound: ~1 ms of compute per step on a CPU core
+        cfg = load_base_config()
+        cfg.model.update(d_model=32, num_layers=1, num_heads=2, d_ff=64, max_len=32)
+        cfg.data.update(seq_len=32, batch_size=8)
+        return cfg
+    raise BenchError(f"--model: unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+
+
+def bench_config(name: str, steps: int, log_every: int):
+    """Resolved config: `log_every + steps` steps, eval and checkpoint only at the end."""
+    cfg = preset_config(name)
+    cfg.total_steps = log_every + steps
+    cfg.log.every_steps = log_every
+    cfg.eval.every_steps = 0
+    cfg.eval.num_batches = 1  # the final eval is outside the timed window; keep it short
+    cfg.checkpoint.every_steps = 0
+    cfg.optim.warmup_steps = min(cfg.optim.warmup_steps, cfg.total_steps // 2)
+    return config_lib.resolve(cfg)
+
+
+# ---------------------------------------------------------------------------- jtrain side
+@dataclasses.dataclass
+class Sample:
+    ms_per_step: float
+    final_loss: float
+    wall_s: float = float("nan")  # whole train() call (jtrain) / warm-up + timed (hand)
+    fixed_s: float = float("nan")  # jtrain: wall - steady (setup, compile, eval, ckpt)
+    intervals_ms: list = dataclasses.field(default_factory=list)
+    rate_ms: float = float("nan")  # jtrain: from perf/steps_per_sec, cross-check
+
+
+def run_jtrain(cfg, workroot: str, round_index: int, keep: bool) -> Sample:
+    workdir = os.path.join(workroot, f"jtrain_round{round_index}")
+    shutil.rmtree(workdir, ignore_errors=True)  # a fresh start, never a resume
+    os.makedirs(workdir)
+    console = os.path.join(workdir, "console.log")
+    with open(console, "w") as f, contextlib.redirect_stderr(f):  # the progress lines
+        t0 = time.perf_counter()
+        jtrain_train(cfg, workdir)
+        wall = time.perf_counter() - t0
+    records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+    logs = [r for r in records if "perf/steps_per_sec" in r]
+    if not keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return jtrain_sample(logs, cfg.log.every_steps, cfg.total_steps, wall)
+
+
+def jtrain_sample(logs: list[dict], log_every: int, total: int, wall: float) -> Sample:
+    """Steady-state time from the loop's log records (the first interval dropped)."""
+    first = next((r for r in logs if r["step"] == log_every), None)
+    last = next((r for r in logs if r["step"] == total), None)
+    if first is None or last is None or total <= log_every:
+        raise RuntimeError(f"metrics.jsonl lacks the log records at steps {log_every} and "
+                           f"{total}: got steps {[r['step'] for r in logs]}")
+    steady = [r for r in logs if r["step"] > log_every]
+    steady_s = last["time"] - first["time"]
+    steps = total - log_every
+    intervals = [1e3 / r["perf/steps_per_sec"] for r in steady]
+    rate_s = sum((b["step"] - a["step"]) / b["perf/steps_per_sec"]
+                 for a, b in zip([first] + steady[:-1], steady))
+    return Sample(ms_per_step=1e3 * steady_s / steps, final_loss=float(last["train/loss"]),
+                  wall_s=wall, fixed_s=wall - steady_s, intervals_ms=intervals,
+                  rate_ms=1e3 * rate_s / steps)
+
+
+# ------------------------------------------------------------------------------ hand side
+class HandLoop:
+    """The minimal loop, built once (one compile); each round restarts from init."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        policy = precision_lib.make_policy(cfg.model)
+        model = models_lib.make_model(cfg.model, dtype=policy.compute_dtype,
+                                      param_dtype=policy.param_dtype)
+        tx, _ = optim_lib.make_optimizer(cfg.optim, cfg.total_steps)
+        self.source, _, _ = data_lib.make_sources(cfg.data)
+        sample = np.asarray(self.source[0]["inputs"])
+        x = jnp.zeros((1,) + sample.shape, sample.dtype)
+        key = jax.random.fold_in(jax.random.key(cfg.seed), 0)  # jtrain's init key
+        self._init_params = jax.jit(
+            lambda: nn.unbox(model.init({"params": key, "dropout": key}, x)["params"]))
+        self._tx = tx
+
+        def loss_fn(params, batch):
+            logits = model.apply({"params": params}, batch["inputs"], train=True)
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits.astype(jnp.float32), batch["targets"]).mean()
+
+        def step(state, batch):
+            params, opt_state = state
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), loss
+
+        self.step = jax.jit(step, donate_argnums=0)
+
+    def run(self, steps: int, log_every: int) -> Sample:
+        """Times `steps` steps after `log_every` warm-up steps. Like a loop that prints
+        its loss every `log_every` steps, it stamps each interval (per-interval view)."""
+        cfg, warmup = self.cfg, log_every
+        it = data_lib.make_train_iterator(
+            self.source, local_batch=cfg.data.batch_size, seed=cfg.seed,
+            shuffle=cfg.data.shuffle, process_index=0, process_count=1,
+            num_workers=cfg.data.num_workers)
+        step = self.step
+        t0 = time.perf_counter()
+        params = self._init_params()
+        state = (params, self._tx.init(params))
+        for _ in range(warmup):
+            state, loss = step(state, jax.device_put(next(it)))
+        jax.block_until_ready(state)
+        t1 = time.perf_counter()
+        marks, logged = [(0, t1)], None
+        for i in range(1, steps + 1):
+            state, loss = step(state, jax.device_put(next(it)))
+            if logged is not None:  # fetch the logged loss one step late: no bubble
+                float(logged[1])
+                marks.append((logged[0], time.perf_counter()))
+                logged = None
+            if i % log_every == 0 and i < steps:
+                logged = (i, loss)
+        jax.block_until_ready((state, loss))
+        t2 = time.perf_counter()
+        marks.append((steps, t2))
+        if hasattr(it, "close"):
+            it.close()
+        intervals = [1e3 * (tb - ta) / (sb - sa) for (sa, ta), (sb, tb) in zip(marks, marks[1:])]
+        return Sample(ms_per_step=1e3 * (t2 - t1) / steps, final_loss=float(loss),
+                      wall_s=t2 - t0, intervals_ms=intervals)
+
+
+# ------------------------------------------------------------------------------ the bench
+def throughput(cfg, ms_per_step: float) -> dict:
+    """tokens/s, and MFU on a GPU with a known peak (None elsewhere)."""
+    per_s = 1e3 / ms_per_step
+    tokens = cfg.data.batch_size * cfg.data.seq_len * per_s
+    out = {"tokens_per_sec": tokens, "mfu": None, "mfu_note": ""}
+    backend = jax.default_backend()
+    if backend != "gpu":
+        out["mfu_note"] = f"n/a on {backend}"
+        return out
+    kind = jax.devices()[0].device_kind
+    peak = next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
+    flops = models_lib.flops_per_example(cfg.model, (cfg.data.seq_len,))
+    if peak is None or flops is None:
+        out["mfu_note"] = f"n/a (no peak FLOP/s known for {kind!r})"
+        return out
+    out["mfu"] = flops * cfg.data.batch_size * per_s / (peak * jax.device_count())
+    return out
+
+
+def side_summary(samples: list[Sample], cfg) -> dict:
+    ms = [s.ms_per_step for s in samples]
+    med = statistics.median(ms)
+    pooled = sorted(x for s in samples for x in s.intervals_ms)
+    out = {"ms_per_step": ms, "median_ms": med, "min_ms": min(ms), "max_ms": max(ms),
+           "final_loss": [s.final_loss for s in samples],
+           "wall_s": [s.wall_s for s in samples],
+           "intervals_ms": [s.intervals_ms for s in samples],
+           "interval_p10_ms": float(np.percentile(pooled, 10)) if pooled else float("nan"),
+           "interval_p50_ms": float(np.percentile(pooled, 50)) if pooled else float("nan"),
+           **throughput(cfg, med)}
+    if samples and math.isfinite(samples[0].fixed_s):  # jtrain only
+        out["fixed_s"] = [s.fixed_s for s in samples]
+        out["rate_ms"] = [s.rate_ms for s in samples]
+    return out
+
+
+def run_overhead(model: str, *, rounds: int, steps: int, log_every: int, workdir: str | None,
+                 progress=print) -> dict:
+    """Interleaved rounds (jtrain, hand, jtrain, hand, ...); returns the result dict."""
+    if rounds < 1 or steps < 1 or log_every < 1:
+        raise BenchError("--rounds, --steps and --log_every must be >= 1")
+    if jax.device_count() != 1:  # jtrain would use them all, the hand loop one
+        raise BenchError(f"overhead compares one device; found {jax.device_count()} "
+                         "(set CUDA_VISIBLE_DEVICES=0 or drop the fake CPU device count)")
+    cfg = bench_config(model, steps, log_every)
+    root = workdir or tempfile.mkdtemp(prefix="jtrain_bench_")
+    try:
+        hand = HandLoop(cfg)
+        jt, hd = [], []
+        for r in range(rounds):
+            jt.append(run_jtrain(cfg, root, r, keep=workdir is not None))
+            hd.append(hand.run(steps, log_every))
+            progress(f"round {r + 1}/{rounds}: jtrain {jt[-1].ms_per_step:.3f} ms/step, "
+                     f"hand {hd[-1].ms_per_step:.3f} ms/step")
+    finally:
+        if workdir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    j, h = side_summary(jt, cfg), side_summary(hd, cfg)
+    paired = [a.ms_per_step / b.ms_per_step for a, b in zip(jt, hd)]
+    return {
+        "bench": "overhead", "model": model, "goal": GOALS[model],
+        "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
+        "rounds": rounds, "steps": steps, "log_every": log_every,
+        "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len,
+        "model_config": cfg.model.to_dict(),
+        "jtrain": j, "hand": h,
+        "ratio": j["median_ms"] / h["median_ms"],
+        "paired_ratios": paired,
+        "interval_p10_ratio": j["interval_p10_ms"] / h["interval_p10_ms"],
+        "interval_p50_ratio": j["interval_p50_ms"] / h["interval_p50_ms"],
+    }
+
+
+GOALS = {"base": 1.02, "tiny": 1.10}

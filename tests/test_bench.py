@@ -1,0 +1,87 @@
+"""`python -m jtrain.bench`: the overhead bench's output and JSON structure on a tiny run,
+the steady-state arithmetic, and the not-yet-implemented subcommands. No wall-clock
+assertions: timings on a shared CPU are noise."""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from jtrain import bench
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _positive(x) -> bool:
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.parametrize("name", ["data", "checkpoint"])
+def test_future_subcommands_exit_2_with_one_line(name, capsys):
+    assert bench.main([name]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == f"jtrain.bench: '{name}' is not implemented yet\n"
+
+
+def test_help_lists_subcommands(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("overhead", "data", "checkpoint"):
+        assert name in out
+
+
+def test_steady_state_drops_the_first_interval():
+    from jtrain import bench_overhead as bo
+
+    logs = [  # steps 10 (compile: 5 s), 20, 30; 0.1 s per 10 steps after it
+        {"step": 10, "time": 105.0, "perf/steps_per_sec": 2.0, "train/loss": 3.0},
+        {"step": 20, "time": 105.1, "perf/steps_per_sec": 100.0, "train/loss": 2.5},
+        {"step": 30, "time": 105.2, "perf/steps_per_sec": 100.0, "train/loss": 2.0},
+    ]
+    s = bo.jtrain_sample(logs, log_every=10, total=30, wall=107.0)
+    assert s.ms_per_step == pytest.approx(10.0)
+    assert s.rate_ms == pytest.approx(10.0)
+    assert s.intervals_ms == pytest.approx([10.0, 10.0])
+    assert s.final_loss == 2.0
+    assert s.fixed_s == pytest.approx(106.8)
+    with pytest.raises(RuntimeError, match="lacks the log records"):
+        bo.jtrain_sample(logs[:1], log_every=10, total=30, wall=1.0)
+
+
+def test_overhead_tiny_run(tmp_path):
+    out = tmp_path / "res.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"  # one device, as the bench requires
+    proc = subprocess.run(
+        [sys.executable, "-m", "jtrain.bench", "overhead", "--model=tiny", "--rounds=1",
+         "--steps=20", "--log_every=10", f"--out={out}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    m = re.fullmatch(r"overhead tiny: jtrain (\S+) ms/step, hand (\S+) ms/step, "
+                     r"ratio (\S+) \(goal <= 1\.1\)", last)
+    assert m, last
+    assert all(_positive(float(g)) for g in m.groups())
+    assert "MFU: n/a on cpu" in proc.stdout
+
+    res = json.loads(out.read_text())
+    assert _positive(res["ratio"])
+    assert res["ratio"] == pytest.approx(float(m.group(3)), rel=1e-3)
+    assert (res["model"], res["rounds"], res["steps"], res["log_every"]) == ("tiny", 1, 20, 10)
+    for side in ("jtrain", "hand"):
+        r = res[side]
+        assert len(r["ms_per_step"]) == 1
+        assert all(_positive(r[k]) for k in ("median_ms", "min_ms", "max_ms", "tokens_per_sec"))
+        assert r["mfu"] is None
+    assert len(res["jtrain"]["intervals_ms"][0]) == 2  # steps 20 and 30; step 10 dropped
+    assert res["jtrain"]["fixed_s"][0] > 0
+    # Same init, batches and optimizer: both sides trained the same trajectory.
+    assert res["jtrain"]["final_loss"][0] == pytest.approx(res["hand"]["final_loss"][0],
+                                                           rel=1e-3)
