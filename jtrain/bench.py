@@ -22,7 +22,22 @@ Setup, compilation and the end-of-run eval and checkpoint are reported apart as
 "fixed s". The hand loop is timed with `perf_counter` up to `block_until_ready`. The
 final losses of both sides are printed: equal losses show both did the same work.
 
-`data` and `checkpoint` are reserved for future benchmarks and exit 2 for now.
+    python -m jtrain.bench data                                 # ~1 min on 2 CPU cores
+    python -m jtrain.bench data --num_workers=2 --out=data.json
+
+`data`: on one torch map-style dataset (images), jtrain's data pipeline against
+`torch.utils.data.DataLoader` (examples/s, goal >= 1.0x), the train step fed by the real
+pipeline against a synthetic batch already on the devices (goal <= 1.03x), and the time to
+first batch; medians over interleaved rounds (details in `jtrain.bench_data`).
+
+    python -m jtrain.bench checkpoint                           # ~1-2 min on 2 CPU cores
+    python -m jtrain.bench checkpoint --rounds=5 --writer_nice=0 --out=ckpt.json
+
+`checkpoint`: a ~100 M-parameter model with AdamW state (~1.2 GiB) and the real train step
+and Checkpointer: the time an async save blocks the loop vs a synchronous save (goal
+<= 0.25x), the total save time and the restore time (goal <= 5 s each), and steps/s while
+a save is written vs without (goal >= 0.95x); medians over rounds (details in
+`jtrain.bench_checkpoint`).
 """
 
 from __future__ import annotations
@@ -30,9 +45,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 
-NOT_IMPLEMENTED = ("data", "checkpoint")
+NOT_IMPLEMENTED: tuple = ()
 EXIT_USAGE = 2
 
 
@@ -52,6 +68,26 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--workdir", default=None,
                    help="keep jtrain's run directories here (default: a temp dir, removed)")
     o.add_argument("--out", default=None, help="write the results as JSON to this file")
+    d = sub.add_parser("data", help="jtrain's data pipeline vs torch's DataLoader",
+                       description="examples/s vs torch DataLoader, step time with real vs "
+                                   "synthetic data, time to first batch.")
+    d.add_argument("--num_examples", type=int, default=4096)
+    d.add_argument("--batch_size", type=int, default=128)
+    d.add_argument("--num_workers", type=int, default=0, help="on both sides")
+    d.add_argument("--rounds", type=int, default=5)
+    d.add_argument("--batches", type=int, default=30, help="timed batches per round (a)")
+    d.add_argument("--steps", type=int, default=20, help="timed steps per round and side (b)")
+    d.add_argument("--out", default=None, help="write the results as JSON to this file")
+    c = sub.add_parser("checkpoint", help="what async checkpointing costs the loop",
+                       description="Loop blocked by async vs sync save, save and restore "
+                                   "time, steps/s during a save; ~100 M params + AdamW.")
+    c.add_argument("--params", type=float, default=100e6, help="model size (parameters)")
+    c.add_argument("--rounds", type=int, default=3)
+    c.add_argument("--steps", type=int, default=8, help="baseline train steps per round")
+    c.add_argument("--writer_nice", type=int, default=19,
+                   help="checkpoint.writer_nice for the background write (0-19)")
+    c.add_argument("--workdir", default=None, help="where to write (default: a temp dir)")
+    c.add_argument("--out", default=None, help="write the results as JSON to this file")
     for name in NOT_IMPLEMENTED:
         sub.add_parser(name, help="not implemented yet (exits 2)")
     return p
@@ -78,9 +114,9 @@ def format_report(res: dict) -> str:
     for label, key in (("median", "median_ms"), ("min", "min_ms"), ("max", "max_ms")):
         lines.append(f"{label:>6} {_fmt_ms(j[key]):>10} {_fmt_ms(h[key]):>10} "
                      f"{j[key] / h[key]:>7.3f}")
-    paired = sorted(res["paired_ratios"])
-    lines.append(f"per-round ratios: median {paired[len(paired) // 2]:.3f}, "
-                 f"min {paired[0]:.3f}, max {paired[-1]:.3f}")
+    paired = res["paired_ratios"]
+    lines.append(f"per-round ratios: median {statistics.median(paired):.3f}, "
+                 f"min {min(paired):.3f}, max {max(paired):.3f}")
     lines.append(
         f"per-interval view ({sum(map(len, j['intervals_ms']))} jtrain / "
         f"{sum(map(len, h['intervals_ms']))} hand intervals of {res['log_every']} steps): "
@@ -143,7 +179,48 @@ def main(argv=None) -> int:
     if args.command in NOT_IMPLEMENTED:
         return _fail(f"{args.command!r} is not implemented yet")
     _absl_flags_parsed()
+    if args.command == "data":
+        return data(args)
+    if args.command == "checkpoint":
+        return checkpoint(args)
     return overhead(args)
+
+
+def checkpoint(args) -> int:
+    if min(args.rounds, args.steps) < 1 or not 1e5 <= args.params <= 1e10 \
+            or not 0 <= args.writer_nice <= 19:
+        return _fail("error: --rounds and --steps must be >= 1, --params in [1e5, 1e10], "
+                     "--writer_nice in [0, 19]")
+    from jtrain import bench_checkpoint as bc  # imports JAX
+
+    res = bc.run_checkpoint_bench(params=args.params, rounds=args.rounds, steps=args.steps,
+                                  writer_nice=args.writer_nice, workdir=args.workdir,
+                                  progress=lambda s: print(s, file=sys.stderr, flush=True))
+    print(bc.format_report(res), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=2, sort_keys=True)
+    return 0
+
+
+def data(args) -> int:
+    from jtrain import bench_data as bd  # imports JAX and torch
+
+    if min(args.num_examples, args.batch_size, args.rounds, args.batches, args.steps) < 1 \
+            or args.num_workers < 0 or args.num_examples < args.batch_size * (args.batches + 1):
+        return _fail("error: sizes must be >= 1 (workers >= 0), and --num_examples must hold "
+                     "--batches + 1 batches")
+    try:
+        res = bd.run(n=args.num_examples, batch=args.batch_size, workers=args.num_workers,
+                     rounds=args.rounds, batches=args.batches, steps=args.steps,
+                     progress=lambda s: print(s, file=sys.stderr, flush=True))
+    except ImportError as e:
+        return _fail(f"error: {e} (the data bench needs torch: pip install 'jtrain[torch]')")
+    print(bd.format_report(res), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=2, sort_keys=True)
+    return 0
 
 
 if __name__ == "__main__":

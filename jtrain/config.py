@@ -16,6 +16,7 @@ from typing import Any
 
 import ml_collections
 
+from jtrain import metrics as metrics_lib
 from jtrain import models as models_lib
 from jtrain import optim as optim_lib
 
@@ -69,10 +70,21 @@ SCHEMA: dict[str, Any] = {
         "name": (str, "pystdlib", None),  # built-in dataset; checked by jtrain.data
         "batch_size": (int, 32, (1, INF)),  # global, over all processes
         "seq_len": (int, 128, (1, INF)),
-        "val_fraction": (float, 0.05, (0.0, 0.9)),
-        "shuffle": (bool, True, None),
-        "num_workers": (int, 0, (0, 256)),
+        "val_fraction": (float, 0.05, (0.0, 0.9)),  # held out when there is no eval data
+        "split_seed": (int, 0, (0, 2**31 - 1)),  # that split's seed (not the run's seed)
+        "shuffle": (bool, True, None),  # reshuffled per epoch from (seed, epoch)
+        "drop_last": (bool, True, None),  # False: the last batch is padded, with a mask
+        "num_workers": (int, 0, (0, 256)),  # grain worker processes (spawned)
+        # Reader threads per process / worker, for I/O-bound datasets; 0 = read in the
+        # device-prefetch thread (fastest for in-memory data: Python holds the GIL).
+        "num_threads": (int, 0, (0, 256)),
+        "prefetch": (int, 2, (0, 1024)),  # batches read ahead on the host (per worker)
+        "device_prefetch": (int, 2, (0, 16)),  # batches put on the devices ahead; 0 = off
+        # A factory "package.module:function" called with `kwargs`, returning the data
+        # (any jtrain input, or {"train": ..., "eval": ...}); overrides `name`.
+        "source": (str, "", None),
         "kwargs": ("dict", {}, None),
+        "transform": (str, "", None),  # "package.module:fn", fn(item, rng) on train items
     },
     "mesh": {
         "data": (int, -1, (-1, INF)),
@@ -83,20 +95,45 @@ SCHEMA: dict[str, Any] = {
         "every_steps": (int, 200, (0, INF)),  # 0 = only at the end
         "num_batches": (int, 0, (0, INF)),  # 0 = the whole eval set
         "batch_size": (int, 0, (0, INF)),  # 0 = data.batch_size
+        # jtrain.metrics.METRIC_NAMES; () = the task's defaults (classification, sequence,
+        # regression: see jtrain/metrics/tasks.py)
+        "metrics": ("strs", (), metrics_lib.METRIC_NAMES),
+        "top_k": (int, 5, (1, INF)),  # k of top_k_accuracy
+        "max_gathered": (int, 1_000_000, (1, INF)),  # AUROC / Spearman keep this many, exact
     },
     "log": {
         "every_steps": (int, 50, (1, INF)),
         "writers": ("strs", ("jsonl", "tensorboard"), WRITERS),
-        "verbosity": (int, 1, (0, 2)),
+        "verbosity": (int, 1, (0, 2)),  # 0 errors + summary, 1 default, 2 debug
+        "all_hosts": (bool, False, None),  # processes other than 0 print too (--all_hosts_log)
         "mlflow_tracking_uri": (str, "", None),
         "mlflow_experiment": (str, "jtrain", None),
         "wandb_project": (str, "jtrain", None),
         "wandb_mode": (str, "offline", ("offline", "online", "disabled")),
     },
-    "checkpoint": {
+    "profile": {
+        "start_step": (int, 0, (0, INF)),  # 0 = no trace; else a jax.profiler trace ...
+        "num_steps": (int, 5, (1, INF)),  # ... of this many steps, into WORKDIR/profile
+    },
+    "perf": {
+        "peak_flops": (float, 0.0, (0.0, INF)),  # per device, for MFU; 0 = from the device
+    },
+    "checkpoint": {  # read by jtrain.checkpoint; see its docstring
         "every_steps": (int, 500, (0, INF)),  # 0 = only at the end
-        "max_to_keep": (int, 3, (1, INF)),
+        "every_seconds": (float, 0.0, (0.0, INF)),  # 0 = off
+        "max_to_keep": (int, 3, (1, INF)),  # keep the latest K (the latest always stays)
+        "keep_every_steps": (int, 0, (0, INF)),  # also keep steps that are multiples
+        "keep_top_k": (int, 1, (0, INF)),  # also keep the k best by `monitor`
+        "monitor": (str, "eval/loss", None),
+        "mode": (str, "min", ("min", "max")),
         "async_save": (bool, True, None),
+        "grace_seconds": (float, 30.0, (0.0, 86400.0)),  # SIGTERM/SIGINT -> save, exit
+        "strict_restore": (bool, False, None),  # damaged checkpoint: exit 3, no fallback
+        "allow_changes": ("strs", (), None),  # config keys (fnmatch) that may change on resume
+        "init_from": (str, "", None),  # an export or a checkpoint, used with no checkpoint
+        "init_from_opt": (bool, False, None),  # also take the optimizer state
+        "init_exclude": ("strs", (), None),  # regexes of leaf paths that keep fresh init
+        "writer_nice": (int, 19, (0, 19)),  # Linux nice of background-write threads
     },
 }
 
@@ -270,6 +307,8 @@ def _check_value(key: str, typ, check, value) -> None:
 
 def _check_cross(tree: dict, num_devices: int | None) -> None:
     """Rules that involve more than one key."""
+    _check_checkpoint(tree["checkpoint"])
+    _check_data(tree["data"])
     mesh = tree["mesh"]
     for axis in ("data", "fsdp", "tensor"):
         if mesh[axis] == 0:
@@ -318,6 +357,30 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
     if eval_batch % dp:
         raise ConfigError("eval.batch_size",
                           f"{eval_batch} is not divisible by the data-parallel size {dp}")
+
+
+def _check_data(data: dict) -> None:
+    import re
+
+    for key in ("source", "transform"):  # import paths; jtrain.data imports them
+        path = data[key]
+        if path and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", path):
+            raise ConfigError(f"data.{key}",
+                              f"expected 'package.module:function', got {path!r}")
+
+
+def _check_checkpoint(ckpt: dict) -> None:
+    import re
+
+    for pattern in ckpt["init_exclude"]:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ConfigError("checkpoint.init_exclude", f"bad regex {pattern!r}: {e}") from None
+    if ckpt["keep_top_k"] and not ckpt["monitor"]:
+        raise ConfigError("checkpoint.monitor", "required when checkpoint.keep_top_k > 0")
+    if ckpt["init_from_opt"] and not ckpt["init_from"]:
+        raise ConfigError("checkpoint.init_from_opt", "set checkpoint.init_from too")
 
 
 def config_hash(config) -> str:

@@ -5,7 +5,10 @@ absl flags + ml_collections config files (`--config=configs/x.py:variant`,
 --process_id (or set JTRAIN_COORDINATOR, JTRAIN_NUM_PROCESSES, JTRAIN_PROCESS_ID), or
 --distributed=auto on SLURM / Cloud TPU, where JAX finds its peers itself.
 
-User errors print one line `jtrain: <kind> error: <key>: <why>` and exit 2.
+User errors print one line `jtrain: <kind> error: <key>: <why>` and exit 2; a checkpoint
+that cannot be restored (damaged with --strict_restore, another model, a changed config)
+exits 3; a failed checkpoint write exits 1. A run stopped by SIGTERM or SIGINT saves its
+current step and exits 0 (jtrain.control). `--verify_resume`: see jtrain.verify.
 """
 
 from __future__ import annotations
@@ -37,12 +40,33 @@ def define_flags(fv: flags.FlagValues, sys_argv=None) -> None:
     flags.DEFINE_enum("distributed", "off", ["off", "auto"],
                       "auto: jax.distributed.initialize() with cluster auto-detection.",
                       flag_values=fv)
+    flags.DEFINE_bool("all_hosts_log", False,
+                      "Processes other than 0 print their lines too, prefixed [process i] "
+                      "(= --config.log.all_hosts=true); by default they print errors only.",
+                      flag_values=fv)
+    flags.DEFINE_bool("strict_restore", False,
+                      "A damaged checkpoint ends the run (exit 3) instead of falling back "
+                      "to the previous one (= --config.checkpoint.strict_restore=true).",
+                      flag_values=fv)
+    flags.DEFINE_bool("verify_resume", False,
+                      "Run the config uninterrupted and again with SIGKILLs at random "
+                      "moments and restarts (in WORKDIR/reference, WORKDIR/interrupted); "
+                      "compare the final state_sha256; exit 1 on a mismatch.",
+                      flag_values=fv)
+    flags.DEFINE_integer("verify_kills", 4, "--verify_resume: number of kills.",
+                         flag_values=fv)
+    flags.DEFINE_bool("verify_negative_control", False,
+                      "--verify_resume with the data position not restored: must FAIL.",
+                      flag_values=fv)
 
 
 FLAGS = flags.FLAGS
 define_flags(FLAGS)
 
 EXIT_USER_ERROR = 2
+EXIT_RESTORE_ERROR = 3  # a damaged (with --strict_restore) or mismatched checkpoint
+EXIT_SAVE_ERROR = 1  # a checkpoint write failed (possibly in the background)
+_RAW_ARGV: list[str] = []  # as parsed; --verify_resume reruns it
 
 
 def fail(kind: str, message: str, code: int = EXIT_USER_ERROR):
@@ -63,6 +87,7 @@ def parse_flags(argv, fv: flags.FlagValues = FLAGS):
         return "get_config() returned None" not in record.getMessage()
 
     absl_logging.get_absl_logger().addFilter(quiet)
+    _RAW_ARGV[:] = list(argv)
     try:
         rest = fv(argv)
         if fv["config"].present:
@@ -170,6 +195,11 @@ def main(argv, fv: flags.FlagValues = FLAGS):
         fail("config", "--workdir: required (the run's directory)")
     # orbax and others log every save at INFO through absl; jtrain prints its own lines.
     absl_logging.set_verbosity(absl_logging.WARNING)
+    if fv.verify_resume:
+        from jtrain import verify
+
+        sys.exit(verify.run_from_cli(_RAW_ARGV, fv.workdir, kills=fv.verify_kills,
+                                     negative_control=fv.verify_negative_control))
     import jax
 
     if fv.distributed == "auto":
@@ -180,17 +210,47 @@ def main(argv, fv: flags.FlagValues = FLAGS):
         jax.distributed.initialize(coordinator_address=fv.coordinator_address,
                                    num_processes=fv.num_processes,
                                    process_id=fv.process_id)
+    all_hosts = fv.all_hosts_log or bool(getattr(getattr(fv.config, "log", None), "all_hosts",
+                                                 False))
+    if jax.process_index() != 0 and not all_hosts:
+        _quiet()
 
+    from jtrain import checkpoint
     from jtrain import config as config_lib
     from jtrain import data as data_lib
     from jtrain.train import train
 
     try:
-        train(fv.config, fv.workdir)
+        config = fv.config
+        if fv.strict_restore:
+            config = config_lib.resolve(config)
+            config.checkpoint.strict_restore = True
+        if fv.all_hosts_log:
+            config = config_lib.resolve(config)
+            config.log.all_hosts = True
+        train(config, fv.workdir)  # returns normally after a SIGTERM/SIGINT stop: exit 0
     except config_lib.ConfigError as e:
         fail("config", e)
     except data_lib.DataError as e:
         fail("data", e)
+    except checkpoint.RestoreError as e:
+        fail("restore", e, code=EXIT_RESTORE_ERROR)
+    except checkpoint.CheckpointError as e:
+        fail("checkpoint", e, code=EXIT_SAVE_ERROR)
+
+
+def _quiet() -> None:
+    """Processes other than 0: no warnings or log lines (jtrain.progress prints nothing
+    there either), and stdout goes to /dev/null (C++ libraries such as gloo print there);
+    errors still reach stderr."""
+    import logging
+    import warnings
+
+    sys.stdout.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    warnings.simplefilter("ignore")
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    logging.getLogger().setLevel(logging.ERROR)
 
 
 def cli(argv) -> None:

@@ -150,4 +150,6 @@ def host_to_device(batch, mesh: Mesh):
     """THE host->device transfer: per-process numpy batch -> global arrays sharded on
     the batch axis. Every process passes its own rows, in process order."""
     sharding = batch_sharding(mesh)
+    if jax.process_count() == 1:  # the local batch is the global batch; ~2x cheaper
+        return jax.device_put(batch, sharding)
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)

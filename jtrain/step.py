@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from jtrain import losses
+from jtrain import metrics as metrics_lib
 from jtrain import precision
 from jtrain.state import TrainState
 
@@ -95,12 +96,18 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
     return train_step
 
 
-def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool) -> Callable:
-    """Returns eval_step(params, batch) -> sums {loss_sum, weight[, correct, counted]}.
+def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool,
+                   metrics: metrics_lib.EvalSpec | None = None) -> Callable:
+    """Returns eval_step(params, batch) -> sums {loss_sum, weight[, correct, counted]}, or
+    with `metrics` (a jtrain.metrics.EvalSpec) -> (state, inputs): the jittable metric
+    states of this batch (a MetricCollection; merge them on the host in float64) and,
+    when the spec has host-side metrics (AUROC, Spearman), their batch inputs, else {}.
 
     Rows with mask 0 (padding) contribute nothing. The default loss honours the mask
     itself; a user loss is evaluated one example at a time (vmapped) and masked here,
     so a user loss that returns a mean is still exact under padding."""
+    device_metrics = (None if metrics is None
+                      else metrics_lib.make_collection(metrics).partition()[0])
 
     def eval_step(params, batch):
         outputs = apply_fn(params, batch["inputs"], rng=None, train=False)
@@ -113,10 +120,17 @@ def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool) ->
 
             rows = {k: v for k, v in batch.items() if k != "mask"}
             ls, ws = jax.vmap(one)(outputs, rows)  # [B], [B]
-            sums = {"loss_sum": (ls * mask).sum(), "weight": (ws * mask).sum()}
+            keep = mask > 0  # `where`, not a product: a NaN in a padded row must not leak
+            sums = {"loss_sum": jnp.where(keep, ls * mask, 0.0).sum(),
+                    "weight": jnp.where(keep, ws * mask, 0.0).sum()}
         else:
             loss_sum, weight = losses.default_loss(outputs, batch)
             sums = {"loss_sum": loss_sum, "weight": weight}
+        if metrics is not None:
+            state = metrics_lib.update_from_outputs(device_metrics, outputs, batch,
+                                                    sums["loss_sum"], sums["weight"], metrics)
+            return state, (metrics_lib.metric_batch(outputs, batch, metrics)
+                           if metrics.gathers else {})
         hits = losses.correct_count(outputs, batch)
         if hits is not None:
             sums["correct"], sums["counted"] = hits

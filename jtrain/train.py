@@ -8,6 +8,7 @@ module that owns it; this file only connects them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -16,13 +17,16 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+from flax import linen as nn
 
 from jtrain import adapters, checkpoint, evaluate, losses
 from jtrain import config as config_lib
+from jtrain import control as control_lib
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
 from jtrain import models as models_lib
 from jtrain import optim as optim_lib
+from jtrain import perf as perf_lib
 from jtrain import precision as precision_lib
 from jtrain import state as state_lib
 from jtrain import step as step_lib
@@ -48,12 +52,23 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
     if workdir is None:
         raise ValueError("workdir: required (the run's identity: checkpoints, logs, summary)")
     cfg = config_lib.resolve(config)
+    # data.source factories run, and a torch DataLoader's settings become data.*, before
+    # the batch is checked against the devices.
+    train_data, eval_data = data_lib.load_user_data(
+        cfg.data, train_data, eval_data, process_index=jax.process_index(),
+        process_count=jax.process_count())
     config_lib.validate(cfg, num_devices=jax.device_count())
-    run = _setup(cfg, os.path.abspath(workdir), model, train_data, eval_data, loss_fn)
-    try:
-        return _loop(cfg, run)
-    finally:
-        run.close()
+    # From here on SIGTERM / SIGINT mean: save the current step, stop, return (control.py).
+    with control_lib.Stopper(cfg.checkpoint.grace_seconds) as stopper:
+        run = _setup(cfg, os.path.abspath(workdir), model, train_data, eval_data, loss_fn)
+        run.stopper = stopper
+        try:
+            # Steps trace under the mesh and the logical-axis rules, so models' activation
+            # constraints (nn.with_logical_constraint) resolve to this mesh.
+            with jax.set_mesh(run.mesh), nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
+                return _loop(cfg, run)
+        finally:
+            run.close()
 
 
 @dataclasses.dataclass
@@ -72,8 +87,14 @@ class _Run:
     meta: dict
     data_info: dict
     resumed_from: int | None
+    stopper: Any = None  # control.Stopper: signals -> stop after a step
+    eval_spec: Any = None  # jtrain.metrics.EvalSpec: what the eval step computes
+    perf: Any = None  # jtrain.perf.Meter
+    profiler: Any = None  # jtrain.perf.Profiler
 
     def close(self):
+        if self.profiler is not None:
+            self.profiler.close()
         self.progress.close()
         self.ckpt.close()
         self.writer.close()
@@ -82,13 +103,16 @@ class _Run:
 
 
 def _setup(cfg, workdir, model, train_data, eval_data, loss_fn) -> _Run:
+    t_start = time.perf_counter()
     primary = jax.process_index() == 0
     os.makedirs(workdir, exist_ok=True)
     mesh = mesh_lib.make_mesh(cfg.mesh)
     policy = precision_lib.make_policy(cfg.model)
 
-    train_src, eval_src, data_info = data_lib.make_sources(cfg.data, train_data, eval_data)
-    data_lib.check_source(train_src, global_batch=cfg.data.batch_size, name="train_data")
+    # Checked here (DataError before any step); the data's shapes come from a sample batch.
+    train_src, eval_src, data_info = data_lib.make_sources(
+        cfg.data, train_data, eval_data, process_index=jax.process_index(),
+        process_count=jax.process_count())
     local_batch = cfg.data.batch_size // jax.process_count()
 
     model_name = cfg.model.name if model is None else f"user {type(model).__name__}"
@@ -97,25 +121,32 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn) -> _Run:
                                       param_dtype=policy.param_dtype)
     model_fns = adapters.to_model_fns(model)
     tx, schedule = optim_lib.make_optimizer(cfg.optim, cfg.total_steps)
-    sample = train_src[0]["inputs"]
-    sample_inputs = jax.ShapeDtypeStruct((cfg.data.batch_size,) + np.shape(sample),
-                                         np.asarray(sample).dtype)
+    sample = train_src[0]["inputs"]  # example 0 as the model sees it (after collate_fn)
+    sample_inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), sample)
 
     abstract, shardings = state_lib.make_abstract_state(
         model_fns, tx, policy, sample_inputs, mesh, cfg.seed)
-    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint)
-    restored = ckpt.restore_latest(checkpoint.abstract_with_shardings(abstract, shardings))
+    # Start-up precedence (jtrain/checkpoint.py, WORKSPACE.md): (1) the newest intact
+    # checkpoint in workdir/checkpoints; (2) else checkpoint.init_from; (3) else fresh.
+    ckpt = checkpoint.Checkpointer(workdir, cfg, data_info)
+    start = ckpt.restore_or_init(
+        checkpoint.abstract_with_shardings(abstract, shardings),
+        lambda: state_lib.init_state(model_fns, tx, policy, sample_inputs, mesh, cfg.seed,
+                                     shardings))
+    state, resumed_from = start.state, start.step
     train_iter = data_lib.make_train_iterator(
         train_src, local_batch=local_batch, seed=cfg.seed, shuffle=cfg.data.shuffle,
         process_index=jax.process_index(), process_count=jax.process_count(),
-        num_workers=cfg.data.num_workers)
-    if restored is None:
-        state = state_lib.init_state(model_fns, tx, policy, sample_inputs, mesh, cfg.seed,
-                                     shardings)
-        resumed_from = None
-    else:
-        resumed_from, state, data_state, _ = restored
-        train_iter.set_state(data_state)
+        num_workers=cfg.data.num_workers, drop_last=cfg.data.drop_last,
+        prefetch=cfg.data.prefetch, num_threads=cfg.data.num_threads)
+    if start.data_state is not None:
+        train_iter.set_state(start.data_state)
+    # The next batches go onto the devices in a background thread (the one transfer,
+    # mesh.host_to_device); get_state() stays the position of the step's next batch.
+    train_iter = data_lib.device_prefetch(
+        train_iter, functools.partial(mesh_lib.host_to_device, mesh=mesh),
+        cfg.data.device_prefetch)
 
     user_loss = loss_fn is not None
     loss_fn = loss_fn or losses.default_loss
@@ -127,8 +158,13 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn) -> _Run:
                                  dynamic_loss_scale=policy.dynamic_loss_scale),
         in_shardings=(shardings, batch_sharding), out_shardings=(shardings, repl),
         donate_argnums=0)
-    eval_step = jax.jit(step_lib.make_eval_step(model_fns.apply, loss_fn, user_loss=user_loss),
-                        in_shardings=(shardings.params, batch_sharding), out_shardings=repl)
+    eval_spec = evaluate.make_spec(cfg.eval, model_fns.apply, abstract.params, sample_inputs,
+                                   (eval_src if eval_src is not None else train_src)[0],
+                                   byte_level=data_info.get("name") == "pystdlib")
+    eval_step = jax.jit(step_lib.make_eval_step(model_fns.apply, loss_fn, user_loss=user_loss,
+                                                metrics=eval_spec),
+                        in_shardings=(shardings.params, batch_sharding),
+                        out_shardings=(repl, batch_sharding))
 
     resolved = cfg.to_dict()
     meta = {"config_sha256": config_lib.config_hash(cfg), "data": data_info,
@@ -136,35 +172,50 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn) -> _Run:
     if primary:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(writers_lib.redact(resolved), f, indent=2, sort_keys=True, default=str)
-    writer = writers_lib.MetricWriter(workdir, cfg.log, is_primary=primary)
+    writer = writers_lib.MetricWriter(workdir, cfg.log, is_primary=primary,
+                                      run_ids=control_lib.writer_run_ids(start.control))
+    ckpt.control.writer_run_ids = writer.run_ids()  # checkpointed, reused on resume
     if resumed_from is None:
         writer.write_hparams(resolved)
-    progress = progress_lib.Progress(cfg.total_steps, start_step=resumed_from or 0,
-                                    is_primary=primary, every_steps=cfg.log.every_steps)
+    progress = progress_lib.Progress(
+        cfg.total_steps, start_step=resumed_from or 0, is_primary=primary,
+        every_steps=cfg.log.every_steps, batches_per_epoch=data_info["batches_per_epoch"],
+        verbosity=cfg.log.verbosity, log_path=os.path.join(workdir, progress_lib.LOG_FILE),
+        all_hosts=cfg.log.all_hosts, process_index=jax.process_index())
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
-    progress.message(_header(cfg, mesh, policy, model_name, model_fns, n_params, data_info, train_src,
-                             eval_src, workdir, resumed_from))
+    flops = perf_lib.model_flops_per_example(None if model_name == cfg.model.name else model,
+                                             cfg.model, jax.tree.map(np.shape, sample))
+    peak = perf_lib.peak_flops_per_device(cfg.perf.peak_flops)
+    header = _header(cfg, mesh, policy, model_name, model_fns, n_params, data_info, train_src,
+                     eval_src, workdir, resumed_from, eval_spec, flops, peak)
+    progress.message(header)
+    writer.write_text(resumed_from or 0, "run/header", header)  # TensorBoard's text tab
+    progress.message(progress_lib.parameter_table(abstract.params), level=2)
+    meter = perf_lib.Meter(start_step=resumed_from or 0, global_batch=cfg.data.batch_size,
+                           flops_per_example=flops, peak_flops=peak,
+                           num_devices=jax.device_count(), t_start=t_start)
+    profiler = perf_lib.Profiler(cfg.profile, workdir, is_primary=primary)
     return _Run(workdir, mesh, state, shardings, train_iter, eval_src, train_step, eval_step,
-                ckpt, writer, progress, meta, data_info, resumed_from)
+                ckpt, writer, progress, meta, data_info, resumed_from, eval_spec=eval_spec,
+                perf=meter, profiler=profiler)
 
 
 def _header(cfg, mesh, policy, name, model_fns, n_params, data_info, train_src, eval_src, workdir,
-            resumed_from) -> str:
-    shape = " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
-    lines = [
-        f"jtrain: model {name} ({model_fns.kind}), {n_params:,} params, {policy.describe()}",
-        f"jtrain: {jax.device_count()} {jax.default_backend()} devices, "
-        f"{jax.process_count()} process(es), mesh {shape}",
-        f"jtrain: data {data_info.get('name')}: {len(train_src):,} train / "
-        f"{len(eval_src) if eval_src is not None else 0:,} eval examples, "
-        f"global batch {cfg.data.batch_size}",
-        f"jtrain: workdir {workdir}; " + (f"resumed from step {resumed_from}"
-                                         if resumed_from is not None else "fresh start"),
-    ]
+            resumed_from, eval_spec, flops, peak) -> str:
+    extra = []
     if "fingerprint" in data_info:
-        lines.insert(3, f"jtrain: corpus sha256 {data_info['fingerprint'][:16]}..., "
-                        f"{data_info['num_bytes']:,} bytes from {data_info['num_files']} files")
-    return "\n".join(lines)
+        extra.append(f"jtrain: corpus sha256 {data_info['fingerprint'][:16]}..., "
+                     f"{data_info['num_bytes']:,} bytes from {data_info['num_files']} files")
+    extra += [f"jtrain: data: {note}" for note in data_info.get("notes", ())]
+    mfu = f"MFU vs peak {peak:.3g} FLOP/s/device" if peak else "MFU n/a (set perf.peak_flops)"
+    extra.append(f"jtrain: eval {eval_spec.task}: {', '.join(eval_spec.names)}; "
+                 + (f"{flops:.3g} train FLOPs/example, {mfu}" if flops else "MFU n/a"))
+    return progress_lib.run_header(
+        model=f"{name} ({model_fns.kind})", num_params=n_params, precision=policy.describe(),
+        mesh_shape=dict(mesh.shape), data_name=str(data_info.get("name")),
+        train_size=len(train_src), eval_size=len(eval_src) if eval_src is not None else 0,
+        global_batch=cfg.data.batch_size, workdir=workdir, resumed_from=resumed_from,
+        batches_per_epoch=data_info.get("batches_per_epoch"), extra=tuple(extra))
 
 
 def _loop(cfg, run: _Run) -> TrainResult:
@@ -172,31 +223,46 @@ def _loop(cfg, run: _Run) -> TrainResult:
     start = int(jax.device_get(state.step))
     pending: deque = deque()  # (step, metrics on device): bounded steps in flight
     history: list[dict] = []
-    clock = {"t": time.perf_counter(), "step": start}
     evaluate_now = _evaluator(cfg, run)
 
     for step in range(start + 1, total + 1):
-        batch = mesh_lib.host_to_device(next(run.train_iter), run.mesh)
+        run.profiler.before_step(step)
+        t0 = time.perf_counter()
+        batch = next(run.train_iter)  # on the devices already (data.device_prefetch)
+        t1 = time.perf_counter()
         state, metrics = run.train_step(state, batch)
+        run.perf.step_done(step, t1 - t0, time.perf_counter() - t1,
+                           metrics if step == start + 1 else None)  # first: compile time
+        if run.profiler.after_step(step, metrics):
+            run.progress.message(f"jtrain: profile trace written to {run.profiler.directory}")
         pending.append((step, metrics))
         if len(pending) > cfg.max_steps_in_flight:
-            _drain(pending.popleft(), cfg, run, clock)
+            _drain(pending.popleft(), cfg, run)
         if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step != total:
-            history.append(evaluate_now(state, step))
-        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-            run.ckpt.save(step, state, run.train_iter.get_state(), run.meta)
+            while pending:  # log lines before the eval line (eval waits for the state anyway)
+                _drain(pending.popleft(), cfg, run)
+            history += run.stopper.interruptible(evaluate_now, state, step)  # [] if a signal came
+        stop = run.stopper.should_stop(step)  # SIGTERM/SIGINT, the same step on all processes
+        if stop or run.ckpt.due(step):
+            run.ckpt.save(step, state, run.train_iter.get_state(), evals=history,
+                          stopped_by=run.stopper.signal_name)
+        if stop:
+            break
     while pending:
-        _drain(pending.popleft(), cfg, run, clock)
+        _drain(pending.popleft(), cfg, run)
 
-    if total > start or not history:
-        history.append(evaluate_now(state, total))
-    if run.ckpt.latest_step() != total:
-        run.ckpt.save(total, state, run.train_iter.get_state(), run.meta, force=True)
+    end = step if total > start else start  # the last step run (< total if stopped)
+    if end == total and (total > start or not history):
+        history += run.stopper.interruptible(evaluate_now, state, total)
+    if run.ckpt.latest_step() != end:
+        run.ckpt.save(end, state, run.train_iter.get_state(), evals=history,
+                      stopped_by=run.stopper.signal_name)
+    run.ckpt.wait()  # a failed write ends the run with an error, before any summary
     summary = _summary(cfg, run, state, history[-1] if history else {})
     return TrainResult(state=state, history=history, summary=summary)
 
 
-def _drain(item, cfg, run: _Run, clock: dict) -> None:
+def _drain(item, cfg, run: _Run) -> None:
     """Wait for an old step (bounds dispatch); on log steps, fetch and write metrics."""
     step, metrics = item
     if step % cfg.log.every_steps and step != cfg.total_steps:
@@ -207,32 +273,27 @@ def _drain(item, cfg, run: _Run, clock: dict) -> None:
         raise FloatingPointError(
             f"training diverged: train/loss is {values['train/loss']} at step {step} "
             "(lower optim.lr, set optim.clip_norm, or use model.dtype=float32)")
-    now = time.perf_counter()
-    rate = (step - clock["step"]) / max(now - clock["t"], 1e-9)
-    clock.update(t=now, step=step)
-    values["perf/steps_per_sec"] = rate
-    values["perf/examples_per_sec"] = rate * cfg.data.batch_size
-    values["perf/tokens_per_sec"] = rate * values.pop("train/tokens")
+    values.update(run.perf.log_values(step, values.pop("train/tokens")))
     run.writer.write_scalars(step, values)
     run.progress.update(step, values)
+    if cfg.log.verbosity >= 2:
+        run.progress.message(run.perf.debug_line(), level=2)
 
 
 def _evaluator(cfg, run: _Run):
     eval_batch = (cfg.eval.batch_size or cfg.data.batch_size) // jax.process_count()
-    is_bytes = run.data_info.get("name") == "pystdlib"
 
     def evaluate_now(state, step: int) -> dict:
         if run.eval_source is None:
             return {"step": step}
-        metrics = evaluate.run_eval(run.eval_step, state.params, run.eval_source,
-                                    mesh=run.mesh, local_batch=eval_batch,
-                                    max_batches=cfg.eval.num_batches,
-                                    bytes_per_token=is_bytes)
-        run.writer.write_scalars(step, metrics)
-        run.progress.message(f"jtrain: eval at step {step}: " + ", ".join(
-            f"{k.split('/', 1)[1]} {v:.4f}" for k, v in metrics.items()
-            if k != "eval/examples_weight"))
-        return {"step": step, **metrics}
+        t0 = time.perf_counter()
+        result = evaluate.run_eval(run.eval_step, state.params, run.eval_source,
+                                   mesh=run.mesh, local_batch=eval_batch,
+                                   max_batches=cfg.eval.num_batches, spec=run.eval_spec)
+        run.perf.add("eval", time.perf_counter() - t0)
+        run.writer.write_scalars(step, result.scalars)
+        run.progress.message(evaluate.format_line(step, result))
+        return {"step": step, **result.scalars}
 
     return evaluate_now
 
@@ -243,7 +304,9 @@ def _summary(cfg, run: _Run, state, last_eval: dict) -> dict:
         "state_sha256": state_lib.state_sha256(state),
         "skipped_steps": int(jax.device_get(state.skipped_steps)),
         "resumed_from": run.resumed_from,
+        "stopped_by": run.stopper.signal_name if run.stopper else None,  # SIGTERM / SIGINT
         **{k: v for k, v in last_eval.items() if k != "step"},
+        **run.perf.summary(),
     }
     baseline = run.data_info.get("unigram_baseline")
     if baseline is not None:
@@ -252,7 +315,17 @@ def _summary(cfg, run: _Run, state, last_eval: dict) -> dict:
         if "eval/loss" in summary:
             run.progress.message(f"jtrain: final eval loss {summary['eval/loss']:.4f} nats/byte "
                                  f"vs unigram baseline {baseline:.4f}")
+    run.progress.message(_final_line(summary), level=0)
     if jax.process_index() == 0:
         with open(os.path.join(run.workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2, sort_keys=True)
     return summary
+
+
+def _final_line(summary: dict) -> str:
+    """The one line printed even at verbosity 0."""
+    evals = evaluate.headline(summary)
+    rate = summary.get("perf/steps_per_sec")
+    return (f"jtrain: done at step {summary['step']}" + (f"; eval {evals}" if evals else "")
+            + (f"; {rate:.2f} steps/s" if rate else "")
+            + (f"; {summary['skipped_steps']} skipped steps" if summary["skipped_steps"] else ""))

@@ -333,8 +333,8 @@ def test_errors_are_clear():
         M.Accuracy.empty().merge(M.Loss.empty())
     with pytest.raises(KeyError, match="labels"):
         M.Accuracy.empty().update(logits=np.zeros((2, 3)))
-    with pytest.raises(TypeError, match="PrecisionRecallF1"):
-        M.MetricCollection.empty({"cm": M.ConfusionMatrix.empty(3)})
+    with pytest.raises(TypeError, match="not a metric"):
+        M.MetricCollection.empty({"x": 3})
     twice = M.MetricCollection.empty({"a": M.PrecisionRecallF1.empty(2),
                                       "b": M.PrecisionRecallF1.empty(2)})
     with pytest.raises(ValueError, match="key 'precision_macro'"):
@@ -440,6 +440,27 @@ out["global_accuracy"], out["global_count"] = reduced.compute(), int(reduced.cou
 # One process holding nothing: its empty buffer still takes part in the gather.
 only_first = spearman if process_id == 0 else M.Spearman.empty()
 out["spearman_first_only"] = M.reduce_across_processes(only_first).compute()
+
+# The eval loop itself: a jitted eval step over global batches (1 device per process), the
+# host-side AUROC fed each process's rows of them and gathered at the end.
+from absl import flags
+flags.FLAGS.mark_as_parsed()
+import jax.numpy as jnp
+from jtrain import config as config_lib, data as data_lib, evaluate, losses
+from jtrain import mesh as mesh_lib, step as step_lib
+cfg = config_lib.resolve({"eval": {"metrics": ["loss", "accuracy", "auroc"]}})
+apply = lambda p, x, rng=None, train=False: x @ p  # identity weights: outputs = logits
+eye = np.eye(NUM_CLASSES, dtype=np.float32)
+spec = evaluate.make_spec(cfg.eval, apply, eye,
+                          jax.ShapeDtypeStruct((16, NUM_CLASSES), jnp.float32),
+                          {"targets": d["labels"][0]})
+mesh = mesh_lib.make_mesh(cfg.mesh)
+eval_step = jax.jit(step_lib.make_eval_step(apply, losses.default_loss, user_loss=False,
+                                            metrics=spec),
+                    out_shardings=(mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh)))
+source = data_lib.as_source((d["logits"], d["labels"].astype(np.int32)), "eval")
+result = evaluate.run_eval(eval_step, eye, source, mesh=mesh, local_batch=8, spec=spec)
+out["run_eval"] = dict(result.scalars, num_examples=result.num_examples)
 with open(out_path, "w") as f:
     json.dump(out, f)
 jax.distributed.shutdown()
@@ -498,3 +519,9 @@ def test_two_processes_reduce(tmp_path):
         assert got["global_count"] == 2 * rows   # not summed a second time
         assert_close(got["spearman_first_only"],
                      stats.spearmanr(d["x"][:split], d["y"][:split]).statistic)
+        ev = got["run_eval"]
+        assert ev["num_examples"] == n
+        assert_close(ev["eval/accuracy"], ref["accuracy"])
+        assert_close(ev["eval/auroc"], ref["auroc_ovr"])
+        probs = special.softmax(d["logits"].astype(np.float64), axis=-1)
+        assert_close(ev["eval/loss"], skm.log_loss(d["labels"], probs), rel=1e-5)

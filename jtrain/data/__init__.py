@@ -1,192 +1,159 @@
 """Everything between a user's dataset and per-process numpy batches. Reads `config.data`.
 
 Yields numpy only and knows nothing about devices: `jtrain.mesh.host_to_device` turns a
-per-process batch into a global sharded array, in one place.
+per-process batch into a global sharded array, in one place (the background device
+prefetch in prefetch.py is handed that function).
 
-Items are dicts of numpy arrays with the engine's keys (`inputs`, `targets`, optional
-`weights`); a `(x, y)` tuple item means `{"inputs": x, "targets": y}`. Torch tensors
-become numpy inside the pipeline.
+    load_user_data   data.source factories; a torch DataLoader's settings -> data.*
+                     (load.py, torch_adapters.py)
+    make_sources     -> (train Data, eval Data or None, info), checked: bad input is a
+                     DataError before any step (load.py, checks.py, text.py)
+    make_train_iterator  endless batches with get_state()/set_state(): map-style
+                     (pipeline.py), streams (streams.py), grain DataLoaders (grain_sources.py)
+    device_prefetch  the next batches on the devices, position kept exact (prefetch.py)
+    eval_batches     every example once, padded, with a mask (evalsets.py)
+
+Items become numpy in items.py; map-style sources and seeded randomness are in sources.py.
+
+Batches are dicts of numpy arrays: `inputs` (an array or a pytree), `targets`, optional
+`weights`; eval batches (and train batches with data.drop_last=False) have `mask` [b].
 """
 
 from __future__ import annotations
 
-import numbers
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-import grain
-import numpy as np
+from jtrain.data import (checks, evalsets, grain_sources, load, pipeline, streams, text,
+                         torch_adapters)
+from jtrain.data.items import DataError, x64_enabled
+from jtrain.data.load import Data, as_data
+from jtrain.data.prefetch import DevicePrefetch
+from jtrain.data.sources import MapSource, item_rng, with_transform
 
-from jtrain.data import text
-
-
-class DataError(ValueError):
-    """Bad input data; str(e) names the dataset and the item or field."""
-
+__all__ = ["BUILTIN", "Data", "DataError", "as_source", "check_source", "device_prefetch",
+           "eval_batches", "item_rng", "load_user_data", "make_sources",
+           "make_train_iterator", "num_eval_examples", "with_transform"]
 
 BUILTIN = {"pystdlib": text.make_pystdlib}
+as_source = as_data  # the older name, used by `python -m jtrain.evaluate --data=FILE.npz`
 
 
-def make_sources(data_cfg, train_data=None, eval_data=None):
-    """(train source, eval source or None, info dict) from config or user data."""
+def load_user_data(data_cfg, train_data=None, eval_data=None, *, process_index: int = 0,
+                   process_count: int = 1):
+    """Before the config is validated against the devices: the factory named by
+    data.source is called, and a torch DataLoader's batch_size (per process), shuffle,
+    drop_last and num_workers become data.* (the header says so)."""
+    if train_data is None and data_cfg.source:
+        train_data, factory_eval = load.from_factory(data_cfg)
+        eval_data = factory_eval if eval_data is None else eval_data
+    if torch_adapters.is_dataloader(train_data):
+        train_data = load.adopt_loader(data_cfg, train_data, process_index, process_count)
+    if torch_adapters.is_dataloader(eval_data):
+        eval_data = torch_adapters.read_dataloader(eval_data, "eval_data", process_index,
+                                                   process_count)
+    return train_data, eval_data
+
+
+def make_sources(data_cfg, train_data=None, eval_data=None, *, process_index: int = 0,
+                 process_count: int = 1) -> tuple[Data, Data | None, dict]:
+    """(train, eval or None, info) from user data, data.source, or data.name."""
+    if train_data is None and data_cfg.source:
+        train_data, eval_data = load_user_data(data_cfg, None, eval_data,
+                                               process_index=process_index,
+                                               process_count=process_count)
     if train_data is None:
-        if data_cfg.name not in BUILTIN:
-            raise DataError(f"data.name: unknown dataset {data_cfg.name!r}; built-in: "
-                            f"{', '.join(BUILTIN)}")
-        try:
-            train, val, info = BUILTIN[data_cfg.name](data_cfg.seq_len, data_cfg.val_fraction)
-        except text.CorpusError as e:
-            raise DataError(str(e)) from None
+        train, ev, info = _builtin(data_cfg)
         if eval_data is not None:
-            val = as_source(eval_data, "eval_data")
-        return train, val, info
-    train = as_source(train_data, "train_data")
-    val = as_source(eval_data, "eval_data") if eval_data is not None else None
-    return train, val, {"name": type(train_data).__name__, "num_examples": len(train)}
+            ev = as_data(eval_data, "eval_data")
+    else:
+        train = as_data(train_data, "train_data")
+        ev = as_data(eval_data, "eval_data") if eval_data is not None else None
+        if ev is None:
+            train, ev = load.split_off_eval(train, data_cfg.val_fraction, data_cfg.split_seed)
+        info = {"name": train.description}
+    if data_cfg.transform:
+        train = load.add_transform(train, load.load_named(data_cfg.transform, "data.transform"))
+    checks.check(train, global_batch=data_cfg.batch_size, process_index=process_index,
+                 process_count=process_count, drop_last=data_cfg.drop_last, train=True)
+    if ev is not None and ev.kind in ("stream", "grain_loader"):
+        ev = evalsets.read_eval_set(ev, process_index=process_index, process_count=process_count,
+                                    workers=max(1, data_cfg.num_workers))
+    if ev is not None:
+        checks.check(ev, global_batch=data_cfg.batch_size, process_index=process_index,
+                     process_count=process_count, train=False)
+    info.update(kind=train.kind, notes=list(train.notes),
+                num_examples=len(train) if train.kind == "map" else train.count,
+                num_eval_examples=len(ev) if ev is not None else 0,
+                batches_per_epoch=checks.batches_per_epoch(train, data_cfg.batch_size,
+                                                           data_cfg.drop_last))
+    return train, ev, info
 
 
-def as_source(data, name: str):
-    """A map-style source (len + getitem -> dict of numpy) from what the user gave."""
-    if isinstance(data, np.ndarray):
-        raise DataError(f"{name}: a bare array has no targets; pass (inputs, targets) or a "
-                        "dict with 'inputs' and 'targets'")
-    if isinstance(data, tuple) and len(data) == 2 and all(hasattr(a, "shape") for a in data):
-        data = {"inputs": data[0], "targets": data[1]}
-    if isinstance(data, dict):
-        return ArraySource(data, name)
-    if hasattr(data, "__len__") and hasattr(data, "__getitem__"):
-        return MapSource(data, name)
-    raise DataError(f"{name}: unsupported data of type {type(data).__name__}; pass arrays, "
-                    "a dict of arrays, or a map-style dataset (len + getitem)")
-
-
-class ArraySource:
-    """Rows of a dict of equally long arrays."""
-
-    def __init__(self, arrays: dict, name: str):
-        if "inputs" not in arrays:
-            raise DataError(f"{name}: missing the 'inputs' field (got {sorted(arrays)})")
-        self._arrays = {k: np.asarray(v) for k, v in arrays.items()}
-        lengths = {k: len(v) for k, v in self._arrays.items()}
-        if len(set(lengths.values())) != 1:
-            raise DataError(f"{name}: fields have different lengths {lengths}")
-        self._len, self._name = next(iter(lengths.values())), name
-
-    def __len__(self):
-        return self._len
-
-    def __getitem__(self, i):
-        return {k: v[i] for k, v in self._arrays.items()}
-
-    def __repr__(self):
-        shapes = {k: v.shape for k, v in self._arrays.items()}
-        return f"ArraySource({self._name}, {shapes})"
-
-
-class MapSource:
-    """Any map-style dataset (a torch Dataset included); items become dicts of numpy."""
-
-    def __init__(self, dataset, name: str):
-        self._ds, self._name = dataset, name
-
-    def __len__(self):
-        return len(self._ds)
-
-    def __getitem__(self, i):
-        return to_numpy_item(self._ds[i], f"{self._name}[{i}]")
-
-    def __repr__(self):
-        return f"MapSource({self._name}, {type(self._ds).__name__}, n={len(self)})"
-
-
-def to_numpy_item(item, where: str) -> dict:
-    if isinstance(item, (tuple, list)):
-        if len(item) != 2:
-            raise DataError(f"{where}: a tuple item must be (inputs, targets), got "
-                            f"{len(item)} elements")
-        item = {"inputs": item[0], "targets": item[1]}
-    if not isinstance(item, dict):
-        raise DataError(f"{where}: items must be dicts or (inputs, targets) tuples, got "
-                        f"{type(item).__name__}")
-    return {k: _to_numpy(v, f"{where}.{k}") for k, v in item.items()}
-
-
-def _to_numpy(value, where: str) -> np.ndarray:
-    if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch tensor
-        return value.detach().cpu().numpy()
-    if isinstance(value, (np.ndarray, np.generic)):
-        return np.asarray(value)
-    if isinstance(value, numbers.Number):
-        return np.asarray(value)
+def _builtin(data_cfg):
+    if data_cfg.name not in BUILTIN:
+        raise DataError(f"data.name: unknown dataset {data_cfg.name!r}; built-in: "
+                        f"{', '.join(BUILTIN)} (or name your own with data.source)")
     try:
-        return np.asarray(value)
-    except Exception as e:
-        raise DataError(f"{where}: cannot convert {type(value).__name__} to an array: {e}") \
-            from None
+        train, val, info = BUILTIN[data_cfg.name](data_cfg.seq_len, data_cfg.val_fraction)
+    except text.CorpusError as e:
+        raise DataError(str(e)) from None
+    ev = (Data("eval_data", "map", MapSource(val, "eval_data"), data_cfg.name)
+          if val is not None else None)
+    return Data("train_data", "map", MapSource(train, "train_data"), data_cfg.name), ev, info
 
 
-def check_source(source, *, global_batch: int, name: str) -> None:
-    """Fail before training on sources that would give zero or ragged batches."""
-    n = len(source)
-    if n == 0:
-        raise DataError(f"{name}: the dataset is empty")
-    if n < global_batch:
-        raise DataError(f"{name}: {n} examples is fewer than one global batch "
-                        f"(data.batch_size={global_batch})")
-    first = source[0]
-    for i in sorted({1, n // 2, n - 1} - {0}):
-        item = source[i]
-        if sorted(item) != sorted(first):
-            raise DataError(f"{name}[{i}]: fields {sorted(item)} differ from item 0's "
-                            f"{sorted(first)}")
-        for k in first:
-            a, b = np.asarray(first[k]), np.asarray(item[k])
-            if a.shape != b.shape or a.dtype != b.dtype:
-                raise DataError(f"{name}[{i}].{k}: shape/dtype {b.shape} {b.dtype} differs "
-                                f"from item 0's {a.shape} {a.dtype}")
+def check_source(source, *, global_batch: int, name: str = "train_data",
+                 process_index: int = 0, process_count: int = 1,
+                 drop_last: bool = True) -> dict:
+    """Fails before training on data that would give zero, ragged or unstable batches;
+    returns a sample local batch (numpy) of what the step will see."""
+    data = source if isinstance(source, Data) else as_data(source, name)
+    return checks.check(data, global_batch=global_batch, process_index=process_index,
+                        process_count=process_count, drop_last=drop_last, train=True)
 
 
 def make_train_iterator(source, *, local_batch: int, seed: int, shuffle: bool,
-                        process_index: int, process_count: int, num_workers: int = 0):
-    """An endless iterator of per-process batches with `get_state()`/`set_state()`.
+                        process_index: int, process_count: int, num_workers: int = 0,
+                        drop_last: bool = True, prefetch: int = 2, num_threads: int = 0):
+    """Endless per-process batches with `get_state()` / `set_state()` (JSON dicts)."""
+    data = source if isinstance(source, Data) else as_data(source, "train_data")
+    if data.ref is None:
+        checks.check(data, global_batch=local_batch * process_count, drop_last=drop_last,
+                     process_index=process_index, process_count=process_count, train=True)
+    keep64 = x64_enabled()
+    if data.kind == "grain_loader":
+        return grain_sources.LoaderIterator(data.source, name=data.name,
+                                            local_batch=local_batch, keep_64bit=keep64)
+    reader = pipeline.BatchReader(data.source, name=data.name, seed=seed,
+                                  collate_fn=data.collate_fn, ref=data.ref,
+                                  mask=not drop_last, keep_64bit=keep64,
+                                  stream=process_index)
+    if data.kind == "stream":
+        batches = streams.StreamBatches(
+            data.source, process_index=process_index, process_count=process_count,
+            local_batch=local_batch, seed=seed, drop_last=drop_last, reader=reader,
+            holdout=data.holdout, num_workers=max(1, num_workers))
+        return streams.StreamIterator(batches, num_workers=num_workers, prefetch=prefetch,
+                                      worker_init_fn=data.worker_init_fn)
+    plan = pipeline.BatchPlan(len(data.source), local_batch * process_count, local_batch,
+                              process_index, seed, shuffle, drop_last)
+    return pipeline.MapIterator(plan, reader, num_workers=num_workers, num_threads=num_threads,
+                                prefetch=prefetch, worker_init_fn=data.worker_init_fn)
 
-    Each epoch is reshuffled from (seed, epoch); process p reads every P-th example of
-    the global order, so processes read disjoint shards."""
-    ds = grain.MapDataset.source(source)
-    if shuffle:
-        ds = ds.shuffle(seed=seed)
-    ds = ds.repeat(None)[process_index::process_count]
-    ds = ds.batch(local_batch, drop_remainder=True)
-    it_ds = ds.to_iter_dataset()
-    if num_workers > 0:
-        it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
-    return iter(it_ds)
+
+def device_prefetch(host_iter, put: Callable, depth: int) -> DevicePrefetch:
+    """`put(batch)` (the host->device transfer) applied `depth` batches ahead in a thread;
+    depth 0 transfers in the caller. Keeps get_state() at the step's position."""
+    return DevicePrefetch(host_iter, put, depth)
 
 
 def eval_batches(source, *, local_batch: int, process_index: int, process_count: int,
                  max_batches: int = 0) -> Iterator[dict[str, Any]]:
-    """Every example exactly once, in order, in padded batches with a `mask` [b].
-
-    Global batch g holds examples [g*B, (g+1)*B); process p takes its b = B/P rows of it.
-    The last batch is padded with copies of example 0 and mask 0, so all processes run
-    the same number of steps and the step compiles once."""
-    n = len(source)
-    global_batch = local_batch * process_count
-    num = -(-n // global_batch)
-    if max_batches:
-        num = min(num, max_batches)
-    pad_item = source[0]
-    for g in range(num):
-        start = g * global_batch + process_index * local_batch
-        rows, mask = [], np.zeros(local_batch, np.float32)
-        for j in range(local_batch):
-            if start + j < n:
-                rows.append(source[start + j])
-                mask[j] = 1.0
-            else:
-                rows.append(pad_item)
-        batch = {k: np.stack([np.asarray(r[k]) for r in rows]) for k in pad_item}
-        batch["mask"] = mask
-        yield batch
+    """Every example exactly once, in order, in padded batches with a `mask` [b]; the
+    same number of batches on every process, so the eval step compiles once."""
+    data = source if isinstance(source, Data) else as_data(source, "eval_data")
+    return evalsets.eval_batches(data, local_batch=local_batch, process_index=process_index,
+                                 process_count=process_count, max_batches=max_batches)
 
 
 def num_eval_examples(source, max_batches: int, global_batch: int) -> int:

@@ -42,9 +42,13 @@ Dtype = Any
 
 
 def _param(module: nn.Module, name: str, shape, axes, init):
-    """A parameter in module.param_dtype annotated with logical `axes`."""
-    return module.param(name, nn.with_logical_partitioning(init, axes), shape,
-                        module.param_dtype)
+    """A parameter in module.param_dtype annotated with logical `axes`.
+
+    At use, the "embed" dimension is gathered (FSDP: parameters are stored sharded and
+    all-gathered for the matmul, activations stay split by batch). A no-op unless the
+    engine sets logical-axis rules."""
+    w = module.param(name, nn.with_logical_partitioning(init, axes), shape, module.param_dtype)
+    return nn.with_logical_constraint(w, tuple(None if a == "embed" else a for a in axes))
 
 
 def _norm(param_dtype: Dtype, name: str) -> nn.RMSNorm:
@@ -160,8 +164,13 @@ class Transformer(nn.Module):
         x = embed(tokens)  # [B, T, D] in dtype
         x = _dropout(x, self.dropout, train)
         for i in range(self.num_layers):
+            # Keep the residual stream split by batch only: with params sharded on
+            # "embed" (FSDP), XLA would otherwise reshard activations along D instead of
+            # gathering the weights. A no-op unless the engine sets logical-axis rules.
+            x = nn.with_logical_constraint(x, ("batch", "length", None))
             x = Block(self.num_heads, self.d_ff, self.dropout, self.dtype, self.param_dtype,
                       name=f"layer_{i}")(x, train=train)
+        x = nn.with_logical_constraint(x, ("batch", "length", None))
         x = _norm(self.param_dtype, "final_norm")(x)  # float32 [B, T, D]
         if self.tie_embeddings:
             logits = embed.attend(x.astype(self.dtype))  # [B, T, V]

@@ -1,0 +1,91 @@
+"""`checkpoint.init_from`: start a new run (step 0) from another run's parameters.
+
+The source is an export (`python -m jtrain.export`: a directory with params.safetensors,
+or the file) or another run's checkpoint (its workdir, its checkpoints/ directory, or a
+step directory; the newest intact step is used; nothing there is modified). Parameters
+are taken by path (`params/blocks_0/attn/qkv/kernel`); with `checkpoint.init_from_opt`
+the optimizer state is taken too (`opt_state/...`, a checkpoint source only). Leaves whose
+path matches a regex in `checkpoint.init_exclude` (re.search) keep their fresh init, as
+does everything else (step, rng, loss scale). A leaf the model needs that the source
+lacks, or a shape that differs, is an error naming the leaf (exit 3). A floating dtype
+that differs (a bfloat16 export into float32 parameters) is cast, and said so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import jax
+import numpy as np
+
+from jtrain import checkpoint_integrity as integrity
+
+
+def init_from(ckpt_cfg, abstract_state, init_fn):
+    from jtrain import config as config_lib
+    from jtrain import export as export_lib
+    from jtrain.checkpoint import RestoreError, say
+
+    path = ckpt_cfg.init_from
+    if not os.path.exists(path):
+        raise config_lib.ConfigError("checkpoint.init_from", f"{path}: no such file or directory")
+    with_opt = ckpt_cfg.init_from_opt
+    excludes = [re.compile(p) for p in ckpt_cfg.init_exclude]
+    try:
+        if export_lib.is_export(path):
+            if with_opt:
+                raise RestoreError(f"checkpoint.init_from={path} is an export (parameters "
+                                   "only); init_from_opt needs a checkpoint")
+            loaded = export_lib.load_export(path)
+            source = path
+        else:
+            source = export_lib.find_step_dir(path)
+            prefixes = ("params", "opt_state") if with_opt else ("params",)
+            loaded = export_lib.load_checkpoint_leaves(source, prefixes)
+    except export_lib.ExportError as e:
+        raise RestoreError(f"checkpoint.init_from: {e}") from None
+
+    fresh = init_fn()
+    target = integrity.tree_spec(abstract_state)
+    wanted = [p for p in target if p.startswith("params/")
+              or (with_opt and p.startswith("opt_state/"))]
+    taken, excluded, cast = {}, 0, set()
+    for p in wanted:
+        if any(rx.search(p) for rx in excludes):
+            excluded += 1
+            continue
+        if p not in loaded:
+            raise RestoreError(f"checkpoint.init_from {source}: {p} ({tuple(target[p][0])} "
+                               f"{target[p][1]}) is not in the source; exclude it with "
+                               "checkpoint.init_exclude to keep its fresh init")
+        arr = loaded[p]
+        shape, dtype = target[p]
+        if list(arr.shape) != list(shape):
+            raise RestoreError(f"checkpoint.init_from {source}: {p}: source has "
+                               f"{tuple(arr.shape)} {arr.dtype.name}, the model "
+                               f"{tuple(shape)} {dtype}; exclude it with "
+                               "checkpoint.init_exclude")
+        if arr.dtype.name != dtype:
+            floats = all(n.startswith(("float", "bfloat")) for n in (arr.dtype.name, dtype))
+            if not floats:
+                raise RestoreError(f"checkpoint.init_from {source}: {p}: source dtype "
+                                   f"{arr.dtype.name}, the model {dtype}")
+            cast.add(f"{arr.dtype.name}->{dtype}")
+        taken[p] = arr
+
+    def pick(kp, leaf):
+        arr = taken.get(integrity.leaf_path(kp))
+        if arr is None:
+            return leaf
+        arr = arr.astype(leaf.dtype)
+        return jax.make_array_from_callback(arr.shape, leaf.sharding, lambda idx: arr[idx])
+
+    state = jax.tree_util.tree_map_with_path(pick, fresh)
+    unused = sum(1 for p in loaded if p not in target)
+    say(f"initialized from {source}: {len(taken)} leaves"
+        + (" (params and optimizer state)" if with_opt else " (params)")
+        + (f", {excluded} excluded (fresh init)" if excluded else "")
+        + (f", cast {', '.join(sorted(cast))}" if cast else "")
+        + (f", {unused} source leaves unused" if unused else "") + "; starting at step 0")
+    return state

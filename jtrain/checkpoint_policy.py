@@ -1,0 +1,71 @@
+"""Checkpoint policies: which checkpoints to keep, and how hard a background write may
+compete with training for the CPU. Used by `jtrain.checkpoint.Checkpointer`."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class KeepPolicy:
+    """Which checkpoints to keep (orbax's PreservationPolicy protocol): the latest
+    `max_to_keep` (at least 1: the latest is never deleted to make room for a better
+    one), multiples of `keep_every_steps`, the final step, and the `keep_top_k` best by
+    `monitor` (`mode`) in the registry of the owner's run-control record. The owner is
+    read at call time: its record is replaced on resume."""
+
+    owner: Any  # jtrain.checkpoint.Checkpointer
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        cfg = self.owner.cfg
+        steps = [info.step for info in checkpoints]
+        keep = set(steps[-max(1, cfg.max_to_keep):])
+        if cfg.keep_every_steps:
+            keep |= {s for s in steps if s % cfg.keep_every_steps == 0}
+        keep |= {s for s in steps if s == self.owner.final_step}
+        keep |= set(best_steps(self.owner.control.metric_registry, steps, cfg.keep_top_k,
+                               cfg.mode))
+        return [s in keep for s in steps]
+
+
+def best_steps(registry: dict, steps, k: int, mode: str) -> list[int]:
+    """The k best of `steps` by their registered metric (ties: the newer step)."""
+    scored = [(float(registry[str(s)]), s) for s in steps
+              if str(s) in registry and np.isfinite(float(registry[str(s)]))]
+    sign = 1.0 if mode == "min" else -1.0
+    scored.sort(key=lambda vs: (sign * vs[0], -vs[1]))
+    return [s for _, s in scored[:k]]
+
+
+def lower_writer_priority(nice: int, tid: int | None = None) -> None:
+    """Renice tensorstore's I/O pool threads (or thread `tid`) to `nice` (Linux).
+
+    checkpoint.writer_nice: with the CPU busy training, a background write takes cycles
+    from the step; a higher nice value spreads the write over the cycles the step leaves
+    idle (steps/s stays up, the write takes longer). A save after the loop stopped
+    (final, preemption) or one the loop waits for competes with nothing."""
+    if tid is not None:
+        tids = [tid]
+    else:
+        try:
+            names = os.listdir("/proc/self/task")
+        except OSError:  # not Linux
+            return
+        tids = []
+        for name in names:
+            try:
+                with open(f"/proc/self/task/{name}/comm") as f:
+                    if f.read().startswith("ts_pool"):
+                        tids.append(int(name))
+            except OSError:  # the thread ended meanwhile
+                pass
+    for t in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, t) < nice:
+                os.setpriority(os.PRIO_PROCESS, t, nice)
+        except OSError:
+            pass

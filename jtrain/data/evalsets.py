@@ -1,0 +1,117 @@
+"""Evaluation data: every example exactly once, padded batches with a `mask` [b], the
+same number of batches on every process (the eval step is a collective and compiles once).
+
+Map-style eval sets are read in place (global batch g = examples [g*B, (g+1)*B), process
+p takes its b rows). Streams and grain DataLoaders are read once, at setup, into memory:
+each process keeps its own shard, the processes agree on the largest shard, and batch g
+of every process is rows [g*b, (g+1)*b) of its own shard, padded.
+"""
+
+from __future__ import annotations
+
+import grain
+import numpy as np
+
+from jtrain.data import checks, grain_sources, items as items_lib, pipeline, streams
+from jtrain.data.items import DataError
+from jtrain.data.load import Data
+
+
+MAX_EVAL_STREAM = 1_000_000  # examples per process read into memory from an eval stream
+
+
+class ListSource:
+    """This process's eval examples, in memory (raw items, as the dataset gave them)."""
+
+    def __init__(self, items: list, name: str, local_max: int, num_valid: int):
+        # items[0] exists even when this process has no rows (num_valid 0): it pads.
+        self.items, self.name, self.local_max, self.num_valid = items, name, local_max, num_valid
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def read(self, index: int, epoch: int = 0, seed: int = 0):
+        return self.items[int(index)]
+
+    def read_batch(self, indices, epoch: int, seed: int, key: int, stream: int = 0) -> list:
+        return [self.items[int(i)] for i in indices]
+
+    check_read = read
+
+    def __repr__(self) -> str:
+        return f"ListSource({self.name}, n={len(self)})"
+
+
+def read_eval_set(data: Data, *, process_index: int, process_count: int,
+                  workers: int = 1) -> Data:
+    """A stream or grain DataLoader eval set, read into memory (this process's shard)."""
+    name = data.name
+    if data.kind == "grain_loader":
+        grain_sources.check_loader_sharding(data.source, name, process_index, process_count)
+        rows = grain_sources.loader_items(data.source, name)
+    else:
+        # A held-out part of a stream that splits itself must use the shards training
+        # uses (worker w of process p is shard p*W + w), or the parts would overlap.
+        w = workers if data.holdout is not None else 1
+        rows = []
+        for s in range(process_index * w, (process_index + 1) * w):
+            rows += streams.read_shard(data.source, shard=s, num_shards=process_count * w,
+                                       seed=0, holdout=data.holdout,
+                                       limit=MAX_EVAL_STREAM + 1 - len(rows))
+        if len(rows) > MAX_EVAL_STREAM:
+            raise DataError(f"{name}: the eval stream gave more than {MAX_EVAL_STREAM:,} "
+                            "examples to this process without ending; an eval stream must "
+                            "end (or pass a map-style eval set)")
+    total = streams.process_sum(len(rows), process_count)
+    if total == 0:
+        raise DataError(f"{name}: the eval data is empty")
+    local_max = streams.process_max(len(rows), process_count)
+    num_valid = len(rows)
+    if not rows:  # other processes have rows: borrow one to pad with (mask 0)
+        rows = (grain_sources.loader_items(data.source, name)[:1] if data.kind == "grain_loader"
+                else streams.read_shard(data.source, shard=0, num_shards=1, seed=0,
+                                        holdout=data.holdout, limit=1))
+    return Data(name, "list", ListSource(rows, name, local_max, num_valid), data.description,
+                collate_fn=data.collate_fn, notes=list(data.notes), count=total)
+
+
+class LocalPlan:
+    """Eval batch g = rows [g*b, (g+1)*b) of this process's rows; past the end, row 0
+    again with mask 0."""
+
+    def __init__(self, n: int, local_batch: int):
+        self.n, self.local_batch = n, local_batch
+
+    def __call__(self, g: int):
+        pos = int(g) * self.local_batch + np.arange(self.local_batch)
+        valid = pos < self.n
+        return 0, int(g), np.where(valid, pos, 0), valid
+
+
+def eval_batches(data: Data, *, local_batch: int, process_index: int, process_count: int,
+                 max_batches: int = 0, num_threads: int = 1, prefetch: int = 2):
+    checks.check(data, global_batch=local_batch * process_count, train=False,
+                 process_index=process_index, process_count=process_count)
+    if data.kind not in ("map", "list"):
+        raise DataError(f"{data.name}: eval data of kind {data.kind} must be read with "
+                        "jtrain.data.make_sources first")
+    src = data.source
+    reader = pipeline.BatchReader(src, name=data.name, seed=0, collate_fn=data.collate_fn,
+                                  ref=data.ref, mask=True, keep_64bit=items_lib.x64_enabled(),
+                                  stream=process_index)
+    if data.kind == "map":
+        n = len(src)
+        num = -(-n // (local_batch * process_count))
+        plan = pipeline.EvalPlan(n, local_batch * process_count, local_batch, process_index)
+    else:
+        num = -(-src.local_max // local_batch)
+        plan = LocalPlan(src.num_valid, local_batch)
+    if max_batches:
+        num = min(num, max_batches)
+    ds = grain.MapDataset.range(num).map(pipeline.Load(plan, reader))
+    it = iter(ds.to_iter_dataset(pipeline.read_options(num_threads, prefetch)))
+    try:
+        yield from it
+    finally:
+        if hasattr(it, "close"):
+            it.close()

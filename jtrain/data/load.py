@@ -1,0 +1,200 @@
+"""What the user gave (or named in the config) -> a `Data`: a map-style source, a stream
+or a grain DataLoader, with the collate function and notes that go with it.
+
+Accepted: numpy arrays as `(inputs, targets[, weights])` or a dict of arrays; any
+map-style dataset (`len` + `getitem`: a torch Dataset, a grain MapDataset, a list of
+items); a torch IterableDataset, a grain IterDataset or any re-iterable object (streams);
+a torch DataLoader (its settings are read, see torch_adapters.py); a grain DataLoader;
+`jtrain.data.with_transform(dataset, fn)`. A config names a factory by import path,
+`data.source="pkg.module:function"`, called with `data.kwargs`; it returns one of the
+above, or {"train": ..., "eval": ...}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable
+
+import grain
+import numpy as np
+
+from jtrain.data import grain_sources, items as items_lib, torch_adapters
+from jtrain.data.items import DataError, call_item, first_line
+from jtrain.data.sources import (ArraySource, MapSource, Subset, Transformed, WithTransform,
+                                 split_indices)
+from jtrain.data.streams import IterableStream
+
+
+@dataclasses.dataclass
+class Data:
+    """One dataset as jtrain reads it. `kind`: "map" (source has len + read), "stream"
+    (source opens per shard), "grain_loader" (source is the loader), "list" (an eval set
+    read into memory, this process's rows)."""
+    name: str
+    kind: str
+    source: Any
+    description: str
+    collate_fn: Callable | None = None
+    worker_init_fn: Callable | None = None
+    notes: list = dataclasses.field(default_factory=list)
+    holdout: tuple | None = None  # streams: (fraction, split_seed, keep the held-out part)
+    ref: dict | None = None       # the signature every batch must match (set by checks)
+    sample: dict | None = None    # a checked sample batch (numpy, rows = examples)
+    count: int | None = None      # examples, where known
+
+    def __len__(self) -> int:
+        """Examples (map-style: exact; streams: declared or seen, 0 if unknown)."""
+        if self.kind == "map":
+            return len(self.source)
+        return int(self.count or 0)
+
+    def __getitem__(self, index: int) -> dict:
+        """Example `index` as the model sees it (after collate_fn), numpy."""
+        from jtrain.data import checks, pipeline  # they build on this module
+
+        if self.ref is None:
+            checks.check(self, global_batch=1, train=False)
+        if index == 0:
+            return items_lib.tree_map(lambda x: x[0], self.sample)
+        if self.kind not in ("map", "list"):
+            raise DataError(f"{self.name}: a stream has no random access (only example 0 of "
+                            "the checked sample)")
+        batch = pipeline.collate([self.source.read(index)], [index], name=self.name,
+                                 collate_fn=self.collate_fn, ref=self.ref,
+                                 keep_64bit=items_lib.x64_enabled())
+        return items_lib.tree_map(lambda x: x[0], batch)
+
+
+def load_named(path: str, key: str):
+    """The object at "package.module:attribute" (a DataError naming `key` otherwise)."""
+    if not isinstance(path, str) or ":" not in path or path.startswith(":"):
+        raise DataError(f"{key}: expected 'package.module:function', got {path!r}")
+    module_name, attr = path.split(":", 1)
+    try:
+        obj = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise DataError(f"{key}: cannot import {module_name!r} ({e}); is it on PYTHONPATH?") \
+            from None
+    except Exception as e:
+        raise DataError(f"{key}: importing {module_name!r} raised {type(e).__name__}: "
+                        f"{first_line(e)}") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise DataError(f"{key}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def from_factory(data_cfg) -> tuple[Any, Any]:
+    """(train, eval or None) from the factory named by data.source."""
+    factory = load_named(data_cfg.source, "data.source")
+    if not callable(factory):
+        raise DataError(f"data.source: {data_cfg.source} is a {type(factory).__name__}, "
+                        "not a function")
+    kwargs = dict(data_cfg.kwargs)
+    out = call_item(lambda: factory(**kwargs), f"data.source: {data_cfg.source}(**data.kwargs)")
+    if out is None:
+        raise DataError(f"data.source: {data_cfg.source} returned None")
+    if isinstance(out, dict) and "train" in out and set(out) <= {"train", "eval"}:
+        return out["train"], out.get("eval")
+    return out, None
+
+
+def adopt_loader(data_cfg, loader, process_index: int, process_count: int):
+    """A torch DataLoader's settings become data.* (batch_size is per process, as in
+    torch); the header says so. Returns what make_sources reads."""
+    s = torch_adapters.read_dataloader(loader, "train_data", process_index, process_count)
+    data_cfg.batch_size = s.batch_size * process_count
+    data_cfg.shuffle, data_cfg.drop_last = s.shuffle, s.drop_last
+    data_cfg.num_workers = s.num_workers
+    if s.prefetch:
+        data_cfg.prefetch = int(s.prefetch)
+    s.notes.insert(0, f"from a torch DataLoader: batch_size={s.batch_size} per process, "
+                      f"shuffle={s.shuffle}, drop_last={s.drop_last}, "
+                      f"num_workers={s.num_workers}")
+    return s
+
+
+def as_data(obj, name: str) -> Data:
+    """A `Data` for what the user passed (or a DataError saying what is accepted)."""
+    if isinstance(obj, torch_adapters.LoaderSettings):
+        data = as_data(obj.dataset, name)
+        data.collate_fn, data.worker_init_fn = obj.collate_fn, obj.worker_init_fn
+        data.notes = list(obj.notes) + data.notes
+        return data
+    if isinstance(obj, WithTransform):
+        return add_transform(as_data(obj.dataset, name), obj.fn)
+    if torch_adapters.is_dataloader(obj):
+        return as_data(torch_adapters.read_dataloader(obj, name, 0, 1), name)
+    if isinstance(obj, np.ndarray):
+        raise DataError(f"{name}: a bare array has no targets; pass (inputs, targets) or a "
+                        "dict with 'inputs' and 'targets'")
+    if isinstance(obj, tuple) and len(obj) in (2, 3) and all(hasattr(a, "shape") for a in obj):
+        obj = dict(zip(items_lib.TUPLE_KEYS, obj))
+    if isinstance(obj, dict) and obj and all(hasattr(v, "shape") for v in obj.values()):
+        return Data(name, "map", ArraySource(obj, name), "arrays")
+    if grain_sources.is_grain_loader(obj):
+        return Data(name, "grain_loader", obj, "grain DataLoader")
+    if isinstance(obj, grain.IterDataset):
+        return Data(name, "stream", grain_sources.GrainStream(obj, name), "grain IterDataset")
+    if isinstance(obj, grain.MapDataset):
+        return Data(name, "map", MapSource(obj, name), "grain MapDataset")
+    kind = type(obj).__name__
+    if torch_adapters.is_iterable_dataset(obj):
+        return _stream(obj, name, f"torch {kind} (stream)")
+    if hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not isinstance(obj, (str, bytes, dict)):
+        return Data(name, "map", MapSource(obj, name),
+                    ("torch " if type(obj).__module__.startswith("torch") or
+                     _is_torch(obj) else "") + kind)
+    if hasattr(obj, "__iter__") and not isinstance(obj, (str, bytes, dict)):
+        return _stream(obj, name, f"{kind} (stream)")
+    raise DataError(f"{name}: unsupported data of type {kind}; pass arrays, a dict of arrays, "
+                    "a map-style dataset (len + getitem), a torch IterableDataset or "
+                    "DataLoader, or a grain dataset")
+
+
+def add_transform(data: Data, fn: Callable) -> Data:
+    """`fn(item, rng)` on every item read, rng from (seed, epoch, index)."""
+    if not callable(fn):
+        raise DataError(f"{data.name}: a transform must be callable, got {type(fn).__name__}")
+    if data.kind != "map":
+        raise DataError(f"{data.name}: random transforms work on map-style datasets, not on "
+                        f"{data.description}")
+    data.source = Transformed(data.source, fn, data.name)
+    data.notes.append(f"random transform {getattr(fn, '__name__', 'fn')}(item, rng)")
+    return data
+
+
+def _is_torch(obj) -> bool:
+    return any(c.__module__.startswith("torch.utils.data") for c in type(obj).__mro__[1:])
+
+
+def _stream(obj, name: str, description: str) -> Data:
+    stream = IterableStream(obj, name)
+    return Data(name, "stream", stream, description, count=stream.declared_len())
+
+
+def split_off_eval(train: Data, fraction: float, split_seed: int) -> tuple[Data, Data | None]:
+    """data.val_fraction of one dataset held out for evaluation (seeded by
+    data.split_seed, independent of the run's seed: every run holds out the same part)."""
+    if fraction <= 0:
+        return train, None
+    if train.kind == "map":
+        n = len(train.source)
+        keep, held = split_indices(n, fraction, split_seed)
+        ev = dataclasses.replace(train, name="eval_data", notes=[],
+                                 source=Subset(train.source, held, "eval_data"))
+        train.source = Subset(train.source, keep, train.name)
+        train.notes.append(f"{len(held):,} of {n:,} examples held out for eval "
+                           f"(data.val_fraction={fraction})")
+        return train, ev
+    if train.kind == "stream":
+        ev = dataclasses.replace(train, name="eval_data", notes=[],
+                                 holdout=(fraction, split_seed, True))
+        train.holdout = (fraction, split_seed, False)
+        train.notes.append(f"a seeded {fraction:.0%} of the stream held out for eval "
+                           "(data.val_fraction)")
+        return train, ev
+    train.notes.append("no eval split of a grain DataLoader (pass eval_data)")
+    return train, None

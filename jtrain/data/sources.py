@@ -1,0 +1,281 @@
+"""Map-style sources: `len` + `read(index, epoch, seed)` -> the item as the user's dataset
+returns it (a torch tensor tuple, a dict of numpy, ...). Conversion to numpy and batching
+happen later, in `jtrain.data.pipeline`.
+
+Randomness is a function of (seed, epoch, index), never of global RNG state, so that a
+resumed run and a run with worker processes read exactly the same items:
+  * `with_transform(dataset, fn)` calls `fn(item, rng)` with a numpy Generator seeded from
+    (seed, epoch, index);
+  * a dataset seen (by the checks before training) drawing from torch's or numpy's
+    global RNG (torchvision's random transforms do) gets that generator seeded once per
+    batch from (seed, epoch, batch number, process) and the batch read in order under a
+    lock (torch's generator is restored after), and a warning, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+from jtrain.data.items import DataError, call_item
+
+log = logging.getLogger("jtrain")
+_MASK63 = (1 << 63) - 1
+_WARNED: set[str] = set()
+_GLOBAL_RNG_LOCK = threading.RLock()
+
+
+def item_seed(seed: int, epoch: int, index: int, stream: int = 0) -> int:
+    """A 63-bit seed mixing (seed, epoch, index, stream): odd multipliers, then one
+    splitmix64 finaliser (cheap: it runs per item)."""
+    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB
+         + stream * 0xD6E8FEB86659FD93) & 0xFFFFFFFFFFFFFFFF
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & _MASK63
+
+
+def item_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    """The per-item Generator handed to random transforms."""
+    return np.random.Generator(np.random.Philox(key=item_seed(seed, epoch, index)))
+
+
+def warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning(message)
+
+
+def _is_torch_dataset(ds) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(ds, torch.utils.data.Dataset)
+
+
+class GlobalRng:
+    """Seeds torch's and numpy's global RNG for a dataset seen using them (and torch's for
+    torch streams, always). The global generators are shared by all threads, so seeded
+    reads hold a lock: grain's reader threads must not interleave their draws."""
+
+    def __init__(self, dataset, always: bool = False):
+        self.torch = always and _is_torch_dataset(dataset)
+        self.numpy = False
+        self.key = f"{type(dataset).__qualname__}@{id(dataset):x}"  # warn once per dataset
+
+    @property
+    def active(self) -> bool:
+        return self.torch or self.numpy
+
+    @contextlib.contextmanager
+    def seeded(self, seed: int):
+        with _GLOBAL_RNG_LOCK:
+            if self.numpy:
+                np.random.seed(seed & 0xFFFFFFFF)
+            if not self.torch:
+                yield
+                return
+            gen = sys.modules["torch"].default_generator
+            saved = gen.get_state()
+            gen.manual_seed(seed)
+            try:
+                yield
+            finally:
+                gen.set_state(saved)  # the user's own global RNG stream is left as it was
+
+    def call(self, fn: Callable, seed: int):
+        if not self.active:
+            return fn()
+        with self.seeded(seed):
+            return fn()
+
+    def detect(self, fn: Callable, name: str):
+        """fn() while watching torch's and numpy's global RNG; warns once if either moved."""
+        used = []
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            gen = torch.default_generator
+            saved = gen.get_state()
+            gen.manual_seed(12345)
+            before = gen.get_state()
+        np_saved = np.random.get_state()
+        np.random.seed(12345)
+        try:
+            out = fn()
+        finally:
+            if torch is not None:
+                if not torch.equal(gen.get_state(), before):
+                    used.append("torch")
+                gen.set_state(saved)
+            if np.random.get_state()[2] != 624:  # position moves with every draw
+                used.append("numpy")
+            np.random.set_state(np_saved)
+        self.numpy |= "numpy" in used
+        self.torch |= "torch" in used
+        if used:
+            warn_once(f"rng:{self.key}", (
+                f"{name}: reading items draws from {' and '.join(used)}'s global RNG; jtrain "
+                "seeds it for each batch from (seed, epoch, batch), so runs are reproducible "
+                "and resume exactly (for the same number of processes), but per-example "
+                "transforms are better written as jtrain.data.with_transform(dataset, "
+                "fn(item, rng))"))
+        return out
+
+
+class MapSource:
+    """Any map-style dataset (`len` + `getitem`, a torch Dataset included)."""
+
+    def __init__(self, dataset, name: str):
+        self.dataset, self.name = dataset, name
+        self.rng = GlobalRng(dataset)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def read(self, index: int, epoch: int = 0, seed: int = 0):
+        return self.read_batch([index], epoch, seed, key=int(index))[0]
+
+    def read_batch(self, indices, epoch: int, seed: int, key: int, stream: int = 0) -> list:
+        """The items at `indices`, in order. A dataset that draws from a global RNG gets
+        it seeded once for the batch, from (seed, epoch, key, stream)."""
+        if not self.rng.active:
+            return self._get_all(indices)
+        with self.rng.seeded(item_seed(seed, epoch, key, 1 + stream)):
+            return self._get_all(indices)
+
+    def _get_all(self, indices) -> list:
+        ds = self.dataset
+        indices = indices.tolist() if isinstance(indices, np.ndarray) else list(map(int, indices))
+        try:
+            return [ds[i] for i in indices]
+        except DataError:
+            raise
+        except Exception:
+            pass
+        for i in indices:  # again, one by one, to name the item that fails
+            call_item(lambda: ds[i], f"{self.name}[{i}]")
+        return [ds[i] for i in indices]
+
+    def check_read(self, index: int):
+        """read() for the checks before training: also detects global-RNG use."""
+        return call_item(lambda: self.rng.detect(lambda: self.dataset[int(index)], self.name),
+                         f"{self.name}[{index}]")
+
+    def __repr__(self) -> str:  # deterministic: grain compares reprs on restore
+        return f"MapSource({self.name}, {type(self.dataset).__name__}, n={len(self)})"
+
+
+class ArraySource:
+    """Rows of a dict of equally long arrays."""
+
+    def __init__(self, arrays: dict, name: str):
+        if "inputs" not in arrays:
+            raise DataError(f"{name}: missing the 'inputs' field (got {sorted(arrays)})")
+        self.arrays = {k: _array(v, f"{name}.{k}") for k, v in arrays.items()}
+        lengths = {k: len(v) for k, v in self.arrays.items()}
+        if len(set(lengths.values())) != 1:
+            raise DataError(f"{name}: fields have different lengths {lengths}")
+        self._len, self.name = next(iter(lengths.values())), name
+
+    def __len__(self) -> int:
+        return self._len
+
+    def read(self, index: int, epoch: int = 0, seed: int = 0) -> dict:
+        return {k: v[index] for k, v in self.arrays.items()}
+
+    def read_batch(self, indices, epoch: int, seed: int, key: int, stream: int = 0) -> list:
+        return [{k: v[i] for k, v in self.arrays.items()} for i in indices]
+
+    check_read = read
+
+    def __repr__(self) -> str:
+        shapes = {k: v.shape for k, v in self.arrays.items()}
+        return f"ArraySource({self.name}, {shapes})"
+
+
+def _array(value, where: str) -> np.ndarray:
+    if hasattr(value, "detach"):  # a torch tensor
+        value = value.detach().cpu().numpy()
+    arr = np.asarray(value)
+    if arr.ndim == 0:
+        raise DataError(f"{where}: a scalar is not a column of examples")
+    return arr
+
+
+class Subset:
+    """Some rows of another source, by index (a train/validation split)."""
+
+    def __init__(self, source, indices: np.ndarray, name: str):
+        self.source, self.indices, self.name = source, np.asarray(indices, np.int64), name
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def read(self, index: int, epoch: int = 0, seed: int = 0):
+        return self.source.read(self.indices[index], epoch, seed)
+
+    def read_batch(self, indices, epoch: int, seed: int, key: int, stream: int = 0) -> list:
+        return self.source.read_batch(self.indices[np.asarray(indices)], epoch, seed, key,
+                                      stream)
+
+    def check_read(self, index: int):
+        return self.source.check_read(self.indices[index])
+
+    def __repr__(self) -> str:
+        return f"Subset({self.name}, {self.source!r}, n={len(self)})"
+
+
+class Transformed:
+    """`fn(item, rng)` applied after reading, rng from (seed, epoch, index)."""
+
+    def __init__(self, source, fn: Callable[[Any, np.random.Generator], Any], name: str):
+        self.source, self.fn, self.name = source, fn, name
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def read(self, index: int, epoch: int = 0, seed: int = 0):
+        return self.read_batch([index], epoch, seed, key=int(index))[0]
+
+    def read_batch(self, indices, epoch: int, seed: int, key: int, stream: int = 0) -> list:
+        raws = self.source.read_batch(indices, epoch, seed, key, stream)
+        return [call_item(lambda: self.fn(item, item_rng(seed, epoch, int(i))),
+                          f"{self.name}[{int(i)}] (transform)") for item, i in zip(raws, indices)]
+
+    def check_read(self, index: int):
+        item = self.source.check_read(index)
+        return call_item(lambda: self.fn(item, item_rng(0, 0, int(index))),
+                         f"{self.name}[{int(index)}] (transform)")
+
+    def __repr__(self) -> str:
+        return f"Transformed({self.source!r}, {getattr(self.fn, '__name__', 'fn')})"
+
+
+class WithTransform:
+    """What `with_transform` returns: a dataset marked with a per-item random transform."""
+
+    def __init__(self, dataset, fn: Callable):
+        if not callable(fn):
+            raise DataError(f"with_transform: fn must be callable, got {type(fn).__name__}")
+        self.dataset, self.fn = dataset, fn
+
+    def __len__(self):
+        return len(self.dataset)
+
+
+def with_transform(dataset, fn: Callable[[Any, np.random.Generator], Any]) -> WithTransform:
+    """`dataset` whose items go through `fn(item, rng)`; `rng` is a numpy Generator seeded
+    from (config seed, epoch, index): random augmentation that resumes exactly and does not
+    depend on the number of worker processes."""
+    return WithTransform(dataset, fn)
+
+
+def split_indices(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, held-out indices), both sorted; the held-out part is a seeded
+    random `fraction` of [0, n) (at least one example when fraction > 0)."""
+    order = np.random.default_rng([seed, 0x5B117]).permutation(n)
+    n_val = max(1, int(round(n * fraction))) if fraction > 0 else 0
+    return np.sort(order[n_val:]), np.sort(order[:n_val])

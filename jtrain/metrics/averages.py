@@ -1,0 +1,86 @@
+"""Weighted means: loss, perplexity, bits per byte."""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jtrain.metrics.base import Array, broadcast_mask, ratio, require, sum_merge, zeros
+
+
+@struct.dataclass
+class Average:
+    """Weighted mean of ``batch[key]`` (per example [B] or per token [B, T]).
+
+    A float mask is a weight (0 = padding). compute() -> float (nan when nothing was seen).
+    """
+    total: Array    # float32 on device, float64 after a host merge
+    count: Array    # sum of weights
+    key: str = struct.field(pytree_node=False, default="values")
+    JITTABLE: ClassVar[bool] = True
+
+    @classmethod
+    def empty(cls, key: str = "values"):
+        return cls(total=zeros(np.float32), count=zeros(np.float32), key=key)
+
+    def update(self, **batch):
+        values = jnp.asarray(require(batch, self.key, self), jnp.float32)
+        mask = batch.get("mask")
+        if mask is None:
+            weight = jnp.ones(values.shape, jnp.float32)
+        else:
+            mask = broadcast_mask(mask, values.shape, jnp)
+            weight = jnp.where(mask > 0, mask.astype(jnp.float32), 0.0)
+        part = self.replace(
+            total=jnp.sum(jnp.where(weight > 0, values * weight, 0.0)),
+            count=jnp.sum(weight))
+        return self.merge(part)
+
+    def merge(self, other):
+        return sum_merge(self, other)
+
+    def mean(self) -> float:
+        return ratio(self.total, self.count)
+
+    def compute(self) -> float:
+        return self.mean()
+
+
+@struct.dataclass
+class Loss(Average):
+    """Average of ``batch["loss"]``."""
+
+    @classmethod
+    def empty(cls, key: str = "loss"):
+        return super().empty(key=key)
+
+
+@struct.dataclass
+class Perplexity(Average):
+    """exp(mean token cross-entropy in nats), from ``batch["loss"]`` (per token) and mask."""
+
+    @classmethod
+    def empty(cls, key: str = "loss"):
+        return super().empty(key=key)
+
+    def compute(self) -> float:
+        try:
+            return math.exp(self.mean())
+        except OverflowError:
+            return math.inf
+
+
+@struct.dataclass
+class BitsPerByte(Average):
+    """mean cross-entropy (nats per byte) / ln 2, for byte-level language models."""
+
+    @classmethod
+    def empty(cls, key: str = "loss"):
+        return super().empty(key=key)
+
+    def compute(self) -> float:
+        return self.mean() / math.log(2.0)

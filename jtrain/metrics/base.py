@@ -1,0 +1,101 @@
+"""Helpers shared by the metric states: host dtypes, exact merging, masks."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = Any
+
+
+def is_tracer(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def to_host(x) -> np.ndarray:
+    """A state leaf as numpy float64 / int64, the host accumulation dtypes."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if not x.is_fully_replicated:
+            raise ValueError(
+                "metric state leaf is sharded across processes; return metric states replicated"
+                " from the jitted step (they are sums, so replicated is the natural layout)")
+        x = x.addressable_data(0)
+    x = np.asarray(x)
+    if np.issubdtype(x.dtype, np.floating):
+        return x.astype(np.float64)
+    if np.issubdtype(x.dtype, np.integer) or x.dtype == np.bool_:
+        return x.astype(np.int64)
+    return x
+
+
+def add_leaves(a, b):
+    if is_tracer(a) or is_tracer(b):
+        return a + b  # under jit: stays on device, in the device dtype
+    return to_host(a) + to_host(b)
+
+
+def static_options(metric) -> dict[str, Any]:
+    return {f.name: getattr(metric, f.name) for f in dataclasses.fields(metric)
+            if not f.metadata.get("pytree_node", True)}
+
+
+def check_mergeable(a, b) -> None:
+    if type(a) is not type(b):
+        raise TypeError(f"cannot merge {type(a).__name__} with {type(b).__name__}")
+    if static_options(a) != static_options(b):
+        raise ValueError(f"cannot merge {type(a).__name__} states with different options: "
+                         f"{static_options(a)} vs {static_options(b)}")
+
+
+def sum_merge(a, b):
+    check_mergeable(a, b)
+    return jax.tree.map(add_leaves, a, b)
+
+
+def require(batch: dict, key: str, who) -> Array:
+    value = batch.get(key)
+    if value is None:
+        raise KeyError(f"{type(who).__name__}.update needs batch[{key!r}]; got keys "
+                       f"{sorted(k for k, v in batch.items() if v is not None)}")
+    return value
+
+
+def broadcast_mask(mask, shape, xp):
+    """mask [prefix of shape] -> mask broadcast to shape."""
+    mask = xp.asarray(mask)
+    if tuple(shape[:mask.ndim]) != tuple(mask.shape):
+        raise ValueError(f"mask shape {tuple(mask.shape)} is not a prefix of {tuple(shape)}")
+    mask = mask.reshape(mask.shape + (1,) * (len(shape) - mask.ndim))
+    return xp.broadcast_to(mask, shape)
+
+
+def valid_mask(mask, shape) -> jax.Array:
+    """bool [shape]: True for real entries, False for padding."""
+    if mask is None:
+        return jnp.ones(shape, bool)
+    mask = broadcast_mask(mask, shape, jnp)
+    return mask if mask.dtype == jnp.bool_ else mask > 0
+
+
+def masked_sum(values, valid) -> jax.Array:
+    return jnp.sum(jnp.where(valid, values, 0), dtype=jnp.float32)
+
+
+def class_predictions(batch: dict, who) -> jax.Array:
+    if batch.get("logits") is not None:
+        return jnp.argmax(jnp.asarray(batch["logits"]), axis=-1)
+    return jnp.asarray(require(batch, "preds", who))
+
+
+def ratio(num, den) -> float:
+    num, den = to_host(num), to_host(den)
+    return float(num / den) if den > 0 else math.nan
+
+
+def zeros(dtype, shape=()) -> np.ndarray:
+    return np.zeros(shape, dtype)

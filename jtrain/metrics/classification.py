@@ -1,0 +1,158 @@
+"""Classification: accuracy, top-k accuracy, confusion matrix, precision / recall / F1."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jtrain.metrics.base import (Array, check_mergeable, class_predictions, ratio, require,
+                                 sum_merge, to_host, valid_mask, zeros)
+
+
+@struct.dataclass
+class Accuracy:
+    """argmax(logits, -1) == labels (or integer ``preds`` == labels), token level for [B, T]."""
+    correct: Array  # int32
+    count: Array    # int32
+    JITTABLE: ClassVar[bool] = True
+
+    @classmethod
+    def empty(cls):
+        return cls(correct=zeros(np.int32), count=zeros(np.int32))
+
+    def update(self, **batch):
+        labels = jnp.asarray(require(batch, "labels", self))
+        valid = valid_mask(batch.get("mask"), labels.shape)
+        hit = valid & (class_predictions(batch, self) == labels)
+        return self.merge(self.replace(correct=jnp.sum(hit, dtype=jnp.int32),
+                                       count=jnp.sum(valid, dtype=jnp.int32)))
+
+    def merge(self, other):
+        return sum_merge(self, other)
+
+    def compute(self) -> float:
+        return ratio(self.correct, self.count)
+
+
+@struct.dataclass
+class TopKAccuracy:
+    """The label's logit is among the k largest (ties count as hits); needs ``logits``."""
+    correct: Array
+    count: Array
+    k: int = struct.field(pytree_node=False, default=5)
+    JITTABLE: ClassVar[bool] = True
+
+    @classmethod
+    def empty(cls, k: int = 5):
+        if k < 1:
+            raise ValueError(f"TopKAccuracy: k must be >= 1, got {k}")
+        return cls(correct=zeros(np.int32), count=zeros(np.int32), k=k)
+
+    def update(self, **batch):
+        logits = jnp.asarray(require(batch, "logits", self))   # [..., C]
+        labels = jnp.asarray(require(batch, "labels", self))   # [...]
+        num_classes = logits.shape[-1]
+        valid = valid_mask(batch.get("mask"), labels.shape)
+        in_range = (labels >= 0) & (labels < num_classes)
+        safe = jnp.where(valid & in_range, labels, 0)
+        label_logit = jnp.take_along_axis(logits, safe[..., None], axis=-1)  # [..., 1]
+        rank = jnp.sum(logits > label_logit, axis=-1)                         # [...]
+        hit = valid & in_range & (rank < self.k)
+        return self.merge(self.replace(correct=jnp.sum(hit, dtype=jnp.int32),
+                                       count=jnp.sum(valid, dtype=jnp.int32)))
+
+    def merge(self, other):
+        return sum_merge(self, other)
+
+    def compute(self) -> float:
+        return ratio(self.correct, self.count)
+
+
+@struct.dataclass
+class ConfusionMatrix:
+    """counts[true, predicted] (sklearn's layout), from ``logits`` or integer ``preds``.
+
+    Valid entries whose label or prediction lies outside [0, num_classes) are not counted.
+    compute() -> int64 array [C, C] (not a scalar: use PrecisionRecallF1 in a collection).
+    """
+    counts: Array  # [C, C] int32
+    num_classes: int = struct.field(pytree_node=False, default=2)
+    JITTABLE: ClassVar[bool] = True
+
+    @classmethod
+    def empty(cls, num_classes: int):
+        if num_classes < 1:
+            raise ValueError(f"ConfusionMatrix: num_classes must be >= 1, got {num_classes}")
+        return cls(counts=zeros(np.int32, (num_classes, num_classes)), num_classes=num_classes)
+
+    def update(self, **batch):
+        c = self.num_classes
+        labels = jnp.asarray(require(batch, "labels", self)).astype(jnp.int32)
+        preds = class_predictions(batch, self).astype(jnp.int32)
+        valid = (valid_mask(batch.get("mask"), labels.shape) & (labels >= 0) & (labels < c)
+                 & (preds >= 0) & (preds < c))
+        # Scatter-add into a flat [C*C]; padded entries point past the end and are dropped.
+        index = jnp.where(valid, labels * c + preds, c * c).reshape(-1)
+        counts = jnp.zeros(c * c, jnp.int32).at[index].add(1, mode="drop").reshape(c, c)
+        return self.merge(self.replace(counts=counts))
+
+    def merge(self, other):
+        return sum_merge(self, other)
+
+    def compute(self) -> np.ndarray:
+        return to_host(self.counts)
+
+
+def _safe_divide(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """num / den with 0 where den == 0 (sklearn's zero_division=0)."""
+    num, den = np.asarray(num, np.float64), np.asarray(den, np.float64)
+    return np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
+
+
+@struct.dataclass
+class PrecisionRecallF1:
+    """Precision, recall and F1 from a confusion matrix, sklearn's zero_division=0.
+
+    compute() keys: precision_macro, recall_macro, f1_macro, precision_micro, recall_micro,
+    f1_micro, and with per_class=True also precision/<i>, recall/<i>, f1/<i>. Macro averages
+    run over all num_classes classes (sklearn with labels=range(num_classes)).
+    """
+    confusion: ConfusionMatrix
+    per_class: bool = struct.field(pytree_node=False, default=True)
+    JITTABLE: ClassVar[bool] = True
+
+    @classmethod
+    def empty(cls, num_classes: int, per_class: bool = True):
+        return cls(confusion=ConfusionMatrix.empty(num_classes), per_class=per_class)
+
+    def update(self, **batch):
+        return self.replace(confusion=self.confusion.update(**batch))
+
+    def merge(self, other):
+        check_mergeable(self, other)
+        return self.replace(confusion=self.confusion.merge(other.confusion))
+
+    def compute(self) -> dict[str, float]:
+        cm = self.confusion.compute()
+        tp = np.diag(cm)
+        predicted, actual = cm.sum(axis=0), cm.sum(axis=1)
+        precision = _safe_divide(tp, predicted)
+        recall = _safe_divide(tp, actual)
+        f1 = _safe_divide(2 * tp, predicted + actual)
+        out = {
+            "precision_macro": float(precision.mean()),
+            "recall_macro": float(recall.mean()),
+            "f1_macro": float(f1.mean()),
+            "precision_micro": float(_safe_divide(tp.sum(), predicted.sum())),
+            "recall_micro": float(_safe_divide(tp.sum(), actual.sum())),
+            "f1_micro": float(_safe_divide(2 * tp.sum(), predicted.sum() + actual.sum())),
+        }
+        if self.per_class:
+            for i in range(len(tp)):
+                out[f"precision/{i}"] = float(precision[i])
+                out[f"recall/{i}"] = float(recall[i])
+                out[f"f1/{i}"] = float(f1[i])
+        return out

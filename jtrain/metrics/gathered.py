@@ -1,0 +1,169 @@
+"""Gathered (host-side) metrics: AUROC and Spearman keep every valid entry and are exact."""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import jax
+import numpy as np
+from flax import struct
+
+from jtrain.metrics.base import broadcast_mask, check_mergeable, is_tracer, require
+
+
+def _fetch(x, who) -> np.ndarray:
+    if is_tracer(x):
+        raise TypeError(f"{type(who).__name__}.update is host-side: call it outside jax.jit "
+                        "on fetched arrays (jax.device_get)")
+    return np.asarray(jax.device_get(x))
+
+
+def _host_valid(batch: dict, shape, who) -> np.ndarray:
+    mask = batch.get("mask")
+    if mask is None:
+        return np.ones(shape, bool)
+    mask = broadcast_mask(_fetch(mask, who), shape, np)
+    return mask if mask.dtype == np.bool_ else mask > 0
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z = np.exp(z - z.max(axis=-1, keepdims=True))
+    return z / z.sum(axis=-1, keepdims=True)
+
+
+def _midranks(x: np.ndarray) -> np.ndarray:
+    """1-based ranks, ties get their average rank (scipy.stats.rankdata 'average')."""
+    _, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
+    ends = np.cumsum(counts)
+    return (ends - (counts - 1) / 2.0)[inverse.reshape(-1)]
+
+
+def _binary_auroc(positive: np.ndarray, scores: np.ndarray) -> float:
+    """Mann-Whitney form of the ROC area; ties count one half, as in sklearn's roc_auc_score."""
+    n_pos = int(positive.sum())
+    n_neg = positive.size - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return math.nan
+    rank_sum = _midranks(scores)[positive].sum()
+    return float((rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
+def _concat(chunks: tuple, tail_shape: tuple, dtype) -> np.ndarray:
+    if not chunks:
+        return np.zeros((0,) + tail_shape, dtype)
+    return np.concatenate(chunks, axis=0)
+
+
+def check_capacity(metric) -> None:
+    held = sum(len(c) for c in metric.labels)
+    if held > metric.max_examples:
+        raise ValueError(
+            f"{type(metric).__name__} holds {held} valid examples > max_examples="
+            f"{metric.max_examples}; it is exact and keeps every example: raise max_examples "
+            f"(about {16 * (metric.num_classes if isinstance(metric, AUROC) else 2)} bytes each)")
+
+
+@struct.dataclass
+class AUROC:
+    """Exact ROC AUC: binary (num_classes=2) or one-vs-rest macro over num_classes >= 3.
+
+    update(labels, scores | logits, mask): host-side, not jittable. Binary: ``scores`` [...]
+    (any monotone score of class 1) or [..., 2] (column 1 is used); labels in {0, 1}.
+    Multiclass: ``scores`` [..., C] are probabilities as sklearn expects; ``logits`` [..., C]
+    are turned into probabilities with a float64 softmax. A class with no positive or no
+    negative example has an undefined AUROC: compute() returns nan then (as sklearn does for
+    the binary case). Holding more than ``max_examples`` valid examples raises ValueError.
+    """
+    scores: tuple   # float64 chunks, [n] (binary) or [n, C]
+    labels: tuple   # int64 chunks, [n]
+    num_classes: int = struct.field(pytree_node=False, default=2)
+    max_examples: int = struct.field(pytree_node=False, default=1_000_000)
+    JITTABLE: ClassVar[bool] = False
+
+    @classmethod
+    def empty(cls, num_classes: int = 2, max_examples: int = 1_000_000):
+        if num_classes < 2:
+            raise ValueError(f"AUROC: num_classes must be >= 2, got {num_classes}")
+        return cls(scores=(), labels=(), num_classes=num_classes, max_examples=max_examples)
+
+    def update(self, **batch):
+        labels = _fetch(require(batch, "labels", self), self)
+        if batch.get("scores") is not None:
+            scores = _fetch(batch["scores"], self).astype(np.float64)
+        else:
+            scores = _fetch(require(batch, "logits", self), self).astype(np.float64)
+            if scores.shape != labels.shape:
+                scores = _softmax(scores)
+        if self.num_classes == 2 and scores.shape == labels.shape + (2,):
+            scores = scores[..., 1]
+        want = labels.shape if self.num_classes == 2 else labels.shape + (self.num_classes,)
+        if scores.shape != want:
+            raise ValueError(f"AUROC(num_classes={self.num_classes}): scores shape {scores.shape}, "
+                             f"expected {want} for labels {labels.shape}")
+        valid = _host_valid(batch, labels.shape, self)
+        part = self.replace(scores=(scores[valid],), labels=(labels[valid].astype(np.int64),))
+        return self.merge(part)
+
+    def merge(self, other):
+        check_mergeable(self, other)
+        merged = self.replace(scores=self.scores + other.scores, labels=self.labels + other.labels)
+        check_capacity(merged)
+        return merged
+
+    def buffers(self) -> dict[str, np.ndarray]:
+        tail = () if self.num_classes == 2 else (self.num_classes,)
+        return {"scores": _concat(self.scores, tail, np.float64),
+                "labels": _concat(self.labels, (), np.int64)}
+
+    def compute(self) -> float:
+        b = self.buffers()
+        if self.num_classes == 2:
+            return _binary_auroc(b["labels"] == 1, b["scores"])
+        per_class = [_binary_auroc(b["labels"] == c, b["scores"][:, c])
+                     for c in range(self.num_classes)]
+        return float(np.mean(per_class))
+
+
+@struct.dataclass
+class Spearman:
+    """Spearman rank correlation of preds and labels (ties get average ranks, like scipy).
+
+    Host-side, not jittable: keeps every valid pair; more than ``max_examples`` raises.
+    """
+    preds: tuple    # float64 chunks [n]
+    labels: tuple   # float64 chunks [n]
+    max_examples: int = struct.field(pytree_node=False, default=1_000_000)
+    JITTABLE: ClassVar[bool] = False
+
+    @classmethod
+    def empty(cls, max_examples: int = 1_000_000):
+        return cls(preds=(), labels=(), max_examples=max_examples)
+
+    def update(self, **batch):
+        preds = _fetch(require(batch, "preds", self), self).astype(np.float64)
+        labels = _fetch(require(batch, "labels", self), self).astype(np.float64)
+        if preds.shape != labels.shape:
+            raise ValueError(f"Spearman: preds {preds.shape} and labels {labels.shape} differ")
+        valid = _host_valid(batch, labels.shape, self)
+        return self.merge(self.replace(preds=(preds[valid],), labels=(labels[valid],)))
+
+    def merge(self, other):
+        check_mergeable(self, other)
+        merged = self.replace(preds=self.preds + other.preds, labels=self.labels + other.labels)
+        check_capacity(merged)
+        return merged
+
+    def buffers(self) -> dict[str, np.ndarray]:
+        return {"preds": _concat(self.preds, (), np.float64),
+                "labels": _concat(self.labels, (), np.float64)}
+
+    def compute(self) -> float:
+        b = self.buffers()
+        if len(b["preds"]) < 2:
+            return math.nan
+        rx, ry = _midranks(b["preds"]), _midranks(b["labels"])
+        rx, ry = rx - rx.mean(), ry - ry.mean()
+        den = math.sqrt(float(rx @ rx) * float(ry @ ry))
+        return float(np.clip((rx @ ry) / den, -1.0, 1.0)) if den > 0 else math.nan

@@ -1,0 +1,101 @@
+"""PNG plots for `python -m jtrain.evaluate`: training curves and a confusion matrix.
+
+matplotlib with the Agg backend (no display needed), imported only when plotting.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# The eval panel shows the first of these the run logged.
+_EVAL_PANEL = ("eval/accuracy", "eval/r2", "eval/bits_per_byte", "eval/perplexity", "eval/mse")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _series(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of `key`; a step logged twice (a resumed run) keeps its last value."""
+    by_step = {}
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and "step" in r:
+            by_step[int(r["step"])] = float(v)
+    steps = np.array(sorted(by_step), dtype=np.int64)
+    return steps, np.array([by_step[s] for s in steps], dtype=np.float64)
+
+
+def training_curves(records: list[dict], path: str) -> bool:
+    """Loss (train, smoothed, and eval), learning rate, an eval metric and steps/s against
+    the step, from metrics.jsonl records. False (and no file) when there is no train/loss."""
+    train_steps, train_loss = _series(records, "train/loss")
+    if len(train_steps) == 0:
+        return False
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    ax = axes[0, 0]
+    ax.plot(train_steps, train_loss, color="tab:blue", alpha=0.35, lw=1, label="train (raw)")
+    if len(train_loss) >= 5:
+        ema, smooth = train_loss[0], []
+        for v in train_loss:
+            ema = 0.8 * ema + 0.2 * v if np.isfinite(v) else ema
+            smooth.append(ema)
+        ax.plot(train_steps, smooth, color="tab:blue", lw=2, label="train (EMA 0.8)")
+    eval_steps, eval_loss = _series(records, "eval/loss")
+    if len(eval_steps):
+        ax.plot(eval_steps, eval_loss, "o-", color="tab:orange", lw=2, label="eval")
+    ax.set(title="loss", xlabel="step", ylabel="loss")
+    ax.legend()
+    _line(axes[0, 1], *_series(records, "train/lr"), "learning rate", "lr")
+    key = next((k for k in _EVAL_PANEL if len(_series(records, k)[0])), None)
+    if key:
+        _line(axes[1, 0], *_series(records, key), key, key.split("/", 1)[1], marker="o",
+              color="tab:green")
+    else:
+        axes[1, 0].set_axis_off()
+    _line(axes[1, 1], *_series(records, "perf/steps_per_sec"), "throughput", "steps / s",
+          color="tab:purple")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"training curves ({len(train_steps)} log steps, last step {train_steps[-1]})")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _line(ax, steps, values, title, ylabel, marker=None, color="tab:blue"):
+    if len(steps) == 0:
+        ax.set_axis_off()
+        return
+    ax.plot(steps, values, marker=marker, color=color, lw=1.5)
+    ax.set(title=title, xlabel="step", ylabel=ylabel)
+
+
+def confusion_matrix(counts: np.ndarray, path: str, title: str = "confusion matrix") -> None:
+    """Rows = true class, columns = predicted; colour = share of the row, text = counts
+    (for up to 20 classes)."""
+    counts = np.asarray(counts, np.int64)
+    c = counts.shape[0]
+    rows = counts.sum(axis=1, keepdims=True)
+    share = np.where(rows > 0, counts / np.maximum(rows, 1), 0.0)
+    plt = _pyplot()
+    size = min(3 + 0.45 * c, 14)
+    fig, ax = plt.subplots(figsize=(size + 1.5, size), constrained_layout=True)
+    im = ax.imshow(share, cmap="Blues", vmin=0.0, vmax=1.0)
+    fig.colorbar(im, ax=ax, label="share of the true class")
+    if c <= 20:
+        for i in range(c):
+            for j in range(c):
+                ax.text(j, i, str(counts[i, j]), ha="center", va="center", fontsize=9,
+                        color="white" if share[i, j] > 0.5 else "black")
+        ax.set_xticks(range(c))
+        ax.set_yticks(range(c))
+    ax.set(title=title, xlabel="predicted class", ylabel="true class")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
