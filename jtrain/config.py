@@ -79,7 +79,7 @@ SCHEMA: dict[str, Any] = {
         # device-prefetch thread (fastest for in-memory data: Python holds the GIL).
         "num_threads": (int, 0, (0, 256)),
         "prefetch": (int, 2, (0, 1024)),  # batches read ahead on the host (per worker)
-        "device_prefetch": (int, 2, (0, 16)),  # batches put on the devices ahead; 0 = off
+        "device_prefetch": (int, -1, (-1, 16)),  # batches put on devices ahead; 0 off, -1 auto
         # A factory "package.module:function" called with `kwargs`, returning the data
         # (any jtrain input, or {"train": ..., "eval": ...}); overrides `name`.
         "source": (str, "", None),

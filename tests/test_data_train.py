@@ -59,7 +59,10 @@ class MLP(nnx.Module):
 
 def config(mesh_data):
     return {"total_steps": STEPS, "seed": 3,
-            "data": {"batch_size": BATCH, "num_threads": 0, "val_fraction": 0.0},
+            # device_prefetch on: training reads happen in its thread, which tells them
+            # apart from the up-front checks' reads (on CPU it is off by default)
+            "data": {"batch_size": BATCH, "num_threads": 0, "val_fraction": 0.0,
+                     "device_prefetch": 2},
             "optim": {"lr": 3e-2, "warmup_steps": 0},
             "mesh": {"data": mesh_data}, "eval": {"every_steps": 0},
             "log": {"every_steps": 4, "writers": ["jsonl"]},

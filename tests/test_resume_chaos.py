@@ -41,7 +41,7 @@ config = {
     "seed": 3, "total_steps": 100,
     "model": {"name": "mlp", "hidden": (64, 64), "num_outputs": 2, "dropout": 0.2,
               "dtype": "bfloat16"},
-    "data": {"batch_size": 32, "num_workers": 2},
+    "data": {"batch_size": 32, "num_workers": 2, "device_prefetch": 2},  # the threaded path
     "optim": {"lr": 3e-3, "warmup_steps": 5, "decay_steps": 100},
     "eval": {"every_steps": 25, "num_batches": 2},
     "checkpoint": {"every_steps": 20},
