@@ -84,7 +84,6 @@ class _Run:
     ckpt: checkpoint.Checkpointer
     writer: Any
     progress: Any
-    meta: dict
     data_info: dict
     resumed_from: int | None
     stopper: Any = None  # control.Stopper: signals -> stop after a step
@@ -167,8 +166,6 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn) -> _Run:
                         out_shardings=(repl, batch_sharding))
 
     resolved = cfg.to_dict()
-    meta = {"config_sha256": config_lib.config_hash(cfg), "data": data_info,
-            "jax": jax.__version__}
     if primary:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(writers_lib.redact(resolved), f, indent=2, sort_keys=True, default=str)
@@ -196,7 +193,7 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn) -> _Run:
                            num_devices=jax.device_count(), t_start=t_start)
     profiler = perf_lib.Profiler(cfg.profile, workdir, is_primary=primary)
     return _Run(workdir, mesh, state, shardings, train_iter, eval_src, train_step, eval_step,
-                ckpt, writer, progress, meta, data_info, resumed_from, eval_spec=eval_spec,
+                ckpt, writer, progress, data_info, resumed_from, eval_spec=eval_spec,
                 perf=meter, profiler=profiler)
 
 
