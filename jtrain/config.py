@@ -178,13 +178,7 @@ def defaults(model: str = "transformer") -> ml_collections.ConfigDict:
 
     tree = build(_schema_for(model))
     tree["model"]["name"] = model
-    return _to_configdict(tree)
-
-
-def _to_configdict(tree: dict) -> ml_collections.ConfigDict:
-    cfg = ml_collections.ConfigDict(tree)
-    # `kwargs` stays free-form: a user may add any key there.
-    return cfg
+    return ml_collections.ConfigDict(tree)
 
 
 def _as_dict(config) -> dict:
@@ -206,7 +200,7 @@ def resolve(config=None) -> ml_collections.ConfigDict:
         _check_value("model.name", str, tuple(models_lib.MODELS), model_name)
     merged = defaults(model_name).to_dict()
     _overlay(merged, user, _schema_for(model_name), prefix="")
-    cfg = _to_configdict(merged)
+    cfg = ml_collections.ConfigDict(merged)
     validate(cfg)
     return cfg
 

@@ -76,10 +76,6 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
     return Mesh(dev_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def data_parallel_size(mesh: Mesh) -> int:
-    return mesh.shape["data"] * mesh.shape["fsdp"]
-
-
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Leading (batch) dimension split over data x fsdp; everything else replicated."""
     return NamedSharding(mesh, P(BATCH_AXES))

@@ -14,6 +14,8 @@ from flax import struct
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jtrain import precision
+
 
 @struct.dataclass
 class TrainState:
@@ -35,23 +37,19 @@ def make_abstract_state(model_fns, tx, policy, sample_inputs, mesh, seed: int):
     with jax.set_mesh(mesh):
         abstract_params, param_shardings = model_fns.abstract_and_shardings(
             rng, sample_inputs, mesh)
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    abstract = jax.eval_shape(lambda: _fresh_state(abstract_params, tx, policy, rng))
     repl = NamedSharding(mesh, P())
     opt_shardings = optax.tree_map_params(
         tx, lambda leaf, p, s: s if leaf.shape == p.shape else repl,
-        abstract_opt, abstract_params, param_shardings,
+        abstract.opt_state, abstract.params, param_shardings,
         transform_non_params=lambda _: repl,
         is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    abstract = jax.eval_shape(lambda: _fresh_state(abstract_params, tx, policy, rng, None))
-    abstract = abstract.replace(params=abstract_params, opt_state=abstract_opt)
     shardings = jax.tree.map(lambda _: repl, abstract).replace(
         params=param_shardings, opt_state=opt_shardings)
     return abstract, shardings
 
 
-def _fresh_state(params, tx, policy, rng, _):
-    from jtrain import precision
-
+def _fresh_state(params, tx, policy, rng):
     return TrainState(
         step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params),
         rng=jax.random.key_data(jax.random.fold_in(rng, 1)),
@@ -65,12 +63,12 @@ def init_state(model_fns, tx, policy, sample_inputs, mesh, seed: int, shardings)
     inputs = jax.tree.map(lambda s: jnp.zeros((1,) + tuple(s.shape[1:]), s.dtype),
                           sample_inputs)
     if model_fns.existing_params is not None:  # an NNX instance the user already built
-        fn = jax.jit(lambda p: _fresh_state(p, tx, policy, rng, None), out_shardings=shardings)
+        fn = jax.jit(lambda p: _fresh_state(p, tx, policy, rng), out_shardings=shardings)
         return fn(model_fns.existing_params)
 
     def create():
         params = nn.unbox(model_fns.init(jax.random.fold_in(rng, 0), inputs))
-        return _fresh_state(params, tx, policy, rng, None)
+        return _fresh_state(params, tx, policy, rng)
 
     with jax.set_mesh(mesh):
         return jax.jit(create, out_shardings=shardings)()

@@ -138,12 +138,8 @@ class MapIterator:
     def _start(self):
         ds = grain.MapDataset.range(self.position, END).map(Load(self.plan, self.reader))
         it_ds = ds.to_iter_dataset(read_options(self.num_threads, self.prefetch))
-        if self.num_workers:
-            it_ds = it_ds.mp_prefetch(
-                grain.MultiprocessingOptions(num_workers=self.num_workers,
-                                             per_worker_buffer_size=max(1, self.prefetch)),
-                worker_init_fn=self.worker_init_fn)
-        self._it = iter(it_ds)
+        self._it = iter(with_workers(it_ds, self.num_workers, self.prefetch,
+                                     self.worker_init_fn))
 
     def __iter__(self):
         return self
@@ -184,6 +180,15 @@ class MapIterator:
             if hasattr(self._it, "close"):
                 self._it.close()
             self._it = None
+
+
+def with_workers(ds: grain.IterDataset, num_workers: int, prefetch: int, worker_init_fn):
+    """`ds` read by `num_workers` spawned grain worker processes (none: `ds` itself)."""
+    if not num_workers:
+        return ds
+    return ds.mp_prefetch(grain.MultiprocessingOptions(
+        num_workers=num_workers, per_worker_buffer_size=max(1, prefetch)),
+        worker_init_fn=worker_init_fn)
 
 
 def own_memory(batch: dict) -> dict:

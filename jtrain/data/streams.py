@@ -258,11 +258,8 @@ class StreamIterator:
     def _start(self):
         ds = self.batches
         ds.initial, ds.rotation = list(self.shards), self.consumed % len(self.shards)
-        if self.num_workers:
-            ds = ds.mp_prefetch(grain.MultiprocessingOptions(
-                num_workers=self.num_workers, per_worker_buffer_size=max(1, self.prefetch)),
-                worker_init_fn=self.worker_init_fn)
-        self._it = iter(ds)
+        self._it = iter(pipeline.with_workers(ds, self.num_workers, self.prefetch,
+                                              self.worker_init_fn))
 
     def __iter__(self):
         return self
