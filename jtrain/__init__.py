@@ -11,7 +11,7 @@ code can assemble them one by one:
     step = jax.jit(jtrain.make_train_step(model_fns.apply, loss_fn, tx, schedule), ...)
 """
 
-from jtrain.adapters import ModelFns, to_model_fns
+from jtrain.models.adapters import ModelFns, to_model_fns
 from jtrain.config import ConfigError, defaults, resolve
 from jtrain.data import DataError
 from jtrain.mesh import batch_sharding, host_to_device, make_mesh

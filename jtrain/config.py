@@ -19,14 +19,7 @@ import ml_collections
 from jtrain import metrics as metrics_lib
 from jtrain import models as models_lib
 from jtrain import optim as optim_lib
-
-
-class ConfigError(ValueError):
-    """A bad config value; str(e) is `<dotted.key>: <why>`."""
-
-    def __init__(self, key: str, why: str):
-        super().__init__(f"{key}: {why}")
-        self.key = key
+from jtrain.errors import ConfigError  # noqa: F401  (jtrain.config.ConfigError, as before)
 
 
 # A field: (type, default, check). Types: int, float, bool, str, "choice:<a|b>", "strs"

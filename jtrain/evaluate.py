@@ -131,7 +131,8 @@ def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data: str =
     """Evaluates a checkpoint of a run with a built-in model and writes the report files.
 
     Returns the report (what eval_<step>.json holds)."""
-    from jtrain import adapters, checkpoint
+    from jtrain import checkpoint
+    from jtrain.models import adapters
     from jtrain import config as config_lib
     from jtrain import models as models_lib
     from jtrain import optim as optim_lib
@@ -265,7 +266,7 @@ def write_report(workdir: str, report: dict, result: Evaluation, *, plots: bool 
     step = report["step"]
     files = [f"eval_{step}.json"]
     if plots:
-        from jtrain import plots as plots_lib
+        from jtrain.observe import plots as plots_lib
 
         curves = f"eval_{step}_curves.png"
         if plots_lib.training_curves(read_jsonl(os.path.join(workdir, "metrics.jsonl")),

@@ -8,7 +8,7 @@ absl flags + ml_collections config files (`--config=configs/x.py:variant`,
 User errors print one line `jtrain: <kind> error: <key>: <why>` and exit 2; a checkpoint
 that cannot be restored (damaged with --strict_restore, another model, a changed config)
 exits 3; a failed checkpoint write exits 1. A run stopped by SIGTERM or SIGINT saves its
-current step and exits 0 (jtrain.control). `--verify_resume`: see jtrain.verify.
+current step and exits 0 (jtrain.control). `--verify_resume`: see jtrain.checkpoint.verify.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def main(argv, fv: flags.FlagValues = FLAGS):
     # orbax and others log every save at INFO through absl; jtrain prints its own lines.
     absl_logging.set_verbosity(absl_logging.WARNING)
     if fv.verify_resume:
-        from jtrain import verify
+        from jtrain.checkpoint import verify
 
         sys.exit(verify.run_from_cli(_RAW_ARGV, fv.workdir, kills=fv.verify_kills,
                                      negative_control=fv.verify_negative_control))
@@ -240,7 +240,7 @@ def main(argv, fv: flags.FlagValues = FLAGS):
 
 
 def _quiet() -> None:
-    """Processes other than 0: no warnings or log lines (jtrain.progress prints nothing
+    """Processes other than 0: no warnings or log lines (jtrain.observe.console prints nothing
     there either), and stdout goes to /dev/null (C++ libraries such as gloo print there);
     errors still reach stderr."""
     import logging

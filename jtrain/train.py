@@ -19,19 +19,21 @@ import jax
 import numpy as np
 from flax import linen as nn
 
-from jtrain import adapters, checkpoint, evaluate, losses
+from jtrain import checkpoint, evaluate, losses
 from jtrain import config as config_lib
 from jtrain import control as control_lib
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
 from jtrain import models as models_lib
 from jtrain import optim as optim_lib
-from jtrain import perf as perf_lib
+from jtrain.observe import perf as perf_lib
 from jtrain import precision as precision_lib
 from jtrain import state as state_lib
 from jtrain import step as step_lib
-from jtrain import progress as progress_lib
-from jtrain import writers as writers_lib
+from jtrain.models import adapters
+from jtrain.observe import console, header as header_lib
+from jtrain.observe import writers as writers_lib
+from jtrain.observe.redact import redact
 
 
 @dataclasses.dataclass
@@ -58,7 +60,7 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
         cfg.data, train_data, eval_data, process_index=jax.process_index(),
         process_count=jax.process_count())
     config_lib.validate(cfg, num_devices=jax.device_count())
-    # From here on SIGTERM / SIGINT mean: save the current step, stop, return (control.py).
+    # From here on SIGTERM / SIGINT mean: save the current step, stop, return (jtrain.control.signals).
     with control_lib.Stopper(cfg.checkpoint.grace_seconds) as stopper:
         run = _setup(cfg, os.path.abspath(workdir), model, train_data, eval_data, loss_fn)
         run.stopper = stopper
@@ -88,8 +90,8 @@ class _Run:
     resumed_from: int | None
     stopper: Any = None  # control.Stopper: signals -> stop after a step
     eval_spec: Any = None  # jtrain.metrics.EvalSpec: what the eval step computes
-    perf: Any = None  # jtrain.perf.Meter
-    profiler: Any = None  # jtrain.perf.Profiler
+    perf: Any = None  # jtrain.observe.perf.Meter
+    profiler: Any = None  # jtrain.observe.perf.Profiler
 
     def close(self):
         if self.profiler is not None:
@@ -126,7 +128,7 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn) -> _Run:
 
     abstract, shardings = state_lib.make_abstract_state(
         model_fns, tx, policy, sample_inputs, mesh, cfg.seed)
-    # Start-up precedence (jtrain/checkpoint.py, WORKSPACE.md): (1) the newest intact
+    # Start-up precedence (jtrain.checkpoint.manager, WORKSPACE.md): (1) the newest intact
     # checkpoint in workdir/checkpoints; (2) else checkpoint.init_from; (3) else fresh.
     ckpt = checkpoint.Checkpointer(workdir, cfg, data_info)
     start = ckpt.restore_or_init(
@@ -168,16 +170,16 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn) -> _Run:
     resolved = cfg.to_dict()
     if primary:
         with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(writers_lib.redact(resolved), f, indent=2, sort_keys=True, default=str)
+            json.dump(redact(resolved), f, indent=2, sort_keys=True, default=str)
     writer = writers_lib.MetricWriter(workdir, cfg.log, is_primary=primary,
                                       run_ids=control_lib.writer_run_ids(start.control))
     ckpt.control.writer_run_ids = writer.run_ids()  # checkpointed, reused on resume
     if resumed_from is None:
         writer.write_hparams(resolved)
-    progress = progress_lib.Progress(
+    progress = console.Progress(
         cfg.total_steps, start_step=resumed_from or 0, is_primary=primary,
         every_steps=cfg.log.every_steps, batches_per_epoch=data_info["batches_per_epoch"],
-        verbosity=cfg.log.verbosity, log_path=os.path.join(workdir, progress_lib.LOG_FILE),
+        verbosity=cfg.log.verbosity, log_path=os.path.join(workdir, console.LOG_FILE),
         all_hosts=cfg.log.all_hosts, process_index=jax.process_index())
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
     flops = perf_lib.model_flops_per_example(None if model_name == cfg.model.name else model,
@@ -187,7 +189,7 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn) -> _Run:
                      eval_src, workdir, resumed_from, eval_spec, flops, peak)
     progress.message(header)
     writer.write_text(resumed_from or 0, "run/header", header)  # TensorBoard's text tab
-    progress.message(progress_lib.parameter_table(abstract.params), level=2)
+    progress.message(header_lib.parameter_table(abstract.params), level=2)
     meter = perf_lib.Meter(start_step=resumed_from or 0, global_batch=cfg.data.batch_size,
                            flops_per_example=flops, peak_flops=peak,
                            num_devices=jax.device_count(), t_start=t_start)
@@ -207,7 +209,7 @@ def _header(cfg, mesh, policy, name, model_fns, n_params, data_info, train_src, 
     mfu = f"MFU vs peak {peak:.3g} FLOP/s/device" if peak else "MFU n/a (set perf.peak_flops)"
     extra.append(f"jtrain: eval {eval_spec.task}: {', '.join(eval_spec.names)}; "
                  + (f"{flops:.3g} train FLOPs/example, {mfu}" if flops else "MFU n/a"))
-    return progress_lib.run_header(
+    return header_lib.run_header(
         model=f"{name} ({model_fns.kind})", num_params=n_params, precision=policy.describe(),
         mesh_shape=dict(mesh.shape), data_name=str(data_info.get("name")),
         train_size=len(train_src), eval_size=len(eval_src) if eval_src is not None else 0,

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from jtrain import bench
+from jtrain.bench import cli as bench
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,7 +38,7 @@ def test_help_lists_subcommands(capsys):
 
 
 def test_steady_state_drops_the_first_interval():
-    from jtrain import bench_overhead as bo
+    from jtrain.bench import overhead as bo
 
     logs = [  # steps 10 (compile: 5 s), 20, 30; 0.1 s per 10 steps after it
         {"step": 10, "time": 105.0, "perf/steps_per_sec": 2.0, "train/loss": 3.0},

@@ -10,7 +10,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jtrain import checkpoint, export
+from jtrain import checkpoint
+from jtrain.checkpoint import export
 from tests.test_checkpoint import abstract, make_config, make_state, open_run, same
 
 

@@ -5,7 +5,7 @@ import json
 import math
 import re
 
-from jtrain import bench
+from jtrain.bench import cli as bench
 
 
 def test_data_bench_reports_medians_and_ratios(tmp_path, capsys):

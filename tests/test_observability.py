@@ -23,12 +23,13 @@ from sklearn import metrics as skm
 
 import jtrain
 from jtrain import config as config_lib
-from jtrain import evaluate, perf, plots
+from jtrain import evaluate
+from jtrain.observe import perf, plots
 from jtrain import metrics as M
 from jtrain import mesh as mesh_lib
-from jtrain import progress
+from jtrain.observe import console as progress
 from jtrain import step as step_lib
-from jtrain.progress import Progress
+from jtrain.observe.console import Progress
 
 REPO = str(Path(__file__).resolve().parents[1])
 SECRETS = {"WANDB_API_KEY": "sk-test-123abc", "HF_TOKEN": "hf_s3cr3t_value"}

@@ -1,11 +1,11 @@
-"""Tests for jtrain.progress: plain lines off a terminal, an in-place bar on one."""
+"""Tests for jtrain.observe.console: plain lines off a terminal, an in-place bar on one."""
 
 import io
 
 import pytest
 
-from jtrain import progress
-from jtrain.progress import Progress
+from jtrain.observe import console as progress
+from jtrain.observe.console import Progress
 
 
 class TTY(io.StringIO):

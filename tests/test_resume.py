@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import jtrain
-from jtrain import checkpoint_integrity as integrity
-from jtrain import control, main as main_lib
+from jtrain.checkpoint import integrity
+from jtrain import main as main_lib
+from jtrain.control import faults
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOTAL = 40
@@ -59,8 +60,8 @@ def fault(monkeypatch):
     monkeypatch.setattr(control, "_fault_counts", {})
 
     def set_fault(spec):
-        monkeypatch.setenv(control.FAULT_ENV, spec)
-        control._fault_counts.clear()
+        monkeypatch.setenv(faults.FAULT_ENV, spec)
+        faults._fault_counts.clear()
 
     yield set_fault
 
@@ -80,7 +81,7 @@ def test_signals_save_current_step_and_resume_is_bitwise(reference, fault, tmp_p
         assert last < step < TOTAL and stopped["resumed_from"] == (last or None), spec
         assert integrity.check_step(str(workdir / "checkpoints" / str(step)), step) is None
         last = step
-    monkeypatch.delenv(control.FAULT_ENV)
+    monkeypatch.delenv(faults.FAULT_ENV)
     resumed = train(workdir).summary
     assert resumed["resumed_from"] == last and resumed["stopped_by"] is None
     assert resumed["state_sha256"] == reference[1]["state_sha256"]
@@ -99,7 +100,7 @@ def run_cli(workdir, *extra, devices=1, env=None):
 
 def test_cli_sigterm_exits_0_then_restore_errors_exit_3(tmp_path, capfd):
     workdir = tmp_path / "cli"
-    proc = run_cli(workdir, env={control.FAULT_ENV: "step:15:TERM"})
+    proc = run_cli(workdir, env={faults.FAULT_ENV: "step:15:TERM"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "SIGTERM received" in proc.stderr
     with open(workdir / "summary.json") as f:
@@ -156,7 +157,7 @@ def test_resume_on_more_devices_continues_the_data_order(reference, tmp_path):
         "from tests import test_resume as t\n"
         "assert jax.device_count() == 2\n"
         "t.train(sys.argv[1])\n" % REPO)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", **{control.FAULT_ENV: "step:20:TERM"},
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **{faults.FAULT_ENV: "step:20:TERM"},
                XLA_FLAGS="--xla_force_host_platform_device_count=2")
     proc = subprocess.run([sys.executable, "-c", script, str(workdir)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)

@@ -1,4 +1,4 @@
-"""Tests for jtrain.writers: JSONL, TensorBoard, background thread, secrets, MLflow/W&B."""
+"""Tests for jtrain.observe.writers: JSONL, TensorBoard, background thread, secrets, MLflow/W&B."""
 
 import glob
 import json
@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
-from jtrain import writers
-from jtrain.progress import Progress
-from jtrain.writers import MetricWriter, redact, redact_text
+from jtrain.observe import writers
+from jtrain.observe.console import Progress
+from jtrain.observe.redact import redact, redact_text
+from jtrain.observe.writers import MetricWriter
 
 SECRETS = ("sk-test-123abc", "s3cr3t-value", "hunter2", "tok-999")
 

@@ -20,8 +20,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 
-class DataError(ValueError):
-    """Bad input data; str(e) is one line naming the dataset and the item or field."""
+from jtrain.errors import DataError, first_line  # noqa: F401  (used across jtrain.data)
 
 
 TUPLE_KEYS = ("inputs", "targets", "weights")
@@ -202,11 +201,6 @@ def check_batch(batch: dict, ref: dict, rows: int, where: str) -> None:
     if why:
         raise DataError(f"{where}{why}; jtrain compiles the step once, so every batch "
                         "needs the same shapes (pad to a fixed length in collate_fn)")
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def call_item(fn: Callable, where: str):

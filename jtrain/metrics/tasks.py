@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtrain import losses
+from jtrain.errors import ConfigError
 from jtrain.metrics.averages import Average, BitsPerByte, Loss, Perplexity
 from jtrain.metrics.classification import (Accuracy, ConfusionMatrix, PrecisionRecallF1,
                                            TopKAccuracy)
@@ -61,8 +62,6 @@ class EvalSpec:
                                                               byte_level=byte_level)
         bad = [n for n in names if n not in _ALLOWED[task]]
         if bad:
-            from jtrain.config import ConfigError  # config imports this module
-
             raise ConfigError("eval.metrics", f"{', '.join(bad)} cannot be computed for this "
                               f"run's {task} outputs (outputs {tuple(output_shape or ())}, "
                               f"targets {tuple(targets_shape)} {np.dtype(targets_dtype).name});"

@@ -1,11 +1,7 @@
-"""What the run shows: redaction of secrets, the console progress bar, the log file.
-
-`redact` / `redact_text` (re-exported by `jtrain.writers`) clean every config, text and
-line jtrain prints or writes. `Progress` draws `step 120/1000 [####----] 12% | epoch 1
-batch 20/100 | loss 2.314 (ema) | lr 3.0e-04 | 41.2 steps/s | ETA 0:00:21`: redrawn in
-place on a terminal, one plain line per update elsewhere; process 0 only. It also keeps
-WORKDIR/train.log and shows each distinct warning once. `run_header` and
-`parameter_table` format what is printed before training.
+"""The console: `Progress` draws `step 120/1000 [####----] 12% | epoch 1 batch 20/100 |
+loss 2.314 (ema) | lr 3.0e-04 | 41.2 steps/s | ETA 0:00:21`: redrawn in place on a
+terminal, one plain line per update elsewhere; process 0 only. It also keeps
+WORKDIR/train.log and shows each distinct warning once.
 """
 
 from __future__ import annotations
@@ -13,85 +9,21 @@ from __future__ import annotations
 import datetime
 import logging
 import math
-import os
-import re
 import shutil
 import sys
-import threading
 import time
 import warnings
 
-
-REDACTED = "<redacted>"
-
-# Config keys whose (string or number) values are secrets. `token(?!s|iz)` keeps
-# `max_tokens` and `tokenizer` readable; `*_key`, `apikey`, `key` etc. end in "key".
-_SECRET_KEY = re.compile(
-    r"(?:^|[_\-.]|api|access|private|secret|auth|client|master)key$"
-    r"|token(?!s|iz)|passw(?:or)?d|secret|credential",
-    re.IGNORECASE,
-)
-_SECRET_ENV = re.compile(r"(?:^|_)KEY$|APIKEY|TOKEN(?!IZ)|PASSWORD|PASSWD|SECRET|CREDENTIAL",
-                         re.IGNORECASE)
-# scheme://user:password@host -> scheme://user:<redacted>@host (the password may hold '@').
-_URI_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^/\s:@]*):[^\s/]+@")
-# Shorter environment values ("true", "1") would mask ordinary words; they are not secrets.
-_MIN_ENV_SECRET_LEN = 6
-# Secret strings `redact` has replaced, masked from then on in free text too: a config
-# dumped into a text summary or a log line must not bring them back.
-_SEEN_SECRETS: set[str] = set()
-_SEEN_LOCK = threading.Lock()
+from jtrain.observe.redact import redact_text
 
 
-def _known_secrets() -> list[str]:
-    """Secret-looking environment values and secrets `redact` has seen, longest first."""
-    values = {v for k, v in os.environ.items()
-              if _SECRET_ENV.search(k) and len(v) >= _MIN_ENV_SECRET_LEN}
-    with _SEEN_LOCK:
-        values |= _SEEN_SECRETS
-    return sorted(values, key=len, reverse=True)
+def say(line: str) -> None:
+    """One line on stderr from process 0 (warnings, restore notes), outside `Progress`."""
+    import jax
 
-
-def redact_text(s: str) -> str:
-    """Masks URI passwords, secret environment values and secrets `redact` saw in `s`."""
-    s = _URI_PASSWORD.sub(rf"\1:{REDACTED}@", str(s))
-    for value in _known_secrets():
-        s = s.replace(value, REDACTED)
-    return s
-
-
-def redact(tree):
-    """A copy of `tree` (dicts, ConfigDicts, lists, tuples) with secrets replaced by "<redacted>".
-
-    Values under a secret-looking key are replaced whole (bools and None are kept: they
-    carry no secret) and, if strings, masked by `redact_text` from then on; every other
-    string is passed through `redact_text`.
-    """
-    return _redact(tree, secret=False)
-
-
-def _redact(node, secret: bool):
-    if hasattr(node, "to_dict"):  # ml_collections ConfigDict / FrozenConfigDict
-        node = node.to_dict()
-    if isinstance(node, dict):
-        return {k: _redact(v, secret or bool(_SECRET_KEY.search(str(k))))
-                for k, v in node.items()}
-    if isinstance(node, (list, tuple)):
-        items = [_redact(v, secret) for v in node]
-        return items if isinstance(node, list) else tuple(items)
-    if node is None or isinstance(node, bool):
-        return node
-    if secret:
-        if isinstance(node, (str, bytes)) and len(node) >= _MIN_ENV_SECRET_LEN:
-            with _SEEN_LOCK:
-                _SEEN_SECRETS.add(node.decode("utf-8", "replace") if isinstance(node, bytes)
-                                  else node)
-        return REDACTED
-    if isinstance(node, bytes):
-        return redact_text(node.decode("utf-8", "replace"))
-    if isinstance(node, str):
-        return redact_text(node)
-    return node
+    if jax.process_index() == 0:
+        sys.stderr.write(redact_text(f"jtrain: {line}") + "\n")
+        sys.stderr.flush()
 
 
 _clock = time.monotonic  # module attribute so tests can drive time
@@ -303,42 +235,3 @@ class _WarningHandler(logging.Handler):
     def emit(self, record):
         if self._progress is not None:
             self._progress.warning(record.getMessage())
-
-
-# ----------------------------------------------------------------------------------------
-# The run header
-
-
-def run_header(*, model: str, num_params: int, precision: str, mesh_shape: dict,
-               data_name: str, train_size: int, eval_size: int, global_batch: int,
-               workdir: str, resumed_from: int | None, batches_per_epoch: int | None = None,
-               extra: tuple[str, ...] = ()) -> str:
-    """The lines printed before training: what, on what, with what data, where."""
-    import jax
-
-    devices = jax.devices()
-    kinds = sorted({d.device_kind for d in devices} - {jax.default_backend()})
-    shape = " x ".join(f"{k}={v}" for k, v in mesh_shape.items())
-    per_epoch = (batches_per_epoch if batches_per_epoch is not None
-                 else train_size // global_batch)
-    lines = [
-        f"jtrain: model {model}, {num_params:,} params, {precision}",
-        f"jtrain: {len(devices)} {jax.default_backend()} device(s)"
-        + (f" ({', '.join(kinds)})" if kinds else "") + ", "
-        f"{jax.process_count()} process(es), mesh {shape}",
-        f"jtrain: data {data_name}: {train_size:,} train / {eval_size:,} eval examples, "
-        f"global batch {global_batch}, "
-        + (f"{per_epoch:,} batches per epoch" if per_epoch else "epoch length unknown"),
-        *extra,
-        f"jtrain: workdir {workdir}; " + (f"resumed from step {resumed_from}"
-                                         if resumed_from is not None else "fresh start"),
-    ]
-    return "\n".join(lines)
-
-
-def parameter_table(params, max_lines: int = 60) -> str:
-    """Per-module parameter table (clu.parameter_overview; shapes only, no values)."""
-    from clu import parameter_overview
-
-    return parameter_overview.get_parameter_overview(params, include_stats=False,
-                                                     max_lines=max_lines)

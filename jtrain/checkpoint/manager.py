@@ -8,7 +8,7 @@ our manifest:
            and its hash, versions, writer run ids, the best-k registry, eval history,
            accepted config changes
   jtrain_manifest.json  size + CRC-32 of every file and the state's tree spec, written
-           as the last part of the atomic commit (see `jtrain.checkpoint_integrity`)
+           as the last part of the atomic commit (see `jtrain.checkpoint.integrity`)
 
 Start-up precedence (`Checkpointer.restore_or_init`; also in WORKSPACE.md):
   1. the newest complete, intact checkpoint in WORKDIR/checkpoints (damaged ones are
@@ -50,17 +50,14 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jtrain import checkpoint_integrity as integrity
-from jtrain import checkpoint_policy as policy
+from jtrain import config as config_lib
 from jtrain import control as control_lib
-
-
-class RestoreError(Exception):
-    """A checkpoint that cannot be used as asked: exit code 3, one line."""
-
-
-class CheckpointError(Exception):
-    """A save that failed (possibly in the background): exit code 1, one line."""
+from jtrain.checkpoint import init_from as init_from_lib
+from jtrain.checkpoint import integrity, policy
+from jtrain.control import faults
+from jtrain.errors import CheckpointError, RestoreError
+from jtrain.observe.console import say
+from jtrain.observe.redact import redact
 
 
 class _Unreadable(Exception):
@@ -76,13 +73,6 @@ class Start:
     control: control_lib.RunControl
 
 
-def say(line: str) -> None:
-    """One line on stderr from process 0 (warnings, restore notes)."""
-    if jax.process_index() == 0:
-        sys.stderr.write(f"jtrain: {line}\n")
-        sys.stderr.flush()
-
-
 class Checkpointer:
     """Saves and restores a run's checkpoints in `WORKDIR/checkpoints`.
 
@@ -96,11 +86,7 @@ class Checkpointer:
         self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
         self.cfg = config.checkpoint
         self.final_step = int(config.total_steps)  # always kept
-        from jtrain import writers as writers_lib
-
-        resolved = writers_lib.redact(config.to_dict())
-        from jtrain import config as config_lib
-
+        resolved = redact(config.to_dict())
         self.control = control_lib.RunControl(
             config=resolved, config_sha256=config_lib.config_hash(config),
             data_info=dict(data_info or {}), versions=control_lib.versions())
@@ -184,9 +170,7 @@ class Checkpointer:
                 self._restore_step = self._select()
                 self._mngr.reload()
         if self.cfg.init_from:
-            from jtrain import checkpoint_init
-
-            state = checkpoint_init.init_from(self.cfg, abstract_state, init_fn)
+            state = init_from_lib.init_from(self.cfg, abstract_state, init_fn)
             return Start(state, None, None, "init_from", self.control)
         return Start(init_fn(), None, None, "fresh", self.control)
 
@@ -207,7 +191,7 @@ class Checkpointer:
         saved = control_lib.RunControl.from_json(out["control"])
         self._accept_config(saved, path)
         data_state = out["data"]
-        if os.environ.get(control_lib.SKIP_DATA_RESTORE_ENV):
+        if os.environ.get(faults.SKIP_DATA_RESTORE_ENV):
             say("warning: ignoring the saved data position (negative control)")
             data_state = None
         return Start(out["state"], step, data_state, "checkpoint", self.control)
@@ -277,7 +261,7 @@ class Checkpointer:
             control=ocp.args.JsonSave(self.control.to_json())), force=True))
         self._last_save = time.monotonic()
         policy.lower_writer_priority(self.cfg.writer_nice)
-        control_lib.fault_point("save", delay=0.02)
+        faults.fault_point("save", delay=0.02)
         if not self.cfg.async_save:
             self.wait()
         return True

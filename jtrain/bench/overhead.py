@@ -14,7 +14,7 @@ jtrain: `jtrain.train(config, workdir)` runs `log_every + steps` steps in a fres
   that divided by `steps`. Setup, compilation, the final eval and the final checkpoint
   fall outside it; they are reported apart as the run's fixed cost (wall time of
   `train()` minus the steady time). The loop's own `perf/steps_per_sec` is kept as
-  `rate_ms`, not used: jtrain.perf stamps log steps when they are dispatched, so over
+  `rate_ms`, not used: jtrain.observe.perf stamps log steps when they are dispatched, so over
   intervals shorter than `max_steps_in_flight` it reads far too fast.
 
 hand: the same `make_model` / `make_optimizer` / `make_train_iterator` (same source, seed,

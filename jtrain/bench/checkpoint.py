@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jtrain import adapters, checkpoint, losses
+from jtrain import checkpoint, losses
+from jtrain.models import adapters
 from jtrain import config as config_lib
 from jtrain import mesh as mesh_lib
 from jtrain import models as models_lib

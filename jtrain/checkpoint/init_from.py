@@ -19,17 +19,16 @@ import re
 import jax
 import numpy as np
 
-from jtrain import checkpoint_integrity as integrity
+from jtrain.checkpoint import export as export_lib
+from jtrain.checkpoint import integrity
+from jtrain.errors import ConfigError, ExportError, RestoreError
+from jtrain.observe.console import say
 
 
 def init_from(ckpt_cfg, abstract_state, init_fn):
-    from jtrain import config as config_lib
-    from jtrain import export as export_lib
-    from jtrain.checkpoint import RestoreError, say
-
     path = ckpt_cfg.init_from
     if not os.path.exists(path):
-        raise config_lib.ConfigError("checkpoint.init_from", f"{path}: no such file or directory")
+        raise ConfigError("checkpoint.init_from", f"{path}: no such file or directory")
     with_opt = ckpt_cfg.init_from_opt
     excludes = [re.compile(p) for p in ckpt_cfg.init_exclude]
     try:
@@ -43,7 +42,7 @@ def init_from(ckpt_cfg, abstract_state, init_fn):
             source = export_lib.find_step_dir(path)
             prefixes = ("params", "opt_state") if with_opt else ("params",)
             loaded = export_lib.load_checkpoint_leaves(source, prefixes)
-    except export_lib.ExportError as e:
+    except ExportError as e:
         raise RestoreError(f"checkpoint.init_from: {e}") from None
 
     fresh = init_fn()

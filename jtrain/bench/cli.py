@@ -12,7 +12,7 @@ of each side, tokens/s, MFU (GPU only), and the ratio of the medians (jtrain / h
 against the goal: <= 1.02 for `base` (configs/base.py's model) and <= 1.10 for `tiny`
 (a 1-layer d_model=32 transformer, batch 8 x 32 tokens, dispatch-bound).
 
-Timing, in short (the details are in `jtrain.bench_overhead`'s docstring): both sides are
+Timing, in short (the details are in `jtrain.bench.overhead`'s docstring): both sides are
 timed in steady state over the same `--steps` steps after the same `--log_every` warm-up
 steps (which hold compilation). jtrain's time comes from the loop's own log records in
 `metrics.jsonl` (wall-clock stamps taken after the logged step's metrics were fetched,
@@ -28,7 +28,7 @@ final losses of both sides are printed: equal losses show both did the same work
 `data`: on one torch map-style dataset (images), jtrain's data pipeline against
 `torch.utils.data.DataLoader` (examples/s, goal >= 1.0x), the train step fed by the real
 pipeline against a synthetic batch already on the devices (goal <= 1.03x), and the time to
-first batch; medians over interleaved rounds (details in `jtrain.bench_data`).
+first batch; medians over interleaved rounds (details in `jtrain.bench.data`).
 
     python -m jtrain.bench checkpoint                           # ~1-2 min on 2 CPU cores
     python -m jtrain.bench checkpoint --rounds=5 --writer_nice=0 --out=ckpt.json
@@ -37,7 +37,7 @@ first batch; medians over interleaved rounds (details in `jtrain.bench_data`).
 and Checkpointer: the time an async save blocks the loop vs a synchronous save (goal
 <= 0.25x), the total save time and the restore time (goal <= 5 s each), and steps/s while
 a save is written vs without (goal >= 0.95x); medians over rounds (details in
-`jtrain.bench_checkpoint`).
+`jtrain.bench.checkpoint`).
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def _fail(message: str) -> int:
 
 
 def overhead(args) -> int:
-    from jtrain import bench_overhead as bo  # imports JAX; --help and stubs stay fast
+    from jtrain.bench import overhead as bo  # imports JAX; --help and stubs stay fast
     from jtrain import config as config_lib
 
     defaults = bo.PRESETS[args.model]
@@ -191,7 +191,7 @@ def checkpoint(args) -> int:
             or not 0 <= args.writer_nice <= 19:
         return _fail("error: --rounds and --steps must be >= 1, --params in [1e5, 1e10], "
                      "--writer_nice in [0, 19]")
-    from jtrain import bench_checkpoint as bc  # imports JAX
+    from jtrain.bench import checkpoint as bc  # imports JAX
 
     res = bc.run_checkpoint_bench(params=args.params, rounds=args.rounds, steps=args.steps,
                                   writer_nice=args.writer_nice, workdir=args.workdir,
@@ -204,7 +204,7 @@ def checkpoint(args) -> int:
 
 
 def data(args) -> int:
-    from jtrain import bench_data as bd  # imports JAX and torch
+    from jtrain.bench import data as bd  # imports JAX and torch
 
     if min(args.num_examples, args.batch_size, args.rounds, args.batches, args.steps) < 1 \
             or args.num_workers < 0 or args.num_examples < args.batch_size * (args.batches + 1):
@@ -222,6 +222,3 @@ def data(args) -> int:
             json.dump(res, f, indent=2, sort_keys=True)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

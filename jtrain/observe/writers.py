@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 # Redaction lives beside the console output that needs it most; it is part of this API.
-from jtrain.progress import REDACTED, redact, redact_text  # noqa: F401
+from jtrain.observe.redact import redact, redact_text
 
 WRITER_NAMES = ("jsonl", "tensorboard", "mlflow", "wandb")
 DEFAULT_WRITERS = ("jsonl", "tensorboard")

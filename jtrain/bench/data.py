@@ -133,7 +133,8 @@ class StepBench:
     def __init__(self, ds, batch: int, workers: int):
         import jax
 
-        from jtrain import adapters, losses, mesh as mesh_lib, optim as optim_lib
+        from jtrain import losses, mesh as mesh_lib, optim as optim_lib
+        from jtrain.models import adapters
         from jtrain import config as config_lib, data as data_lib, precision as precision_lib
         from jtrain import state as state_lib, step as step_lib
 

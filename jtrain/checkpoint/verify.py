@@ -38,7 +38,8 @@ import sys
 import time
 from typing import Callable
 
-from jtrain import control as control_lib
+from jtrain.checkpoint import integrity
+from jtrain.control import faults
 
 TIMEOUT_S = 3600
 
@@ -62,8 +63,6 @@ def _summary(workdir: str) -> dict | None:
 
 
 def _finished_steps(workdir: str) -> list[int]:
-    from jtrain import checkpoint_integrity as integrity
-
     directory = os.path.join(workdir, "checkpoints")
     steps, _, _ = integrity.scan(directory)
     return [s for s in steps
@@ -123,8 +122,8 @@ def verify_resume(command: Callable[[str], list], root: str, *, kills: int = 4,
         env.update(JAX_COMPILATION_CACHE_DIR=os.path.join(root, "jax_cache"),
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    env.pop(control_lib.FAULT_ENV, None)
-    env.pop(control_lib.SKIP_DATA_RESTORE_ENV, None)
+    env.pop(faults.FAULT_ENV, None)
+    env.pop(faults.SKIP_DATA_RESTORE_ENV, None)
     os.makedirs(root, exist_ok=True)
     ref_dir = reference or os.path.join(root, "reference")
     run_dir = os.path.join(root, "interrupted")
@@ -149,9 +148,9 @@ def verify_resume(command: Callable[[str], list], root: str, *, kills: int = 4,
     for i, (kind, value) in enumerate(plan + [("none", None)]):
         run_env = dict(env)
         if negative_control and i > 0:
-            run_env[control_lib.SKIP_DATA_RESTORE_ENV] = "1"
+            run_env[faults.SKIP_DATA_RESTORE_ENV] = "1"
         if kind in ("step", "eval", "save"):
-            run_env[control_lib.FAULT_ENV] = f"{kind}:{value}"
+            run_env[faults.FAULT_ENV] = f"{kind}:{value}"
         before = _finished_steps(run_dir)
         code, _ = _run(command(run_dir), run_env, log_path, timeout=timeout,
                        kill_after=value if kind == "time" else None)

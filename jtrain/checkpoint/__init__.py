@@ -1,0 +1,20 @@
+"""Checkpoints: everything that writes or reads a run's saved state.
+
+    manager     Checkpointer (orbax async save, restore-or-init, refusals, retention) and
+                the read-only CheckpointReader
+    integrity   our manifest under orbax: per-file size + CRC-32, tree spec, quarantine
+    policy      which checkpoints are kept; priority of background writes
+    init_from   `checkpoint.init_from`: a new run from an export or another run
+    export      parameters as safetensors (`python -m jtrain.export`)
+    verify      `--verify_resume`: kill/restart chaos run vs an uninterrupted one
+
+Public names: Checkpointer, CheckpointReader, Start, abstract_with_shardings, and the
+errors RestoreError, CheckpointError (from jtrain.errors).
+"""
+
+from jtrain.checkpoint.manager import (Checkpointer, CheckpointReader, Start,
+                                       abstract_with_shardings)
+from jtrain.errors import CheckpointError, RestoreError
+
+__all__ = ["CheckpointError", "CheckpointReader", "Checkpointer", "RestoreError", "Start",
+           "abstract_with_shardings"]

@@ -1,0 +1,214 @@
+"""Export a checkpoint's parameters: `python -m jtrain.export WORKDIR --step=N --out=DIR`.
+
+    python -m jtrain.export runs/base --out=exports/base              # newest intact step
+    python -m jtrain.export runs/base --step=1000 --out=exports/b16 --dtype=bfloat16
+
+Writes `DIR/params.safetensors` (parameters only; tensor names are the parameter paths,
+e.g. `blocks_0/attn/qkv/kernel`) and `DIR/export.json` (step, source, dtype, parameter
+count, the run's config). safetensors is a JSON header plus raw little-endian bytes:
+it loads without jtrain, without the run's state and without pickle (`safetensors`,
+`read_safetensors` below, or a few lines of numpy). `--dtype=bfloat16` casts floating
+parameters. `checkpoint.init_from=DIR` starts a new run from an export.
+
+The checkpoint is integrity-checked (see `jtrain.checkpoint.integrity`) before reading.
+Errors print one line `jtrain: export error: ...` and exit 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import struct
+import sys
+
+import numpy as np
+
+from jtrain.checkpoint import integrity
+from jtrain.errors import ExportError
+
+PARAMS_FILE = "params.safetensors"
+INFO_FILE = "export.json"
+EXIT_ERROR = 3
+
+_TO_ST = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+          "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint64": "U64",
+          "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL"}
+_FROM_ST = {v: k for k, v in _TO_ST.items()}
+
+
+def _np_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray],
+                      metadata: dict[str, str] | None = None) -> None:
+    header: dict = {"__metadata__": dict(metadata or {})}
+    offset = 0
+    arrays = {}
+    for name in sorted(tensors):
+        arr = np.ascontiguousarray(tensors[name])
+        if arr.dtype.name not in _TO_ST:
+            raise ExportError(f"{name}: dtype {arr.dtype.name} has no safetensors code")
+        arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+        header[name] = {"dtype": _TO_ST[arr.dtype.name], "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + arr.nbytes]}
+        arrays[name] = arr
+        offset += arr.nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for name in sorted(arrays):
+            f.write(arrays[name].tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_safetensors(path: str) -> tuple[dict[str, np.ndarray], dict]:
+    """(tensors, metadata). Checks every offset; raises ExportError naming the file."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        (n,) = struct.unpack("<Q", data[:8])
+        if n > len(data) - 8:
+            raise ValueError("header longer than the file")
+        header = json.loads(data[8:8 + n])
+    except (struct.error, ValueError) as e:
+        raise ExportError(f"{path}: not a safetensors file ({e})") from None
+    body = memoryview(data)[8 + n:]
+    metadata = header.pop("__metadata__", {}) or {}
+    out = {}
+    for name, spec in header.items():
+        try:
+            dtype = _np_dtype(_FROM_ST[spec["dtype"]])
+            start, end = spec["data_offsets"]
+            shape = tuple(int(s) for s in spec["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise ExportError(f"{path}: tensor {name!r}: bad header entry {spec!r}") from None
+        if not 0 <= start <= end <= len(body) or end - start != dtype.itemsize * int(
+                np.prod(shape, dtype=np.int64)):
+            raise ExportError(f"{path}: tensor {name!r}: offsets {start}..{end} do not fit "
+                              f"shape {shape} {dtype.name} (file truncated?)")
+        out[name] = np.frombuffer(body[start:end], dtype=dtype.newbyteorder("<")).reshape(shape)
+    return out, metadata
+
+
+def is_export(path: str) -> bool:
+    return os.path.isfile(path if path.endswith(".safetensors")
+                          else os.path.join(path, PARAMS_FILE))
+
+
+def load_export(path: str) -> dict[str, np.ndarray]:
+    """{"params/<path>": array} from an export directory or its .safetensors file."""
+    file = path if path.endswith(".safetensors") else os.path.join(path, PARAMS_FILE)
+    tensors, _ = read_safetensors(file)
+    return {f"params/{k}": v for k, v in tensors.items()}
+
+
+def find_step_dir(path: str, step: int | None = None) -> str:
+    """The intact step directory of a jtrain run: `path` is a workdir, its
+    `checkpoints/` directory or a step directory. Reads only; moves nothing."""
+    if os.path.isfile(os.path.join(path, integrity.MANIFEST)):
+        problem = integrity.check_step(path, int(os.path.basename(os.path.normpath(path))))
+        if problem:
+            raise ExportError(f"damaged checkpoint: {problem}")
+        return path
+    ckpts = os.path.join(path, "checkpoints")
+    directory = ckpts if os.path.isdir(ckpts) else path
+    if not os.path.isdir(directory):
+        raise ExportError(f"{path}: no such directory")
+    steps, _, _ = integrity.scan(directory)
+    if step is not None:
+        if step not in steps:
+            raise ExportError(f"{directory}: no checkpoint for step {step} (have: "
+                              f"{', '.join(map(str, steps)) or 'none'})")
+        steps = [step]
+    problems = []
+    for s in reversed(steps):
+        problem = integrity.check_step(os.path.join(directory, str(s)), s)
+        if problem is None:
+            return os.path.join(directory, str(s))
+        problems.append(problem)
+    raise ExportError(f"damaged checkpoint: {problems[0]}" if problems
+                      else f"{directory}: no checkpoints")
+
+
+def load_checkpoint_leaves(step_dir: str, prefixes=("params",)) -> dict[str, np.ndarray]:
+    """{"params/<path>": array, ...} of a saved TrainState's top-level fields in
+    `prefixes`, as host numpy arrays (any device count; partial read)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    path = os.path.join(step_dir, "state")
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)  # "Metadata file does not exist" noise
+    try:
+        ck = ocp.PyTreeCheckpointer()
+        tree = ck.metadata(path).item_metadata.tree
+        sub = {k: tree[k] for k in prefixes if k in tree}
+        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), sub)
+        out = ck.restore(path, args=ocp.args.PyTreeRestore(item=sub, restore_args=args,
+                                                           partial_restore=True))
+    finally:
+        absl_logger.setLevel(level)
+    return {integrity.leaf_path(p): np.asarray(v)
+            for p, v in jax.tree_util.tree_flatten_with_path(out)[0]}
+
+
+def export(workdir: str, out: str, *, step: int | None = None, dtype: str | None = None) -> dict:
+    """Write the export; returns the export.json record."""
+    step_dir = find_step_dir(workdir, step)
+    leaves = load_checkpoint_leaves(step_dir)
+    tensors = {}
+    for name, arr in leaves.items():
+        floating = np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16"
+        if dtype and floating:
+            arr = arr.astype(_np_dtype(dtype))
+        tensors[name.split("/", 1)[1]] = arr
+    with open(os.path.join(step_dir, "control", "metadata")) as f:
+        control = json.load(f)
+    os.makedirs(out, exist_ok=True)
+    record = {
+        "format": "jtrain-export", "version": 1,
+        "step": int(os.path.basename(step_dir)), "source": os.path.abspath(step_dir),
+        "dtype": dtype or "as saved", "num_tensors": len(tensors),
+        "num_params": int(sum(a.size for a in tensors.values())),
+        "config_sha256": control.get("config_sha256"), "config": control.get("config"),
+    }
+    write_safetensors(os.path.join(out, PARAMS_FILE), tensors,
+                      {"format": "jtrain-export", "step": str(record["step"])})
+    with open(os.path.join(out, INFO_FILE), "w") as f:
+        json.dump(record, f, indent=2, sort_keys=True)
+    return record
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jtrain.export",
+                                description="Export a checkpoint's parameters (safetensors).")
+    p.add_argument("workdir", help="a run's workdir, its checkpoints/ dir, or a step dir")
+    p.add_argument("--step", type=int, default=None, help="default: the newest intact step")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                   help="cast floating parameters (default: keep the saved dtype)")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        record = export(args.workdir, args.out, step=args.step, dtype=args.dtype)
+    except (ExportError, OSError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        sys.stderr.write(f"jtrain: export error: {first}\n")
+        return EXIT_ERROR
+    print(f"jtrain: exported step {record['step']}: {record['num_params']:,} params in "
+          f"{record['num_tensors']} tensors ({record['dtype']}) to "
+          f"{os.path.join(args.out, PARAMS_FILE)}")
+    return 0
+

@@ -1,0 +1,9 @@
+"""What a run shows and records; process 0 only.
+
+    console   the progress bar / plain lines, train.log, warnings once (Progress, say)
+    header    the run header and the parameter table printed before training
+    redact    secrets masked from everything jtrain prints or writes
+    writers   metric writers: JSONL, TensorBoard, MLflow, W&B (background thread)
+    perf      steps/s, tokens/s, MFU, data wait, compile time; the profiler
+    plots     PNG plots for `python -m jtrain.evaluate`
+"""

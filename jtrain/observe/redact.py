@@ -1,0 +1,83 @@
+"""Redaction of secrets from everything jtrain prints or writes.
+
+`redact(tree)` copies a config with values under secret-looking keys replaced;
+`redact_text(s)` masks URI passwords, secret environment values and secrets `redact` has
+seen. The console, the log file, the metric writers and config.json all go through them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+
+REDACTED = "<redacted>"
+
+# Config keys whose (string or number) values are secrets. `token(?!s|iz)` keeps
+# `max_tokens` and `tokenizer` readable; `*_key`, `apikey`, `key` etc. end in "key".
+_SECRET_KEY = re.compile(
+    r"(?:^|[_\-.]|api|access|private|secret|auth|client|master)key$"
+    r"|token(?!s|iz)|passw(?:or)?d|secret|credential",
+    re.IGNORECASE,
+)
+_SECRET_ENV = re.compile(r"(?:^|_)KEY$|APIKEY|TOKEN(?!IZ)|PASSWORD|PASSWD|SECRET|CREDENTIAL",
+                         re.IGNORECASE)
+# scheme://user:password@host -> scheme://user:<redacted>@host (the password may hold '@').
+_URI_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^/\s:@]*):[^\s/]+@")
+# Shorter environment values ("true", "1") would mask ordinary words; they are not secrets.
+_MIN_ENV_SECRET_LEN = 6
+# Secret strings `redact` has replaced, masked from then on in free text too: a config
+# dumped into a text summary or a log line must not bring them back.
+_SEEN_SECRETS: set[str] = set()
+_SEEN_LOCK = threading.Lock()
+
+
+def _known_secrets() -> list[str]:
+    """Secret-looking environment values and secrets `redact` has seen, longest first."""
+    values = {v for k, v in os.environ.items()
+              if _SECRET_ENV.search(k) and len(v) >= _MIN_ENV_SECRET_LEN}
+    with _SEEN_LOCK:
+        values |= _SEEN_SECRETS
+    return sorted(values, key=len, reverse=True)
+
+
+def redact_text(s: str) -> str:
+    """Masks URI passwords, secret environment values and secrets `redact` saw in `s`."""
+    s = _URI_PASSWORD.sub(rf"\1:{REDACTED}@", str(s))
+    for value in _known_secrets():
+        s = s.replace(value, REDACTED)
+    return s
+
+
+def redact(tree):
+    """A copy of `tree` (dicts, ConfigDicts, lists, tuples) with secrets replaced by "<redacted>".
+
+    Values under a secret-looking key are replaced whole (bools and None are kept: they
+    carry no secret) and, if strings, masked by `redact_text` from then on; every other
+    string is passed through `redact_text`.
+    """
+    return _redact(tree, secret=False)
+
+
+def _redact(node, secret: bool):
+    if hasattr(node, "to_dict"):  # ml_collections ConfigDict / FrozenConfigDict
+        node = node.to_dict()
+    if isinstance(node, dict):
+        return {k: _redact(v, secret or bool(_SECRET_KEY.search(str(k))))
+                for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        items = [_redact(v, secret) for v in node]
+        return items if isinstance(node, list) else tuple(items)
+    if node is None or isinstance(node, bool):
+        return node
+    if secret:
+        if isinstance(node, (str, bytes)) and len(node) >= _MIN_ENV_SECRET_LEN:
+            with _SEEN_LOCK:
+                _SEEN_SECRETS.add(node.decode("utf-8", "replace") if isinstance(node, bytes)
+                                  else node)
+        return REDACTED
+    if isinstance(node, bytes):
+        return redact_text(node.decode("utf-8", "replace"))
+    if isinstance(node, str):
+        return redact_text(node)
+    return node
