@@ -137,11 +137,6 @@ def logical_to_shardings(abstract_tree, mesh: Mesh, rules=LOGICAL_RULES):
     return shardings
 
 
-def unbox(tree):
-    """Plain arrays where Linen boxes were (NNX state is left as it is: a pytree)."""
-    return nn.unbox(tree)
-
-
 def host_to_device(batch, mesh: Mesh):
     """THE host->device transfer: per-process numpy batch -> global arrays sharded on
     the batch axis. Every process passes its own rows, in process order."""

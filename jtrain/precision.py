@@ -2,8 +2,8 @@
 
 Reads `config.model.dtype`, `config.model.param_dtype`, `config.model.loss_scale`,
 `config.model.init_scale`. The policy is applied in one place: models get
-`compute_dtype` / `param_dtype` when they are built, and the train step casts outputs to
-`output_dtype` (float32) before the loss, so losses and norms are always float32.
+`compute_dtype` / `param_dtype` when they are built; the default losses (losses.py)
+compute in float32 whatever the outputs' dtype, and built-in models keep norms in float32.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ GROWTH_INTERVAL = 2000
 class Policy:
     param_dtype: jnp.dtype
     compute_dtype: jnp.dtype
-    output_dtype: jnp.dtype
     dynamic_loss_scale: bool
     init_scale: float
 
@@ -43,7 +42,7 @@ def make_policy(model_cfg, platform: str | None = None) -> Policy:
     scale = model_cfg.loss_scale
     dynamic = scale == "dynamic" or (scale == "auto" and compute == jnp.float16)
     return Policy(param_dtype=_DTYPES[model_cfg.param_dtype], compute_dtype=compute,
-                  output_dtype=jnp.float32, dynamic_loss_scale=dynamic,
+                  dynamic_loss_scale=dynamic,
                   init_scale=float(model_cfg.init_scale))
 
 

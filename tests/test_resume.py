@@ -57,7 +57,7 @@ def reference(tmp_path_factory):
 
 @pytest.fixture
 def fault(monkeypatch):
-    monkeypatch.setattr(control, "_fault_counts", {})
+    monkeypatch.setattr(faults, "_fault_counts", {})
 
     def set_fault(spec):
         monkeypatch.setenv(faults.FAULT_ENV, spec)

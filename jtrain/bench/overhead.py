@@ -65,7 +65,7 @@ from jtrain import optim as optim_lib
 from jtrain import precision as precision_lib
 from jtrain.train import train as jtrain_train  # `jtrain.train` itself is this function
 
-BASE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "base.py"
+BASE_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "base.py"
 
 # Defaults per preset: (steps timed per round, log interval = warm-up steps, rounds).
 # Base runs ~1 s/step on 2 shared CPU cores (+~25 s fixed cost per jtrain round), so its

@@ -191,7 +191,7 @@ class Checkpointer:
         saved = control_lib.RunControl.from_json(out["control"])
         self._accept_config(saved, path)
         data_state = out["data"]
-        if os.environ.get(faults.SKIP_DATA_RESTORE_ENV):
+        if faults.skip_data_restore():
             say("warning: ignoring the saved data position (negative control)")
             data_state = None
         return Start(out["state"], step, data_state, "checkpoint", self.control)

@@ -16,26 +16,39 @@ import threading
 FAULT_ENV = "JTRAIN_FAULT"
 SKIP_DATA_RESTORE_ENV = "JTRAIN_SKIP_DATA_RESTORE"
 
+_armed: tuple[str, int, str] | None = None  # (event kind, N, signal name)
+_skip_data_restore = False
 _fault_counts: dict[str, int] = {}
 
 
-def fault_point(kind: str, delay: float = 0.0) -> None:
-    """At the N-th `kind` event, when JTRAIN_FAULT=`kind:N[:SIG]`, send this process
-    SIGKILL (or SIGTERM / SIGINT for SIG = TERM / INT), after `delay` seconds."""
+def arm() -> None:
+    """Read the test-only environment once, at the start of a run (`control.Stopper`
+    calls it on entry); production code only ever calls the no-op hooks below."""
+    global _armed, _skip_data_restore
     spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    parts = spec.split(":")
-    want, n, sig = parts[0], (parts[1:2] or ["1"])[0], (parts[2:3] or ["KILL"])[0]
-    if want != kind:
+    _skip_data_restore = bool(os.environ.get(SKIP_DATA_RESTORE_ENV))
+    _fault_counts.clear()
+    _armed = None
+    if spec:
+        parts = spec.split(":")
+        _armed = (parts[0], int((parts[1:2] or ["1"])[0]), (parts[2:3] or ["KILL"])[0])
+
+
+def skip_data_restore() -> bool:
+    """True in --verify_negative_control restarts: ignore the saved data position."""
+    return _skip_data_restore
+
+
+def fault_point(kind: str, delay: float = 0.0) -> None:
+    """At the N-th `kind` event of an armed plan (`kind:N[:SIG]`), send this process
+    SIGKILL (or SIGTERM / SIGINT for SIG = TERM / INT), after `delay` seconds."""
+    if _armed is None or _armed[0] != kind:
         return
     _fault_counts[kind] = _fault_counts.get(kind, 0) + 1
-    if _fault_counts[kind] != int(n):
+    if _fault_counts[kind] != _armed[1]:
         return
-    signum = getattr(signal, f"SIG{sig}")
+    signum = getattr(signal, f"SIG{_armed[2]}")
     if delay <= 0:
         os.kill(os.getpid(), signum)
     else:
         threading.Timer(delay, os.kill, (os.getpid(), signum)).start()
-
-

@@ -21,7 +21,6 @@ class RunControl:
     metric_registry: dict = dataclasses.field(default_factory=dict)
     eval_history: list = dataclasses.field(default_factory=list)  # last evaluations
     config_changes: list = dataclasses.field(default_factory=list)  # accepted on resume
-    counters: dict = dataclasses.field(default_factory=dict)  # early stopping, plateau, ...
     stopped_by: str | None = None
 
     HISTORY_KEEP = 100

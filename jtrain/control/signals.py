@@ -17,6 +17,7 @@ import sys
 import threading
 from typing import Any
 
+from jtrain.control import faults
 from jtrain.control.faults import fault_point
 
 SYNC_EVERY = 10  # steps between multi-process agreements on host-side decisions
@@ -41,6 +42,7 @@ class Stopper:
         self._multi = False
 
     def __enter__(self):
+        faults.arm()  # the test-only fault plan, read once per run
         import jax
 
         self._multi = jax.process_count() > 1
@@ -89,10 +91,6 @@ class Stopper:
                          "exiting; a restart resumes from the newest finished checkpoint\n")
         sys.stderr.flush()
         os._exit(1)
-
-    def request(self, name: str = "request") -> None:
-        """Ask the loop to stop after the current step, as a signal would."""
-        self._request(name)
 
     def interruptible(self, fn, *args, **kwargs) -> list:
         """[fn(*args, **kwargs)], or [] when a stop signal arrived before or during the

@@ -52,7 +52,7 @@ class ModelFns:
                                     annotated.to_pure_dict())
             return abstract, shardings
         boxed = jax.eval_shape(self.init, rng, inputs)
-        return mesh_lib.unbox(boxed), mesh_lib.logical_to_shardings(boxed, mesh)
+        return nn.unbox(boxed), mesh_lib.logical_to_shardings(boxed, mesh)
 
 
 def _mode_kwargs(fn: Callable, train: bool) -> dict:
