@@ -238,7 +238,7 @@ def _pick_data(data: str, data_cfg):
         if "inputs" not in arrays or "targets" not in arrays:
             raise ValueError(f"--data: {data} needs arrays 'inputs' and 'targets', "
                              f"has {sorted(arrays)}")
-        return data_lib.as_source(arrays, "--data"), os.path.basename(data), {}
+        return data_lib.as_data(arrays, "--data"), os.path.basename(data), {}
     raise ValueError(f"--data: expected eval, train or a .npz file, got {data!r}")
 
 

@@ -56,9 +56,11 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
     cfg = config_lib.resolve(config)
     # data.source factories run, and a torch DataLoader's settings become data.*, before
     # the batch is checked against the devices.
-    train_data, eval_data = data_lib.load_user_data(
+    train_data, eval_data, overrides = data_lib.load_user_data(
         cfg.data, train_data, eval_data, process_index=jax.process_index(),
         process_count=jax.process_count())
+    if overrides:  # a new config: a validated one is never changed in place
+        cfg = config_lib.resolve({**cfg.to_dict(), "data": {**cfg.data.to_dict(), **overrides}})
     config_lib.validate(cfg, num_devices=jax.device_count())
     # From here on SIGTERM / SIGINT mean: save the current step, stop, return (jtrain.control.signals).
     with control_lib.Stopper(cfg.checkpoint.grace_seconds) as stopper:

@@ -112,7 +112,7 @@ def test_accepted_inputs_give_numpy_batches(name):
     data = ACCEPTED[name]()
     if isinstance(data, torch.utils.data.DataLoader):
         d = cfg_data()
-        data, _ = data_lib.load_user_data(d, data)
+        data, _, _ = data_lib.load_user_data(d, data)
     b = batches(data)
     assert {"inputs", "targets"} <= set(b[0])
     for leaf in jtrain.data.items.flatten(b[0]):
@@ -126,7 +126,9 @@ def test_dataloader_settings_become_data_config():
                                          shuffle=False, drop_last=False, num_workers=2,
                                          prefetch_factor=3)
     d = cfg_data()
-    data, _ = data_lib.load_user_data(d, loader, process_count=2)
+    data, _, overrides = data_lib.load_user_data(d, loader, process_count=2)
+    assert d.batch_size == 4  # the config given is not changed; a new one is built
+    d = cfg_data(**{**d.to_dict(), **overrides})
     assert (d.batch_size, d.shuffle, d.drop_last, d.num_workers, d.prefetch) == (
         12, False, False, 2, 3)
     train, _, info = data_lib.make_sources(d, data, process_count=2)
@@ -305,7 +307,7 @@ BAD = [  # (data, config overrides, the error must contain)
 def test_bad_inputs_fail_in_one_line_before_training(data, over, message):
     d = cfg_data(**over)
     with pytest.raises(data_lib.DataError) as e:
-        train, ev = data_lib.load_user_data(d, data)
+        train, ev, _ = data_lib.load_user_data(d, data)
         data_lib.make_sources(d, train, ev)
     assert isinstance(e.value, ValueError)
     text = str(e.value)

@@ -194,3 +194,21 @@ def test_a_position_from_other_data_settings_is_refused():
     stream = iterator("torch_stream")
     with pytest.raises(data_lib.DataError, match="not one of a stream"):
         stream.set_state(state)
+
+
+def test_seed_domains_never_collide_across_shards():
+    """Every (domain, shard) pair gives its own seeds: shard 4 of the per-element stream
+    RNG once shared a seed with the hold-out split."""
+    from jtrain.data import sources
+
+    domains = (sources.DOMAIN_ITEM, sources.DOMAIN_GLOBAL_RNG, sources.DOMAIN_WORKER,
+               sources.DOMAIN_STREAM, sources.DOMAIN_HOLDOUT)
+    assert len(set(domains)) == len(domains)
+    seen = {}
+    for domain in domains:
+        for shard in range(64):
+            for epoch in range(3):
+                for index in range(4):
+                    s = sources.item_seed(7, epoch, index, domain, shard)
+                    assert s not in seen, (seen[s], (domain, shard, epoch, index))
+                    seen[s] = (domain, shard, epoch, index)

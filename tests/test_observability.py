@@ -235,7 +235,7 @@ def test_eval_loop_exact_on_mesh(n, batch):
     step = jax.jit(step_lib.make_eval_step(linear_apply, jtrain.losses.default_loss,
                                            user_loss=False, metrics=spec),
                    out_shardings=(mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh)))
-    source = jtrain.data.as_source((x, y), "eval")
+    source = jtrain.data.as_data((x, y), "eval")
     result = evaluate.run_eval(step, params, source, mesh=mesh, local_batch=batch, spec=spec)
     logits = x.astype(np.float64) @ np.asarray(params["w"], np.float64)
     pred = logits.argmax(-1)
@@ -273,7 +273,7 @@ def test_regression_eval_step_with_user_loss_and_spearman():
     mesh = mesh_lib.make_mesh(cfg.mesh)
     step = jax.jit(step_lib.make_eval_step(linear_apply, mean_loss, user_loss=True,
                                            metrics=spec))
-    source = jtrain.data.as_source({"inputs": x, "targets": y}, "eval")
+    source = jtrain.data.as_data({"inputs": x, "targets": y}, "eval")
     s = evaluate.run_eval(step, params, source, mesh=mesh, local_batch=16, spec=spec).scalars
     pred = (x @ np.ones((3, 1))).ravel()
     from scipy import stats

@@ -26,60 +26,70 @@ from typing import Any, Callable, Iterator
 from jtrain.data import (checks, evalsets, grain_sources, load, pipeline, streams, text,
                          torch_adapters)
 from jtrain.data.items import DataError, x64_enabled
-from jtrain.data.load import Data, as_data
+from jtrain.data import load as load_lib
+from jtrain.data.dataset import Data
 from jtrain.data.prefetch import DevicePrefetch
 from jtrain.data.sources import MapSource, item_rng, with_transform
 
-__all__ = ["BUILTIN", "Data", "DataError", "as_source", "check_source", "device_prefetch",
-           "eval_batches", "item_rng", "load_user_data", "make_sources",
-           "make_train_iterator", "num_eval_examples", "with_transform"]
+__all__ = ["BUILTIN", "Data", "DataError", "as_data", "device_prefetch", "eval_batches",
+           "item_rng", "load_user_data", "make_sources", "make_train_iterator",
+           "num_eval_examples", "with_transform"]
 
 BUILTIN = {"pystdlib": text.make_pystdlib}
-as_source = as_data  # the older name, used by `python -m jtrain.evaluate --data=FILE.npz`
+
+
+def as_data(obj, name: str) -> Data:
+    """Any accepted input (arrays, a dataset, a stream, ...) as a checked `Data` whose
+    `[i]` is example i as the model sees it (e.g. for `jtrain.evaluate.run_eval`)."""
+    return checks.check(load_lib.as_data(obj, name), global_batch=1, train=False)
 
 
 def load_user_data(data_cfg, train_data=None, eval_data=None, *, process_index: int = 0,
                    process_count: int = 1):
     """Before the config is validated against the devices: the factory named by
     data.source is called, and a torch DataLoader's batch_size (per process), shuffle,
-    drop_last and num_workers become data.* (the header says so)."""
+    drop_last and num_workers are returned as `data.*` overrides (the header says so).
+
+    Returns (train_data, eval_data, overrides); the caller builds a new config from the
+    overrides (the validated config is never changed in place)."""
+    overrides: dict = {}
     if train_data is None and data_cfg.source:
         train_data, factory_eval = load.from_factory(data_cfg)
         eval_data = factory_eval if eval_data is None else eval_data
     if torch_adapters.is_dataloader(train_data):
-        train_data = load.adopt_loader(data_cfg, train_data, process_index, process_count)
+        train_data, overrides = load.adopt_loader(train_data, process_index, process_count)
     if torch_adapters.is_dataloader(eval_data):
         eval_data = torch_adapters.read_dataloader(eval_data, "eval_data", process_index,
                                                    process_count)
-    return train_data, eval_data
+    return train_data, eval_data, overrides
 
 
 def make_sources(data_cfg, train_data=None, eval_data=None, *, process_index: int = 0,
                  process_count: int = 1) -> tuple[Data, Data | None, dict]:
     """(train, eval or None, info) from user data, data.source, or data.name."""
     if train_data is None and data_cfg.source:
-        train_data, eval_data = load_user_data(data_cfg, None, eval_data,
-                                               process_index=process_index,
-                                               process_count=process_count)
+        train_data, eval_data, _ = load_user_data(data_cfg, None, eval_data,
+                                                  process_index=process_index,
+                                                  process_count=process_count)
     if train_data is None:
         train, ev, info = _builtin(data_cfg)
         if eval_data is not None:
-            ev = as_data(eval_data, "eval_data")
+            ev = load_lib.as_data(eval_data, "eval_data")
     else:
-        train = as_data(train_data, "train_data")
-        ev = as_data(eval_data, "eval_data") if eval_data is not None else None
+        train = load_lib.as_data(train_data, "train_data")
+        ev = load_lib.as_data(eval_data, "eval_data") if eval_data is not None else None
         if ev is None:
             train, ev = load.split_off_eval(train, data_cfg.val_fraction, data_cfg.split_seed)
         info = {"name": train.description}
     if data_cfg.transform:
         train = load.add_transform(train, load.load_named(data_cfg.transform, "data.transform"))
-    checks.check(train, global_batch=data_cfg.batch_size, process_index=process_index,
+    train = checks.check(train, global_batch=data_cfg.batch_size, process_index=process_index,
                  process_count=process_count, drop_last=data_cfg.drop_last, train=True)
     if ev is not None and ev.kind in ("stream", "grain_loader"):
         ev = evalsets.read_eval_set(ev, process_index=process_index, process_count=process_count,
                                     workers=max(1, data_cfg.num_workers))
     if ev is not None:
-        checks.check(ev, global_batch=data_cfg.batch_size, process_index=process_index,
+        ev = checks.check(ev, global_batch=data_cfg.batch_size, process_index=process_index,
                      process_count=process_count, train=False)
     info.update(kind=train.kind, notes=list(train.notes),
                 num_examples=len(train) if train.kind == "map" else train.count,
@@ -102,23 +112,13 @@ def _builtin(data_cfg):
     return Data("train_data", "map", MapSource(train, "train_data"), data_cfg.name), ev, info
 
 
-def check_source(source, *, global_batch: int, name: str = "train_data",
-                 process_index: int = 0, process_count: int = 1,
-                 drop_last: bool = True) -> dict:
-    """Fails before training on data that would give zero, ragged or unstable batches;
-    returns a sample local batch (numpy) of what the step will see."""
-    data = source if isinstance(source, Data) else as_data(source, name)
-    return checks.check(data, global_batch=global_batch, process_index=process_index,
-                        process_count=process_count, drop_last=drop_last, train=True)
-
-
 def make_train_iterator(source, *, local_batch: int, seed: int, shuffle: bool,
                         process_index: int, process_count: int, num_workers: int = 0,
                         drop_last: bool = True, prefetch: int = 2, num_threads: int = 0):
     """Endless per-process batches with `get_state()` / `set_state()` (JSON dicts)."""
-    data = source if isinstance(source, Data) else as_data(source, "train_data")
+    data = source if isinstance(source, Data) else load_lib.as_data(source, "train_data")
     if data.ref is None:
-        checks.check(data, global_batch=local_batch * process_count, drop_last=drop_last,
+        data = checks.check(data, global_batch=local_batch * process_count, drop_last=drop_last,
                      process_index=process_index, process_count=process_count, train=True)
     keep64 = x64_enabled()
     if data.kind == "grain_loader":
@@ -160,7 +160,7 @@ def eval_batches(source, *, local_batch: int, process_index: int, process_count:
                  max_batches: int = 0) -> Iterator[dict[str, Any]]:
     """Every example exactly once, in order, in padded batches with a `mask` [b]; the
     same number of batches on every process, so the eval step compiles once."""
-    data = source if isinstance(source, Data) else as_data(source, "eval_data")
+    data = source if isinstance(source, Data) else load_lib.as_data(source, "eval_data")
     return evalsets.eval_batches(data, local_batch=local_batch, process_index=process_index,
                                  process_count=process_count, max_batches=max_batches)
 

@@ -6,30 +6,33 @@ index does not read), items whose fields, shapes or dtypes differ (items 0, 1, N
 3N/4 and N-1 are compared; every other item is compared when its batch is made, and
 named by index then). Streams: empty, fewer examples than one batch, items that differ
 within the first batch. With a collate_fn, its output on the first and the last examples
-must agree. Each check leaves `data.ref` (the signature every batch must match) and
-`data.sample` (a batch, for shapes) on the `Data`.
+must agree. `check` returns a checked copy of the `Data` carrying `ref` (the signature
+every batch must match) and `sample` (a batch, for shapes); the input is left as it was.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from jtrain.data import grain_sources, items as items_lib, pipeline, streams
 from jtrain.data.items import DataError
-from jtrain.data.load import Data
+from jtrain.data.dataset import Data
 
 
 def check(data: Data, *, global_batch: int, process_index: int = 0, process_count: int = 1,
-          drop_last: bool = True, train: bool = True) -> dict:
-    """Checks `data` (once) and returns its sample batch."""
+          drop_last: bool = True, train: bool = True) -> Data:
+    """`data` checked: a copy with `ref` and `sample` (itself if already checked)."""
     if data.ref is not None:
-        return data.sample
+        return data
     local_batch = max(1, global_batch // process_count)
     if data.kind in ("map", "list"):
-        _check_map(data, global_batch, local_batch, train)
+        ref, sample = _check_map(data, global_batch, local_batch, train)
     elif data.kind == "stream":
-        _check_stream(data, local_batch, process_index, process_count, drop_last and train)
+        ref, sample = _check_stream(data, local_batch, process_index, process_count,
+                                    drop_last and train)
     else:
-        _check_loader(data, local_batch, process_index, process_count)
-    return data.sample
+        ref, sample = _check_loader(data, local_batch, process_index, process_count)
+    return dataclasses.replace(data, ref=ref, sample=sample, notes=list(data.notes))
 
 
 def _len(data: Data) -> int:
@@ -42,7 +45,7 @@ def _len(data: Data) -> int:
                         f"{items_lib.first_line(e)}") from None
 
 
-def _check_map(data: Data, global_batch: int, local_batch: int, train: bool) -> None:
+def _check_map(data: Data, global_batch: int, local_batch: int, train: bool) -> tuple:
     src, name = data.source, data.name
     n = _len(data)
     if n == 0:
@@ -61,13 +64,14 @@ def _check_map(data: Data, global_batch: int, local_batch: int, train: bool) -> 
             if why:
                 raise DataError(f"{name}[{i}]{why}")
     k = min(local_batch, n)
-    data.ref, data.sample = pipeline.reference(
+    ref, sample = pipeline.reference(
         src, name=name, collate_fn=data.collate_fn, sample=k, keep_64bit=keep64,
         read=lambda i: raws[i] if i in raws else src.read(i))
     if data.collate_fn is not None and n > k:  # the collate_fn's output on the last items
         last = list(range(n - k, n))
         pipeline.collate([src.read(i) for i in last], last, name=name,
-                         collate_fn=data.collate_fn, ref=data.ref, keep_64bit=keep64)
+                         collate_fn=data.collate_fn, ref=ref, keep_64bit=keep64)
+    return ref, sample
 
 
 def _read(src, i: int, n: int, name: str):
@@ -81,7 +85,7 @@ def _read(src, i: int, n: int, name: str):
         raise
 
 
-def _check_stream(data: Data, local_batch: int, p: int, num: int, need_full: bool) -> None:
+def _check_stream(data: Data, local_batch: int, p: int, num: int, need_full: bool) -> tuple:
     name = data.name
     raws = streams.read_shard(data.source, shard=p, num_shards=num, seed=0,
                               holdout=data.holdout, limit=local_batch)
@@ -100,12 +104,12 @@ def _check_stream(data: Data, local_batch: int, p: int, num: int, need_full: boo
             why = items_lib.mismatch(ref, items_lib.signature(item), "item 0")
             if why:
                 raise DataError(f"{name}[{i}]{why}")
-    data.ref, data.sample = pipeline.reference(
+    return pipeline.reference(
         data.source, name=name, collate_fn=data.collate_fn, sample=len(raws),
         keep_64bit=keep64, read=lambda i: raws[i])
 
 
-def _check_loader(data: Data, local_batch: int, p: int, num: int) -> None:
+def _check_loader(data: Data, local_batch: int, p: int, num: int) -> tuple:
     name = data.name
     grain_sources.check_loader_sharding(data.source, name, p, num)
     it = grain_sources.LoaderIterator(data.source, name=name, local_batch=local_batch,
@@ -117,7 +121,7 @@ def _check_loader(data: Data, local_batch: int, p: int, num: int) -> None:
             raise DataError(f"{name}: the grain DataLoader's batches do not have "
                             f"data.batch_size / processes = {local_batch} rows ({e})") from None
         raise
-    data.ref, data.sample = items_lib.signature(batch, batched=True), batch
+    return items_lib.signature(batch, batched=True), batch
 
 
 def batches_per_epoch(data: Data, global_batch: int, drop_last: bool) -> int | None:

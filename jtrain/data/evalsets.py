@@ -14,7 +14,7 @@ import numpy as np
 
 from jtrain.data import checks, grain_sources, items as items_lib, pipeline, streams
 from jtrain.data.items import DataError
-from jtrain.data.load import Data
+from jtrain.data.dataset import Data
 
 
 MAX_EVAL_STREAM = 1_000_000  # examples per process read into memory from an eval stream
@@ -90,8 +90,8 @@ class LocalPlan:
 
 def eval_batches(data: Data, *, local_batch: int, process_index: int, process_count: int,
                  max_batches: int = 0, num_threads: int = 1, prefetch: int = 2):
-    checks.check(data, global_batch=local_batch * process_count, train=False,
-                 process_index=process_index, process_count=process_count)
+    data = checks.check(data, global_batch=local_batch * process_count, train=False,
+                        process_index=process_index, process_count=process_count)
     if data.kind not in ("map", "list"):
         raise DataError(f"{data.name}: eval data of kind {data.kind} must be read with "
                         "jtrain.data.make_sources first")

@@ -20,50 +20,11 @@ import grain
 import numpy as np
 
 from jtrain.data import grain_sources, items as items_lib, torch_adapters
+from jtrain.data.dataset import Data
 from jtrain.data.items import DataError, call_item, first_line
 from jtrain.data.sources import (ArraySource, MapSource, Subset, Transformed, WithTransform,
                                  split_indices)
 from jtrain.data.streams import IterableStream
-
-
-@dataclasses.dataclass
-class Data:
-    """One dataset as jtrain reads it. `kind`: "map" (source has len + read), "stream"
-    (source opens per shard), "grain_loader" (source is the loader), "list" (an eval set
-    read into memory, this process's rows)."""
-    name: str
-    kind: str
-    source: Any
-    description: str
-    collate_fn: Callable | None = None
-    worker_init_fn: Callable | None = None
-    notes: list = dataclasses.field(default_factory=list)
-    holdout: tuple | None = None  # streams: (fraction, split_seed, keep the held-out part)
-    ref: dict | None = None       # the signature every batch must match (set by checks)
-    sample: dict | None = None    # a checked sample batch (numpy, rows = examples)
-    count: int | None = None      # examples, where known
-
-    def __len__(self) -> int:
-        """Examples (map-style: exact; streams: declared or seen, 0 if unknown)."""
-        if self.kind == "map":
-            return len(self.source)
-        return int(self.count or 0)
-
-    def __getitem__(self, index: int) -> dict:
-        """Example `index` as the model sees it (after collate_fn), numpy."""
-        from jtrain.data import checks, pipeline  # they build on this module
-
-        if self.ref is None:
-            checks.check(self, global_batch=1, train=False)
-        if index == 0:
-            return items_lib.tree_map(lambda x: x[0], self.sample)
-        if self.kind not in ("map", "list"):
-            raise DataError(f"{self.name}: a stream has no random access (only example 0 of "
-                            "the checked sample)")
-        batch = pipeline.collate([self.source.read(index)], [index], name=self.name,
-                                 collate_fn=self.collate_fn, ref=self.ref,
-                                 keep_64bit=items_lib.x64_enabled())
-        return items_lib.tree_map(lambda x: x[0], batch)
 
 
 def load_named(path: str, key: str):
@@ -101,19 +62,18 @@ def from_factory(data_cfg) -> tuple[Any, Any]:
     return out, None
 
 
-def adopt_loader(data_cfg, loader, process_index: int, process_count: int):
-    """A torch DataLoader's settings become data.* (batch_size is per process, as in
-    torch); the header says so. Returns what make_sources reads."""
+def adopt_loader(loader, process_index: int, process_count: int):
+    """A torch DataLoader's settings as data.* overrides (batch_size is per process, as in
+    torch); the header says so. Returns (what make_sources reads, the overrides)."""
     s = torch_adapters.read_dataloader(loader, "train_data", process_index, process_count)
-    data_cfg.batch_size = s.batch_size * process_count
-    data_cfg.shuffle, data_cfg.drop_last = s.shuffle, s.drop_last
-    data_cfg.num_workers = s.num_workers
+    overrides = {"batch_size": s.batch_size * process_count, "shuffle": s.shuffle,
+                 "drop_last": s.drop_last, "num_workers": s.num_workers}
     if s.prefetch:
-        data_cfg.prefetch = int(s.prefetch)
+        overrides["prefetch"] = int(s.prefetch)
     s.notes.insert(0, f"from a torch DataLoader: batch_size={s.batch_size} per process, "
                       f"shuffle={s.shuffle}, drop_last={s.drop_last}, "
                       f"num_workers={s.num_workers}")
-    return s
+    return s, overrides
 
 
 def as_data(obj, name: str) -> Data:

@@ -30,11 +30,22 @@ _WARNED: set[str] = set()
 _GLOBAL_RNG_LOCK = threading.RLock()
 
 
-def item_seed(seed: int, epoch: int, index: int, stream: int = 0) -> int:
-    """A 63-bit seed mixing (seed, epoch, index, stream): odd multipliers, then one
+# Seed domains: what a seed is for. A domain and a shard are separate inputs, so no
+# shard number can land in another domain (they once shared one number: "3 + shard"
+# met the hold-out's 7 at shard 4).
+DOMAIN_ITEM = 0        # item_rng: random transforms (seed, epoch, index)
+DOMAIN_GLOBAL_RNG = 1  # a dataset's global RNG, seeded per batch; shard = process
+DOMAIN_WORKER = 2      # a torch worker_info seed; shard = stream shard
+DOMAIN_STREAM = 3      # a stream's global RNG, per element; shard = stream shard
+DOMAIN_HOLDOUT = 4     # which stream elements data.val_fraction holds out
+
+
+def item_seed(seed: int, epoch: int, index: int, domain: int = DOMAIN_ITEM,
+              shard: int = 0) -> int:
+    """A 63-bit seed mixing (seed, epoch, index, domain, shard): odd multipliers, then one
     splitmix64 finaliser (cheap: it runs per item)."""
     x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB
-         + stream * 0xD6E8FEB86659FD93) & 0xFFFFFFFFFFFFFFFF
+         + domain * 0xD6E8FEB86659FD93 + shard * 0xA0761D6478BD642F) & 0xFFFFFFFFFFFFFFFF
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
     x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
     return (x ^ (x >> 31)) & _MASK63
@@ -143,7 +154,7 @@ class MapSource:
         it seeded once for the batch, from (seed, epoch, key, stream)."""
         if not self.rng.active:
             return self._get_all(indices)
-        with self.rng.seeded(item_seed(seed, epoch, key, 1 + stream)):
+        with self.rng.seeded(item_seed(seed, epoch, key, DOMAIN_GLOBAL_RNG, stream)):
             return self._get_all(indices)
 
     def _get_all(self, indices) -> list:

@@ -25,7 +25,8 @@ import numpy as np
 
 from jtrain.data import pipeline
 from jtrain.data.items import DataError, call_item, first_line
-from jtrain.data.sources import GlobalRng, item_seed
+from jtrain.data.sources import (DOMAIN_HOLDOUT, DOMAIN_STREAM, DOMAIN_WORKER, GlobalRng,
+                                 item_seed)
 
 
 class EpochEnd(Exception):
@@ -68,7 +69,7 @@ class _RawIterable:
             from jtrain.data import torch_adapters
 
             self._info = torch_adapters.worker_info(ds, shard, num_shards,
-                                                    item_seed(seed, epoch, shard, 2))
+                                                    item_seed(seed, epoch, 0, DOMAIN_WORKER, shard))
 
     @property
     def self_sharded(self) -> bool:
@@ -80,7 +81,7 @@ class _RawIterable:
                 self._it = iter(self.stream.dataset)
             return next(self._it)
 
-        seed = item_seed(self.seed, self.epoch, self.k, 3 + self.shard)
+        seed = item_seed(self.seed, self.epoch, self.k, DOMAIN_STREAM, self.shard)
         try:
             if self._info is not None:
                 out = self._info.call(lambda: self._rng.call(draw, seed))
@@ -152,7 +153,7 @@ class ShardStream:
 
 def _held_out(holdout, k: int) -> bool:
     fraction, split_seed, _ = holdout
-    return item_seed(split_seed, 0, k, 7) / 2.0**63 < fraction
+    return item_seed(split_seed, 0, k, DOMAIN_HOLDOUT) / 2.0**63 < fraction
 
 
 POSITION = "__jtrain_position__"  # rides along with each batch, popped by StreamIterator
