@@ -151,8 +151,8 @@ def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data: str =
     reader = checkpoint.CheckpointReader(workdir)  # read-only: safe beside a running job
     ckpt_cfg = cfg.checkpoint.to_dict()
     chosen = resolve_step(step, reader.all_steps(), workdir,
-                          monitor=ckpt_cfg.get("monitor", "eval/loss"),
-                          mode=ckpt_cfg.get("mode", "min"))
+                          monitor=cfg.checkpoint.monitor,
+                          mode=cfg.checkpoint.mode)
     mesh = mesh_lib.make_mesh(cfg.mesh)
     policy = precision_lib.make_policy(cfg.model)
     source, data_name, data_info = _pick_data(data, cfg.data)

@@ -40,30 +40,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-OPTIM_DEFAULTS = dict(
-    name="adamw",
-    lr=1e-3,
-    schedule="warmup_cosine",
-    warmup_steps=0,
-    decay_steps=0,  # 0 = total_steps
-    end_lr_factor=0.0,
-    weight_decay=0.0,
-    decay_embeddings=False,
-    clip_norm=0.0,  # 0 = off
-    grad_accum_steps=1,
-    b1=0.9,
-    b2=0.999,
-    eps=1e-8,
-    momentum=0.9,
-    nesterov=False,
-)
-
-
-def _get(optim_cfg, key):
-    """A key of `config.optim`, or its default when the config leaves it out."""
-    return optim_cfg.get(key, OPTIM_DEFAULTS[key])
-
-
 # Schedules. Each builder returns the schedule *after* the warmup, as a function of
 # the steps since the warmup ended; `make_schedule` prepends the warmup.
 def _constant(lr, end_lr, warmup, decay_steps):
@@ -105,16 +81,16 @@ SCHEDULES = tuple(_SCHEDULES)
 
 def make_schedule(optim_cfg, total_steps):
     """The learning rate as a function of the number of updates applied so far."""
-    name = _get(optim_cfg, "schedule")
+    name = optim_cfg["schedule"]
     if name not in _SCHEDULES:
         raise ValueError(
             f"optim.schedule: unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)}"
         )
     builder, decays = _SCHEDULES[name]
-    lr = float(_get(optim_cfg, "lr"))
-    end_lr = lr * float(_get(optim_cfg, "end_lr_factor"))
-    warmup = int(_get(optim_cfg, "warmup_steps"))
-    decay_steps = int(_get(optim_cfg, "decay_steps")) or int(total_steps)
+    lr = float(optim_cfg["lr"])
+    end_lr = lr * float(optim_cfg["end_lr_factor"])
+    warmup = int(optim_cfg["warmup_steps"])
+    decay_steps = int(optim_cfg["decay_steps"]) or int(total_steps)
     if decays and decay_steps <= warmup:
         raise ValueError(
             f"optim.decay_steps: schedule {name!r} decays until step {decay_steps} "
@@ -156,7 +132,7 @@ def weight_decay_mask(params, *, decay_embeddings):
 # Optimizers: name -> builder(optim_cfg, schedule, weight_decay, mask) -> tx.
 def _adamw(cfg, schedule, wd, mask):
     return optax.adamw(
-        schedule, b1=_get(cfg, "b1"), b2=_get(cfg, "b2"), eps=_get(cfg, "eps"),
+        schedule, b1=cfg["b1"], b2=cfg["b2"], eps=cfg["eps"],
         weight_decay=wd, mask=mask,
     )
 
@@ -167,19 +143,19 @@ def _adam(cfg, schedule, wd, mask):
         raise ValueError(
             f"optim.weight_decay: adam has no weight decay (got {wd}); use adamw"
         )
-    return optax.adam(schedule, b1=_get(cfg, "b1"), b2=_get(cfg, "b2"), eps=_get(cfg, "eps"))
+    return optax.adam(schedule, b1=cfg["b1"], b2=cfg["b2"], eps=cfg["eps"])
 
 
 def _sgd(cfg, schedule, wd, mask):
-    momentum = float(_get(cfg, "momentum")) or None  # 0 = plain sgd, no momentum state
-    sgd = optax.sgd(schedule, momentum=momentum, nesterov=bool(_get(cfg, "nesterov")))
+    momentum = float(cfg["momentum"]) or None  # 0 = plain sgd, no momentum state
+    sgd = optax.sgd(schedule, momentum=momentum, nesterov=bool(cfg["nesterov"]))
     if wd <= 0:
         return sgd
     return optax.chain(optax.add_decayed_weights(wd, mask=mask), sgd)
 
 
 def _lion(cfg, schedule, wd, mask):
-    return optax.lion(schedule, b1=_get(cfg, "b1"), b2=_get(cfg, "b2"), weight_decay=wd, mask=mask)
+    return optax.lion(schedule, b1=cfg["b1"], b2=cfg["b2"], weight_decay=wd, mask=mask)
 
 
 def _adafactor(cfg, schedule, wd, mask):
@@ -202,16 +178,16 @@ OPTIMIZERS = tuple(_OPTIMIZERS)
 
 def make_optimizer(optim_cfg, total_steps):
     """Returns `(tx, schedule)`; `schedule` is the one inside `tx` (log `schedule(step)`)."""
-    name = _get(optim_cfg, "name")
+    name = optim_cfg["name"]
     if name not in _OPTIMIZERS:
         raise ValueError(
             f"optim.name: unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZERS)}"
         )
     schedule = make_schedule(optim_cfg, total_steps)
-    wd = float(_get(optim_cfg, "weight_decay"))
-    mask = functools.partial(weight_decay_mask, decay_embeddings=bool(_get(optim_cfg, "decay_embeddings")))
+    wd = float(optim_cfg["weight_decay"])
+    mask = functools.partial(weight_decay_mask, decay_embeddings=bool(optim_cfg["decay_embeddings"]))
     tx = _OPTIMIZERS[name](optim_cfg, schedule, wd, mask)
-    clip_norm = float(_get(optim_cfg, "clip_norm"))
+    clip_norm = float(optim_cfg["clip_norm"])
     if clip_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)
     return tx, schedule

@@ -11,13 +11,14 @@ import optax
 import pytest
 from flax import nnx
 
+from jtrain import config as config_lib
 from jtrain import optim
 
 V, D = 11, 4
 
 
 def cfg(**overrides):
-    return ml_collections.ConfigDict({**optim.OPTIM_DEFAULTS, **overrides})
+    return ml_collections.ConfigDict({**config_lib.defaults().optim.to_dict(), **overrides})
 
 
 def sched_at(schedule, steps):

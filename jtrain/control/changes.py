@@ -6,13 +6,8 @@ from __future__ import annotations
 import fnmatch
 import json
 
-# Config keys that cannot change the trained state (or, for mesh.*, only the float
-# reduction order: restoring onto another mesh is supported): they may differ on resume
-# without being allowed; they are still recorded. data.num_workers: map-style positions
-# do not depend on it, and jtrain.data refuses (data.num_workers) where they would.
-HARMLESS_PREFIXES = ("log.", "eval.", "checkpoint.", "profile.", "perf.", "mesh.",
-                     "max_steps_in_flight", "data.num_workers", "data.num_threads",
-                     "data.prefetch", "data.device_prefetch")
+from jtrain import config as config_lib
+
 
 def flatten(tree: dict, prefix: str = "") -> dict:
     out = {}
@@ -47,7 +42,9 @@ def unallowed_changes(changes: dict, allowed, config: dict) -> list[str]:
     """The changed keys that need `checkpoint.allow_changes` (fnmatch patterns)."""
     out = []
     for key in changes:
-        if key.startswith(HARMLESS_PREFIXES):
+        # Keys that cannot change the trained state (config.Field.resume) may differ;
+        # they are still recorded.
+        if config_lib.resume_safe(key):
             continue
         if key == "total_steps" and not schedule_uses_total_steps(config):
             continue  # extending (or shortening) a run whose schedule ignores it

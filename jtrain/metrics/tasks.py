@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtrain import losses
+from jtrain.config import METRIC_NAMES  # declared in the one schema
 from jtrain.errors import ConfigError
 from jtrain.metrics.averages import Average, BitsPerByte, Loss, Perplexity
 from jtrain.metrics.classification import (Accuracy, ConfusionMatrix, PrecisionRecallF1,
@@ -30,9 +31,6 @@ from jtrain.metrics.collection import MetricCollection
 from jtrain.metrics.gathered import AUROC, Spearman
 from jtrain.metrics.regression import MAE, MSE, R2, Pearson
 
-METRIC_NAMES = ("loss", "accuracy", "top_k_accuracy", "precision_recall_f1",
-                "confusion_matrix", "auroc", "perplexity", "bits_per_byte",
-                "mse", "mae", "r2", "pearson", "spearman")
 _CLASS_NAMES = {"loss", "accuracy", "top_k_accuracy", "precision_recall_f1", "confusion_matrix",
                 "auroc", "perplexity", "bits_per_byte"}
 _ALLOWED = {"classification": _CLASS_NAMES, "sequence": _CLASS_NAMES,

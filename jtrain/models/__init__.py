@@ -1,18 +1,25 @@
-"""Built-in model families, chosen by `config.model.name` from a plain dict.
+"""Models: the built-in families and the adapters that turn any model into one interface.
 
-Each family is one file with `build(model_cfg, *, dtype, param_dtype) -> nn.Module`,
-`DEFAULTS` (its config fields) and `flops_per_example(model_cfg, input_shape)`.
-To add a family: write the file and add it to both dicts below.
+    transformer   decoder-only LM over bytes or tokens (RoPE, RMSNorm, logical axes)
+    mlp           MLP classifier / regressor
+    adapters      Linen / NNX / pure (init, apply) -> ModelFns (init, apply)
+
+Built-in families are chosen by `config.model.name` from one plain dict, `MODELS`. Each
+family module has `build(model_cfg, *, dtype, param_dtype) -> nn.Module` and
+`flops_per_example(model_cfg, input_shape)`; its config keys (types, defaults, checks)
+are declared in `jtrain.config.MODEL_FAMILIES`. To add a family: write the module, add
+it here and its keys there.
 """
 
 from __future__ import annotations
 
 from flax import linen as nn
 
+from jtrain import config as config_lib
+from jtrain.errors import ConfigError
 from jtrain.models import mlp, transformer
 
-MODELS = {"transformer": transformer.build, "mlp": mlp.build}
-_FAMILIES = {"transformer": transformer, "mlp": mlp}
+MODELS = {"transformer": transformer, "mlp": mlp}
 
 
 def _family(model_cfg_or_name):
@@ -21,26 +28,28 @@ def _family(model_cfg_or_name):
     elif "name" in model_cfg_or_name:
         name = model_cfg_or_name["name"]
     else:
-        raise ValueError(f"model.name: missing; choose one of: {', '.join(sorted(MODELS))}")
+        raise ConfigError("model.name", f"missing; choose one of: {', '.join(sorted(MODELS))}")
     if name not in MODELS:
-        raise ValueError(f"model.name: unknown model {name!r}; "
-                         f"choose one of: {', '.join(sorted(MODELS))}")
-    return name
+        raise ConfigError("model.name", f"unknown model {name!r}; "
+                                        f"choose one of: {', '.join(sorted(MODELS))}")
+    return MODELS[name]
 
 
 def make_model(model_cfg, *, dtype, param_dtype) -> nn.Module:
-    """The module for `model_cfg.name`; params in `param_dtype`, matmuls in `dtype`."""
-    return MODELS[_family(model_cfg)](model_cfg, dtype=dtype, param_dtype=param_dtype)
+    """The module for `model_cfg.name` (a partial `model` section is completed with the
+    schema's defaults and checked); params in `param_dtype`, matmuls in `dtype`."""
+    family = _family(model_cfg)
+    return family.build(config_lib.resolve_model(model_cfg), dtype=dtype,
+                        param_dtype=param_dtype)
 
 
 def flops_per_example(model_cfg, input_shape) -> float | None:
-    """Training FLOPs (forward + backward) per example; `input_shape` has no batch axis.
-
-    None would mean "unknown" (a family without a formula); every built-in has one.
-    """
-    return _FAMILIES[_family(model_cfg)].flops_per_example(model_cfg, input_shape)
+    """Training FLOPs (forward + backward) per example; `input_shape` has no batch axis."""
+    family = _family(model_cfg)
+    return family.flops_per_example(config_lib.resolve_model(model_cfg), input_shape)
 
 
 def default_model_config(name: str) -> dict:
-    """{"name": name, **the family's DEFAULTS}: a fresh dict, safe to modify."""
-    return {"name": name, **_FAMILIES[_family(name)].DEFAULTS}
+    """The `model` section of a default config for family `name`: a fresh dict."""
+    _family(name)
+    return config_lib.defaults(name).model.to_dict()

@@ -12,7 +12,6 @@ with bias ("classes",).
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,12 +19,6 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-DEFAULTS = {
-    "hidden": (64, 64),
-    "num_outputs": 10,
-    "dropout": 0.0,
-    "activation": "gelu",
-}
 
 ACTIVATIONS = {"gelu": nn.gelu, "relu": nn.relu, "silu": nn.silu, "tanh": jnp.tanh}
 
@@ -63,34 +56,9 @@ class MLP(nn.Module):
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (axes[1],)))(x)
 
 
-def _fields(model_cfg) -> dict:
-    return {k: (model_cfg[k] if k in model_cfg else v) for k, v in DEFAULTS.items()}
-
-
-def _positive_int(v) -> bool:
-    return not isinstance(v, bool) and isinstance(v, numbers.Integral) and v >= 1
-
-
-def _validate(c: dict) -> None:
-    hidden = c["hidden"]
-    if isinstance(hidden, (str, bytes)) or not isinstance(hidden, Sequence) \
-            or not all(_positive_int(h) for h in hidden):
-        raise ValueError(f"model.hidden: expected a sequence of positive integers, got {hidden!r}")
-    if not _positive_int(c["num_outputs"]):
-        raise ValueError(f"model.num_outputs: expected a positive integer, "
-                         f"got {c['num_outputs']!r}")
-    rate = c["dropout"]
-    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0.0 <= rate < 1.0:
-        raise ValueError(f"model.dropout: expected a number in [0, 1), got {rate!r}")
-    if c["activation"] not in ACTIVATIONS:
-        raise ValueError(f"model.activation: unknown activation {c['activation']!r}; "
-                         f"choose one of: {', '.join(sorted(ACTIVATIONS))}")
-
-
 def build(model_cfg, *, dtype, param_dtype) -> MLP:
-    """An MLP from `model_cfg` (fields of DEFAULTS; missing ones take the default)."""
-    c = _fields(model_cfg)
-    _validate(c)
+    """An MLP from a validated `model` section (jtrain.config.resolve_model)."""
+    c = model_cfg
     return MLP(hidden=tuple(int(h) for h in c["hidden"]), num_outputs=int(c["num_outputs"]),
                dropout=float(c["dropout"]), activation=c["activation"],
                dtype=dtype, param_dtype=param_dtype)
@@ -98,7 +66,7 @@ def build(model_cfg, *, dtype, param_dtype) -> MLP:
 
 def num_params(model_cfg, input_shape) -> int:
     """Kernels plus biases for one example of shape `input_shape` (no batch axis)."""
-    c = _fields(model_cfg)
+    c = model_cfg
     widths = [math.prod(int(s) for s in input_shape), *c["hidden"], c["num_outputs"]]
     return int(sum(a * b + b for a, b in zip(widths[:-1], widths[1:])))
 

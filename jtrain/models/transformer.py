@@ -20,23 +20,12 @@ Every parameter carries logical axis names from `jtrain.mesh.LOGICAL_RULES`:
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-DEFAULTS = {
-    "vocab_size": 256,
-    "d_model": 128,
-    "num_layers": 2,
-    "num_heads": 4,
-    "d_ff": 512,
-    "max_len": 256,
-    "dropout": 0.0,
-    "tie_embeddings": True,
-}
 
 Dtype = Any
 
@@ -181,33 +170,9 @@ class Transformer(nn.Module):
         return logits.astype(jnp.float32)  # [B, T, V]
 
 
-def _fields(model_cfg) -> dict:
-    return {k: (model_cfg[k] if k in model_cfg else v) for k, v in DEFAULTS.items()}
-
-
-def _validate(c: dict) -> None:
-    for key in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
-        v = c[key]
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-            raise ValueError(f"model.{key}: expected a positive integer, got {v!r}")
-    if c["d_model"] % c["num_heads"]:
-        raise ValueError(f"model.num_heads: d_model={c['d_model']} is not divisible by "
-                         f"num_heads={c['num_heads']}")
-    if (c["d_model"] // c["num_heads"]) % 2:
-        raise ValueError(f"model.num_heads: head size d_model/num_heads="
-                         f"{c['d_model'] // c['num_heads']} must be even for rotary positions")
-    rate = c["dropout"]
-    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0.0 <= rate < 1.0:
-        raise ValueError(f"model.dropout: expected a number in [0, 1), got {rate!r}")
-    if not isinstance(c["tie_embeddings"], bool):
-        raise ValueError(f"model.tie_embeddings: expected true or false, "
-                         f"got {c['tie_embeddings']!r}")
-
-
 def build(model_cfg, *, dtype, param_dtype) -> Transformer:
-    """A Transformer from `model_cfg` (fields of DEFAULTS; missing ones take the default)."""
-    c = _fields(model_cfg)
-    _validate(c)
+    """A Transformer from a validated `model` section (jtrain.config.resolve_model)."""
+    c = model_cfg
     return Transformer(
         vocab_size=int(c["vocab_size"]), d_model=int(c["d_model"]),
         num_layers=int(c["num_layers"]), num_heads=int(c["num_heads"]), d_ff=int(c["d_ff"]),
@@ -223,7 +188,7 @@ def matmul_params(model_cfg) -> int:
                             work, while the embedding lookup itself costs nothing)
     Norm scales (a few D-vectors) are left out.
     """
-    c = _fields(model_cfg)
+    c = model_cfg
     d, f, v, layers = c["d_model"], c["d_ff"], c["vocab_size"], c["num_layers"]
     return int(layers * (4 * d * d + 2 * d * f) + d * v)
 
@@ -235,7 +200,7 @@ def flops_per_example(model_cfg, input_shape) -> float:
     T, not halved for the causal mask), with N = `matmul_params` (non-embedding params
     plus the D*V output projection, counted even when tied). Times T tokens.
     """
-    c = _fields(model_cfg)
+    c = model_cfg
     t = int(input_shape[-1])
     per_token = 6 * matmul_params(model_cfg) + 12 * c["num_layers"] * c["d_model"] * t
     return float(per_token * t)

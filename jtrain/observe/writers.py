@@ -18,10 +18,9 @@ import time
 from pathlib import Path
 
 # Redaction lives beside the console output that needs it most; it is part of this API.
+from jtrain import config as config_lib
 from jtrain.observe.redact import redact, redact_text
 
-WRITER_NAMES = ("jsonl", "tensorboard", "mlflow", "wandb")
-DEFAULT_WRITERS = ("jsonl", "tensorboard")
 _MLFLOW_PARAM_MAX_LEN = 6000  # MLflow rejects longer parameter values.
 
 
@@ -41,10 +40,10 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def _cfg(log_cfg, key: str, default):
-    if log_cfg is None:
-        return default
-    value = log_cfg.get(key, default)
+def _cfg(log_cfg, key: str):
+    """`log.<key>`; a partial section (tests, tools) falls back on the schema's default."""
+    default = config_lib.SCHEMA["log"][key].default
+    value = default if log_cfg is None else log_cfg.get(key, default)
     return default if value is None else value
 
 
@@ -62,13 +61,14 @@ def _import_extra(name: str):
 
 
 def _writer_names(log_cfg) -> tuple[str, ...]:
-    names = _cfg(log_cfg, "writers", DEFAULT_WRITERS)
+    names = _cfg(log_cfg, "writers")
     if isinstance(names, str):
         names = [n for n in names.split(",") if n.strip()]
     names = tuple(n.strip() for n in names)
     for n in names:
-        if n not in WRITER_NAMES:
-            raise ValueError(f"log.writers: unknown writer {n!r}; choose from {WRITER_NAMES}")
+        if n not in config_lib.WRITERS:
+            raise ValueError(f"log.writers: unknown writer {n!r}; "
+                             f"choose from {config_lib.WRITERS}")
     return ("jsonl",) + tuple(n for n in dict.fromkeys(names) if n != "jsonl")
 
 
@@ -170,12 +170,12 @@ class _MLflow(_Backend):
         from mlflow.tracking import MlflowClient
 
         self._Metric, self._Param, self._RunTag = Metric, Param, RunTag
-        uri = _cfg(log_cfg, "mlflow_tracking_uri", "")
+        uri = _cfg(log_cfg, "mlflow_tracking_uri")
         local = not uri
         if local:
             uri = "sqlite:///" + str(Path(workdir, "mlflow.db").resolve())
         self._client = MlflowClient(tracking_uri=uri)
-        exp_name = _cfg(log_cfg, "mlflow_experiment", "jtrain")
+        exp_name = _cfg(log_cfg, "mlflow_experiment")
         exp = self._client.get_experiment_by_name(exp_name)
         if exp is not None:
             exp_id = exp.experiment_id
@@ -231,8 +231,8 @@ class _Wandb(_Backend):
         # console="off": W&B would otherwise copy all of stdout/stderr into its run files.
         settings = wandb.Settings(console="off")
         self._run = wandb.init(
-            project=_cfg(log_cfg, "wandb_project", "jtrain"),
-            mode=_cfg(log_cfg, "wandb_mode", "offline"),
+            project=_cfg(log_cfg, "wandb_project"),
+            mode=_cfg(log_cfg, "wandb_mode"),
             dir=workdir, id=run_id, resume="allow", name=run_name,
             reinit="create_new", settings=settings,
         )

@@ -1,175 +1,53 @@
-"""The config schema: every key, its type, range and default; `resolve` and `validate`.
+"""The one home of the config: every key once, with its type, default, allowed range or
+choices, a one-line description and whether it may change when a run resumes; `resolve`
+and `validate`.
 
-This is the only module that knows what a valid config is. Other modules read their
-own subtree (`config.optim` in optim.py, ...) and may assume it is valid.
+This is the only module that knows what a valid config is, and the only place a default
+lives. Each subtree has one reader (`config.optim` in optim.py, `config.data` in
+jtrain.data, ...), which may assume it is valid. Model keys are declared per built-in
+family (`MODEL_FAMILIES`); `model.name` picks the family whose keys apply.
 
 A config is an `ml_collections.ConfigDict` of plain values. Library users may pass a
-partial dict; `resolve` fills in the defaults. Every error is a `ConfigError` whose
-message starts with the dotted key: `optim.lr: must be finite, got nan`.
+partial dict; `resolve` fills in the defaults and returns a new validated ConfigDict
+(it is never changed afterwards: a change builds a new one). Every error is a
+`ConfigError` whose message starts with the dotted key: `optim.lr: must be finite, got nan`.
+
+    schema   the declarations: `SCHEMA`, `MODEL_FAMILIES`, `Field`, the choice tuples,
+             `resume_safe(key)` and `describe()` (every key with type, default and doc)
 """
 
 from __future__ import annotations
 
 import difflib
+import hashlib
+import json
 import math
+import re
 from typing import Any
 
 import ml_collections
 
-from jtrain import metrics as metrics_lib
-from jtrain import models as models_lib
-from jtrain import optim as optim_lib
-from jtrain.errors import ConfigError  # noqa: F401  (jtrain.config.ConfigError, as before)
+from jtrain.config.schema import (ACTIVATIONS, DTYPES, INT_MAX, METRIC_NAMES,  # noqa: F401
+                                  MODEL_FAMILIES, OPTIMIZERS, SCHEDULES, SCHEMA, WRITERS,
+                                  Field, describe, resume_safe, schema_for)
+from jtrain.errors import ConfigError  # noqa: F401  (jtrain.config.ConfigError)
 
 
-# A field: (type, default, check). Types: int, float, bool, str, "choice:<a|b>", "strs"
-# (tuple of str), "dict" (free-form, for kwargs). `check` is a range (lo, hi) with None
-# for open ends (inclusive), a tuple of choices, or None.
-INF = None
-INT_MAX = 2**31 - 1
-DTYPES = ("float32", "bfloat16", "float16", "auto")
-WRITERS = ("jsonl", "tensorboard", "mlflow", "wandb")
-
-SCHEMA: dict[str, Any] = {
-    "seed": (int, 0, (0, 2**31 - 1)),
-    "total_steps": (int, 1000, (1, INF)),
-    "max_steps_in_flight": (int, 8, (1, 16)),
-    "model": {
-        "name": (str, "transformer", tuple(models_lib.MODELS)),
-        "dtype": (str, "auto", DTYPES),
-        "param_dtype": (str, "float32", ("float32", "bfloat16")),
-        "loss_scale": (str, "auto", ("auto", "dynamic", "none")),
-        "init_scale": (float, 2.0**15, (1.0, 2.0**24)),
-        # Family fields are added from jtrain.models for the chosen model.name.
-    },
-    "optim": {
-        "name": (str, "adamw", optim_lib.OPTIMIZERS),
-        "lr": (float, 1e-3, (0.0, 10.0)),
-        "schedule": (str, "warmup_cosine", optim_lib.SCHEDULES),
-        "warmup_steps": (int, 0, (0, INF)),
-        "decay_steps": (int, 0, (0, INF)),
-        "end_lr_factor": (float, 0.0, (0.0, 1.0)),
-        "weight_decay": (float, 0.0, (0.0, 10.0)),
-        "decay_embeddings": (bool, False, None),
-        "clip_norm": (float, 0.0, (0.0, INF)),
-        "grad_accum_steps": (int, 1, (1, 4096)),
-        "b1": (float, 0.9, (0.0, 1.0)),
-        "b2": (float, 0.999, (0.0, 1.0)),
-        "eps": (float, 1e-8, (0.0, 1.0)),
-        "momentum": (float, 0.9, (0.0, 1.0)),
-        "nesterov": (bool, False, None),
-    },
-    "data": {
-        "name": (str, "pystdlib", None),  # built-in dataset; checked by jtrain.data
-        "batch_size": (int, 32, (1, INF)),  # global, over all processes
-        "seq_len": (int, 128, (1, INF)),
-        "val_fraction": (float, 0.05, (0.0, 0.9)),  # held out when there is no eval data
-        "split_seed": (int, 0, (0, 2**31 - 1)),  # that split's seed (not the run's seed)
-        "shuffle": (bool, True, None),  # reshuffled per epoch from (seed, epoch)
-        "drop_last": (bool, True, None),  # False: the last batch is padded, with a mask
-        "num_workers": (int, 0, (0, 256)),  # grain worker processes (spawned)
-        # Reader threads per process / worker, for I/O-bound datasets; 0 = read in the
-        # device-prefetch thread (fastest for in-memory data: Python holds the GIL).
-        "num_threads": (int, 0, (0, 256)),
-        "prefetch": (int, 2, (0, 1024)),  # batches read ahead on the host (per worker)
-        "device_prefetch": (int, -1, (-1, 16)),  # batches put on devices ahead; 0 off, -1 auto
-        # A factory "package.module:function" called with `kwargs`, returning the data
-        # (any jtrain input, or {"train": ..., "eval": ...}); overrides `name`.
-        "source": (str, "", None),
-        "kwargs": ("dict", {}, None),
-        "transform": (str, "", None),  # "package.module:fn", fn(item, rng) on train items
-    },
-    "mesh": {
-        "data": (int, -1, (-1, INF)),
-        "fsdp": (int, 1, (-1, INF)),
-        "tensor": (int, 1, (-1, INF)),
-    },
-    "eval": {
-        "every_steps": (int, 200, (0, INF)),  # 0 = only at the end
-        "num_batches": (int, 0, (0, INF)),  # 0 = the whole eval set
-        "batch_size": (int, 0, (0, INF)),  # 0 = data.batch_size
-        # jtrain.metrics.METRIC_NAMES; () = the task's defaults (classification, sequence,
-        # regression: see jtrain/metrics/tasks.py)
-        "metrics": ("strs", (), metrics_lib.METRIC_NAMES),
-        "top_k": (int, 5, (1, INF)),  # k of top_k_accuracy
-        "max_gathered": (int, 1_000_000, (1, INF)),  # AUROC / Spearman keep this many, exact
-    },
-    "log": {
-        "every_steps": (int, 50, (1, INF)),
-        "writers": ("strs", ("jsonl", "tensorboard"), WRITERS),
-        "verbosity": (int, 1, (0, 2)),  # 0 errors + summary, 1 default, 2 debug
-        "all_hosts": (bool, False, None),  # processes other than 0 print too (--all_hosts_log)
-        "mlflow_tracking_uri": (str, "", None),
-        "mlflow_experiment": (str, "jtrain", None),
-        "wandb_project": (str, "jtrain", None),
-        "wandb_mode": (str, "offline", ("offline", "online", "disabled")),
-    },
-    "profile": {
-        "start_step": (int, 0, (0, INF)),  # 0 = no trace; else a jax.profiler trace ...
-        "num_steps": (int, 5, (1, INF)),  # ... of this many steps, into WORKDIR/profile
-    },
-    "perf": {
-        "peak_flops": (float, 0.0, (0.0, INF)),  # per device, for MFU; 0 = from the device
-    },
-    "checkpoint": {  # read by jtrain.checkpoint; see its docstring
-        "every_steps": (int, 500, (0, INF)),  # 0 = only at the end
-        "every_seconds": (float, 0.0, (0.0, INF)),  # 0 = off
-        "max_to_keep": (int, 3, (1, INF)),  # keep the latest K (the latest always stays)
-        "keep_every_steps": (int, 0, (0, INF)),  # also keep steps that are multiples
-        "keep_top_k": (int, 1, (0, INF)),  # also keep the k best by `monitor`
-        "monitor": (str, "eval/loss", None),
-        "mode": (str, "min", ("min", "max")),
-        "async_save": (bool, True, None),
-        "grace_seconds": (float, 30.0, (0.0, 86400.0)),  # SIGTERM/SIGINT -> save, exit
-        "strict_restore": (bool, False, None),  # damaged checkpoint: exit 3, no fallback
-        "allow_changes": ("strs", (), None),  # config keys (fnmatch) that may change on resume
-        "init_from": (str, "", None),  # an export or a checkpoint, used with no checkpoint
-        "init_from_opt": (bool, False, None),  # also take the optimizer state
-        "init_exclude": ("strs", (), None),  # regexes of leaf paths that keep fresh init
-        "writer_nice": (int, 19, (0, 19)),  # Linux nice of background-write threads
-    },
-}
-
-
-def _schema_for(model_name: str) -> dict:
-    schema = dict(SCHEMA)
-    model = dict(SCHEMA["model"])
-    for key, value in models_lib.default_model_config(model_name).items():
-        if key == "name":
-            continue
-        model[key] = (_type_of(value), value, None)
-    schema["model"] = model
-    return schema
-
-
-def _type_of(value):
-    if isinstance(value, bool):
-        return bool
-    if isinstance(value, int):
-        return int
-    if isinstance(value, float):
-        return float
-    if isinstance(value, str):
-        return str
-    if isinstance(value, (tuple, list)):
-        return "ints" if all(isinstance(v, int) for v in value) else "strs"
-    return "dict"
+def _build(schema: dict) -> dict:
+    """The defaults of a (sub)schema as a fresh nested dict."""
+    out = {}
+    for key, spec in schema.items():
+        if isinstance(spec, dict):
+            out[key] = _build(spec)
+        else:
+            out[key] = dict(spec.default) if isinstance(spec.default, dict) else spec.default
+    return out
 
 
 def defaults(model: str = "transformer") -> ml_collections.ConfigDict:
     """A complete config of defaults for a built-in model family."""
-
-    def build(schema):
-        out = {}
-        for key, spec in schema.items():
-            if isinstance(spec, dict):
-                out[key] = build(spec)
-            else:
-                default = spec[1]
-                out[key] = dict(default) if isinstance(default, dict) else default
-        return out
-
-    tree = build(_schema_for(model))
+    _check_value("model.name", str, tuple(MODEL_FAMILIES), model)
+    tree = _build(schema_for(model))
     tree["model"]["name"] = model
     return ml_collections.ConfigDict(tree)
 
@@ -189,10 +67,9 @@ def resolve(config=None) -> ml_collections.ConfigDict:
     """Defaults overlaid with `config` (partial dicts allowed), validated."""
     user = _as_dict(config)
     model_name = (user.get("model") or {}).get("name", "transformer")
-    if not isinstance(model_name, str) or model_name not in models_lib.MODELS:
-        _check_value("model.name", str, tuple(models_lib.MODELS), model_name)
+    _check_value("model.name", str, tuple(MODEL_FAMILIES), model_name)
     merged = defaults(model_name).to_dict()
-    _overlay(merged, user, _schema_for(model_name), prefix="")
+    _overlay(merged, user, schema_for(model_name), prefix="")
     cfg = ml_collections.ConfigDict(merged)
     validate(cfg)
     return cfg
@@ -223,8 +100,8 @@ def validate(config, num_devices: int | None = None) -> None:
     mesh and the batch against the devices that will run it."""
     tree = _as_dict(config)
     model_name = (tree.get("model") or {}).get("name")
-    _check_value("model.name", str, tuple(models_lib.MODELS), model_name)
-    schema = _schema_for(model_name)
+    _check_value("model.name", str, tuple(MODEL_FAMILIES), model_name)
+    schema = schema_for(model_name)
     _validate_tree(tree, schema, prefix="")
     _check_cross(tree, num_devices)
 
@@ -313,12 +190,7 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
         raise ConfigError("optim.grad_accum_steps",
                           f"data.batch_size={batch} is not divisible by grad_accum_steps={accum}")
     model = tree["model"]
-    try:  # the family's own checks (head size, dropout, ...); builds no arrays
-        models_lib.make_model(model, dtype=None, param_dtype=None)
-    except ValueError as e:
-        key, _, why = str(e).partition(": ")
-        raise (ConfigError(key, why) if key.startswith("model.") and why
-               else ConfigError("model", str(e))) from None
+    _check_family(model)
     if model["name"] == "transformer" and tree["data"]["seq_len"] > model.get("max_len", 0):
         raise ConfigError("data.seq_len",
                           f"{tree['data']['seq_len']} exceeds model.max_len={model['max_len']}")
@@ -346,9 +218,40 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
                           f"{eval_batch} is not divisible by the data-parallel size {dp}")
 
 
-def _check_data(data: dict) -> None:
-    import re
+def _check_family(model: dict) -> None:
+    """The built-in families' rules beyond one key's type and range."""
+    if "dropout" in model and not model["dropout"] < 1.0:
+        raise ConfigError("model.dropout", f"expected a number in [0, 1), got "
+                                           f"{model['dropout']!r}")
+    if model["name"] == "transformer":
+        d, h = model["d_model"], model["num_heads"]
+        if d % h:
+            raise ConfigError("model.num_heads",
+                              f"d_model={d} is not divisible by num_heads={h}")
+        if (d // h) % 2:
+            raise ConfigError("model.num_heads", f"head size d_model/num_heads={d // h} must "
+                                                 "be even for rotary positions")
+    if model["name"] == "mlp" and model["activation"] not in ACTIVATIONS:
+        raise ConfigError("model.activation", f"unknown activation {model['activation']!r}; "
+                                              f"choose one of: {', '.join(ACTIVATIONS)}")
 
+
+def resolve_model(model_cfg) -> ml_collections.ConfigDict:
+    """Only the `model` section, defaults filled in and validated (for building a model
+    outside a run, e.g. `jtrain.make_model({"name": "mlp", "num_outputs": 3})`)."""
+    user = _as_dict(model_cfg)
+    name = user.get("name", "transformer")
+    _check_value("model.name", str, tuple(MODEL_FAMILIES), name)
+    schema = schema_for(name)["model"]
+    merged = _build(schema)
+    merged["name"] = name
+    _overlay(merged, user, schema, prefix="model.")
+    _validate_tree(merged, schema, prefix="model.")
+    _check_family(merged)
+    return ml_collections.ConfigDict(merged)
+
+
+def _check_data(data: dict) -> None:
     for key in ("source", "transform"):  # import paths; jtrain.data imports them
         path = data[key]
         if path and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", path):
@@ -357,8 +260,6 @@ def _check_data(data: dict) -> None:
 
 
 def _check_checkpoint(ckpt: dict) -> None:
-    import re
-
     for pattern in ckpt["init_exclude"]:
         try:
             re.compile(pattern)
@@ -372,8 +273,5 @@ def _check_checkpoint(ckpt: dict) -> None:
 
 def config_hash(config) -> str:
     """SHA-256 of the resolved config's canonical JSON."""
-    import hashlib
-    import json
-
     text = json.dumps(_as_dict(config), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()

@@ -1,0 +1,210 @@
+"""The schema: every config key once, with its type, default, allowed range or choices,
+a one-line description and whether it may change when a run resumes. The only place a
+default lives. `jtrain.config` resolves and validates configs against it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+
+class Field(NamedTuple):
+    """One config key. `type`: int, float, bool, str, "strs" / "ints" (tuples), "dict"
+    (free-form kwargs). `check`: a range (lo, hi) with None for an open end (inclusive),
+    a tuple of choices, or None. `resume`: True when the key may differ on resume without
+    `checkpoint.allow_changes` (it cannot change the trained state, or, for mesh.*, only
+    the float reduction order)."""
+    type: Any
+    default: Any
+    check: Any
+    doc: str
+    resume: bool = False
+
+
+INF = None
+INT_MAX = 2**31 - 1
+
+# Choices, declared here; their consumers keep a dict per name (tests check they agree).
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adafactor")
+SCHEDULES = ("constant", "linear", "cosine", "warmup_cosine", "warmup_linear", "rsqrt")
+WRITERS = ("jsonl", "tensorboard", "mlflow", "wandb")
+METRIC_NAMES = ("loss", "accuracy", "top_k_accuracy", "precision_recall_f1",
+                "confusion_matrix", "auroc", "perplexity", "bits_per_byte",
+                "mse", "mae", "r2", "pearson", "spearman")
+ACTIVATIONS = ("gelu", "relu", "silu", "tanh")
+F = Field
+
+
+def _resume_safe(section: dict) -> dict:
+    return {k: v._replace(resume=True) for k, v in section.items()}
+
+
+SCHEMA: dict[str, Any] = {
+    "seed": F(int, 0, (0, INT_MAX), "seed of parameter init, dropout and data order"),
+    "total_steps": F(int, 1000, (1, INF), "optimizer updates in the run"),
+    "max_steps_in_flight": F(int, 8, (1, 16), "steps dispatched ahead of the host "
+                             "(CPU collectives deadlock past ~32)", resume=True),
+    "model": {
+        "name": F(str, "transformer", None, "built-in family (MODEL_FAMILIES); a model "
+                  "passed to jtrain.train replaces it"),
+        "dtype": F(str, "auto", DTYPES, "compute dtype; auto = bfloat16 on GPU/TPU, "
+                   "float32 on CPU"),
+        "param_dtype": F(str, "float32", ("float32", "bfloat16"), "dtype parameters are "
+                         "stored in"),
+        "loss_scale": F(str, "auto", ("auto", "dynamic", "none"), "fp16 loss scaling; auto "
+                        "= dynamic for float16 compute"),
+        "init_scale": F(float, 2.0**15, (1.0, 2.0**24), "initial dynamic loss scale"),
+        # + the fields of MODEL_FAMILIES[model.name]
+    },
+    "optim": {
+        "name": F(str, "adamw", OPTIMIZERS, "optimizer (jtrain/optim.py)"),
+        "lr": F(float, 1e-3, (0.0, 10.0), "peak learning rate"),
+        "schedule": F(str, "warmup_cosine", SCHEDULES, "learning-rate schedule after a "
+                      "linear warmup"),
+        "warmup_steps": F(int, 0, (0, INF), "linear warmup from 0 to lr"),
+        "decay_steps": F(int, 0, (0, INF), "step where decays end; 0 = total_steps"),
+        "end_lr_factor": F(float, 0.0, (0.0, 1.0), "final lr as a fraction of lr"),
+        "weight_decay": F(float, 0.0, (0.0, 10.0), "decoupled weight decay (masked off "
+                          "biases, norms and, by default, embeddings)"),
+        "decay_embeddings": F(bool, False, None, "apply weight decay to embedding tables"),
+        "clip_norm": F(float, 0.0, (0.0, INF), "global-norm gradient clipping; 0 = off"),
+        "grad_accum_steps": F(int, 1, (1, 4096), "microbatches per update (inside the step)"),
+        "b1": F(float, 0.9, (0.0, 1.0), "adam / adamw / lion beta1"),
+        "b2": F(float, 0.999, (0.0, 1.0), "adam / adamw / lion beta2"),
+        "eps": F(float, 1e-8, (0.0, 1.0), "adam / adamw epsilon"),
+        "momentum": F(float, 0.9, (0.0, 1.0), "sgd momentum; 0 = plain sgd"),
+        "nesterov": F(bool, False, None, "sgd: Nesterov momentum"),
+    },
+    "data": {
+        "name": F(str, "pystdlib", None, "built-in dataset (checked by jtrain.data)"),
+        "batch_size": F(int, 32, (1, INF), "global batch, over all processes"),
+        "seq_len": F(int, 128, (1, INF), "window length of the built-in text data"),
+        "val_fraction": F(float, 0.05, (0.0, 0.9), "held out for eval when there is no "
+                          "eval data"),
+        "split_seed": F(int, 0, (0, INT_MAX), "seed of that split (not the run's seed)"),
+        "shuffle": F(bool, True, None, "reshuffle per epoch from (seed, epoch)"),
+        "drop_last": F(bool, True, None, "False: the last batch is padded, with a mask"),
+        "num_workers": F(int, 0, (0, 256), "grain worker processes (spawned)", resume=True),
+        "num_threads": F(int, 0, (0, 256), "reader threads per process / worker, for "
+                         "I/O-bound datasets; 0 = read in the prefetch thread", resume=True),
+        "prefetch": F(int, 2, (0, 1024), "batches read ahead on the host (per worker)",
+                      resume=True),
+        "device_prefetch": F(int, -1, (-1, 16), "batches put on devices ahead; 0 off, "
+                             "-1 auto (2 on GPU/TPU, 0 on CPU)", resume=True),
+        "source": F(str, "", None, "'package.module:function' called with kwargs, returning "
+                    "the data or {'train': ..., 'eval': ...}; overrides name"),
+        "kwargs": F("dict", {}, None, "keyword arguments of data.source"),
+        "transform": F(str, "", None, "'package.module:fn', fn(item, rng) on train items"),
+    },
+    "mesh": _resume_safe({
+        "data": F(int, -1, (-1, INF), "pure data-parallel axis; -1 = the rest"),
+        "fsdp": F(int, 1, (-1, INF), "data-parallel axis sharding params and optimizer state"),
+        "tensor": F(int, 1, (-1, INF), "tensor-parallel axis"),
+    }),
+    "eval": _resume_safe({
+        "every_steps": F(int, 200, (0, INF), "evaluate every N steps; 0 = only at the end"),
+        "num_batches": F(int, 0, (0, INF), "eval batches; 0 = the whole eval set"),
+        "batch_size": F(int, 0, (0, INF), "eval global batch; 0 = data.batch_size"),
+        "metrics": F("strs", (), METRIC_NAMES, "metrics to compute; () = the task's "
+                     "defaults (jtrain/metrics/tasks.py)"),
+        "top_k": F(int, 5, (1, INF), "k of top_k_accuracy"),
+        "max_gathered": F(int, 1_000_000, (1, INF), "AUROC / Spearman keep this many "
+                          "examples, exactly"),
+    }),
+    "log": _resume_safe({
+        "every_steps": F(int, 50, (1, INF), "log train metrics every N steps"),
+        "writers": F("strs", ("jsonl", "tensorboard"), WRITERS, "metric writers (jsonl is "
+                     "always on)"),
+        "verbosity": F(int, 1, (0, 2), "0 errors + summary, 1 default, 2 debug"),
+        "all_hosts": F(bool, False, None, "processes other than 0 print too"),
+        "mlflow_tracking_uri": F(str, "", None, "MLflow tracking URI; '' = WORKDIR/mlflow.db"),
+        "mlflow_experiment": F(str, "jtrain", None, "MLflow experiment name"),
+        "wandb_project": F(str, "jtrain", None, "W&B project"),
+        "wandb_mode": F(str, "offline", ("offline", "online", "disabled"), "W&B mode"),
+    }),
+    "profile": _resume_safe({
+        "start_step": F(int, 0, (0, INF), "first traced step; 0 = no jax.profiler trace"),
+        "num_steps": F(int, 5, (1, INF), "steps traced into WORKDIR/profile"),
+    }),
+    "perf": _resume_safe({
+        "peak_flops": F(float, 0.0, (0.0, INF), "peak FLOP/s per device for MFU; 0 = from "
+                        "the device kind"),
+    }),
+    "checkpoint": _resume_safe({  # read by jtrain.checkpoint
+        "every_steps": F(int, 500, (0, INF), "save every N steps; 0 = only at the end"),
+        "every_seconds": F(float, 0.0, (0.0, INF), "also save every N seconds; 0 = off"),
+        "max_to_keep": F(int, 3, (1, INF), "keep the latest K (the latest always stays)"),
+        "keep_every_steps": F(int, 0, (0, INF), "also keep steps that are multiples of N"),
+        "keep_top_k": F(int, 1, (0, INF), "also keep the k best by monitor"),
+        "monitor": F(str, "eval/loss", None, "metric ranking checkpoints"),
+        "mode": F(str, "min", ("min", "max"), "whether lower or higher monitor is better"),
+        "async_save": F(bool, True, None, "write in the background"),
+        "grace_seconds": F(float, 30.0, (0.0, 86400.0), "SIGTERM/SIGINT: time to save "
+                           "and exit"),
+        "strict_restore": F(bool, False, None, "a damaged checkpoint ends the run (exit 3) "
+                            "instead of falling back"),
+        "allow_changes": F("strs", (), None, "config keys (fnmatch) that may change on "
+                           "resume"),
+        "init_from": F(str, "", None, "an export or a checkpoint to start from when the "
+                       "workdir has none"),
+        "init_from_opt": F(bool, False, None, "also take the optimizer state"),
+        "init_exclude": F("strs", (), None, "regexes of leaf paths that keep a fresh init"),
+        "writer_nice": F(int, 19, (0, 19), "Linux nice of background-write threads"),
+    }),
+}
+
+# Built-in model families: their keys under `model.` (jtrain/models/<name>.py builds them).
+MODEL_FAMILIES: dict[str, dict[str, Field]] = {
+    "transformer": {
+        "vocab_size": F(int, 256, (1, INF), "token vocabulary (256: bytes)"),
+        "d_model": F(int, 128, (1, INF), "residual width"),
+        "num_layers": F(int, 2, (1, INF), "transformer blocks"),
+        "num_heads": F(int, 4, (1, INF), "attention heads (d_model / num_heads even)"),
+        "d_ff": F(int, 512, (1, INF), "MLP hidden width"),
+        "max_len": F(int, 256, (1, INF), "longest sequence (rotary positions)"),
+        "dropout": F(float, 0.0, (0.0, 1.0), "dropout rate in [0, 1)"),
+        "tie_embeddings": F(bool, True, None, "output projection = embedding table"),
+    },
+    "mlp": {
+        "hidden": F("ints", (64, 64), None, "hidden layer widths"),
+        "num_outputs": F(int, 10, (1, INF), "classes (or regression outputs)"),
+        "dropout": F(float, 0.0, (0.0, 1.0), "dropout rate in [0, 1)"),
+        "activation": F(str, "gelu", None, "activation: " + ", ".join(ACTIVATIONS)),
+    },
+}
+
+
+def schema_for(model_name: str) -> dict:
+    return {**SCHEMA, "model": {**SCHEMA["model"], **MODEL_FAMILIES[model_name]}}
+
+
+def resume_safe(key: str) -> bool:
+    """May the dotted `key` differ on resume without `checkpoint.allow_changes`?"""
+    node: Any = SCHEMA
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif i == 1 and parts[0] == "model":
+            return False  # family fields change the model
+        else:
+            return False
+    return isinstance(node, Field) and node.resume
+
+
+def describe() -> list[tuple[str, Field]]:
+    """(dotted key, field) for every key, model families as `model.<key> [family]`."""
+    out = []
+
+    def walk(tree, prefix):
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                out.append((prefix + k, v))
+
+    walk(SCHEMA, "")
+    for family, fields in MODEL_FAMILIES.items():
+        out += [(f"model.{k} [{family}]", v) for k, v in fields.items()]
+    return out
