@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from flax import linen as nn
 
-from jtrain import checkpoint, evaluate, losses
+from jtrain import checkpoint, eval_loop, losses
 from jtrain import config as config_lib
 from jtrain import control as control_lib
 from jtrain import data as data_lib
@@ -69,38 +69,107 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
         try:
             # Steps trace under the mesh and the logical-axis rules, so models' activation
             # constraints (nn.with_logical_constraint) resolve to this mesh.
-            with jax.set_mesh(run.mesh), nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
+            with jax.set_mesh(run.build.mesh), nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
                 return _loop(cfg, run)
         finally:
             run.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """What `build` sets up: everything a run, an evaluation or a benchmark needs before
+    the first array exists. `init()` builds the fresh state directly in its shardings."""
+    mesh: Any
+    policy: precision_lib.Policy
+    model_fns: adapters.ModelFns
+    model_name: str  # the built-in family, or "user <Class>"
+    user_model: Any  # the model object given to train(), None for a built-in
+    tx: Any
+    schedule: Callable
+    sample_inputs: Any  # ShapeDtypeStructs of one global batch of inputs
+    abstract: state_lib.TrainState  # ShapeDtypeStructs
+    shardings: Any  # NamedShardings, same tree
+    eval_spec: Any  # jtrain.metrics.EvalSpec
+    train_step: Callable  # jit(state, batch) -> (state, metrics), state donated
+    eval_step: Callable  # jit(params, batch) -> (metric states, batch rows)
+    seed: int
+
+    def init(self) -> state_lib.TrainState:
+        return state_lib.init_state(self.model_fns, self.tx, self.policy, self.sample_inputs,
+                                    self.mesh, self.seed, self.shardings)
+
+    def abstract_with_shardings(self):
+        """What orbax restores into."""
+        return checkpoint.abstract_with_shardings(self.abstract, self.shardings)
+
+
+def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | None = None,
+          byte_level: bool = False, eval_defaults: bool = False) -> Build:
+    """Model, mesh, optimizer, abstract state and shardings, jitted steps: the set-up that
+    training, `python -m jtrain.evaluate` and the benchmarks share. `sample`: one example's
+    inputs (any pytree of arrays), `eval_example`: one eval example (for its targets).
+    `eval_defaults`: the task's default metrics on top of `eval.metrics` (the report)."""
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    policy = precision_lib.make_policy(cfg.model)
+    name = cfg.model.name if model is None else f"user {type(model).__name__}"
+    module = model if model is not None else models_lib.make_model(
+        cfg.model, dtype=policy.compute_dtype, param_dtype=policy.param_dtype)
+    model_fns = adapters.to_model_fns(module)
+    tx, schedule = optim_lib.make_optimizer(cfg.optim, cfg.total_steps)
+    sample_inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), sample)
+    abstract, shardings = state_lib.make_abstract_state(
+        model_fns, tx, policy, sample_inputs, mesh, cfg.seed)
+
+    batch_sharding, repl = mesh_lib.batch_sharding(mesh), mesh_lib.replicated(mesh)
+    train_step = jax.jit(
+        step_lib.make_train_step(model_fns.apply, loss_fn or losses.default_loss, tx, schedule,
+                                 grad_accum_steps=cfg.optim.grad_accum_steps,
+                                 dynamic_loss_scale=policy.dynamic_loss_scale),
+        in_shardings=(shardings, batch_sharding), out_shardings=(shardings, repl),
+        donate_argnums=0)
+    eval_spec = eval_loop.make_spec(cfg.eval, model_fns.apply, abstract.params, sample_inputs,
+                                    eval_example, byte_level=byte_level,
+                                    with_defaults=eval_defaults)
+    eval_step = jax.jit(step_lib.make_eval_step(model_fns.apply, loss_fn or losses.default_loss,
+                                                user_loss=loss_fn is not None,
+                                                metrics=eval_spec),
+                        in_shardings=(shardings.params, batch_sharding),
+                        out_shardings=(repl, batch_sharding))
+    return Build(mesh, policy, model_fns, name, model, tx, schedule, sample_inputs, abstract,
+                 shardings, eval_spec, train_step, eval_step, cfg.seed)
+
+
+@dataclasses.dataclass
+class _Outputs:
+    """What the run shows and records (process 0 writes; the others mostly stay quiet)."""
+    writer: Any  # observe.writers.MetricWriter
+    progress: Any  # observe.console.Progress
+    perf: Any  # observe.perf.Meter
+    profiler: Any  # observe.perf.Profiler
+
+    def close(self):
+        self.profiler.close()
+        self.progress.close()
+        self.writer.close()
+
+
 @dataclasses.dataclass
 class _Run:
     workdir: str
-    mesh: Any
+    build: Build
     state: Any
-    shardings: Any
     train_iter: Any
     eval_source: Any
-    train_step: Callable
-    eval_step: Callable
-    ckpt: checkpoint.Checkpointer
-    writer: Any
-    progress: Any
     data_info: dict
+    ckpt: checkpoint.Checkpointer
+    out: _Outputs
     resumed_from: int | None
     stopper: Any = None  # control.Stopper: signals -> stop after a step
-    eval_spec: Any = None  # jtrain.metrics.EvalSpec: what the eval step computes
-    perf: Any = None  # jtrain.observe.perf.Meter
-    profiler: Any = None  # jtrain.observe.perf.Profiler
 
     def close(self):
-        if self.profiler is not None:
-            self.profiler.close()
-        self.progress.close()
+        self.out.close()
         self.ckpt.close()
-        self.writer.close()
         if hasattr(self.train_iter, "close"):
             self.train_iter.close()
 
@@ -109,65 +178,33 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn) -> _Run:
     t_start = time.perf_counter()
     primary = jax.process_index() == 0
     os.makedirs(workdir, exist_ok=True)
-    mesh = mesh_lib.make_mesh(cfg.mesh)
-    policy = precision_lib.make_policy(cfg.model)
 
     # Checked here (DataError before any step); the data's shapes come from a sample batch.
     train_src, eval_src, data_info = data_lib.make_sources(
         cfg.data, train_data, eval_data, process_index=jax.process_index(),
         process_count=jax.process_count())
-    local_batch = cfg.data.batch_size // jax.process_count()
-
-    model_name = cfg.model.name if model is None else f"user {type(model).__name__}"
-    if model is None:
-        model = models_lib.make_model(cfg.model, dtype=policy.compute_dtype,
-                                      param_dtype=policy.param_dtype)
-    model_fns = adapters.to_model_fns(model)
-    tx, schedule = optim_lib.make_optimizer(cfg.optim, cfg.total_steps)
     sample = train_src[0]["inputs"]  # example 0 as the model sees it (after collate_fn)
-    sample_inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), sample)
+    b = build(cfg, sample=sample, eval_example=(eval_src if eval_src is not None
+                                                else train_src)[0],
+              model=model, loss_fn=loss_fn, byte_level=data_info.get("name") == "pystdlib")
 
-    abstract, shardings = state_lib.make_abstract_state(
-        model_fns, tx, policy, sample_inputs, mesh, cfg.seed)
     # Start-up precedence (jtrain.checkpoint.manager, WORKSPACE.md): (1) the newest intact
     # checkpoint in workdir/checkpoints; (2) else checkpoint.init_from; (3) else fresh.
     ckpt = checkpoint.Checkpointer(workdir, cfg, data_info)
-    start = ckpt.restore_or_init(
-        checkpoint.abstract_with_shardings(abstract, shardings),
-        lambda: state_lib.init_state(model_fns, tx, policy, sample_inputs, mesh, cfg.seed,
-                                     shardings))
-    state, resumed_from = start.state, start.step
+    start = ckpt.restore_or_init(b.abstract_with_shardings(), b.init)
     train_iter = data_lib.make_train_iterator(
-        train_src, local_batch=local_batch, seed=cfg.seed, shuffle=cfg.data.shuffle,
-        process_index=jax.process_index(), process_count=jax.process_count(),
-        num_workers=cfg.data.num_workers, drop_last=cfg.data.drop_last,
-        prefetch=cfg.data.prefetch, num_threads=cfg.data.num_threads)
+        train_src, local_batch=cfg.data.batch_size // jax.process_count(), seed=cfg.seed,
+        shuffle=cfg.data.shuffle, process_index=jax.process_index(),
+        process_count=jax.process_count(), num_workers=cfg.data.num_workers,
+        drop_last=cfg.data.drop_last, prefetch=cfg.data.prefetch,
+        num_threads=cfg.data.num_threads)
     if start.data_state is not None:
         train_iter.set_state(start.data_state)
     # The next batches go onto the devices in a background thread (the one transfer,
     # mesh.host_to_device); get_state() stays the position of the step's next batch.
     train_iter = data_lib.device_prefetch(
-        train_iter, functools.partial(mesh_lib.host_to_device, mesh=mesh),
+        train_iter, functools.partial(mesh_lib.host_to_device, mesh=b.mesh),
         cfg.data.device_prefetch)
-
-    user_loss = loss_fn is not None
-    loss_fn = loss_fn or losses.default_loss
-    batch_sharding = mesh_lib.batch_sharding(mesh)
-    repl = mesh_lib.replicated(mesh)
-    train_step = jax.jit(
-        step_lib.make_train_step(model_fns.apply, loss_fn, tx, schedule,
-                                 grad_accum_steps=cfg.optim.grad_accum_steps,
-                                 dynamic_loss_scale=policy.dynamic_loss_scale),
-        in_shardings=(shardings, batch_sharding), out_shardings=(shardings, repl),
-        donate_argnums=0)
-    eval_spec = evaluate.make_spec(cfg.eval, model_fns.apply, abstract.params, sample_inputs,
-                                   (eval_src if eval_src is not None else train_src)[0],
-                                   byte_level=data_info.get("name") == "pystdlib")
-    eval_step = jax.jit(step_lib.make_eval_step(model_fns.apply, loss_fn, user_loss=user_loss,
-                                                metrics=eval_spec),
-                        in_shardings=(shardings.params, batch_sharding),
-                        out_shardings=(repl, batch_sharding))
 
     resolved = cfg.to_dict()
     if primary:
@@ -176,45 +213,44 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn) -> _Run:
     writer = writers_lib.MetricWriter(workdir, cfg.log, is_primary=primary,
                                       run_ids=control_lib.writer_run_ids(start.control))
     ckpt.control.writer_run_ids = writer.run_ids()  # checkpointed, reused on resume
-    if resumed_from is None:
+    if start.step is None:
         writer.write_hparams(resolved)
     progress = console.Progress(
-        cfg.total_steps, start_step=resumed_from or 0, is_primary=primary,
+        cfg.total_steps, start_step=start.step or 0, is_primary=primary,
         every_steps=cfg.log.every_steps, batches_per_epoch=data_info["batches_per_epoch"],
         verbosity=cfg.log.verbosity, log_path=os.path.join(workdir, console.LOG_FILE),
         all_hosts=cfg.log.all_hosts, process_index=jax.process_index())
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
-    flops = perf_lib.model_flops_per_example(None if model_name == cfg.model.name else model,
-                                             cfg.model, jax.tree.map(np.shape, sample))
+    flops = perf_lib.model_flops_per_example(b.user_model, cfg.model,
+                                             jax.tree.map(np.shape, sample))
     peak = perf_lib.peak_flops_per_device(cfg.perf.peak_flops)
-    header = _header(cfg, mesh, policy, model_name, model_fns, n_params, data_info, train_src,
-                     eval_src, workdir, resumed_from, eval_spec, flops, peak)
+    header = _header(cfg, b, data_info, (train_src, eval_src), workdir, start.step, flops, peak)
     progress.message(header)
-    writer.write_text(resumed_from or 0, "run/header", header)  # TensorBoard's text tab
-    progress.message(header_lib.parameter_table(abstract.params), level=2)
-    meter = perf_lib.Meter(start_step=resumed_from or 0, global_batch=cfg.data.batch_size,
+    writer.write_text(start.step or 0, "run/header", header)  # TensorBoard's text tab
+    progress.message(header_lib.parameter_table(b.abstract.params), level=2)
+    meter = perf_lib.Meter(start_step=start.step or 0, global_batch=cfg.data.batch_size,
                            flops_per_example=flops, peak_flops=peak,
                            num_devices=jax.device_count(), t_start=t_start)
     profiler = perf_lib.Profiler(cfg.profile, workdir, is_primary=primary)
-    return _Run(workdir, mesh, state, shardings, train_iter, eval_src, train_step, eval_step,
-                ckpt, writer, progress, data_info, resumed_from, eval_spec=eval_spec,
-                perf=meter, profiler=profiler)
+    return _Run(workdir, b, start.state, train_iter, eval_src, data_info, ckpt,
+                _Outputs(writer, progress, meter, profiler), start.step)
 
 
-def _header(cfg, mesh, policy, name, model_fns, n_params, data_info, train_src, eval_src, workdir,
-            resumed_from, eval_spec, flops, peak) -> str:
+def _header(cfg, b: Build, data_info, sources, workdir, resumed_from, flops, peak) -> str:
+    train_src, eval_src = sources
     extra = []
     if "fingerprint" in data_info:
         extra.append(f"jtrain: corpus sha256 {data_info['fingerprint'][:16]}..., "
                      f"{data_info['num_bytes']:,} bytes from {data_info['num_files']} files")
     extra += [f"jtrain: data: {note}" for note in data_info.get("notes", ())]
     mfu = f"MFU vs peak {peak:.3g} FLOP/s/device" if peak else "MFU n/a (set perf.peak_flops)"
-    extra.append(f"jtrain: eval {eval_spec.task}: {', '.join(eval_spec.names)}; "
+    extra.append(f"jtrain: eval {b.eval_spec.task}: {', '.join(b.eval_spec.names)}; "
                  + (f"{flops:.3g} train FLOPs/example, {mfu}" if flops else "MFU n/a"))
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(b.abstract.params))
     return header_lib.run_header(
-        model=f"{name} ({model_fns.kind})", num_params=n_params, precision=policy.describe(),
-        mesh_shape=dict(mesh.shape), data_name=str(data_info.get("name")),
-        train_size=len(train_src), eval_size=len(eval_src) if eval_src is not None else 0,
+        model=f"{b.model_name} ({b.model_fns.kind})", num_params=n_params,
+        precision=b.policy.describe(), mesh_shape=dict(b.mesh.shape),
+        data_name=str(data_info.get("name")), train_size=len(train_src),
+        eval_size=len(eval_src) if eval_src is not None else 0,
         global_batch=cfg.data.batch_size, workdir=workdir, resumed_from=resumed_from,
         batches_per_epoch=data_info.get("batches_per_epoch"), extra=tuple(extra))
 
@@ -227,15 +263,15 @@ def _loop(cfg, run: _Run) -> TrainResult:
     evaluate_now = _evaluator(cfg, run)
 
     for step in range(start + 1, total + 1):
-        run.profiler.before_step(step)
+        run.out.profiler.before_step(step)
         t0 = time.perf_counter()
         batch = next(run.train_iter)  # on the devices already (data.device_prefetch)
         t1 = time.perf_counter()
-        state, metrics = run.train_step(state, batch)
-        run.perf.step_done(step, t1 - t0, time.perf_counter() - t1,
+        state, metrics = run.build.train_step(state, batch)
+        run.out.perf.step_done(step, t1 - t0, time.perf_counter() - t1,
                            metrics if step == start + 1 else None)  # first: compile time
-        if run.profiler.after_step(step, metrics):
-            run.progress.message(f"jtrain: profile trace written to {run.profiler.directory}")
+        if run.out.profiler.after_step(step, metrics):
+            run.out.progress.message(f"jtrain: profile trace written to {run.out.profiler.directory}")
         pending.append((step, metrics))
         if len(pending) > cfg.max_steps_in_flight:
             _drain(pending.popleft(), cfg, run)
@@ -274,11 +310,11 @@ def _drain(item, cfg, run: _Run) -> None:
         raise FloatingPointError(
             f"training diverged: train/loss is {values['train/loss']} at step {step} "
             "(lower optim.lr, set optim.clip_norm, or use model.dtype=float32)")
-    values.update(run.perf.log_values(step, values.pop("train/tokens")))
-    run.writer.write_scalars(step, values)
-    run.progress.update(step, values)
+    values.update(run.out.perf.log_values(step, values.pop("train/tokens")))
+    run.out.writer.write_scalars(step, values)
+    run.out.progress.update(step, values)
     if cfg.log.verbosity >= 2:
-        run.progress.message(run.perf.debug_line(), level=2)
+        run.out.progress.message(run.out.perf.debug_line(), level=2)
 
 
 def _evaluator(cfg, run: _Run):
@@ -288,12 +324,12 @@ def _evaluator(cfg, run: _Run):
         if run.eval_source is None:
             return {"step": step}
         t0 = time.perf_counter()
-        result = evaluate.run_eval(run.eval_step, state.params, run.eval_source,
-                                   mesh=run.mesh, local_batch=eval_batch,
-                                   max_batches=cfg.eval.num_batches, spec=run.eval_spec)
-        run.perf.add("eval", time.perf_counter() - t0)
-        run.writer.write_scalars(step, result.scalars)
-        run.progress.message(evaluate.format_line(step, result))
+        result = eval_loop.run_eval(run.build.eval_step, state.params, run.eval_source,
+                                    mesh=run.build.mesh, local_batch=eval_batch,
+                                   max_batches=cfg.eval.num_batches, spec=run.build.eval_spec)
+        run.out.perf.add("eval", time.perf_counter() - t0)
+        run.out.writer.write_scalars(step, result.scalars)
+        run.out.progress.message(eval_loop.format_line(step, result))
         return {"step": step, **result.scalars}
 
     return evaluate_now
@@ -307,16 +343,16 @@ def _summary(cfg, run: _Run, state, last_eval: dict) -> dict:
         "resumed_from": run.resumed_from,
         "stopped_by": run.stopper.signal_name if run.stopper else None,  # SIGTERM / SIGINT
         **{k: v for k, v in last_eval.items() if k != "step"},
-        **run.perf.summary(),
+        **run.out.perf.summary(),
     }
     baseline = run.data_info.get("unigram_baseline")
     if baseline is not None:
         summary["unigram_baseline"] = baseline
         summary["data_fingerprint"] = run.data_info["fingerprint"]
         if "eval/loss" in summary:
-            run.progress.message(f"jtrain: final eval loss {summary['eval/loss']:.4f} nats/byte "
+            run.out.progress.message(f"jtrain: final eval loss {summary['eval/loss']:.4f} nats/byte "
                                  f"vs unigram baseline {baseline:.4f}")
-    run.progress.message(_final_line(summary), level=0)
+    run.out.progress.message(_final_line(summary), level=0)
     if jax.process_index() == 0:
         with open(os.path.join(run.workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2, sort_keys=True)
@@ -325,7 +361,7 @@ def _summary(cfg, run: _Run, state, last_eval: dict) -> dict:
 
 def _final_line(summary: dict) -> str:
     """The one line printed even at verbosity 0."""
-    evals = evaluate.headline(summary)
+    evals = eval_loop.headline(summary)
     rate = summary.get("perf/steps_per_sec")
     return (f"jtrain: done at step {summary['step']}" + (f"; eval {evals}" if evals else "")
             + (f"; {rate:.2f} steps/s" if rate else "")

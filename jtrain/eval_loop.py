@@ -1,0 +1,110 @@
+"""The eval loop, shared by training and `python -m jtrain.evaluate`.
+
+Eval batches are padded with a validity mask (`jtrain.data.eval_batches`), so every
+example counts once and the eval step compiles once. The step returns one batch's metric
+states (`jtrain.metrics`, float32 sums on device); they come back a few batches behind
+(`MAX_IN_FLIGHT`) and are merged on the host in float64, so the result does not depend on
+how the examples were split into batches, devices or processes. Host-side metrics (AUROC,
+Spearman) receive this process's rows of each batch and are gathered across processes
+once at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+import jax
+import numpy as np
+
+from jtrain import data as data_lib
+from jtrain import mesh as mesh_lib
+from jtrain import metrics as metrics_lib
+
+MAX_IN_FLIGHT = 8
+
+
+@dataclasses.dataclass
+class Evaluation:
+    scalars: dict[str, float]         # "eval/<name>": value
+    arrays: dict[str, np.ndarray]     # "confusion_matrix": int64 [C, C] (true, predicted)
+    num_examples: int
+
+
+def make_spec(eval_cfg, apply_fn, abstract_params, sample_inputs, example: dict, *,
+              byte_level: bool = False, with_defaults: bool = False) -> metrics_lib.EvalSpec:
+    """The metrics to compute (`eval.metrics`, or the task's defaults when empty; both with
+    `with_defaults`), from the model's output shape (no arrays are built) and one
+    example's targets."""
+    out = jax.eval_shape(lambda p, x: apply_fn(p, x, rng=None, train=False),
+                         abstract_params, sample_inputs)
+    output_shape = tuple(out.shape[1:]) if hasattr(out, "shape") else None
+    targets = np.asarray(example["targets"])
+    names = tuple(eval_cfg.metrics)
+    if with_defaults or not names:
+        task, num_classes = metrics_lib.infer_task(output_shape, targets.shape, targets.dtype)
+        names = tuple(dict.fromkeys(metrics_lib.default_names(
+            task, num_classes, top_k=eval_cfg.top_k, byte_level=byte_level) + names))
+    return metrics_lib.EvalSpec.create(output_shape, targets.shape, targets.dtype, names=names,
+                                       top_k=eval_cfg.top_k, max_gathered=eval_cfg.max_gathered,
+                                       byte_level=byte_level)
+
+
+def local_rows(x) -> np.ndarray:
+    """This process's rows of a batch-sharded global array, in order (replicas once)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    blocks = {}
+    for shard in x.addressable_shards:
+        start = shard.index[0].start or 0
+        if start not in blocks:
+            blocks[start] = np.asarray(shard.data)
+    return np.concatenate([blocks[k] for k in sorted(blocks)])
+
+
+def run_eval(eval_step, params, source, *, mesh, local_batch: int, spec, max_batches: int = 0
+             ) -> Evaluation:
+    """Metrics over every example of `source` (or the first `max_batches` global batches).
+
+    `eval_step` = jit(jtrain.step.make_eval_step(..., metrics=spec)). A collective on
+    several processes: every process calls it with its own `local_batch` rows."""
+    device_total, host_total = metrics_lib.make_collection(spec).partition()
+    pending: deque = deque()
+
+    def drain(out):
+        nonlocal device_total, host_total
+        state, inputs = out
+        device_total = device_total.merge(state)  # float64 / int64 on the host
+        if host_total.metrics:
+            host_total = host_total.update(**{k: local_rows(v) for k, v in inputs.items()})
+
+    batches = data_lib.eval_batches(
+        source, local_batch=local_batch, process_index=jax.process_index(),
+        process_count=jax.process_count(), max_batches=max_batches)
+    for batch in batches:
+        pending.append(eval_step(params, mesh_lib.host_to_device(batch, mesh)))
+        if len(pending) > MAX_IN_FLIGHT:
+            drain(pending.popleft())
+    while pending:
+        drain(pending.popleft())
+    # The device states came from global batches and already cover every process; the
+    # host-side buffers hold this process's rows only.
+    host_total = metrics_lib.reduce_across_processes(host_total)
+    scalars = {**device_total.compute(), **host_total.compute()}
+    n = data_lib.num_eval_examples(source, max_batches, local_batch * jax.process_count())
+    return Evaluation(scalars={f"eval/{k}": v for k, v in scalars.items()},
+                      arrays=device_total.compute_arrays(), num_examples=n)
+
+
+def headline(scalars: dict) -> str:
+    """`loss 1.2340, accuracy 0.6120, ...` for the console: per-class values and the micro
+    averages (equal to the accuracy for single-label classes) are left to the files."""
+    return ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in scalars.items()
+                     if k.startswith("eval/") and k.count("/") == 1
+                     and not k.endswith("_micro") and isinstance(v, float))
+
+
+def format_line(step: int, result: Evaluation) -> str:
+    """`jtrain: eval at step 500 (925 examples): loss 1.2340, accuracy 0.6120, ...`."""
+    return (f"jtrain: eval at step {step} ({result.num_examples:,} examples): "
+            + headline(result.scalars))
