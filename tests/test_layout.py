@@ -4,7 +4,6 @@ package says what it owns, and WORKSPACE.md's module map matches the tree."""
 from __future__ import annotations
 
 import ast
-import os
 import re
 from pathlib import Path
 

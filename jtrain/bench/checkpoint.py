@@ -27,7 +27,6 @@ costs when nothing competes (after a stop, or with the work on a GPU).
 
 from __future__ import annotations
 
-import os
 import shutil
 import statistics
 import tempfile
@@ -35,18 +34,13 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jtrain import checkpoint, losses
-from jtrain.models import adapters
+from jtrain import checkpoint
 from jtrain import config as config_lib
 from jtrain import mesh as mesh_lib
-from jtrain import models as models_lib
-from jtrain import optim as optim_lib
-from jtrain import precision as precision_lib
 from jtrain import state as state_lib
-from jtrain import step as step_lib
+from jtrain.train import build
 
 IN_FEATURES, WIDTH, OUTPUTS, BATCH = 1024, 4096, 16, 8
 GOALS = {"block_ratio": 0.25, "save_s": 5.0, "restore_s": 5.0, "steps_ratio": 0.95}
@@ -55,34 +49,26 @@ GOALS = {"block_ratio": 0.25, "save_s": 5.0, "restore_s": 5.0, "steps_ratio": 0.
 def _config(params: float, writer_nice: int):
     width = WIDTH if params >= 20e6 else 256  # small sizes: smoke tests
     layers = max(1, round((params - IN_FEATURES * width) / (width * width)) + 1)
-    cfg = config_lib.defaults("mlp")
-    cfg.total_steps = 10**6
-    cfg.model.update(hidden=(width,) * layers, num_outputs=OUTPUTS, dtype="float32")
-    cfg.data.batch_size = BATCH
-    cfg.optim.update(name="adamw", lr=1e-4, weight_decay=0.01, warmup_steps=0)
-    cfg.checkpoint.update(every_steps=0, max_to_keep=1, keep_top_k=0, writer_nice=writer_nice)
-    return cfg
+    return config_lib.resolve({
+        "total_steps": 10**6, "data": {"batch_size": BATCH},
+        "model": {"name": "mlp", "hidden": (width,) * layers, "num_outputs": OUTPUTS,
+                  "dtype": "float32"},
+        "optim": {"name": "adamw", "lr": 1e-4, "weight_decay": 0.01, "warmup_steps": 0},
+        "checkpoint": {"every_steps": 0, "max_to_keep": 1, "keep_top_k": 0,
+                       "writer_nice": writer_nice}})
 
 
 def run_checkpoint_bench(params: float = 100e6, rounds: int = 3, steps: int = 8,
                          writer_nice: int = 19, workdir: str | None = None,
                          progress=print) -> dict:
     cfg = _config(params, writer_nice)
-    mesh = mesh_lib.make_mesh(cfg.mesh)
-    policy = precision_lib.make_policy(cfg.model)
-    model_fns = adapters.to_model_fns(models_lib.make_model(
-        cfg.model, dtype=policy.compute_dtype, param_dtype=policy.param_dtype))
-    tx, schedule = optim_lib.make_optimizer(cfg.optim, cfg.total_steps)
-    sample = jax.ShapeDtypeStruct((BATCH, IN_FEATURES), np.float32)
-    abstract, shardings = state_lib.make_abstract_state(model_fns, tx, policy, sample, mesh, 0)
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
-    n_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(abstract))
-    state = state_lib.init_state(model_fns, tx, policy, sample, mesh, 0, shardings)
-    batch_sharding = mesh_lib.batch_sharding(mesh)
-    train_step = jax.jit(
-        step_lib.make_train_step(model_fns.apply, losses.default_loss, tx, schedule),
-        in_shardings=(shardings, batch_sharding),
-        out_shardings=(shardings, mesh_lib.replicated(mesh)), donate_argnums=0)
+    # The very set-up training uses (jtrain.train.build): model, state, jitted step.
+    b = build(cfg, sample=np.zeros((IN_FEATURES,), np.float32),
+              eval_example={"targets": np.int32(0)})
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(b.abstract.params))
+    n_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(b.abstract))
+    state, train_step = b.init(), b.train_step
+    batch_sharding = mesh_lib.batch_sharding(b.mesh)
     rng = np.random.default_rng(0)
     batch = jax.device_put({
         "inputs": rng.normal(size=(BATCH, IN_FEATURES)).astype(np.float32),
@@ -102,7 +88,7 @@ def run_checkpoint_bench(params: float = 100e6, rounds: int = 3, steps: int = 8,
         for _ in range(2):
             state = one_step(state)
         ck = checkpoint.Checkpointer(workdir, cfg)
-        ck.restore_or_init(checkpoint.abstract_with_shardings(abstract, shardings),
+        ck.restore_or_init(b.abstract_with_shardings(),
                            lambda: None)
         step = int(state.step)
         ck.save(step, state, {})  # warm-up save (orbax compiles its copies once)
@@ -145,7 +131,7 @@ def run_checkpoint_bench(params: float = 100e6, rounds: int = 3, steps: int = 8,
             t0 = time.perf_counter()
             ck = checkpoint.Checkpointer(workdir, cfg)
             start = ck.restore_or_init(
-                checkpoint.abstract_with_shardings(abstract, shardings), lambda: None)
+                b.abstract_with_shardings(), lambda: None)
             jax.block_until_ready(start.state)
             row["restore_s"] = time.perf_counter() - t0
             if want is not None and state_lib.state_sha256(start.state) != want:

@@ -131,32 +131,20 @@ class StepBench:
     """One jitted jtrain train step, fed real batches or one synthetic device batch."""
 
     def __init__(self, ds, batch: int, workers: int):
-        import jax
 
-        from jtrain import losses, mesh as mesh_lib, optim as optim_lib
-        from jtrain.models import adapters
-        from jtrain import config as config_lib, data as data_lib, precision as precision_lib
-        from jtrain import state as state_lib, step as step_lib
+        from jtrain import config as config_lib, data as data_lib, mesh as mesh_lib
+        from jtrain.train import build
 
         self.cfg = cfg = config_lib.resolve({
             "total_steps": 1000, "data": {"batch_size": batch, "num_workers": workers,
                                           "val_fraction": 0.0},
             "model": {"dtype": "float32"}, "optim": {"lr": 1e-3}})
-        self.mesh = mesh_lib.make_mesh(cfg.mesh)
         self.ds, self.data_lib, self.mesh_lib = ds, data_lib, mesh_lib
-        model_fns = adapters.to_model_fns(make_model())
-        policy = precision_lib.make_policy(cfg.model)
-        tx, schedule = optim_lib.make_optimizer(cfg.optim, cfg.total_steps)
         self.train, _, _ = data_lib.make_sources(cfg.data, ds)
-        sample = self.train[0]["inputs"]
-        inputs = jax.ShapeDtypeStruct((batch,) + sample.shape, sample.dtype)
-        _, shardings = state_lib.make_abstract_state(model_fns, tx, policy, inputs, self.mesh, 0)
-        self.init = functools.partial(state_lib.init_state, model_fns, tx, policy, inputs,
-                                      self.mesh, 0, shardings)
-        self.step = jax.jit(
-            step_lib.make_train_step(model_fns.apply, losses.default_loss, tx, schedule),
-            in_shardings=(shardings, mesh_lib.batch_sharding(self.mesh)),
-            out_shardings=(shardings, mesh_lib.replicated(self.mesh)), donate_argnums=0)
+        # The very set-up training uses (jtrain.train.build): model, state, jitted step.
+        b = build(cfg, sample=self.train[0]["inputs"], eval_example=self.train[0],
+                  model=make_model())
+        self.mesh, self.init, self.step = b.mesh, b.init, b.train_step
 
     def batches(self, real: bool):
         cfg, dl = self.cfg, self.data_lib

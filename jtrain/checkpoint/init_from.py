@@ -17,7 +17,6 @@ import os
 import re
 
 import jax
-import numpy as np
 
 from jtrain.checkpoint import export as export_lib
 from jtrain.checkpoint import integrity

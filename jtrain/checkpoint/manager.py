@@ -41,7 +41,6 @@ import dataclasses
 import glob
 import json
 import os
-import sys
 import threading
 import time
 from typing import Any, Callable

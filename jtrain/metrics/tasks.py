@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtrain import losses
-from jtrain.config import METRIC_NAMES  # declared in the one schema
+from jtrain.config import METRIC_NAMES  # noqa: F401  (declared in the schema; re-exported)
 from jtrain.errors import ConfigError
 from jtrain.metrics.averages import Average, BitsPerByte, Loss, Perplexity
 from jtrain.metrics.classification import (Accuracy, ConfusionMatrix, PrecisionRecallF1,
