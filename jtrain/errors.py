@@ -4,6 +4,7 @@ renders any exception as the one line a person sees.
     ConfigError    2  a bad config key or value: `<dotted.key>: <why>`
     DataError      2  bad input data: names the dataset and the item or field
     UsageError     2  a bad command line (an unknown flag, a missing argument)
+    EvaluateError  2  an evaluation that cannot be done as asked (no such step, no split)
     RestoreError   3  a checkpoint that cannot be used as asked (damaged with
                       strict_restore, another model, a changed config)
     ExportError    3  an export that cannot be written or read
@@ -28,8 +29,8 @@ class ConfigError(JtrainError, ValueError):
 
     kind, exit_code = "config", 2
 
-    def __init__(self, key: str, why: str):
-        super().__init__(f"{key}: {why}")
+    def __init__(self, key: str, why: str = ""):
+        super().__init__(f"{key}: {why}" if why else key)
         self.key = key
 
 
@@ -43,6 +44,12 @@ class UsageError(JtrainError, ValueError):
     """A bad command line: an unknown flag, a missing or malformed argument."""
 
     kind, exit_code = "usage", 2
+
+
+class EvaluateError(JtrainError, ValueError):
+    """`python -m jtrain.evaluate` cannot do what was asked (no such step, no eval split)."""
+
+    kind, exit_code = "evaluate", 2
 
 
 class RestoreError(JtrainError):

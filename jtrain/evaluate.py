@@ -14,7 +14,6 @@ checkpoint retention uses: jtrain.checkpoint.policy.best_steps).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -22,13 +21,16 @@ import sys
 
 import jax
 import numpy as np
+from absl import flags
+from absl import logging as absl_logging
 
-from jtrain import checkpoint
+from jtrain import checkpoint, cli
 from jtrain import config as config_lib
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
 from jtrain.train import build
 from jtrain.checkpoint import policy
+from jtrain.errors import EvaluateError, JtrainError, UsageError, first_line
 from jtrain.eval_loop import (MAX_IN_FLIGHT, Evaluation, format_line, headline,  # noqa: F401
                               local_rows, make_spec, run_eval)
 
@@ -166,36 +168,40 @@ def write_report(workdir: str, report: dict, result: Evaluation, *, plots: bool 
     return files
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jtrain.evaluate",
-                                     description="Evaluate a checkpoint of a jtrain run.")
-    parser.add_argument("--workdir", required=True, help="the run's directory")
-    parser.add_argument("--step", default="latest", help="N, latest (default) or best")
-    parser.add_argument("--data", default="eval", help="eval (default), train or FILE.npz")
-    parser.add_argument("--num_batches", type=int, default=0, help="0 = every example")
-    parser.add_argument("--no_plots", action="store_true", help="write the JSON only")
-    args = parser.parse_args(argv)
-    from absl import flags, logging as absl_logging
+def _define_flags(fv) -> None:
+    flags.DEFINE_string("workdir", None, "The run's directory (required).", flag_values=fv)
+    flags.DEFINE_string("step", "latest", "N, latest (default) or best.", flag_values=fv)
+    flags.DEFINE_string("data", "eval", "eval (default), train or FILE.npz.", flag_values=fv)
+    flags.DEFINE_integer("num_batches", 0, "Eval batches; 0 = every example.", flag_values=fv)
+    flags.DEFINE_bool("plots", True, "Write the PNG plots (--noplots: the JSON only).",
+                      flag_values=fv)
+    flags.DEFINE_bool("no_plots", False, "Same as --noplots.", flag_values=fv)
 
-    if not flags.FLAGS.is_parsed():  # grain and orbax read absl flags
-        flags.FLAGS.mark_as_parsed()
-    absl_logging.set_verbosity(absl_logging.WARNING)
-    from jtrain import checkpoint
-    from jtrain import config as config_lib
 
+def _main(fv, args) -> int:
+    if args:
+        raise UsageError(f"unexpected arguments: {' '.join(args)}")
+    if not fv.workdir:
+        raise UsageError("--workdir: required (the run's directory)")
+    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every restore at INFO
     try:
-        report = evaluate_checkpoint(args.workdir, step=args.step, data=args.data,
-                                     num_batches=args.num_batches, plots=not args.no_plots)
-    except (FileNotFoundError, ValueError, checkpoint.RestoreError) as e:
-        kind = ("config" if isinstance(e, config_lib.ConfigError) else
-                "checkpoint" if isinstance(e, checkpoint.RestoreError) else "evaluate")
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        sys.stderr.write(f"jtrain: {kind} error: {first}\n")
-        return 2
+        report = evaluate_checkpoint(fv.workdir, step=fv.step, data=fv.data,
+                                     num_batches=fv.num_batches,
+                                     plots=fv.plots and not fv.no_plots)
+    except (FileNotFoundError, ValueError) as e:
+        if isinstance(e, JtrainError):
+            raise
+        raise EvaluateError(first_line(e)) from None
     print(f"jtrain: eval of step {report['step']} on {report['data']} "
           f"({report['num_examples']:,} examples): {headline(report['metrics'])}")
-    print(f"jtrain: wrote {', '.join(report.get('files', []))} in {os.path.abspath(args.workdir)}")
+    print(f"jtrain: wrote {', '.join(report.get('files', []))} in {os.path.abspath(fv.workdir)}")
     return 0
+
+
+def main(argv=None) -> int:
+    """`python -m jtrain.evaluate --workdir=DIR [--step=N|best|latest] [--data=...]`."""
+    return cli.run("python -m jtrain.evaluate", _define_flags, _main, argv,
+                   description="Evaluate a checkpoint of a jtrain run.")
 
 
 if __name__ == "__main__":

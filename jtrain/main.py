@@ -14,13 +14,15 @@ current step and exits 0 (jtrain.control). `--verify_resume`: see jtrain.checkpo
 from __future__ import annotations
 
 import os
-import re
 import sys
 
+import ml_collections
 from absl import app, flags
 from absl import logging as absl_logging
-import ml_collections
 from ml_collections import config_flags
+
+from jtrain import cli as cli_lib
+from jtrain import errors
 
 
 
@@ -63,18 +65,14 @@ def define_flags(fv: flags.FlagValues, sys_argv=None) -> None:
 FLAGS = flags.FLAGS
 define_flags(FLAGS)
 
-EXIT_USER_ERROR = 2
-EXIT_RESTORE_ERROR = 3  # a damaged (with --strict_restore) or mismatched checkpoint
-EXIT_SAVE_ERROR = 1  # a checkpoint write failed (possibly in the background)
 _RAW_ARGV: list[str] = []  # as parsed; --verify_resume reruns it
 
 
-def fail(kind: str, message: str, code: int = EXIT_USER_ERROR):
-    """One line on stderr, no traceback, a non-zero exit."""
-    first = str(message).strip().splitlines()[0] if str(message).strip() else kind
-    sys.stderr.write(f"jtrain: {kind} error: {first}\n")
+def fail(error: errors.JtrainError):
+    """Its one line on stderr, no traceback, its exit code."""
+    sys.stderr.write(errors.render(error) + "\n")
     sys.stderr.flush()
-    os._exit(code) if kind == "internal" else sys.exit(code)
+    sys.exit(error.exit_code)
 
 
 def parse_flags(argv, fv: flags.FlagValues = FLAGS):
@@ -99,100 +97,26 @@ def parse_flags(argv, fv: flags.FlagValues = FLAGS):
                                 "expected a ConfigDict")
         return rest
     except Exception as e:  # flags.Error, and what config_flags raises while loading
-        fail("config", describe_flag_error(e, argv))
+        key, _, why = cli_lib.describe_flag_error(e, argv).partition(": ")
+        fail(errors.ConfigError(key, why))
     finally:
         absl_logging.get_absl_logger().removeFilter(quiet)
 
 
-def describe_flag_error(error: Exception, argv) -> str:
-    """`<dotted.key or file>: <why>` for what absl / config_flags raised."""
-    if isinstance(error, AttributeError) and error.args and isinstance(error.args[0], KeyError):
-        error = error.args[0]  # config_flags wraps a typo below the top level: optim.lrr
-    text = str(error.args[0] if isinstance(error, KeyError) and error.args else error)
-    m = re.search(r"Attempting to lookup: ([\w.]+)", text) if isinstance(error, KeyError) else None
-    if m:  # --config.optim.lr.x=1: a field below a plain value
-        key = m.group(1)
-        return f"{key}: unknown key; {key.rsplit('.', 1)[0]} is a value, not a section"
-    if isinstance(error, KeyError):  # a typo in an override: 'optimzer' ... Did you mean
-        bad = text.splitlines()[0].strip("'\"")
-        hint = re.search(r'Did you mean "([^"]+)"', text)
-        key = next((a.lstrip("-")[len("config."):].split("=")[0] for a in argv
-                    if re.match(r"--?config\.", a) and bad in a.split("=")[0].split(".")), bad)
-        return f"{key}: unknown key" + (f'; did you mean "{hint.group(1)}"?' if hint else "")
-    if not isinstance(error, flags.Error):  # raised while loading the config file
-        return _describe_file_error(error, _config_file(argv))
-    m = re.match(r"flag --config\.([\w.]+)=(.*?): (.*)", text, re.S)
-    if m:
-        return f"{m.group(1)}: {_plain_why(m.group(3).strip().splitlines()[-1])}"
-    m = re.match(r"Missing value for flag --config\.([\w.]+)", text)
-    if m:
-        return f"{m.group(1)}: missing value"
-    m = re.match(r"Found --?config\.([\w.]+)\S* in argv before a value for --config", text)
-    if m:
-        return f"{m.group(1)}: override given before --config=...; put --config first"
-    m = re.match(r"Flag --config\.([\w.]+) is provided after --config\.([\w.]+)", text)
-    if m:
-        return f"{m.group(1)}: given after --config.{m.group(2)}, and would overwrite it"
-    m = re.match(r"flag --config=([^:]*)(:\S*)?: Error whilst parsing config file", text)
-    if m:  # get_config raised: its own message is the last line of the traceback
-        last = [ln for ln in text.strip().splitlines() if ln.strip()][-1]
-        why = last.split(": ", 1)[-1]
-        return why if why.startswith(f"{m.group(1)}:") else f"{m.group(1)}: {why}"
-    m = re.match(r"Unknown command line flag '([^']+)'", text)
-    if m:
-        return f"--{m.group(1)}: unknown flag"
-    return text.strip().splitlines()[0] if text.strip() else type(error).__name__
-
-
-def _config_file(argv) -> str:
-    """The path part of `--config=PATH[:variant]` (or `--config PATH`) in argv."""
-    for i, a in enumerate(argv):
-        m = re.match(r"--?config(=|$)(.*)", a)
-        if m:
-            value = m.group(2) if m.group(1) else (argv[i + 1] if i + 1 < len(argv) else "")
-            return value.split(":", 1)[0] or "--config"
-    return "--config"
-
-
-def _describe_file_error(error: Exception, path: str) -> str:
-    inner = error.__cause__ or error  # a deferred load error is re-raised as its cause
-    if isinstance(inner, SyntaxError):
-        return f"{path}: syntax error at line {inner.lineno}: {inner.msg}"
-    if isinstance(inner, OSError):
-        if inner.strerror:  # permission denied, is a directory, ...
-            return f"{path}: cannot read: {inner.strerror.lower()}"
-        if "Attempted" in str(inner):  # config_flags' file-not-found report
-            return f"{path}: no such file"
-        return f"{path}: cannot read: {str(inner).strip().splitlines()[0]}"
-    if isinstance(inner, AttributeError) and "get_config" in str(inner):
-        return f"{path}: has no get_config() function"
-    if isinstance(inner, TypeError) and str(inner).startswith("get_config() returned"):
-        return f"{path}: {inner}"
-    first = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
-    return f"{path}: {type(inner).__name__}" + (f": {first}" if first else "")
-
-
-def _plain_why(why: str) -> str:
-    """Python's parse errors in the words config.py uses."""
-    m = re.match(r"invalid literal for int\(\) with base 10: (.*)", why)
-    if m:
-        return f"must be an integer, got {m.group(1)}"
-    m = re.match(r"could not convert string to float: (.*)", why)
-    if m:
-        return f"must be a number, got {m.group(1)}"
-    m = re.match(r"\('Non-boolean argument to boolean flag', (.*)\)$", why)
-    if m:
-        return f"must be true or false, got {m.group(1)}"
-    return why
-
-
 def main(argv, fv: flags.FlagValues = FLAGS):
+    try:
+        _run(argv, fv)  # returns normally after a SIGTERM/SIGINT stop: exit 0
+    except errors.JtrainError as e:
+        fail(e)
+
+
+def _run(argv, fv: flags.FlagValues) -> None:
     if len(argv) > 1:
-        fail("usage", f"unexpected arguments: {' '.join(argv[1:])}")
+        raise errors.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     if fv.config is None:
-        fail("config", "--config: required, e.g. --config=configs/base.py")
+        raise errors.ConfigError("--config", "required, e.g. --config=configs/base.py")
     if not fv.workdir:
-        fail("config", "--workdir: required (the run's directory)")
+        raise errors.ConfigError("--workdir", "required (the run's directory)")
     # orbax and others log every save at INFO through absl; jtrain prints its own lines.
     absl_logging.set_verbosity(absl_logging.WARNING)
     if fv.verify_resume:
@@ -206,7 +130,8 @@ def main(argv, fv: flags.FlagValues = FLAGS):
         jax.distributed.initialize()
     elif fv.num_processes > 1:
         if not fv.coordinator_address:
-            fail("config", "--coordinator_address: required when --num_processes > 1")
+            raise errors.ConfigError("--coordinator_address",
+                                     "required when --num_processes > 1")
         jax.distributed.initialize(coordinator_address=fv.coordinator_address,
                                    num_processes=fv.num_processes,
                                    process_id=fv.process_id)
@@ -215,28 +140,15 @@ def main(argv, fv: flags.FlagValues = FLAGS):
     if jax.process_index() != 0 and not all_hosts:
         _quiet()
 
-    from jtrain import checkpoint
-    from jtrain import config as config_lib
-    from jtrain import data as data_lib
     from jtrain.train import train
 
-    try:
-        config = fv.config
-        if fv.strict_restore:
-            config = config_lib.resolve(config)
-            config.checkpoint.strict_restore = True
-        if fv.all_hosts_log:
-            config = config_lib.resolve(config)
-            config.log.all_hosts = True
-        train(config, fv.workdir)  # returns normally after a SIGTERM/SIGINT stop: exit 0
-    except config_lib.ConfigError as e:
-        fail("config", e)
-    except data_lib.DataError as e:
-        fail("data", e)
-    except checkpoint.RestoreError as e:
-        fail("restore", e, code=EXIT_RESTORE_ERROR)
-    except checkpoint.CheckpointError as e:
-        fail("checkpoint", e, code=EXIT_SAVE_ERROR)
+    # Flags that stand for config keys go into a copy; train() resolves and validates it.
+    config = fv.config.to_dict() if hasattr(fv.config, "to_dict") else dict(fv.config)
+    if fv.strict_restore:
+        config.setdefault("checkpoint", {})["strict_restore"] = True
+    if fv.all_hosts_log:
+        config.setdefault("log", {})["all_hosts"] = True
+    train(config, fv.workdir)
 
 
 def _quiet() -> None:

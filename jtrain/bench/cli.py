@@ -42,55 +42,49 @@ a save is written vs without (goal >= 0.95x); medians over rounds (details in
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
 import sys
 
+from absl import flags
+
+from jtrain import cli
+
 NOT_IMPLEMENTED: tuple = ()
 EXIT_USAGE = 2
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jtrain.bench",
-                                description="Benchmarks of the jtrain engine.")
-    sub = p.add_subparsers(dest="command", metavar="{overhead,data,checkpoint}")
-    o = sub.add_parser("overhead", help="jtrain loop vs a hand-written jax.jit loop",
-                       description="Median step time of jtrain.train vs a minimal jax.jit "
-                                   "loop, interleaved rounds, steady state.")
-    o.add_argument("--model", default="base", choices=("base", "tiny"),
-                   help="base: configs/base.py model; tiny: 1-layer d_model=32, batch 8")
-    o.add_argument("--rounds", type=int, default=None, help="rounds per side (>= 3 advised)")
-    o.add_argument("--steps", type=int, default=None, help="timed steps per round and side")
-    o.add_argument("--log_every", type=int, default=None,
-                   help="jtrain log interval = warm-up steps (compile) on both sides")
-    o.add_argument("--workdir", default=None,
-                   help="keep jtrain's run directories here (default: a temp dir, removed)")
-    o.add_argument("--out", default=None, help="write the results as JSON to this file")
-    d = sub.add_parser("data", help="jtrain's data pipeline vs torch's DataLoader",
-                       description="examples/s vs torch DataLoader, step time with real vs "
-                                   "synthetic data, time to first batch.")
-    d.add_argument("--num_examples", type=int, default=4096)
-    d.add_argument("--batch_size", type=int, default=128)
-    d.add_argument("--num_workers", type=int, default=0, help="on both sides")
-    d.add_argument("--rounds", type=int, default=5)
-    d.add_argument("--batches", type=int, default=30, help="timed batches per round (a)")
-    d.add_argument("--steps", type=int, default=20, help="timed steps per round and side (b)")
-    d.add_argument("--out", default=None, help="write the results as JSON to this file")
-    c = sub.add_parser("checkpoint", help="what async checkpointing costs the loop",
-                       description="Loop blocked by async vs sync save, save and restore "
-                                   "time, steps/s during a save; ~100 M params + AdamW.")
-    c.add_argument("--params", type=float, default=100e6, help="model size (parameters)")
-    c.add_argument("--rounds", type=int, default=3)
-    c.add_argument("--steps", type=int, default=8, help="baseline train steps per round")
-    c.add_argument("--writer_nice", type=int, default=19,
-                   help="checkpoint.writer_nice for the background write (0-19)")
-    c.add_argument("--workdir", default=None, help="where to write (default: a temp dir)")
-    c.add_argument("--out", default=None, help="write the results as JSON to this file")
-    for name in NOT_IMPLEMENTED:
-        sub.add_parser(name, help="not implemented yet (exits 2)")
-    return p
+def _overhead_flags(fv) -> None:
+    flags.DEFINE_enum("model", "base", ["base", "tiny"], "base: configs/base.py model; "
+                      "tiny: 1-layer d_model=32, batch 8", flag_values=fv)
+    flags.DEFINE_integer("rounds", None, "rounds per side (>= 3 advised)", flag_values=fv)
+    flags.DEFINE_integer("steps", None, "timed steps per round and side", flag_values=fv)
+    flags.DEFINE_integer("log_every", None, "jtrain log interval = warm-up steps (compile) "
+                         "on both sides", flag_values=fv)
+    flags.DEFINE_string("workdir", None, "keep jtrain's run directories here (default: a "
+                        "temp dir, removed)", flag_values=fv)
+    flags.DEFINE_string("out", None, "write the results as JSON to this file", flag_values=fv)
+
+
+def _data_flags(fv) -> None:
+    flags.DEFINE_integer("num_examples", 4096, "dataset size", flag_values=fv)
+    flags.DEFINE_integer("batch_size", 128, "batch size", flag_values=fv)
+    flags.DEFINE_integer("num_workers", 0, "loader workers, on both sides", flag_values=fv)
+    flags.DEFINE_integer("rounds", 5, "rounds", flag_values=fv)
+    flags.DEFINE_integer("batches", 30, "timed batches per round (a)", flag_values=fv)
+    flags.DEFINE_integer("steps", 20, "timed steps per round and side (b)", flag_values=fv)
+    flags.DEFINE_string("out", None, "write the results as JSON to this file", flag_values=fv)
+
+
+def _checkpoint_flags(fv) -> None:
+    flags.DEFINE_float("params", 100e6, "model size (parameters)", flag_values=fv)
+    flags.DEFINE_integer("rounds", 3, "rounds", flag_values=fv)
+    flags.DEFINE_integer("steps", 8, "baseline train steps per round", flag_values=fv)
+    flags.DEFINE_integer("writer_nice", 19, "checkpoint.writer_nice for the background "
+                         "write (0-19)", flag_values=fv)
+    flags.DEFINE_string("workdir", None, "where to write (default: a temp dir)", flag_values=fv)
+    flags.DEFINE_string("out", None, "write the results as JSON to this file", flag_values=fv)
 
 
 def _fmt_ms(v: float) -> str:
@@ -163,27 +157,30 @@ def overhead(args) -> int:
     return 0
 
 
-def _absl_flags_parsed() -> None:
-    """grain reads absl flags; outside absl.app nobody has parsed them (see PITFALLS)."""
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
-
-
 def main(argv=None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    if args.command is None:
-        _parser().print_help(sys.stderr)
+    """`python -m jtrain.bench NAME [--flags]`; NAME picks the benchmark and its flags."""
+    commands = {  # name -> (its flags, the benchmark, one line of help)
+        "overhead": (_overhead_flags, overhead, "jtrain loop vs a hand-written jax.jit loop"),
+        "data": (_data_flags, data, "jtrain's data pipeline vs torch's DataLoader"),
+        "checkpoint": (_checkpoint_flags, checkpoint, "what async checkpointing costs the loop"),
+    }
+    argv = list(sys.argv[1:] if argv is None else argv)
+    name = argv[0] if argv and not argv[0].startswith("-") else None
+    if name is None:
+        usage = ("usage: python -m jtrain.bench {overhead,data,checkpoint} [flags]\n\n"
+                 + "".join(f"  {k:<11} {v[2]}\n" for k, v in commands.items()))
+        if any(a in ("--help", "-h") for a in argv):
+            sys.stdout.write(usage + "\n" + (__doc__ or "") + "\n")
+            raise SystemExit(0)
+        sys.stderr.write(usage)
         return EXIT_USAGE
-    if args.command in NOT_IMPLEMENTED:
-        return _fail(f"{args.command!r} is not implemented yet")
-    _absl_flags_parsed()
-    if args.command == "data":
-        return data(args)
-    if args.command == "checkpoint":
-        return checkpoint(args)
-    return overhead(args)
+    if name in NOT_IMPLEMENTED:
+        return _fail(f"{name!r} is not implemented yet")
+    if name not in commands:
+        return _fail(f"error: unknown benchmark {name!r}; choose from {', '.join(commands)}")
+    define, bench, description = commands[name]
+    return cli.run(f"python -m jtrain.bench {name}", define, lambda fv, _: bench(fv),
+                   argv[1:], description=description)
 
 
 def checkpoint(args) -> int:

@@ -16,21 +16,21 @@ Errors print one line `jtrain: export error: ...` and exit 3.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import struct
-import sys
 
 import numpy as np
 
+from absl import flags
+
+from jtrain import cli
 from jtrain.checkpoint import integrity
-from jtrain.errors import ExportError
+from jtrain.errors import ExportError, UsageError, first_line
 
 PARAMS_FILE = "params.safetensors"
 INFO_FILE = "export.json"
-EXIT_ERROR = 3
 
 _TO_ST = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
           "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint64": "U64",
@@ -192,23 +192,32 @@ def export(workdir: str, out: str, *, step: int | None = None, dtype: str | None
     return record
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jtrain.export",
-                                description="Export a checkpoint's parameters (safetensors).")
-    p.add_argument("workdir", help="a run's workdir, its checkpoints/ dir, or a step dir")
-    p.add_argument("--step", type=int, default=None, help="default: the newest intact step")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
-                   help="cast floating parameters (default: keep the saved dtype)")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+def _define_flags(fv) -> None:
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest intact step).",
+                         flag_values=fv)
+    flags.DEFINE_string("out", None, "Output directory (required).", flag_values=fv)
+    flags.DEFINE_enum("dtype", None, ["bfloat16", "float16", "float32"],
+                      "Cast floating parameters (default: keep the saved dtype).",
+                      flag_values=fv)
+
+
+def _main(fv, args) -> int:
+    if len(args) != 1:
+        raise UsageError("expected one WORKDIR (a run's workdir, its checkpoints/ dir, or a "
+                         f"step dir), got {len(args)} arguments")
+    if not fv.out:
+        raise UsageError("--out: required (the export directory)")
     try:
-        record = export(args.workdir, args.out, step=args.step, dtype=args.dtype)
-    except (ExportError, OSError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        sys.stderr.write(f"jtrain: export error: {first}\n")
-        return EXIT_ERROR
+        record = export(args[0], fv.out, step=fv.step, dtype=fv.dtype)
+    except OSError as e:
+        raise ExportError(f"{args[0]}: {e.strerror or first_line(e)}") from None
     print(f"jtrain: exported step {record['step']}: {record['num_params']:,} params in "
           f"{record['num_tensors']} tensors ({record['dtype']}) to "
-          f"{os.path.join(args.out, PARAMS_FILE)}")
+          f"{os.path.join(fv.out, PARAMS_FILE)}")
     return 0
 
+
+def main(argv=None) -> int:
+    """`python -m jtrain.export WORKDIR --out=DIR [--step=N] [--dtype=bfloat16]`."""
+    return cli.run("python -m jtrain.export", _define_flags, _main, argv,
+                   description="Export a checkpoint's parameters (safetensors).")

@@ -27,6 +27,8 @@ import zlib
 import jax
 import numpy as np
 
+from jtrain.errors import first_line
+
 MANIFEST = "jtrain_manifest.json"
 FORMAT = 1
 TMP_MARK = ".orbax-checkpoint-tmp"
@@ -111,7 +113,7 @@ def check_step(step_dir: str, step: int) -> str | None:
     except FileNotFoundError:
         return f"{path}: missing (the save never finished, or not a jtrain checkpoint)"
     except (OSError, ValueError) as e:
-        return f"{path}: unreadable ({str(e).splitlines()[0][:120]})"
+        return f"{path}: unreadable ({first_line(e)[:120]})"
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         return f"{path}: unknown manifest format"
     body = {k: v for k, v in manifest.items() if k != "crc"}
@@ -149,7 +151,7 @@ def check_step(step_dir: str, step: int) -> str | None:
         except FileNotFoundError:
             return f"{fpath}: missing"
         except (OSError, ValueError) as e:
-            return f"{fpath}: unreadable ({str(e).splitlines()[0][:120]})"
+            return f"{fpath}: unreadable ({first_line(e)[:120]})"
     return None
 
 

@@ -54,7 +54,7 @@ from jtrain import control as control_lib
 from jtrain.checkpoint import init_from as init_from_lib
 from jtrain.checkpoint import integrity, policy
 from jtrain.control import faults
-from jtrain.errors import CheckpointError, RestoreError
+from jtrain.errors import CheckpointError, RestoreError, first_line
 from jtrain.observe.console import say
 from jtrain.observe.redact import redact
 
@@ -184,7 +184,7 @@ class Checkpointer:
                 state=_state_restore_args(abstract_state),
                 data=ocp.args.JsonRestore(), control=ocp.args.JsonRestore()))
         except Exception as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            first = first_line(e)[:300]
             raise _Unreadable(f"{path}: does not restore ({type(e).__name__}: {first})") \
                 from None
         saved = control_lib.RunControl.from_json(out["control"])
@@ -281,7 +281,7 @@ class Checkpointer:
             return fn()
         except Exception as e:
             step = self._inflight[0] if self._inflight else "?"
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            first = first_line(e)[:300]
             raise CheckpointError(f"saving checkpoint step {step} in {self.directory} "
                                   f"failed: {type(e).__name__}: {first}") from e
 

@@ -23,8 +23,6 @@ import hashlib
 import json
 import math
 import re
-from typing import Any
-
 import ml_collections
 
 from jtrain.config.schema import (ACTIVATIONS, DTYPES, INT_MAX, METRIC_NAMES,  # noqa: F401

@@ -1,0 +1,150 @@
+"""The one command-line framework of jtrain's entry points (`jtrain.main`, `jtrain.evaluate`,
+`jtrain.export`, `jtrain.bench`): absl flags, so `--flag=value`, `--flag value`,
+`--flag/--noflag` and positional arguments between flags behave the same everywhere.
+
+    run(prog, define_flags, main, argv) -> exit code
+
+parses `argv` on a fresh `flags.FlagValues` (in-process calls never collide), answers
+`--help`, and calls `main(flag_values, positional_args)`. Every jtrain error
+(`jtrain.errors.JtrainError`) becomes its one line on stderr and its exit code; a bad flag
+is a `UsageError` (exit 2). No traceback for anything a user can cause.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Callable
+
+from absl import flags
+
+from jtrain import errors
+
+
+def mark_absl_parsed() -> None:
+    """grain (and orbax) read absl's global flags; outside `absl.app.run` nobody parsed
+    them, and reading one raises UnparsedFlagAccessError (see PITFALLS). The one place
+    jtrain's entry points mark them parsed."""
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+def parse(prog: str, define_flags: Callable, argv, description: str = ""
+          ) -> tuple[flags.FlagValues, list[str]]:
+    """(flag values, positional args); `--help` prints the flags and exits 0; a bad
+    flag raises UsageError."""
+    fv = flags.FlagValues()
+    define_flags(fv)
+    argv = list(argv)
+    if any(a in ("--help", "-h", "--helpfull") for a in argv):
+        sys.stdout.write(f"usage: {prog} [flags]\n\n{description.strip()}\n\nflags:\n"
+                         f"{fv.get_help(include_special_flags=False)}\n")
+        sys.stdout.flush()
+        raise SystemExit(0)
+    try:
+        rest = fv([prog, *argv])
+    except flags.Error as e:
+        raise errors.UsageError(errors.first_line(e)) from None
+    return fv, rest[1:]
+
+
+def run(prog: str, define_flags: Callable, main: Callable, argv=None,
+        description: str = "") -> int:
+    """Parse, run `main(fv, args)`, and turn jtrain errors into one line + exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        fv, args = parse(prog, define_flags, argv, description)
+        mark_absl_parsed()
+        return int(main(fv, args) or 0)
+    except errors.JtrainError as e:
+        sys.stderr.write(errors.render(e) + "\n")
+        sys.stderr.flush()
+        return errors.exit_code(e)
+
+
+# -- config-file flags -----------------------------------------------------------------
+# `--config=FILE[:variant]` and `--config.a.b=value` are ml_collections' config_flags; what
+# they raise is rewritten here as `<dotted.key or file>: <why>` (config_flags gives no
+# structured error, so its messages are matched; tests/test_config_errors.py holds every case).
+
+
+def describe_flag_error(error: Exception, argv) -> str:
+    """`<dotted.key or file>: <why>` for what absl / config_flags raised."""
+    if isinstance(error, AttributeError) and error.args and isinstance(error.args[0], KeyError):
+        error = error.args[0]  # config_flags wraps a typo below the top level: optim.lrr
+    text = str(error.args[0] if isinstance(error, KeyError) and error.args else error)
+    m = re.search(r"Attempting to lookup: ([\w.]+)", text) if isinstance(error, KeyError) else None
+    if m:  # --config.optim.lr.x=1: a field below a plain value
+        key = m.group(1)
+        return f"{key}: unknown key; {key.rsplit('.', 1)[0]} is a value, not a section"
+    if isinstance(error, KeyError):  # a typo in an override: 'optimzer' ... Did you mean
+        bad = text.splitlines()[0].strip("'\"")
+        hint = re.search(r'Did you mean "([^"]+)"', text)
+        key = next((a.lstrip("-")[len("config."):].split("=")[0] for a in argv
+                    if re.match(r"--?config\.", a) and bad in a.split("=")[0].split(".")), bad)
+        return f"{key}: unknown key" + (f'; did you mean "{hint.group(1)}"?' if hint else "")
+    if not isinstance(error, flags.Error):  # raised while loading the config file
+        return _describe_file_error(error, _config_file(argv))
+    m = re.match(r"flag --config\.([\w.]+)=(.*?): (.*)", text, re.S)
+    if m:
+        return f"{m.group(1)}: {_plain_why(m.group(3).strip().splitlines()[-1])}"
+    m = re.match(r"Missing value for flag --config\.([\w.]+)", text)
+    if m:
+        return f"{m.group(1)}: missing value"
+    m = re.match(r"Found --?config\.([\w.]+)\S* in argv before a value for --config", text)
+    if m:
+        return f"{m.group(1)}: override given before --config=...; put --config first"
+    m = re.match(r"Flag --config\.([\w.]+) is provided after --config\.([\w.]+)", text)
+    if m:
+        return f"{m.group(1)}: given after --config.{m.group(2)}, and would overwrite it"
+    m = re.match(r"flag --config=([^:]*)(:\S*)?: Error whilst parsing config file", text)
+    if m:  # get_config raised: its own message is the last line of the traceback
+        last = [ln for ln in text.strip().splitlines() if ln.strip()][-1]
+        why = last.split(": ", 1)[-1]
+        return why if why.startswith(f"{m.group(1)}:") else f"{m.group(1)}: {why}"
+    m = re.match(r"Unknown command line flag '([^']+)'", text)
+    if m:
+        return f"--{m.group(1)}: unknown flag"
+    return text.strip().splitlines()[0] if text.strip() else type(error).__name__
+
+
+def _config_file(argv) -> str:
+    """The path part of `--config=PATH[:variant]` (or `--config PATH`) in argv."""
+    for i, a in enumerate(argv):
+        m = re.match(r"--?config(=|$)(.*)", a)
+        if m:
+            value = m.group(2) if m.group(1) else (argv[i + 1] if i + 1 < len(argv) else "")
+            return value.split(":", 1)[0] or "--config"
+    return "--config"
+
+
+def _describe_file_error(error: Exception, path: str) -> str:
+    inner = error.__cause__ or error  # a deferred load error is re-raised as its cause
+    if isinstance(inner, SyntaxError):
+        return f"{path}: syntax error at line {inner.lineno}: {inner.msg}"
+    if isinstance(inner, OSError):
+        if inner.strerror:  # permission denied, is a directory, ...
+            return f"{path}: cannot read: {inner.strerror.lower()}"
+        if "Attempted" in str(inner):  # config_flags' file-not-found report
+            return f"{path}: no such file"
+        return f"{path}: cannot read: {errors.first_line(inner)}"
+    if isinstance(inner, AttributeError) and "get_config" in str(inner):
+        return f"{path}: has no get_config() function"
+    if isinstance(inner, TypeError) and str(inner).startswith("get_config() returned"):
+        return f"{path}: {inner}"
+    first = errors.first_line(inner) if str(inner).strip() else ""
+    return f"{path}: {type(inner).__name__}" + (f": {first}" if first else "")
+
+
+def _plain_why(why: str) -> str:
+    """Python's parse errors in the words config.py uses."""
+    m = re.match(r"invalid literal for int\(\) with base 10: (.*)", why)
+    if m:
+        return f"must be an integer, got {m.group(1)}"
+    m = re.match(r"could not convert string to float: (.*)", why)
+    if m:
+        return f"must be a number, got {m.group(1)}"
+    m = re.match(r"\('Non-boolean argument to boolean flag', (.*)\)$", why)
+    if m:
+        return f"must be true or false, got {m.group(1)}"
+    return why
