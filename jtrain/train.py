@@ -114,7 +114,7 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
     name = cfg.model.name if model is None else f"user {type(model).__name__}"
     module = model if model is not None else models_lib.make_model(
         cfg.model, dtype=policy.compute_dtype, param_dtype=policy.param_dtype)
-    model_fns = adapters.to_model_fns(module)
+    model_fns = adapters.to_model_fns(module, mesh)
     tx, schedule = optim_lib.make_optimizer(cfg.optim, cfg.total_steps)
     sample_inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), sample)

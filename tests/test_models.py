@@ -303,3 +303,36 @@ def test_default_model_config_and_config_dict():
     cfg = ml_collections.ConfigDict({**models.default_model_config("mlp"), "num_outputs": 2})
     model = models.make_model(cfg, dtype=jnp.float32, param_dtype=jnp.float32)
     assert model.num_outputs == 2 and model.hidden == (64, 64)
+
+
+def test_nnx_factory_with_partitioned_params_trains_sharded(tmp_path):
+    """An NNX factory (rngs -> Module) whose kernels carry nnx.with_partitioning is split
+    once, shapes-first, under the run's mesh; its kernels come out sharded over fsdp."""
+    import numpy as np
+    from flax import nnx
+
+    import jtrain
+
+    class Net(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            # Mesh axis names: NNX shards eagerly at creation, where logical names
+            # ("embed") do not resolve yet.
+            init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("fsdp", None))
+            self.hidden = nnx.Linear(8, 16, kernel_init=init, rngs=rngs)
+            self.out = nnx.Linear(16, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(nnx.relu(self.hidden(x)))
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 8)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    result = jtrain.train({"total_steps": 30, "data": {"batch_size": 32},
+                           "mesh": {"data": -1, "fsdp": 2}, "optim": {"lr": 1e-2},
+                           "eval": {"every_steps": 0}, "log": {"every_steps": 10}},
+                          str(tmp_path / "run"), model=lambda rngs: Net(rngs),
+                          train_data=(x[:224], y[:224]), eval_data=(x[224:], y[224:]))
+    kernel = result.state.params["hidden"]["kernel"]
+    assert kernel.shape == (8, 16)
+    assert "fsdp" in str(kernel.sharding.spec)
+    assert result.summary["eval/accuracy"] > 0.8

@@ -18,6 +18,7 @@ Models are called with `batch["inputs"]`. If the call signature has `train` (or
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from typing import Any, Callable
@@ -31,22 +32,33 @@ from jtrain import mesh as mesh_lib
 
 
 @dataclasses.dataclass(frozen=True)
+class NnxGraph:
+    """An NNX model split once: graph definition, annotated parameter State (the
+    template of shapes, dtypes and sharding names) and the rest (RNG state, ...)."""
+    graphdef: Any
+    template: Any
+    rest: Any
+
+    @classmethod
+    def of(cls, model: nnx.Module) -> NnxGraph:
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        return cls(graphdef, params, rest)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelFns:
     init: Callable[[jax.Array, Any], Any]
     apply: Callable[..., Any]
     kind: str  # "linen", "nnx", "pure"
     existing_params: Any = None  # NNX instance: its parameters, used instead of init
-    nnx_abstract: Callable | None = None  # NNX factory: abstract annotated param State
-    nnx_template: Callable | None = None  # NNX: the annotated param State
+    nnx_graph: NnxGraph | None = None  # NNX: the split model apply() merges params into
 
     def abstract_and_shardings(self, rng, inputs, mesh):
         """(abstract plain params, their NamedShardings), with no allocation.
 
         Call under `jax.set_mesh(mesh)`."""
         if self.kind == "nnx":
-            if self.nnx_abstract is not None:
-                self.nnx_abstract(rng, inputs)
-            annotated = self.nnx_template()
+            annotated = self.nnx_graph.template
             shardings = mesh_lib.logical_to_shardings(annotated, mesh).to_pure_dict()
             abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                     annotated.to_pure_dict())
@@ -86,27 +98,19 @@ def from_linen(module: nn.Module) -> ModelFns:
     return ModelFns(init=init, apply=apply, kind="linen")
 
 
-def from_nnx(model_or_factory) -> ModelFns:
+def from_nnx(model_or_factory, mesh=None) -> ModelFns:
     """NNX parameters travel as plain nested dicts of arrays (`State.to_pure_dict()`),
     so optimizer masks, checkpoints and hashes see the same tree for every model kind.
-    A factory is only called under `jax.set_mesh` (the engine holds the mesh), which NNX
-    needs for parameters annotated with `nnx.with_partitioning`."""
-    parts = {}  # graphdef, param template, other state; filled on first use
-
-    def split(model):
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        parts.update(graphdef=graphdef, template=params, rest=rest)
-        return params
-
+    The model is split once, here: an instance as it is, a factory shapes-first
+    (`nnx.eval_shape`) under `jax.set_mesh(mesh)`, which NNX needs for parameters
+    annotated with `nnx.with_partitioning` (without a mesh: the caller's mesh context)."""
     if isinstance(model_or_factory, nnx.Module):
-        existing = split(model_or_factory).to_pure_dict()
-        factory = None
+        graph, factory = NnxGraph.of(model_or_factory), None
+        existing = graph.template.to_pure_dict()
     else:
-        existing, factory = None, model_or_factory
-
-    def abstract(rng, inputs):
-        del rng, inputs
-        return split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))))
+        factory, existing = model_or_factory, None
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            graph = NnxGraph.of(nnx.eval_shape(lambda: factory(nnx.Rngs(0))))
 
     def init(rng, inputs):
         del inputs
@@ -114,16 +118,15 @@ def from_nnx(model_or_factory) -> ModelFns:
         return nnx.split(model, nnx.Param, ...)[1].to_pure_dict()
 
     def apply(params, inputs, rng=None, train=False):
-        rest = parts["rest"]
+        rest = graph.rest
         if train and rng is not None:
             rest = _fresh_rng_state(rest, rng)
-        model = nnx.merge(parts["graphdef"], params, rest)
+        model = nnx.merge(graph.graphdef, params, rest)
         model.train() if train else model.eval()
         return model(inputs, **_mode_kwargs(type(model).__call__, train))
 
     return ModelFns(init=init, apply=apply, kind="nnx", existing_params=existing,
-                    nnx_abstract=abstract if factory else None,
-                    nnx_template=lambda: parts["template"])
+                    nnx_graph=graph)
 
 
 def _fresh_rng_state(rest, key):
@@ -153,16 +156,17 @@ def from_pure(init_apply) -> ModelFns:
     return ModelFns(init=user_init, apply=apply, kind="pure")
 
 
-def to_model_fns(model) -> ModelFns:
-    """Dispatch on what the user handed over; a clear TypeError for anything else."""
+def to_model_fns(model, mesh=None) -> ModelFns:
+    """Dispatch on what the user handed over; a clear TypeError for anything else.
+    `mesh`: where an NNX factory's partitioned parameters will live (see from_nnx)."""
     if isinstance(model, nn.Module):
         return from_linen(model)
     if isinstance(model, nnx.Module):
-        return from_nnx(model)
+        return from_nnx(model, mesh)
     if isinstance(model, (tuple, list)) and len(model) == 2 and all(map(callable, model)):
         return from_pure(model)
     if callable(model) and not isinstance(model, type):
-        return from_nnx(model)
+        return from_nnx(model, mesh)
     raise TypeError(
         f"model: expected a flax.linen.Module, a flax.nnx.Module (or a function "
         f"rngs -> nnx.Module), or an (init, apply) pair; got {type(model).__name__}")
