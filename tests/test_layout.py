@@ -109,7 +109,7 @@ def workspace_modules(text: str) -> set[str]:
             stack.append((indent, token))
         elif token.endswith(".py"):
             named.add("".join(name for _, name in stack) + token)
-    return {p for p in named if p.startswith("jtrain/")}
+    return {p for p in named if p.startswith("jtrain/") and not p.endswith("/__init__.py")}
 
 
 def test_workspace_module_map_matches_the_tree():
@@ -120,3 +120,11 @@ def test_workspace_module_map_matches_the_tree():
             if p.name != "__init__.py"}
     assert sorted(tree - named) == [], "modules missing from WORKSPACE.md's map"
     assert sorted(named - tree) == [], "WORKSPACE.md names modules that do not exist"
+
+
+def test_tests_are_laid_out_like_the_package():
+    tests = Path(__file__).resolve().parent
+    folders = [d for d in tests.iterdir() if d.is_dir() and not d.name.startswith((".", "_"))]
+    assert folders, "tests for subsystems live in folders named after them"
+    for d in folders:
+        assert (PACKAGE / d.name / "__init__.py").exists(), f"tests/{d.name}: no jtrain.{d.name}"

@@ -13,7 +13,7 @@ import pytest
 
 from jtrain.bench import cli as bench
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _positive(x) -> bool:

@@ -15,7 +15,7 @@ from jtrain.checkpoint import integrity
 from jtrain import main as main_lib
 from jtrain.control import faults
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOTAL = 40
 
 
@@ -154,7 +154,7 @@ def test_resume_on_more_devices_continues_the_data_order(reference, tmp_path):
     workdir = tmp_path / "run"
     script = (
         "import sys; sys.path.insert(0, %r); import jax\n"
-        "from tests import test_resume as t\n"
+        "from tests.checkpoint import test_resume as t\n"
         "assert jax.device_count() == 2\n"
         "t.train(sys.argv[1])\n" % REPO)
     env = dict(os.environ, JAX_PLATFORMS="cpu", **{faults.FAULT_ENV: "step:20:TERM"},

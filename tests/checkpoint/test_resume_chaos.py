@@ -12,7 +12,7 @@ import pytest
 
 from jtrain.checkpoint import verify
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = '''
 import sys

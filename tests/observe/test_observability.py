@@ -31,7 +31,7 @@ from jtrain.observe import console as progress
 from jtrain import step as step_lib
 from jtrain.observe.console import Progress
 
-REPO = str(Path(__file__).resolve().parents[1])
+REPO = str(Path(__file__).resolve().parents[2])
 SECRETS = {"WANDB_API_KEY": "sk-test-123abc", "HF_TOKEN": "hf_s3cr3t_value"}
 URI_PASSWORD = "hunter2pw"
 STEP_LINE = re.compile(r"^step \d+/\d+ \[")

@@ -22,7 +22,7 @@ import jtrain
 from jtrain import config as config_lib
 from jtrain import data as data_lib
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N, BATCH, STEPS = 64, 16, 8  # two epochs of four global batches
 
 

@@ -479,7 +479,7 @@ def test_two_processes_reduce(tmp_path):
     np.savez(tmp_path / "data.npz", split=split, num_classes=NUM_CLASSES,
              **{k: d[k] for k in ("logits", "labels", "x", "y")})
     (tmp_path / "child.py").write_text(CHILD)
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     env.pop("XLA_FLAGS", None)
