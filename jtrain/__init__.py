@@ -1,8 +1,9 @@
 """jtrain: a JAX/Flax training framework with a PyTorch-compatible data layer.
 
 The engine is `train(config, workdir, model=..., train_data=...)`; the CLI
-(`python -m jtrain.main`) is a thin shell over it. Its pieces are public so research
-code can assemble them one by one:
+(`python -m jtrain.main`) is a thin shell over it. `build(config, sample=..., ...)` is
+its whole set-up (model, mesh, optimizer, abstract state, shardings, jitted steps), and
+its pieces are public so research code can assemble them one by one:
 
     mesh = jtrain.make_mesh(cfg.mesh)
     tx, schedule = jtrain.make_optimizer(cfg.optim, cfg.total_steps)
@@ -12,20 +13,21 @@ code can assemble them one by one:
 """
 
 from jtrain.models.adapters import ModelFns, to_model_fns
-from jtrain.config import ConfigError, defaults, resolve
-from jtrain.data import DataError
+from jtrain.config import defaults, resolve
+from jtrain.errors import ConfigError, DataError
 from jtrain.mesh import batch_sharding, host_to_device, make_mesh
 from jtrain.models import make_model
 from jtrain.optim import make_optimizer
 from jtrain.precision import make_policy
 from jtrain.state import TrainState, init_state, make_abstract_state, state_sha256
 from jtrain.step import make_eval_step, make_train_step
-from jtrain.train import TrainResult, train
+from jtrain.train import Build, TrainResult, build, train
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ConfigError", "DataError", "ModelFns", "TrainResult", "TrainState", "batch_sharding",
+    "Build", "ConfigError", "DataError", "ModelFns", "TrainResult", "TrainState",
+    "batch_sharding", "build",
     "defaults", "host_to_device", "init_state", "make_abstract_state", "make_eval_step",
     "make_mesh", "make_model", "make_optimizer", "make_policy", "make_train_step", "resolve",
     "state_sha256", "to_model_fns", "train",

@@ -137,7 +137,7 @@ def _describe_file_error(error: Exception, path: str) -> str:
 
 
 def _plain_why(why: str) -> str:
-    """Python's parse errors in the words config.py uses."""
+    """Python's parse errors in the words jtrain.config uses."""
     m = re.match(r"invalid literal for int\(\) with base 10: (.*)", why)
     if m:
         return f"must be an integer, got {m.group(1)}"
