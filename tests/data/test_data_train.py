@@ -129,7 +129,8 @@ def test_two_processes_read_disjoint_shards_covering_each_epoch(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
                JTRAIN_COORDINATOR=f"127.0.0.1:{_free_port()}", JTRAIN_NUM_PROCESSES="2",
-               TEST_WORKDIR=str(tmp_path), PYTHONPATH=os.path.join(REPO, "tests"))
+               TEST_WORKDIR=str(tmp_path),
+               PYTHONPATH=os.path.dirname(os.path.abspath(__file__)))
     code = "import test_data_train as t; t.process_main()"
     procs = [subprocess.Popen(["timeout", "-k", "5", "240", sys.executable, "-c", code],
                               cwd=REPO, env={**env, "JTRAIN_PROCESS_ID": str(i)},
