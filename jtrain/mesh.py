@@ -137,6 +137,18 @@ def logical_to_shardings(abstract_tree, mesh: Mesh, rules=LOGICAL_RULES):
     return shardings
 
 
+def process_values(value: int) -> list[int]:
+    """`value` from every process, in process order (one small all-gather; no
+    communication on one process). The data layer is handed this instead of calling
+    collectives itself."""
+    if jax.process_count() == 1:
+        return [int(value)]
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(np.asarray([value], np.int64))
+    return [int(v) for v in np.asarray(gathered).reshape(-1)]
+
+
 def host_to_device(batch, mesh: Mesh):
     """THE host->device transfer: per-process numpy batch -> global arrays sharded on
     the batch axis. Every process passes its own rows, in process order."""

@@ -182,7 +182,7 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn) -> _Run:
     # Checked here (DataError before any step); the data's shapes come from a sample batch.
     train_src, eval_src, data_info = data_lib.make_sources(
         cfg.data, train_data, eval_data, process_index=jax.process_index(),
-        process_count=jax.process_count())
+        process_count=jax.process_count(), gather=mesh_lib.process_values)
     sample = train_src[0]["inputs"]  # example 0 as the model sees it (after collate_fn)
     b = build(cfg, sample=sample, eval_example=(eval_src if eval_src is not None
                                                 else train_src)[0],

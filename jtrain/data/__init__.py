@@ -1,6 +1,7 @@
 """Everything between a user's dataset and per-process numpy batches. Reads `config.data`.
 
-Yields numpy only and knows nothing about devices: `jtrain.mesh.host_to_device` turns a
+Yields numpy only, knows nothing about devices and calls no collective (the one
+cross-process count it needs comes through the `gather` the caller passes): `jtrain.mesh.host_to_device` turns a
 per-process batch into a global sharded array, in one place (the background device
 prefetch in prefetch.py is handed that function).
 
@@ -67,8 +68,10 @@ def load_user_data(data_cfg, train_data=None, eval_data=None, *, process_index: 
 
 
 def make_sources(data_cfg, train_data=None, eval_data=None, *, process_index: int = 0,
-                 process_count: int = 1) -> tuple[Data, Data | None, dict]:
-    """(train, eval or None, info) from user data, data.source, or data.name."""
+                 process_count: int = 1, gather=None) -> tuple[Data, Data | None, dict]:
+    """(train, eval or None, info) from user data, data.source, or data.name. `gather(n)`
+    returns n from every process (`jtrain.mesh.process_values`): needed with several
+    processes and a stream eval set, which must agree on its batch count."""
     if train_data is None and data_cfg.source:
         train_data, eval_data, _ = load_user_data(data_cfg, None, eval_data,
                                                   process_index=process_index,
@@ -89,7 +92,7 @@ def make_sources(data_cfg, train_data=None, eval_data=None, *, process_index: in
                  process_count=process_count, drop_last=data_cfg.drop_last, train=True)
     if ev is not None and ev.kind in ("stream", "grain_loader"):
         ev = evalsets.read_eval_set(ev, process_index=process_index, process_count=process_count,
-                                    workers=max(1, data_cfg.num_workers))
+                                    workers=max(1, data_cfg.num_workers), gather=gather)
     if ev is not None:
         ev = checks.check(ev, global_batch=data_cfg.batch_size, process_index=process_index,
                      process_count=process_count, train=False)

@@ -43,8 +43,16 @@ class ListSource:
 
 
 def read_eval_set(data: Data, *, process_index: int, process_count: int,
-                  workers: int = 1) -> Data:
-    """A stream or grain DataLoader eval set, read into memory (this process's shard)."""
+                  workers: int = 1, gather=None) -> Data:
+    """A stream or grain DataLoader eval set, read into memory (this process's shard).
+
+    `gather(n)` -> [n of every process]: the one collective, done by the caller's device
+    layer (`jtrain.mesh.process_values`); this module stays numpy-only."""
+    if gather is None:
+        if process_count > 1:
+            raise ValueError("read_eval_set: several processes need gather= "
+                             "(jtrain.mesh.process_values)")
+        gather = lambda n: [n]  # noqa: E731
     name = data.name
     if data.kind == "grain_loader":
         grain_sources.check_loader_sharding(data.source, name, process_index, process_count)
@@ -62,10 +70,10 @@ def read_eval_set(data: Data, *, process_index: int, process_count: int,
             raise DataError(f"{name}: the eval stream gave more than {MAX_EVAL_STREAM:,} "
                             "examples to this process without ending; an eval stream must "
                             "end (or pass a map-style eval set)")
-    total = streams.process_sum(len(rows), process_count)
+    counts = gather(len(rows))  # every process's row count, in process order
+    total, local_max = sum(counts), max(counts)
     if total == 0:
         raise DataError(f"{name}: the eval data is empty")
-    local_max = streams.process_max(len(rows), process_count)
     num_valid = len(rows)
     if not rows:  # other processes have rows: borrow one to pad with (mask 0)
         rows = (grain_sources.loader_items(data.source, name)[:1] if data.kind == "grain_loader"

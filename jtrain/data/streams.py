@@ -324,20 +324,3 @@ def read_shard(stream, *, shard: int, num_shards: int, seed: int, holdout=None,
         except EpochEnd:
             break
     return out
-
-
-def process_max(value: int, process_count: int) -> int:
-    """The largest `value` over processes (eval batch counts must agree)."""
-    if process_count == 1:
-        return value
-    from jax.experimental import multihost_utils  # only multi-process eval of streams
-
-    return int(np.max(multihost_utils.process_allgather(np.asarray([value], np.int64))))
-
-
-def process_sum(value: int, process_count: int) -> int:
-    if process_count == 1:
-        return value
-    from jax.experimental import multihost_utils
-
-    return int(np.sum(multihost_utils.process_allgather(np.asarray([value], np.int64))))

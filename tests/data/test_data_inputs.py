@@ -342,3 +342,28 @@ def test_library_and_cli_report_data_errors_before_any_step(tmp_path, capsys):
     assert err[-1].startswith("jtrain: data error: data.source: cannot import"), err
     assert json.dumps(err)  # one line each, no traceback
     assert not any("Traceback" in line for line in err)
+
+
+def test_stream_eval_set_over_two_processes_agrees_through_the_gather_it_is_given():
+    """The data layer calls no collective: the row counts of a stream eval set travel
+    through the `gather` the caller passes (jtrain.mesh.process_values in training).
+    Two simulated processes: every example once, the same padded batch count."""
+    d = cfg_data()
+    counts = {}
+    for p in (0, 1):  # each process reads its shard; the gather answers for both
+        rows = len(data_lib.evalsets.streams.read_shard(
+            data_lib.load_lib.as_data(Stream(9), "eval_data").source, shard=p, num_shards=2,
+            seed=0, holdout=None))
+        counts[p] = rows
+    seen, sizes = [], set()
+    for p in (0, 1):
+        _, ev, _ = data_lib.make_sources(d, Stream(16), Stream(9), process_index=p,
+                                         process_count=2, gather=lambda n: [counts[0], counts[1]])
+        batches_ = list(data_lib.eval_batches(ev, local_batch=2, process_index=p,
+                                              process_count=2))
+        sizes.add(len(batches_))
+        for b in batches_:
+            seen += [int(t) for t, m in zip(b["targets"], b["mask"]) if m]
+    assert sorted(seen) == list(range(9)) and len(sizes) == 1
+    with pytest.raises(ValueError, match="gather"):
+        data_lib.make_sources(d, Stream(16), Stream(9), process_index=0, process_count=2)
