@@ -1,9 +1,9 @@
 """Everything between a user's dataset and per-process numpy batches. Reads `config.data`.
 
 Yields numpy only, knows nothing about devices and calls no collective (the one
-cross-process count it needs comes through the `gather` the caller passes): `jtrain.mesh.host_to_device` turns a
-per-process batch into a global sharded array, in one place (the background device
-prefetch in prefetch.py is handed that function).
+cross-process count it needs comes through the `gather` the caller passes).
+`jtrain.mesh.host_to_device` turns a per-process batch into a global sharded array, in
+one place (the background device prefetch in prefetch.py is handed that function).
 
     load_user_data   data.source factories; a torch DataLoader's settings -> data.*
                      (load.py, torch_adapters.py)
