@@ -25,7 +25,6 @@ from jtrain import cli as cli_lib
 from jtrain import errors
 
 
-
 def define_flags(fv: flags.FlagValues, sys_argv=None) -> None:
     # sys_argv: the argv that `--config.x.y=` overrides are read from (default sys.argv);
     # config_flags finds overrides there, not in the list the FlagValues is called with.

@@ -16,6 +16,7 @@ import numpy as np
 
 from jtrain.data import items as items_lib
 from jtrain.data.items import DataError, first_line
+from jtrain.data.streams import EpochEnd, _jsonable
 
 
 class GrainStream:
@@ -42,8 +43,6 @@ class _RawGrain:
         self.stream, self.k, self._it = stream, 0, None
 
     def next(self):
-        from jtrain.data.streams import EpochEnd
-
         if self._it is None:
             self._it = iter(self.stream.dataset)
         try:
@@ -61,8 +60,6 @@ class _RawGrain:
     def native_state(self):
         if self._it is None:
             return None
-        from jtrain.data.streams import _jsonable
-
         return _jsonable(self._it.get_state())
 
     def restore(self, state) -> None:
