@@ -26,11 +26,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
-from jtrain.data import (checks, evalsets, grain_sources, load, pipeline, streams, text,
-                         torch_adapters)
+from jtrain.data import checks, evalsets, load, pipeline, text, torch_adapters
 from jtrain.data.items import DataError, x64_enabled
-from jtrain.data import load as load_lib
-from jtrain.data.dataset import Data
+from jtrain.data.dataset import Data, MapData
 from jtrain.data.prefetch import DevicePrefetch
 from jtrain.data.sources import MapSource, item_rng, with_transform
 
@@ -44,7 +42,7 @@ BUILTIN = {"pystdlib": text.make_pystdlib}
 def as_data(obj, name: str) -> Data:
     """Any accepted input (arrays, a dataset, a stream, ...) as a checked `Data` whose
     `[i]` is example i as the model sees it (e.g. for `jtrain.evaluate.run_eval`)."""
-    return checks.check(load_lib.as_data(obj, name), global_batch=1, train=False)
+    return checks.check(load.as_data(obj, name), global_batch=1, train=False)
 
 
 def load_user_data(data_cfg, train_data=None, eval_data=None, *, process_index: int = 0,
@@ -79,25 +77,26 @@ def make_sources(data_cfg, train_data=None, eval_data=None, *, process_index: in
     if train_data is None:
         train, ev, info = _builtin(data_cfg)
         if eval_data is not None:
-            ev = load_lib.as_data(eval_data, "eval_data")
+            ev = load.as_data(eval_data, "eval_data")
     else:
-        train = load_lib.as_data(train_data, "train_data")
-        ev = load_lib.as_data(eval_data, "eval_data") if eval_data is not None else None
+        train = load.as_data(train_data, "train_data")
+        ev = load.as_data(eval_data, "eval_data") if eval_data is not None else None
         if ev is None:
-            train, ev = load.split_off_eval(train, data_cfg.val_fraction, data_cfg.split_seed)
+            train, ev = (train.split_off_eval(data_cfg.val_fraction, data_cfg.split_seed)
+                         if data_cfg.val_fraction > 0 else (train, None))
         info = {"name": train.description}
     if data_cfg.transform:
         train = load.add_transform(train, load.load_named(data_cfg.transform, "data.transform"))
     train = checks.check(train, global_batch=data_cfg.batch_size, process_index=process_index,
                  process_count=process_count, drop_last=data_cfg.drop_last, train=True)
-    if ev is not None and ev.kind in ("stream", "grain_loader"):
+    if ev is not None and not ev.in_memory:
         ev = evalsets.read_eval_set(ev, process_index=process_index, process_count=process_count,
                                     workers=max(1, data_cfg.num_workers), gather=gather)
     if ev is not None:
         ev = checks.check(ev, global_batch=data_cfg.batch_size, process_index=process_index,
                      process_count=process_count, train=False)
     info.update(kind=train.kind, notes=list(train.notes),
-                num_examples=len(train) if train.kind == "map" else train.count,
+                num_examples=train.known_size,
                 num_eval_examples=len(ev) if ev is not None else 0,
                 batches_per_epoch=checks.batches_per_epoch(train, data_cfg.batch_size,
                                                            data_cfg.drop_last))
@@ -112,38 +111,27 @@ def _builtin(data_cfg):
         train, val, info = BUILTIN[data_cfg.name](data_cfg.seq_len, data_cfg.val_fraction)
     except text.CorpusError as e:
         raise DataError(str(e)) from None
-    ev = (Data("eval_data", "map", MapSource(val, "eval_data"), data_cfg.name)
-          if val is not None else None)
-    return Data("train_data", "map", MapSource(train, "train_data"), data_cfg.name), ev, info
+    ev = MapData("eval_data", MapSource(val, "eval_data"), data_cfg.name) if val is not None \
+        else None
+    return MapData("train_data", MapSource(train, "train_data"), data_cfg.name), ev, info
 
 
 def make_train_iterator(source, *, local_batch: int, seed: int, shuffle: bool,
                         process_index: int, process_count: int, num_workers: int = 0,
                         drop_last: bool = True, prefetch: int = 2, num_threads: int = 0):
     """Endless per-process batches with `get_state()` / `set_state()` (JSON dicts)."""
-    data = source if isinstance(source, Data) else load_lib.as_data(source, "train_data")
+    data = source if isinstance(source, Data) else load.as_data(source, "train_data")
     if data.ref is None:
         data = checks.check(data, global_batch=local_batch * process_count, drop_last=drop_last,
                      process_index=process_index, process_count=process_count, train=True)
-    keep64 = x64_enabled()
-    if data.kind == "grain_loader":
-        return grain_sources.LoaderIterator(data.source, name=data.name,
-                                            local_batch=local_batch, keep_64bit=keep64)
     reader = pipeline.BatchReader(data.source, name=data.name, seed=seed,
                                   collate_fn=data.collate_fn, ref=data.ref,
-                                  mask=not drop_last, keep_64bit=keep64,
+                                  mask=not drop_last, keep_64bit=x64_enabled(),
                                   stream=process_index)
-    if data.kind == "stream":
-        batches = streams.StreamBatches(
-            data.source, process_index=process_index, process_count=process_count,
-            local_batch=local_batch, seed=seed, drop_last=drop_last, reader=reader,
-            holdout=data.holdout, num_workers=max(1, num_workers))
-        return streams.StreamIterator(batches, num_workers=num_workers, prefetch=prefetch,
-                                      worker_init_fn=data.worker_init_fn)
-    plan = pipeline.BatchPlan(len(data.source), local_batch * process_count, local_batch,
-                              process_index, seed, shuffle, drop_last)
-    return pipeline.MapIterator(plan, reader, num_workers=num_workers, num_threads=num_threads,
-                                prefetch=prefetch, worker_init_fn=data.worker_init_fn)
+    return data.train_iterator(reader, local_batch=local_batch, seed=seed, shuffle=shuffle,
+                               process_index=process_index, process_count=process_count,
+                               num_workers=num_workers, drop_last=drop_last,
+                               prefetch=prefetch, num_threads=num_threads)
 
 
 def device_prefetch(host_iter, put: Callable, depth: int) -> DevicePrefetch:
@@ -165,7 +153,7 @@ def eval_batches(source, *, local_batch: int, process_index: int, process_count:
                  max_batches: int = 0) -> Iterator[dict[str, Any]]:
     """Every example exactly once, in order, in padded batches with a `mask` [b]; the
     same number of batches on every process, so the eval step compiles once."""
-    data = source if isinstance(source, Data) else load_lib.as_data(source, "eval_data")
+    data = source if isinstance(source, Data) else load.as_data(source, "eval_data")
     return evalsets.eval_batches(data, local_batch=local_batch, process_index=process_index,
                                  process_count=process_count, max_batches=max_batches)
 

@@ -16,7 +16,7 @@ import dataclasses
 
 from jtrain.data import grain_sources, items as items_lib, pipeline, streams
 from jtrain.data.items import DataError
-from jtrain.data.dataset import Data
+from jtrain.data.dataset import Data, ListData, LoaderData, MapData, StreamData
 
 
 def check(data: Data, *, global_batch: int, process_index: int = 0, process_count: int = 1,
@@ -25,13 +25,10 @@ def check(data: Data, *, global_batch: int, process_index: int = 0, process_coun
     if data.ref is not None:
         return data
     local_batch = max(1, global_batch // process_count)
-    if data.kind in ("map", "list"):
-        ref, sample = _check_map(data, global_batch, local_batch, train)
-    elif data.kind == "stream":
-        ref, sample = _check_stream(data, local_batch, process_index, process_count,
-                                    drop_last and train)
-    else:
-        ref, sample = _check_loader(data, local_batch, process_index, process_count)
+    check_kind = _CHECKS[type(data)]
+    ref, sample = check_kind(data, global_batch=global_batch, local_batch=local_batch,
+                             p=process_index, num=process_count, train=train,
+                             need_full=drop_last and train)
     return dataclasses.replace(data, ref=ref, sample=sample, notes=list(data.notes))
 
 
@@ -45,7 +42,7 @@ def _len(data: Data) -> int:
                         f"{items_lib.first_line(e)}") from None
 
 
-def _check_map(data: Data, global_batch: int, local_batch: int, train: bool) -> tuple:
+def _check_map(data: Data, *, global_batch: int, local_batch: int, train: bool, **_) -> tuple:
     src, name = data.source, data.name
     n = _len(data)
     if n == 0:
@@ -85,7 +82,8 @@ def _read(src, i: int, n: int, name: str):
         raise
 
 
-def _check_stream(data: Data, local_batch: int, p: int, num: int, need_full: bool) -> tuple:
+def _check_stream(data: Data, *, local_batch: int, p: int, num: int, need_full: bool,
+                  **_) -> tuple:
     name = data.name
     raws = streams.read_shard(data.source, shard=p, num_shards=num, seed=0,
                               holdout=data.holdout, limit=local_batch)
@@ -109,7 +107,7 @@ def _check_stream(data: Data, local_batch: int, p: int, num: int, need_full: boo
         keep_64bit=keep64, read=lambda i: raws[i])
 
 
-def _check_loader(data: Data, local_batch: int, p: int, num: int) -> tuple:
+def _check_loader(data: Data, *, local_batch: int, p: int, num: int, **_) -> tuple:
     name = data.name
     grain_sources.check_loader_sharding(data.source, name, p, num)
     it = grain_sources.LoaderIterator(data.source, name=name, local_batch=local_batch,
@@ -124,9 +122,14 @@ def _check_loader(data: Data, local_batch: int, p: int, num: int) -> tuple:
     return items_lib.signature(batch, batched=True), batch
 
 
+# The check of each kind (an explicit table, as for models and optimizers).
+_CHECKS = {MapData: _check_map, ListData: _check_map, StreamData: _check_stream,
+           LoaderData: _check_loader}
+
+
 def batches_per_epoch(data: Data, global_batch: int, drop_last: bool) -> int | None:
     """Exact for map-style data; from a declared length for streams; else None."""
-    n = len(data.source) if data.kind == "map" else data.count
+    n = data.known_size
     if not n:
         return None
     return n // global_batch if drop_last else -(-n // global_batch)

@@ -10,11 +10,10 @@ of every process is rows [g*b, (g+1)*b) of its own shard, padded.
 from __future__ import annotations
 
 import grain
-import numpy as np
 
-from jtrain.data import checks, grain_sources, items as items_lib, pipeline, streams
+from jtrain.data import checks, items as items_lib, pipeline
+from jtrain.data.dataset import Data, ListData
 from jtrain.data.items import DataError
-from jtrain.data.dataset import Data
 
 
 MAX_EVAL_STREAM = 1_000_000  # examples per process read into memory from an eval stream
@@ -43,7 +42,7 @@ class ListSource:
 
 
 def read_eval_set(data: Data, *, process_index: int, process_count: int,
-                  workers: int = 1, gather=None) -> Data:
+                  workers: int = 1, gather=None) -> ListData:
     """A stream or grain DataLoader eval set, read into memory (this process's shard).
 
     `gather(n)` -> [n of every process]: the one collective, done by the caller's device
@@ -54,66 +53,33 @@ def read_eval_set(data: Data, *, process_index: int, process_count: int,
                              "(jtrain.mesh.process_values)")
         gather = lambda n: [n]  # noqa: E731
     name = data.name
-    if data.kind == "grain_loader":
-        grain_sources.check_loader_sharding(data.source, name, process_index, process_count)
-        rows = grain_sources.loader_items(data.source, name)
-    else:
-        # A held-out part of a stream that splits itself must use the shards training
-        # uses (worker w of process p is shard p*W + w), or the parts would overlap.
-        w = workers if data.holdout is not None else 1
-        rows = []
-        for s in range(process_index * w, (process_index + 1) * w):
-            rows += streams.read_shard(data.source, shard=s, num_shards=process_count * w,
-                                       seed=0, holdout=data.holdout,
-                                       limit=MAX_EVAL_STREAM + 1 - len(rows))
-        if len(rows) > MAX_EVAL_STREAM:
-            raise DataError(f"{name}: the eval stream gave more than {MAX_EVAL_STREAM:,} "
-                            "examples to this process without ending; an eval stream must "
-                            "end (or pass a map-style eval set)")
+    rows = data.local_rows(process_index, process_count, workers, limit=MAX_EVAL_STREAM + 1)
+    if len(rows) > MAX_EVAL_STREAM:
+        raise DataError(f"{name}: the eval stream gave more than {MAX_EVAL_STREAM:,} "
+                        "examples to this process without ending; an eval stream must "
+                        "end (or pass a map-style eval set)")
     counts = gather(len(rows))  # every process's row count, in process order
     total, local_max = sum(counts), max(counts)
     if total == 0:
         raise DataError(f"{name}: the eval data is empty")
     num_valid = len(rows)
     if not rows:  # other processes have rows: borrow one to pad with (mask 0)
-        rows = (grain_sources.loader_items(data.source, name)[:1] if data.kind == "grain_loader"
-                else streams.read_shard(data.source, shard=0, num_shards=1, seed=0,
-                                        holdout=data.holdout, limit=1))
-    return Data(name, "list", ListSource(rows, name, local_max, num_valid), data.description,
-                collate_fn=data.collate_fn, notes=list(data.notes), count=total)
-
-
-class LocalPlan:
-    """Eval batch g = rows [g*b, (g+1)*b) of this process's rows; past the end, row 0
-    again with mask 0."""
-
-    def __init__(self, n: int, local_batch: int):
-        self.n, self.local_batch = n, local_batch
-
-    def __call__(self, g: int):
-        pos = int(g) * self.local_batch + np.arange(self.local_batch)
-        valid = pos < self.n
-        return 0, int(g), np.where(valid, pos, 0), valid
+        rows = data.first_row()
+    return ListData(name, ListSource(rows, name, local_max, num_valid), data.description,
+                    collate_fn=data.collate_fn, notes=list(data.notes), count=total)
 
 
 def eval_batches(data: Data, *, local_batch: int, process_index: int, process_count: int,
                  max_batches: int = 0, num_threads: int = 1, prefetch: int = 2):
     data = checks.check(data, global_batch=local_batch * process_count, train=False,
                         process_index=process_index, process_count=process_count)
-    if data.kind not in ("map", "list"):
+    if not data.in_memory:
         raise DataError(f"{data.name}: eval data of kind {data.kind} must be read with "
                         "jtrain.data.make_sources first")
-    src = data.source
-    reader = pipeline.BatchReader(src, name=data.name, seed=0, collate_fn=data.collate_fn,
-                                  ref=data.ref, mask=True, keep_64bit=items_lib.x64_enabled(),
-                                  stream=process_index)
-    if data.kind == "map":
-        n = len(src)
-        num = -(-n // (local_batch * process_count))
-        plan = pipeline.EvalPlan(n, local_batch * process_count, local_batch, process_index)
-    else:
-        num = -(-src.local_max // local_batch)
-        plan = LocalPlan(src.num_valid, local_batch)
+    reader = pipeline.BatchReader(data.source, name=data.name, seed=0,
+                                  collate_fn=data.collate_fn, ref=data.ref, mask=True,
+                                  keep_64bit=items_lib.x64_enabled(), stream=process_index)
+    num, plan = data.eval_plan(local_batch, process_index, process_count)
     if max_batches:
         num = min(num, max_batches)
     ds = grain.MapDataset.range(num).map(pipeline.Load(plan, reader))

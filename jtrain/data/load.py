@@ -20,10 +20,9 @@ import grain
 import numpy as np
 
 from jtrain.data import grain_sources, items as items_lib, torch_adapters
-from jtrain.data.dataset import Data
+from jtrain.data.dataset import Data, LoaderData, MapData, StreamData
 from jtrain.data.items import DataError, call_item, first_line
-from jtrain.data.sources import (ArraySource, MapSource, Subset, Transformed, WithTransform,
-                                 split_indices)
+from jtrain.data.sources import (ArraySource, MapSource, WithTransform)
 from jtrain.data.streams import IterableStream
 
 
@@ -80,9 +79,9 @@ def as_data(obj, name: str) -> Data:
     """A `Data` for what the user passed (or a DataError saying what is accepted)."""
     if isinstance(obj, torch_adapters.LoaderSettings):
         data = as_data(obj.dataset, name)
-        data.collate_fn, data.worker_init_fn = obj.collate_fn, obj.worker_init_fn
-        data.notes = list(obj.notes) + data.notes
-        return data
+        return dataclasses.replace(data, collate_fn=obj.collate_fn,
+                                   worker_init_fn=obj.worker_init_fn,
+                                   notes=list(obj.notes) + data.notes)
     if isinstance(obj, WithTransform):
         return add_transform(as_data(obj.dataset, name), obj.fn)
     if torch_adapters.is_dataloader(obj):
@@ -93,18 +92,18 @@ def as_data(obj, name: str) -> Data:
     if isinstance(obj, tuple) and len(obj) in (2, 3) and all(hasattr(a, "shape") for a in obj):
         obj = dict(zip(items_lib.TUPLE_KEYS, obj))
     if isinstance(obj, dict) and obj and all(hasattr(v, "shape") for v in obj.values()):
-        return Data(name, "map", ArraySource(obj, name), "arrays")
+        return MapData(name, ArraySource(obj, name), "arrays")
     if grain_sources.is_grain_loader(obj):
-        return Data(name, "grain_loader", obj, "grain DataLoader")
+        return LoaderData(name, obj, "grain DataLoader")
     if isinstance(obj, grain.IterDataset):
-        return Data(name, "stream", grain_sources.GrainStream(obj, name), "grain IterDataset")
+        return StreamData(name, grain_sources.GrainStream(obj, name), "grain IterDataset")
     if isinstance(obj, grain.MapDataset):
-        return Data(name, "map", MapSource(obj, name), "grain MapDataset")
+        return MapData(name, MapSource(obj, name), "grain MapDataset")
     kind = type(obj).__name__
     if torch_adapters.is_iterable_dataset(obj):
         return _stream(obj, name, f"torch {kind} (stream)")
     if hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not isinstance(obj, (str, bytes, dict)):
-        return Data(name, "map", MapSource(obj, name),
+        return MapData(name, MapSource(obj, name),
                     ("torch " if type(obj).__module__.startswith("torch") or
                      _is_torch(obj) else "") + kind)
     if hasattr(obj, "__iter__") and not isinstance(obj, (str, bytes, dict)):
@@ -118,12 +117,7 @@ def add_transform(data: Data, fn: Callable) -> Data:
     """`fn(item, rng)` on every item read, rng from (seed, epoch, index)."""
     if not callable(fn):
         raise DataError(f"{data.name}: a transform must be callable, got {type(fn).__name__}")
-    if data.kind != "map":
-        raise DataError(f"{data.name}: random transforms work on map-style datasets, not on "
-                        f"{data.description}")
-    data.source = Transformed(data.source, fn, data.name)
-    data.notes.append(f"random transform {getattr(fn, '__name__', 'fn')}(item, rng)")
-    return data
+    return data.with_transform(fn)
 
 
 def _is_torch(obj) -> bool:
@@ -132,29 +126,4 @@ def _is_torch(obj) -> bool:
 
 def _stream(obj, name: str, description: str) -> Data:
     stream = IterableStream(obj, name)
-    return Data(name, "stream", stream, description, count=stream.declared_len())
-
-
-def split_off_eval(train: Data, fraction: float, split_seed: int) -> tuple[Data, Data | None]:
-    """data.val_fraction of one dataset held out for evaluation (seeded by
-    data.split_seed, independent of the run's seed: every run holds out the same part)."""
-    if fraction <= 0:
-        return train, None
-    if train.kind == "map":
-        n = len(train.source)
-        keep, held = split_indices(n, fraction, split_seed)
-        ev = dataclasses.replace(train, name="eval_data", notes=[],
-                                 source=Subset(train.source, held, "eval_data"))
-        train.source = Subset(train.source, keep, train.name)
-        train.notes.append(f"{len(held):,} of {n:,} examples held out for eval "
-                           f"(data.val_fraction={fraction})")
-        return train, ev
-    if train.kind == "stream":
-        ev = dataclasses.replace(train, name="eval_data", notes=[],
-                                 holdout=(fraction, split_seed, True))
-        train.holdout = (fraction, split_seed, False)
-        train.notes.append(f"a seeded {fraction:.0%} of the stream held out for eval "
-                           "(data.val_fraction)")
-        return train, ev
-    train.notes.append("no eval split of a grain DataLoader (pass eval_data)")
-    return train, None
+    return StreamData(name, stream, description, count=stream.declared_len())

@@ -215,3 +215,16 @@ class EvalPlan:
         pos = int(g) * self.global_batch + self.offset + np.arange(self.local_batch)
         valid = pos < self.n
         return 0, int(g), np.where(valid, pos, 0), valid
+
+
+class LocalPlan:
+    """Eval batch g = rows [g*b, (g+1)*b) of this process's rows; past the end, row 0
+    again with mask 0."""
+
+    def __init__(self, n: int, local_batch: int):
+        self.n, self.local_batch = n, local_batch
+
+    def __call__(self, g: int):
+        pos = int(g) * self.local_batch + np.arange(self.local_batch)
+        valid = pos < self.n
+        return 0, int(g), np.where(valid, pos, 0), valid
