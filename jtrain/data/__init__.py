@@ -14,9 +14,9 @@ one place (the background device prefetch in prefetch.py is handed that function
     device_prefetch  the next batches on the devices, position kept exact (prefetch.py)
     eval_batches     every example once, padded, with a mask (evalsets.py)
 
-`Data` (dataset.py) is one dataset as jtrain reads it; `checks.check` returns a checked
-copy. Items become numpy in items.py; map-style sources and seeded randomness are in
-sources.py.
+`Data` (dataset.py): one small class per input kind behind one protocol; `checks.check`
+returns a checked copy. Items become numpy in items.py; map-style sources and seeded
+randomness are in sources.py.
 
 Batches are dicts of numpy arrays: `inputs` (an array or a pytree), `targets`, optional
 `weights`; eval batches (and train batches with data.drop_last=False) have `mask` [b].
