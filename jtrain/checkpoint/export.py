@@ -148,7 +148,8 @@ def load_checkpoint_leaves(step_dir: str, prefixes=("params",)) -> dict[str, np.
     import jax
     import orbax.checkpoint as ocp
 
-    path = os.path.join(step_dir, "state")
+    # orbax reads metadata only through absolute paths (a relative one gives None).
+    path = os.path.join(os.path.abspath(step_dir), "state")
     absl_logger = logging.getLogger("absl")
     level = absl_logger.level
     absl_logger.setLevel(logging.ERROR)  # "Metadata file does not exist" noise
