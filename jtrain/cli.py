@@ -12,9 +12,10 @@ is a `UsageError` (exit 2). No traceback for anything a user can cause.
 
 from __future__ import annotations
 
+import difflib
 import re
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from absl import flags
 
@@ -29,6 +30,21 @@ def mark_absl_parsed() -> None:
         flags.FLAGS.mark_as_parsed()
 
 
+def wants_help(argv) -> bool:
+    return any(a in HELP_FLAGS for a in argv)
+
+
+HELP_FLAGS = ("--help", "-h", "--helpfull", "--helpshort", "-?")
+
+
+def print_help(prog: str, fv: flags.FlagValues, description: str = ""):
+    """The flags of `fv` on stdout, then exit 0 (absl's own --help exits 1)."""
+    sys.stdout.write(f"usage: {prog} [flags]\n\n{description.strip()}\n\nflags:\n"
+                     f"{fv.get_help(include_special_flags=False)}\n")
+    sys.stdout.flush()
+    raise SystemExit(0)
+
+
 def parse(prog: str, define_flags: Callable, argv, description: str = ""
           ) -> tuple[flags.FlagValues, list[str]]:
     """(flag values, positional args); `--help` prints the flags and exits 0; a bad
@@ -36,11 +52,8 @@ def parse(prog: str, define_flags: Callable, argv, description: str = ""
     fv = flags.FlagValues()
     define_flags(fv)
     argv = list(argv)
-    if any(a in ("--help", "-h", "--helpfull") for a in argv):
-        sys.stdout.write(f"usage: {prog} [flags]\n\n{description.strip()}\n\nflags:\n"
-                         f"{fv.get_help(include_special_flags=False)}\n")
-        sys.stdout.flush()
-        raise SystemExit(0)
+    if wants_help(argv):
+        print_help(prog, fv, description)
     try:
         rest = fv([prog, *argv])
     except flags.Error as e:
@@ -64,28 +77,22 @@ def run(prog: str, define_flags: Callable, main: Callable, argv=None,
 
 # -- config-file flags -----------------------------------------------------------------
 # `--config=FILE[:variant]` and `--config.a.b=value` are ml_collections' config_flags; what
-# they raise is rewritten here as `<dotted.key or file>: <why>` (config_flags gives no
-# structured error, so its messages are matched; tests/test_config_errors.py holds every case).
+# they raise is rewritten here as `<dotted.key or file>: <why>`. An unknown override key is
+# found by walking argv's overrides against jtrain's schema; the rest (config_flags gives
+# no structured error for them) match its messages. tests/test_config_errors.py holds
+# every case.
 
 
 def describe_flag_error(error: Exception, argv) -> str:
     """`<dotted.key or file>: <why>` for what absl / config_flags raised."""
     if isinstance(error, AttributeError) and error.args and isinstance(error.args[0], KeyError):
         error = error.args[0]  # config_flags wraps a typo below the top level: optim.lrr
-    text = str(error.args[0] if isinstance(error, KeyError) and error.args else error)
-    m = re.search(r"Attempting to lookup: ([\w.]+)", text) if isinstance(error, KeyError) else None
-    if m:  # --config.optim.lr.x=1: a field below a plain value
-        key = m.group(1)
-        return f"{key}: unknown key; {key.rsplit('.', 1)[0]} is a value, not a section"
-    if isinstance(error, KeyError):  # a typo in an override: 'optimzer' ... Did you mean
-        bad = text.splitlines()[0].strip("'\"")
-        hint = re.search(r'Did you mean "([^"]+)"', text)
-        key = next((a.lstrip("-")[len("config."):].split("=")[0] for a in argv
-                    if re.match(r"--?config\.", a) and bad in a.split("=")[0].split(".")), bad)
-        return f"{key}: unknown key" + (f'; did you mean "{hint.group(1)}"?' if hint else "")
+    if isinstance(error, KeyError):  # an override names a key the config does not have
+        return _describe_unknown_key(error, argv)
+    text = str(error)
     if not isinstance(error, flags.Error):  # raised while loading the config file
         return _describe_file_error(error, _config_file(argv))
-    m = re.match(r"flag --config\.([\w.]+)=(.*?): (.*)", text, re.S)
+    m = re.match(r"flag --config\.([\w.]+)=(.*?): (.*)", text, re.DOTALL)
     if m:
         return f"{m.group(1)}: {_plain_why(m.group(3).strip().splitlines()[-1])}"
     m = re.match(r"Missing value for flag --config\.([\w.]+)", text)
@@ -102,10 +109,37 @@ def describe_flag_error(error: Exception, argv) -> str:
         last = [ln for ln in text.strip().splitlines() if ln.strip()][-1]
         why = last.split(": ", 1)[-1]
         return why if why.startswith(f"{m.group(1)}:") else f"{m.group(1)}: {why}"
-    m = re.match(r"Unknown command line flag '([^']+)'", text)
-    if m:
-        return f"--{m.group(1)}: unknown flag"
-    return text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    if isinstance(error, flags.UnrecognizedFlagError):
+        return f"--{error.flagname}: unknown flag"
+    return errors.first_line(error)
+
+
+def _describe_unknown_key(error: KeyError, argv) -> str:
+    """`<override key>: unknown key[; did you mean "x"?]`, from the overrides in argv
+    walked against jtrain's schema (every model family's keys allowed)."""
+    from jtrain.config.schema import MODEL_FAMILIES, SCHEMA, Field
+
+    model = dict(SCHEMA["model"])
+    for family in MODEL_FAMILIES.values():
+        model.update(family)
+    schema = {**SCHEMA, "model": model}
+    keys = [a.lstrip("-")[len("config."):].split("=", 1)[0] for a in argv
+            if a.startswith(("--config.", "-config."))]
+    for key in keys:
+        node, parts = schema, key.split(".")
+        for i, part in enumerate(parts):
+            if isinstance(node, Field):  # --config.optim.lr.x=1: below a plain value
+                return (f"{key}: unknown key; {'.'.join(parts[:i])} is a value, "
+                        "not a section")
+            if part not in node:
+                close = difflib.get_close_matches(part, list(node), n=1, cutoff=0.6)
+                return f"{key}: unknown key" + (f'; did you mean "{close[0]}"?' if close else "")
+            node = node[part]
+    # Every override is a schema key: one the config file leaves out (its KeyError's
+    # argument is the missing name).
+    bad = errors.first_line(error).strip("'\"")
+    key = next((k for k in keys if bad in k.split(".")), bad)
+    return f"{key}: unknown key"
 
 
 def _config_file(argv) -> str:

@@ -83,6 +83,10 @@ def parse_flags(argv, fv: flags.FlagValues = FLAGS):
     def quiet(record):
         return "get_config() returned None" not in record.getMessage()
 
+    if cli_lib.wants_help(argv[1:]):
+        help_fv = flags.FlagValues()
+        define_flags(help_fv, sys_argv=argv[:1])
+        cli_lib.print_help("python -m jtrain.main", help_fv, __doc__.split("\n\n", 1)[1])
     absl_logging.get_absl_logger().addFilter(quiet)
     _RAW_ARGV[:] = list(argv)
     try:
@@ -95,7 +99,7 @@ def parse_flags(argv, fv: flags.FlagValues = FLAGS):
                 raise TypeError(f"get_config() returned {type(config).__name__}, "
                                 "expected a ConfigDict")
         return rest
-    except Exception as e:  # flags.Error, and what config_flags raises while loading
+    except Exception as e:  # noqa: BLE001 - flags.Error, and what config_flags raises loading
         key, _, why = cli_lib.describe_flag_error(e, argv).partition(": ")
         fail(errors.ConfigError(key, why))
     finally:
