@@ -8,7 +8,9 @@ renders any exception as the one line a person sees.
     RestoreError   3  a checkpoint that cannot be used as asked (damaged with
                       strict_restore, another model, a changed config)
     ExportError    3  an export that cannot be written or read
-    CheckpointError 1 a checkpoint write that failed (possibly in the background)
+    CheckpointError 3 a checkpoint write that failed (possibly in the background)
+    NonFiniteError 4  training halted on non-finite values (nonfinite.policy)
+    HangError      5  a step, eval or save past watchdog.timeout_s (control.watchdog)
 
 Entry points print `render(e)` on stderr and exit with `exit_code(e)`; no traceback for
 any of these.
@@ -65,9 +67,23 @@ class ExportError(JtrainError):
 
 
 class CheckpointError(JtrainError):
-    """A save that failed (possibly in the background): exit code 1, one line."""
+    """A save that failed (possibly in the background): exit code 3, one line."""
 
-    kind, exit_code = "checkpoint", 1
+    kind, exit_code = "checkpoint", 3
+
+
+class NonFiniteError(JtrainError):
+    """Training halted on a non-finite loss or gradient (`nonfinite.policy=halt`, or
+    `nonfinite.max_consecutive` skips in a row): exit code 4."""
+
+    kind, exit_code = "non-finite", 4
+
+
+class HangError(JtrainError):
+    """A step, eval or save took longer than `watchdog.timeout_s`: exit code 5. The
+    watchdog renders it and exits the process itself (a stuck thread cannot raise)."""
+
+    kind, exit_code = "hang", 5
 
 
 def first_line(e: BaseException) -> str:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
+import warnings
+
 import jax
 import numpy as np
 
@@ -48,6 +50,16 @@ def make_spec(eval_cfg, apply_fn, abstract_params, sample_inputs, example: dict,
     return metrics_lib.EvalSpec.create(output_shape, targets.shape, targets.dtype, names=names,
                                        top_k=eval_cfg.top_k, max_gathered=eval_cfg.max_gathered,
                                        byte_level=byte_level)
+
+
+def metric_keys(spec) -> set[str]:
+    """The names ("eval/<name>") an evaluation with `spec` reports, known before any
+    eval runs (checked against early_stop / plateau / checkpoint monitors)."""
+    device, host = metrics_lib.make_collection(spec).partition()
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        names = {*device.compute(), *host.compute()}
+    return {f"eval/{k}" for k in names}
 
 
 def local_rows(x) -> np.ndarray:

@@ -62,3 +62,34 @@ def update_loss_scale(loss_scale: dict, grads_finite: jax.Array, dynamic: bool) 
                           jnp.maximum(scale / 2.0, 1.0))
     new_good = jnp.where(grads_finite & ~grow, good + 1, 0)
     return {"scale": new_scale.astype(jnp.float32), "good_steps": new_good.astype(jnp.int32)}
+
+
+# Deterministic GPU kernels (XLA reads these once, when the backend starts).
+DETERMINISTIC_FLAGS = ("--xla_gpu_deterministic_ops=true",
+                       "--xla_gpu_exclude_nondeterministic_ops=true")
+
+
+def set_deterministic(enabled: bool) -> str | None:
+    """`deterministic=True`: add the XLA flags for deterministic GPU ops to XLA_FLAGS
+    before the backend starts. Returns the header's line (None when off). CPU runs are
+    deterministic already; a backend started before train() (arrays created by the
+    caller) keeps its flags, and the line says so."""
+    if not enabled:
+        return None
+    import os
+
+    from jax._src import xla_bridge  # the one place that knows whether XLA started
+
+    current = os.environ.get("XLA_FLAGS", "")
+    missing = [f for f in DETERMINISTIC_FLAGS if f.split("=")[0] not in current]
+    if xla_bridge.backends_are_initialized():
+        if jax.default_backend() == "cpu":
+            return "deterministic: on (CPU: already deterministic)"
+        if missing:
+            return ("deterministic: NOT applied: the backend started before train(); set "
+                    f"XLA_FLAGS='{' '.join(DETERMINISTIC_FLAGS)}' before importing jax")
+        return "deterministic: on (XLA flags set before start-up)"
+    os.environ["XLA_FLAGS"] = " ".join([current, *missing]).strip()
+    if jax.default_backend() == "cpu":
+        return "deterministic: on (CPU: already deterministic)"
+    return f"deterministic: on ({' '.join(DETERMINISTIC_FLAGS)})"

@@ -24,7 +24,12 @@ class TrainState:
     opt_state: Any  # optax state
     rng: jax.Array  # uint32 [2], raw key data; per-step keys are fold_in(rng, step)
     loss_scale: dict  # {"scale": f32 [], "good_steps": i32 []}; scale 1 unless fp16
-    skipped_steps: jax.Array  # int32 [], updates skipped for non-finite gradients
+    skipped_steps: jax.Array  # int32 [], updates skipped (non-finite, invalid batch)
+    # Run control in the state, so a checkpoint holds it and the jitted step reads it
+    # without a recompile when the host changes it (jtrain.control):
+    consecutive_skips: jax.Array  # int32 [], non-finite skips in a row
+    halted_at: jax.Array  # int32 [], the step nonfinite.* halted at; 0 = running
+    lr_factor: jax.Array  # float32 [], ReduceLROnPlateau's factor on the schedule
 
 
 def make_abstract_state(model_fns, tx, policy, sample_inputs, mesh, seed: int):
@@ -54,7 +59,8 @@ def _fresh_state(params, tx, policy, rng):
         step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params),
         rng=jax.random.key_data(jax.random.fold_in(rng, 1)),
         loss_scale=precision.init_loss_scale(policy),
-        skipped_steps=jnp.asarray(0, jnp.int32))
+        skipped_steps=jnp.asarray(0, jnp.int32), consecutive_skips=jnp.asarray(0, jnp.int32),
+        halted_at=jnp.asarray(0, jnp.int32), lr_factor=jnp.asarray(1.0, jnp.float32))
 
 
 def init_state(model_fns, tx, policy, sample_inputs, mesh, seed: int, shardings) -> TrainState:

@@ -31,10 +31,52 @@ def _split_microbatches(batch, k: int):
                         batch)
 
 
+# Bits of the per-step `train/status` the host reads (jtrain.control.nonfinite).
+BAD_LOSS, BAD_GRADS, INVALID_BATCH, HALTED = 1, 2, 4, 8
+
+
+def row_validity(batch, valid_fn: Callable | None = None):
+    """[B] bool: a row is valid when every floating input / target value in it is finite,
+    its `valid` entry (a per-example mask a collate function may return) is nonzero, and
+    `valid_fn(batch)` (a scalar for the whole batch, or [B]) is true."""
+    rows = None
+    for key, leaf in _floating_leaves(batch):
+        ok = jnp.isfinite(leaf).reshape(leaf.shape[0], -1).all(axis=1)
+        rows = ok if rows is None else rows & ok
+    n = jax.tree.leaves(batch)[0].shape[0]
+    rows = jnp.ones((n,), bool) if rows is None else rows
+    if "valid" in batch:
+        rows = rows & (jnp.asarray(batch["valid"]).reshape(n, -1) != 0).all(axis=1)
+    if valid_fn is not None:
+        user = jnp.asarray(valid_fn(batch)).astype(bool)
+        rows = rows & (jnp.broadcast_to(user, (n,)) if user.ndim == 0 else user.reshape(n))
+    return rows
+
+
+def _floating_leaves(batch):
+    for key in batch:
+        if key in ("mask", "valid"):
+            continue
+        for leaf in jax.tree.leaves(batch[key]):
+            if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim >= 1:
+                yield key, leaf
+
+
 def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTransformation,
                     schedule: Callable, *, grad_accum_steps: int = 1,
-                    dynamic_loss_scale: bool = False) -> Callable:
-    """Returns train_step(state, batch) -> (state, metrics). Jit it with shardings."""
+                    dynamic_loss_scale: bool = False, halt_on_nonfinite: bool = False,
+                    max_consecutive: int = 8, valid_fn: Callable | None = None) -> Callable:
+    """Returns train_step(state, batch) -> (state, metrics). Jit it with shardings.
+
+    An update is applied only when the loss and the gradient norm are finite (global
+    values: the same decision on every device and process) and every row of the batch
+    is valid (`row_validity`). Otherwise params, optimizer state and the schedule's
+    position are untouched, `skipped_steps` counts it, and `train/status` says why.
+    Non-finite skips in a row are counted; at `max_consecutive` (or at the first one with
+    `halt_on_nonfinite`) the state records `halted_at` and no later update is applied,
+    so the host can stop with the params of the last good step (fp16 loss-scale
+    overflows are expected and never count). `state.lr_factor` (ReduceLROnPlateau)
+    scales the whole update, i.e. the learning rate, without a recompile."""
 
     def loss_and_aux(params, batch, key, scale):
         outputs = apply_fn(params, batch["inputs"], rng=key, train=True)
@@ -63,31 +105,53 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
     def train_step(state: TrainState, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         scale = state.loss_scale["scale"]
+        rows_ok = row_validity(batch, valid_fn)
         grads, (loss_sum, weight) = gradients(state.params, batch, key, scale)
         denom = jnp.maximum(weight, 1e-12) * scale
         grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / denom).astype(g.dtype), grads)
         grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(grad_norm)
+        loss = loss_sum / jnp.maximum(weight, 1e-12)
+        valid = rows_ok.all()
+        bad_loss = valid & ~jnp.isfinite(loss)
+        bad_grads = valid & jnp.isfinite(loss) & ~jnp.isfinite(grad_norm)
+        running = state.halted_at == 0
+        apply_update = running & valid & jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
         def apply(_):
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            updates = jax.tree.map(lambda u: (u * state.lr_factor).astype(u.dtype), updates)
             return optax.apply_updates(state.params, updates), opt_state
 
         def skip(_):
             return state.params, state.opt_state
 
-        params, opt_state = jax.lax.cond(finite, apply, skip, None)
+        params, opt_state = jax.lax.cond(apply_update, apply, skip, None)
+        # fp16: an overflow in the scaled gradients is the loss scale's business.
+        counted = bad_loss | (bad_grads & (not dynamic_loss_scale))
+        consecutive = jnp.where(counted, state.consecutive_skips + 1,
+                                jnp.where(apply_update, 0, state.consecutive_skips))
+        halt_now = running & counted & ((consecutive >= max_consecutive)
+                                        | halt_on_nonfinite)
+        halted_at = jnp.where(halt_now, state.step + 1, state.halted_at)
+        skipped = state.skipped_steps + (running & ~apply_update).astype(jnp.int32)
         new_state = state.replace(
             step=state.step + 1,  # batches consumed; skipped updates are counted below
             params=params, opt_state=opt_state,
-            loss_scale=precision.update_loss_scale(state.loss_scale, finite, dynamic_loss_scale),
-            skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32))
+            loss_scale=precision.update_loss_scale(
+                state.loss_scale, jnp.isfinite(grad_norm) | ~valid, dynamic_loss_scale),
+            skipped_steps=skipped, consecutive_skips=consecutive, halted_at=halted_at)
+        status = (bad_loss * BAD_LOSS + bad_grads * BAD_GRADS + (~valid) * INVALID_BATCH
+                  + (halted_at > 0) * HALTED).astype(jnp.int32)
+        applied = state.step - state.skipped_steps  # the schedule's position (optax count)
         metrics = {
-            "train/loss": loss_sum / jnp.maximum(weight, 1e-12),
+            "train/loss": loss,
             "train/grad_norm": grad_norm,
-            "train/lr": jnp.asarray(schedule(state.step), jnp.float32),
+            "train/lr": jnp.asarray(schedule(applied), jnp.float32) * state.lr_factor,
             "train/tokens": weight,
             "train/skipped_steps": new_state.skipped_steps,
+            "train/consecutive_skips": consecutive,
+            "train/status": status,
+            "train/rows_ok": rows_ok,
         }
         if dynamic_loss_scale:
             metrics["train/loss_scale"] = new_state.loss_scale["scale"]

@@ -20,8 +20,12 @@ import numpy as np
 from flax import linen as nn
 
 from jtrain import checkpoint, eval_loop, losses
+from jtrain import loop as loop_lib
 from jtrain import config as config_lib
 from jtrain import control as control_lib
+from jtrain.control import decide as decide_lib
+from jtrain.control import ledger as ledger_lib
+from jtrain.control import watchdog as watchdog_lib
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
 from jtrain import models as models_lib
@@ -40,20 +44,31 @@ from jtrain.observe.redact import redact
 class TrainResult:
     state: state_lib.TrainState
     history: list[dict[str, float]]  # one entry per evaluation: {"step": s, "eval/...": v}
-    summary: dict[str, Any]
+    summary: dict[str, Any]  # = summary.json: final metrics, best_step / best_value,
+    #                          stopped_by / stop_reason, skipped_steps, perf
+    train_history: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    # ^ {"step": s, "train/loss": v, ...} at this session's log steps
+
+    @property
+    def stopped_by(self) -> str | None:  # None: ran to total_steps
+        return self.summary.get("stopped_by")
 
 
 def train(config=None, workdir: str | None = None, *, model=None, train_data=None,
-          eval_data=None, loss_fn: Callable | None = None) -> TrainResult:
+          eval_data=None, loss_fn: Callable | None = None,
+          on_eval: Callable[[int, dict], bool] | None = None) -> TrainResult:
     """Train `model` (built-in from config.model if None) on `train_data` (built-in from
     config.data if None). Resumes from the newest checkpoint in `workdir`.
 
     `loss_fn(outputs, batch)` returns `(loss_sum, weight_sum)` (exact token weighting)
     or a scalar mean; default: cross-entropy for int targets, MSE for float targets.
+    `on_eval(step, metrics) -> bool`: called on process 0 after every evaluation with the
+    globally reduced metrics; True stops the run there (checkpointed, on every process).
     """
     if workdir is None:
         raise ValueError("workdir: required (the run's identity: checkpoints, logs, summary)")
     cfg = config_lib.resolve(config)
+    determinism = precision_lib.set_deterministic(cfg.deterministic)
     # data.source factories run, and a torch DataLoader's settings become data.*, before
     # the batch is checked against the devices.
     train_data, eval_data, overrides = data_lib.load_user_data(
@@ -63,14 +78,25 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
         cfg = config_lib.resolve({**cfg.to_dict(), "data": {**cfg.data.to_dict(), **overrides}})
     config_lib.validate(cfg, num_devices=jax.device_count())
     # From here on SIGTERM / SIGINT mean: save the current step, stop, return (jtrain.control.signals).
-    with control_lib.Stopper(cfg.checkpoint.grace_seconds) as stopper:
-        run = _setup(cfg, os.path.abspath(workdir), model, train_data, eval_data, loss_fn)
+    # A step, eval or save past watchdog.timeout_s ends the process (exit 5) with the
+    # stacks in WORKDIR/hang.log; start-up (compile included) gets first_timeout_s.
+    watchdog = control_lib.Watchdog(
+        control_lib.effective_timeout(cfg.watchdog.timeout_s, jax.process_count()),
+        cfg.watchdog.first_timeout_s, log_path=os.path.join(
+            os.path.abspath(workdir), watchdog_lib.LOG_FILE),
+        process_index=jax.process_index())
+    with control_lib.Stopper(cfg.checkpoint.grace_seconds) as stopper, watchdog:
+        run = _setup(cfg, os.path.abspath(workdir), model, train_data, eval_data, loss_fn,
+                     on_eval, determinism, watchdog)
         run.stopper = stopper
         try:
             # Steps trace under the mesh and the logical-axis rules, so models' activation
             # constraints (nn.with_logical_constraint) resolve to this mesh.
             with jax.set_mesh(run.build.mesh), nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
-                return _loop(cfg, run)
+                state, session = loop_lib.run_loop(cfg, run)
+                summary = loop_lib.summarize(cfg, run, state, session)
+            return TrainResult(state=state, history=session.history, summary=summary,
+                               train_history=session.train_history)
         finally:
             run.close()
 
@@ -122,10 +148,15 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
         model_fns, tx, policy, sample_inputs, mesh, cfg.seed)
 
     batch_sharding, repl = mesh_lib.batch_sharding(mesh), mesh_lib.replicated(mesh)
+    valid_fn = data_lib.load_named(cfg.data.valid_fn, "data.valid_fn") \
+        if cfg.data.valid_fn else None
     train_step = jax.jit(
         step_lib.make_train_step(model_fns.apply, loss_fn or losses.default_loss, tx, schedule,
                                  grad_accum_steps=cfg.optim.grad_accum_steps,
-                                 dynamic_loss_scale=policy.dynamic_loss_scale),
+                                 dynamic_loss_scale=policy.dynamic_loss_scale,
+                                 halt_on_nonfinite=cfg.nonfinite.policy == "halt",
+                                 max_consecutive=cfg.nonfinite.max_consecutive,
+                                 valid_fn=valid_fn),
         in_shardings=(shardings, batch_sharding), out_shardings=(shardings, repl),
         donate_argnums=0)
     eval_spec = eval_loop.make_spec(cfg.eval, model_fns.apply, abstract.params, sample_inputs,
@@ -154,27 +185,8 @@ class _Outputs:
         self.writer.close()
 
 
-@dataclasses.dataclass
-class _Run:
-    workdir: str
-    build: Build
-    state: Any
-    train_iter: Any
-    eval_source: Any
-    data_info: dict
-    ckpt: checkpoint.Checkpointer
-    out: _Outputs
-    resumed_from: int | None
-    stopper: Any = None  # control.Stopper: signals -> stop after a step
-
-    def close(self):
-        self.out.close()
-        self.ckpt.close()
-        if hasattr(self.train_iter, "close"):
-            self.train_iter.close()
-
-
-def _setup(cfg, workdir, model, train_data, eval_data, loss_fn) -> _Run:
+def _setup(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
+           determinism, watchdog) -> loop_lib.Run:
     t_start = time.perf_counter()
     primary = jax.process_index() == 0
     os.makedirs(workdir, exist_ok=True)
@@ -187,6 +199,11 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn) -> _Run:
     b = build(cfg, sample=sample, eval_example=(eval_src if eval_src is not None
                                                 else train_src)[0],
               model=model, loss_fn=loss_fn, byte_level=data_info.get("name") == "pystdlib")
+    # Config values that would make the run wrong, found before the first step.
+    decide_lib.check_monitors(cfg, None if eval_src is None
+                               else eval_loop.metric_keys(b.eval_spec))
+    if model is None:
+        data_lib.check_vocab(cfg.model, train_src)
 
     # Start-up precedence (jtrain.checkpoint.manager, WORKSPACE.md): (1) the newest intact
     # checkpoint in workdir/checkpoints; (2) else checkpoint.init_from; (3) else fresh.
@@ -211,7 +228,8 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn) -> _Run:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(redact(resolved), f, indent=2, sort_keys=True, default=str)
     writer = writers_lib.MetricWriter(workdir, cfg.log, is_primary=primary,
-                                      run_ids=control_lib.writer_run_ids(start.control))
+                                      run_ids=control_lib.writer_run_ids(start.control),
+                                      resumed_step=start.step)
     ckpt.control.writer_run_ids = writer.run_ids()  # checkpointed, reused on resume
     if start.step is None:
         writer.write_hparams(resolved)
@@ -223,7 +241,8 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn) -> _Run:
     flops = perf_lib.model_flops_per_example(b.user_model, cfg.model,
                                              jax.tree.map(np.shape, sample))
     peak = perf_lib.peak_flops_per_device(cfg.perf.peak_flops)
-    header = _header(cfg, b, data_info, (train_src, eval_src), workdir, start.step, flops, peak)
+    header = _header(cfg, b, data_info, (train_src, eval_src), workdir, start.step, flops, peak,
+                     determinism)
     progress.message(header)
     writer.write_text(start.step or 0, "run/header", header)  # TensorBoard's text tab
     progress.message(header_lib.parameter_table(b.abstract.params), level=2)
@@ -231,11 +250,32 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn) -> _Run:
                            flops_per_example=flops, peak_flops=peak,
                            num_devices=jax.device_count(), t_start=t_start)
     profiler = perf_lib.Profiler(cfg.profile, workdir, is_primary=primary)
-    return _Run(workdir, b, start.state, train_iter, eval_src, data_info, ckpt,
-                _Outputs(writer, progress, meter, profiler), start.step)
+    decisions = _decisions(cfg, workdir, ckpt.control, start, train_iter, on_eval,
+                           progress.message)
+    return loop_lib.Run(workdir, b, start.state, train_iter, eval_src, data_info, ckpt,
+                        _Outputs(writer, progress, meter, profiler), start.step, decisions,
+                        watchdog, determinism)
 
 
-def _header(cfg, b: Build, data_info, sources, workdir, resumed_from, flops, peak) -> str:
+def _decisions(cfg, workdir, record, start, train_iter, on_eval, say):
+    """The loop's decisions (control.decide), continuing the restored record."""
+    ledger = ledger_lib.Ledger(workdir, record.skip_ledger,
+                                primary=jax.process_index() == 0, resumed_step=start.step)
+    first_state = train_iter.get_state()  # the data position of the next step's batch
+    position, first_step = first_state.get("position"), (start.step or 0) + 1
+
+    def batch_of(step):  # the global batch number a step consumed (map-style data)
+        return None if position is None else int(position) + step - first_step
+
+    def indices_of(number):
+        return data_lib.example_indices(first_state, cfg.seed, number)
+
+    return decide_lib.Decisions(cfg, record, ledger=ledger, on_eval=on_eval,
+                                 batch_of=batch_of, indices_of=indices_of, say=say)
+
+
+def _header(cfg, b: Build, data_info, sources, workdir, resumed_from, flops, peak,
+            determinism=None) -> str:
     train_src, eval_src = sources
     extra = []
     if "fingerprint" in data_info:
@@ -243,6 +283,8 @@ def _header(cfg, b: Build, data_info, sources, workdir, resumed_from, flops, pea
                      f"{data_info['num_bytes']:,} bytes from {data_info['num_files']} files")
     extra += [f"jtrain: data: {note}" for note in data_info.get("notes", ())]
     mfu = f"MFU vs peak {peak:.3g} FLOP/s/device" if peak else "MFU n/a (set perf.peak_flops)"
+    if determinism:
+        extra.append(f"jtrain: {determinism}")
     extra.append(f"jtrain: eval {b.eval_spec.task}: {', '.join(b.eval_spec.names)}; "
                  + (f"{flops:.3g} train FLOPs/example, {mfu}" if flops else "MFU n/a"))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(b.abstract.params))
@@ -253,116 +295,3 @@ def _header(cfg, b: Build, data_info, sources, workdir, resumed_from, flops, pea
         eval_size=len(eval_src) if eval_src is not None else 0,
         global_batch=cfg.data.batch_size, workdir=workdir, resumed_from=resumed_from,
         batches_per_epoch=data_info.get("batches_per_epoch"), extra=tuple(extra))
-
-
-def _loop(cfg, run: _Run) -> TrainResult:
-    state, total = run.state, cfg.total_steps
-    start = int(jax.device_get(state.step))
-    pending: deque = deque()  # (step, metrics on device): bounded steps in flight
-    history: list[dict] = []
-    evaluate_now = _evaluator(cfg, run)
-
-    for step in range(start + 1, total + 1):
-        run.out.profiler.before_step(step)
-        t0 = time.perf_counter()
-        batch = next(run.train_iter)  # on the devices already (data.device_prefetch)
-        t1 = time.perf_counter()
-        state, metrics = run.build.train_step(state, batch)
-        run.out.perf.step_done(step, t1 - t0, time.perf_counter() - t1,
-                           metrics if step == start + 1 else None)  # first: compile time
-        if run.out.profiler.after_step(step, metrics):
-            run.out.progress.message(f"jtrain: profile trace written to {run.out.profiler.directory}")
-        pending.append((step, metrics))
-        if len(pending) > cfg.max_steps_in_flight:
-            _drain(pending.popleft(), cfg, run)
-        if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step != total:
-            while pending:  # log lines before the eval line (eval waits for the state anyway)
-                _drain(pending.popleft(), cfg, run)
-            history += run.stopper.interruptible(evaluate_now, state, step)  # [] if a signal came
-        stop = run.stopper.should_stop(step)  # SIGTERM/SIGINT, the same step on all processes
-        if stop or run.ckpt.due(step):
-            run.ckpt.save(step, state, run.train_iter.get_state(), evals=history,
-                          stopped_by=run.stopper.signal_name)
-        if stop:
-            break
-    while pending:
-        _drain(pending.popleft(), cfg, run)
-
-    end = step if total > start else start  # the last step run (< total if stopped)
-    if end == total and (total > start or not history):
-        history += run.stopper.interruptible(evaluate_now, state, total)
-    if run.ckpt.latest_step() != end:
-        run.ckpt.save(end, state, run.train_iter.get_state(), evals=history,
-                      stopped_by=run.stopper.signal_name)
-    run.ckpt.wait()  # a failed write ends the run with an error, before any summary
-    summary = _summary(cfg, run, state, history[-1] if history else {})
-    return TrainResult(state=state, history=history, summary=summary)
-
-
-def _drain(item, cfg, run: _Run) -> None:
-    """Wait for an old step (bounds dispatch); on log steps, fetch and write metrics."""
-    step, metrics = item
-    if step % cfg.log.every_steps and step != cfg.total_steps:
-        jax.block_until_ready(metrics["train/loss"])
-        return
-    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    if not np.isfinite(values["train/loss"]) and "train/loss_scale" not in values:
-        raise FloatingPointError(
-            f"training diverged: train/loss is {values['train/loss']} at step {step} "
-            "(lower optim.lr, set optim.clip_norm, or use model.dtype=float32)")
-    values.update(run.out.perf.log_values(step, values.pop("train/tokens")))
-    run.out.writer.write_scalars(step, values)
-    run.out.progress.update(step, values)
-    if cfg.log.verbosity >= 2:
-        run.out.progress.message(run.out.perf.debug_line(), level=2)
-
-
-def _evaluator(cfg, run: _Run):
-    eval_batch = (cfg.eval.batch_size or cfg.data.batch_size) // jax.process_count()
-
-    def evaluate_now(state, step: int) -> dict:
-        if run.eval_source is None:
-            return {"step": step}
-        t0 = time.perf_counter()
-        result = eval_loop.run_eval(run.build.eval_step, state.params, run.eval_source,
-                                    mesh=run.build.mesh, local_batch=eval_batch,
-                                   max_batches=cfg.eval.num_batches, spec=run.build.eval_spec)
-        run.out.perf.add("eval", time.perf_counter() - t0)
-        run.out.writer.write_scalars(step, result.scalars)
-        run.out.progress.message(eval_loop.format_line(step, result))
-        return {"step": step, **result.scalars}
-
-    return evaluate_now
-
-
-def _summary(cfg, run: _Run, state, last_eval: dict) -> dict:
-    summary = {
-        "step": int(jax.device_get(state.step)),
-        "state_sha256": state_lib.state_sha256(state),
-        "skipped_steps": int(jax.device_get(state.skipped_steps)),
-        "resumed_from": run.resumed_from,
-        "stopped_by": run.stopper.signal_name if run.stopper else None,  # SIGTERM / SIGINT
-        **{k: v for k, v in last_eval.items() if k != "step"},
-        **run.out.perf.summary(),
-    }
-    baseline = run.data_info.get("unigram_baseline")
-    if baseline is not None:
-        summary["unigram_baseline"] = baseline
-        summary["data_fingerprint"] = run.data_info["fingerprint"]
-        if "eval/loss" in summary:
-            run.out.progress.message(f"jtrain: final eval loss {summary['eval/loss']:.4f} nats/byte "
-                                 f"vs unigram baseline {baseline:.4f}")
-    run.out.progress.message(_final_line(summary), level=0)
-    if jax.process_index() == 0:
-        with open(os.path.join(run.workdir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2, sort_keys=True)
-    return summary
-
-
-def _final_line(summary: dict) -> str:
-    """The one line printed even at verbosity 0."""
-    evals = eval_loop.headline(summary)
-    rate = summary.get("perf/steps_per_sec")
-    return (f"jtrain: done at step {summary['step']}" + (f"; eval {evals}" if evals else "")
-            + (f"; {rate:.2f} steps/s" if rate else "")
-            + (f"; {summary['skipped_steps']} skipped steps" if summary["skipped_steps"] else ""))

@@ -19,7 +19,8 @@ def _state(params, tx, scale=1.0):
     return TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params),
                       rng=jax.random.key_data(jax.random.key(0)),
                       loss_scale={"scale": jnp.float32(scale), "good_steps": jnp.int32(0)},
-                      skipped_steps=jnp.int32(0))
+                      skipped_steps=jnp.int32(0), consecutive_skips=jnp.int32(0),
+                      halted_at=jnp.int32(0), lr_factor=jnp.float32(1))
 
 
 def _masked_lm_batch(rng, b=8, t=5, d=4, v=7):
@@ -75,7 +76,9 @@ def test_dynamic_loss_scale_skips_nonfinite_and_halves():
     step = jax.jit(step_lib.make_train_step(_linear_apply, losses.default_loss, tx,
                                             lambda s: 0.1, dynamic_loss_scale=True))
     batch = _masked_lm_batch(3)
-    bad = dict(batch, inputs=np.full_like(batch["inputs"], np.inf))
+    # Finite inputs whose scaled gradients overflow float32 (an fp16-style overflow; a
+    # non-finite input would make the batch invalid instead, see row_validity).
+    bad = dict(batch, inputs=np.full_like(batch["inputs"], 1e36))
     s0 = _state(params, tx, scale=2.0 ** 15)
     s1, m = step(s0, bad)
     assert int(s1.skipped_steps) == 1 and int(s1.step) == 1

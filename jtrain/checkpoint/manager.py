@@ -84,7 +84,6 @@ class Checkpointer:
                             "WORKDIR/checkpoints; for read-only access use CheckpointReader")
         self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
         self.cfg = config.checkpoint
-        self.final_step = int(config.total_steps)  # always kept
         resolved = redact(config.to_dict())
         self.control = control_lib.RunControl(
             config=resolved, config_sha256=config_lib.config_hash(config),
@@ -240,18 +239,34 @@ class Checkpointer:
 
         return bool(multihost_utils.broadcast_one_to_all(np.int32(late)))
 
+    def enters_top_k(self, step: int, metrics: dict) -> bool:
+        """Would an eval of `step` with these metrics be among the `keep_top_k` best
+        checkpoints (checkpoint.save_on_best: then the loop saves that step)?"""
+        value = metrics.get(self.cfg.monitor)
+        if not (self.cfg.keep_top_k and self.cfg.save_on_best) or value is None:
+            return False
+        registry = {**self.control.metric_registry, str(step): float(value)}
+        steps = sorted(set(self._mngr.all_steps()) | {step})
+        return step in policy.best_steps(registry, steps, self.cfg.keep_top_k, self.cfg.mode)
+
     def save(self, step: int, state, data_state: dict, *, evals: list | None = None,
-             stopped_by: str | None = None) -> bool:
+             stopped_by: str | None = None, monitors: dict | None = None,
+             skip_ledger: list | None = None) -> bool:
         """Start saving `state` at `step` (False if that step is already saved).
         `evals`: this session's evaluations ({"step": s, "eval/...": v}, in order); the
-        ones not recorded yet go into the run-control record and the best-k registry."""
-        if step in self._mngr.all_steps():
-            return False
+        ones not recorded yet go into the run-control record and the best-k registry.
+        `monitors`, `skip_ledger`: the loop's run-control state at `step`."""
         done = self.control.eval_history[-1]["step"] if self.control.eval_history else -1
         for entry in evals or ():
             if done < entry.get("step", -1) <= step:
                 self.control.record_eval(entry["step"], entry, self.cfg.monitor)
+        if step in self._mngr.all_steps():
+            return False
         self.control.stopped_by = stopped_by
+        if monitors is not None:
+            self.control.monitors = monitors
+        if skip_ledger is not None:
+            self.control.skip_ledger = list(skip_ledger)
         self._raise_background_error(lambda: self._mngr.wait_until_finished())
         self._inflight = (step, integrity.tree_spec(state))
         self._raise_background_error(lambda: self._mngr.save(step, args=ocp.args.Composite(

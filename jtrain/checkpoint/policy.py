@@ -12,11 +12,11 @@ import numpy as np
 
 @dataclasses.dataclass
 class KeepPolicy:
-    """Which checkpoints to keep (orbax's PreservationPolicy protocol): the latest
-    `max_to_keep` (at least 1: the latest is never deleted to make room for a better
-    one), multiples of `keep_every_steps`, the final step, and the `keep_top_k` best by
-    `monitor` (`mode`) in the registry of the owner's run-control record. The owner is
-    read at call time: its record is replaced on resume."""
+    """Which checkpoints to keep (orbax's PreservationPolicy protocol): exactly the
+    latest `max_to_keep` (at least 1: the latest is never deleted to make room for a
+    better one) ∪ multiples of `keep_every_steps` ∪ the `keep_top_k` best by `monitor`
+    (`mode`) in the registry of the owner's run-control record. The owner is read at
+    call time: its record is replaced on resume."""
 
     owner: Any  # jtrain.checkpoint.Checkpointer
 
@@ -26,7 +26,6 @@ class KeepPolicy:
         keep = set(steps[-max(1, cfg.max_to_keep):])
         if cfg.keep_every_steps:
             keep |= {s for s in steps if s % cfg.keep_every_steps == 0}
-        keep |= {s for s in steps if s == self.owner.final_step}
         keep |= set(best_steps(self.owner.control.metric_registry, steps, cfg.keep_top_k,
                                cfg.mode))
         return [s in keep for s in steps]

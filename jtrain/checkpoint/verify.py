@@ -1,16 +1,27 @@
 """`python -m jtrain.main --config=... --workdir=DIR --verify_resume`: proof of exact resume.
 
 Runs the config twice, as separate processes with the same environment:
-  reference    DIR/reference, uninterrupted;
+  reference    DIR/reference, uninterrupted, watched: the steps at which checkpoints
+               were written and the moment the final save began form its timeline;
   interrupted  DIR/interrupted, killed with SIGKILL `--verify_kills` times and restarted
                with the same command after each kill. The kills land mid-step, mid-eval,
                mid-save (fault points, see `jtrain.control`) and at random wall-clock
                moments, in a random order.
 Then compares the final `state_sha256` of both summaries and prints one line:
-  jtrain: verify_resume: PASS: ...   (exit 0)
-  jtrain: verify_resume: FAIL: ...   (exit 1: a mismatch, or a run that failed)
-A verdict needs at least one restart that resumed from a checkpoint after step 0;
-otherwise it is INCONCLUSIVE (exit 1).
+  jtrain: verify_resume: PASS: ...          (exit 0)
+  jtrain: verify_resume: FAIL: ...          (exit 1)
+  jtrain: verify_resume: INCONCLUSIVE: ...  (exit 1)
+
+What a PASS guarantees:
+- every requested kill landed (the line says `K/K kills landed`), and each landed strictly
+  before the final save: before every restart the kill is placed from the restored step
+  and the reference timeline (a step kill before the final step, a save kill on a save
+  that is not the final one, an eval kill backed by a SIGKILL as soon as the last save
+  before the final one appears, a time kill backed by a step kill before the final step);
+  a kill that cannot be placed or that did not land (the run finished) is a FAIL;
+- at least one restart resumed from a checkpoint strictly between step 0 and the final
+  step, so the run really continued from a saved state (otherwise INCONCLUSIVE);
+- the final step and `state_sha256` equal the reference's.
 
 `--verify_negative_control` disables restoring the data position on restarts
 (JTRAIN_SKIP_DATA_RESTORE): the verifier must then FAIL, which shows it can see a
@@ -21,8 +32,9 @@ JAX_COMPILATION_CACHE_DIR is set): restarts load the reference's executables ins
 compiling again, which keeps the check quick and changes no result.
 
 `verify_resume(command, root, ...)` is the library form: `command(workdir)` gives the
-argv of one training run (any script that trains into `workdir` and writes
-`summary.json`), e.g. a `jtrain.train` call with a torch dataset.
+argv of one training run (a script that calls `jtrain.train` into `workdir`: the fault
+points need jtrain's loop), e.g. a `jtrain.train` call with a torch dataset. `place_kill`
+and `judge` are the pure parts (placing one kill; the verdict from the run histories).
 """
 
 from __future__ import annotations
@@ -31,17 +43,19 @@ import dataclasses
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from jtrain.checkpoint import integrity
 from jtrain.control import faults
 
 TIMEOUT_S = 3600
+POLL_S = 0.01  # how often a running process's checkpoint directory is looked at
 
 
 @dataclasses.dataclass
@@ -52,6 +66,44 @@ class Verdict:
     interrupted_sha: str | None = None
     resumed_from: list = dataclasses.field(default_factory=list)
     kills: list = dataclasses.field(default_factory=list)
+    landed: int = 0
+    requested: int = 0
+
+
+@dataclasses.dataclass
+class Timeline:
+    """What the reference run shows: its final step, the steps it saved at (all those
+    seen while it ran, or only those kept when it was not watched) and the seconds from
+    its start to the start of its final save (None when unknown)."""
+    final_step: int
+    save_steps: list[int]
+    last_save_s: float | None = None
+
+
+@dataclasses.dataclass
+class Placed:
+    """One kill as made on one restart: JTRAIN_FAULT (or None), a wall-clock SIGKILL
+    after `after_s` seconds, a SIGKILL once a checkpoint at step >= `when_saving` appears."""
+    label: str
+    fault: str | None = None
+    after_s: float | None = None
+    when_saving: int | None = None
+
+
+@dataclasses.dataclass
+class Attempt:
+    """One process of the interrupted run: the kill asked of it (None for the last,
+    unkilled one), the newest finished checkpoint step when it started, its exit code
+    (-9: SIGKILL) and the kill's label as it landed."""
+    kill: str | None
+    restored: int | None
+    code: int
+    label: str | None = None
+    made: bool = True  # False: the kill could not be placed, the process was not started
+
+    @property
+    def landed(self) -> bool:
+        return self.kill is not None and self.code == -signal.SIGKILL
 
 
 def _summary(workdir: str) -> dict | None:
@@ -69,26 +121,56 @@ def _finished_steps(workdir: str) -> list[int]:
             if os.path.isfile(os.path.join(directory, str(s), integrity.MANIFEST))]
 
 
+_STEP_NAME = re.compile(r"^(\d+)(?:$|" + re.escape(integrity.TMP_MARK) + ")")
+
+
+def _entries(workdir: str) -> dict[str, int]:
+    """{name: step} of the checkpoint directories present now, finished or still being
+    written."""
+    try:
+        names = os.listdir(os.path.join(workdir, "checkpoints"))
+    except OSError:
+        return {}
+    return {m.group(0): int(m.group(1)) for m in map(_STEP_NAME.match, names) if m}
+
+
+def _new_save_watch(workdir: str, bound: int) -> Callable[[float], bool]:
+    """True once a checkpoint entry of step >= `bound` appears that was not there at
+    the start (a killed save's leftover does not count until it is written again)."""
+    before = set(_entries(workdir))
+    return lambda _elapsed: any(step >= bound and name not in before
+                                for name, step in _entries(workdir).items())
+
+
 def _run(argv, env, log_path, *, kill_after: float | None = None,
-         timeout: float = TIMEOUT_S) -> tuple[int, float]:
-    """Run once; SIGKILL after `kill_after` seconds if given (returncode -9), or after
-    `timeout` (returncode 124). Returns (returncode, seconds)."""
+         watch: Callable[[float], bool] | None = None,
+         timeout: float = TIMEOUT_S) -> tuple[int, float, str | None]:
+    """Run once, polling: SIGKILL after `kill_after` seconds or when `watch(elapsed)`
+    says so (returncode -9), or after `timeout` (returncode 124). Returns
+    (returncode, seconds, "timer" / "watch" / None: who killed it)."""
     t0 = time.monotonic()
-    code = None
+    by = None
     with open(log_path, "ab") as log:
         # Its own process group: a kill takes its data-loader workers along, like a
         # machine that goes away.
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        try:
-            proc.wait(timeout=min(kill_after, timeout) if kill_after is not None else timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc.pid)
-            proc.wait()
-            if kill_after is None or kill_after > timeout:
-                code = 124
+        while proc.poll() is None:
+            elapsed = time.monotonic() - t0
+            if elapsed > timeout:
+                by = "timeout"
+            elif kill_after is not None and elapsed >= kill_after:
+                by = "timer"
+            elif watch is not None and watch(elapsed):
+                by = "watch"
+            if by:
+                _kill_group(proc.pid)
+                proc.wait()
+                break
+            time.sleep(POLL_S)
         _kill_group(proc.pid)  # leftovers of a process that killed itself
-    return (proc.returncode if code is None else code), time.monotonic() - t0
+    code = 124 if by == "timeout" else proc.returncode
+    return code, time.monotonic() - t0, (None if by == "timeout" else by)
 
 
 def _kill_group(pgid: int) -> None:
@@ -100,7 +182,9 @@ def _kill_group(pgid: int) -> None:
 
 def kill_plan(kills: int, rng: random.Random, *, steps_hint: int, ref_seconds: float):
     """One entry per kill: ("step", n) / ("eval", 1) / ("save", n) fault points and
-    ("time", seconds) external kills, shuffled."""
+    ("time", seconds) external kills, shuffled. `ref_seconds`: the reference's seconds
+    to its final save (time kills land before it; `place_kill` bounds every kill
+    again on each restart)."""
     plan = [("step", rng.randint(max(2, steps_hint * 3 // 10), max(3, steps_hint * 7 // 10))),
             ("eval", 2), ("save", 2)]  # the 2nd of a restart: after some progress
     while len(plan) < kills:
@@ -110,12 +194,96 @@ def kill_plan(kills: int, rng: random.Random, *, steps_hint: int, ref_seconds: f
     return plan
 
 
+def place_kill(kind: str, value, restored: int | None, timeline: Timeline,
+               later: int = 0) -> Placed | None:
+    """The kill `(kind, value)` of the plan, made on a restart that resumes from
+    `restored`, so that it lands strictly before the final save; `later` kills must
+    still fit after it. None when no kill can land before the final save."""
+    start, final = restored or 0, timeline.final_step
+    room = final - start - 1  # steps of this restart before the final one
+    if room < 1:
+        return None
+    # A step kill fires after its step's eval, before its save: step `start + k`, k <= room,
+    # is before the final step. One asked for too late gets an equal share of the room
+    # left, so the kills after it still have saves to resume from.
+    step_k = max(1, room // (later + 1))
+    saves = [s for s in timeline.save_steps if start < s < final]
+    if kind == "step":
+        k = int(value) if int(value) <= room - later else step_k
+        return Placed(f"step:{k}" + ("" if k == int(value) else f" [was step:{value}]"),
+                      fault=f"step:{k}")
+    if kind == "time":
+        return Placed(f"time:{value}", fault=f"step:{step_k}", after_s=float(value))
+    if kind in ("save", "eval") and not saves:  # no save left before the final one
+        k = max(1, step_k // 2)
+        return Placed(f"step:{k} [was {kind}:{value}]", fault=f"step:{k}")
+    if kind == "save":  # the k-th save of this restart is one of `saves`
+        k = min(int(value), max(1, len(saves) - later))
+        return Placed(f"save:{k}" + ("" if k == int(value) else f" [was save:{value}]"),
+                      fault=f"save:{k}")
+    if kind == "eval":  # eval steps are not known: kill by the last save before the final
+        return Placed(f"eval:{value}", fault=f"eval:{value}", when_saving=saves[-1])
+    raise ValueError(f"unknown kill kind {kind!r} (step, eval, save, time)")
+
+
+def judge(reference: dict, final: dict | None, attempts: list[Attempt],
+          requested: int, log_path: str = "the log") -> Verdict:
+    """The verdict from the reference summary, the interrupted run's final summary and
+    its processes in order. PASS only when the run finished, every requested kill
+    landed, some restart resumed from 0 < step < final step, and the states match."""
+    kills = [(a.label or a.kill) if a.landed else
+             f"{a.label or a.kill} ({f'exit {a.code}, ' if a.made else ''}not killed)"
+             for a in attempts if a.kill is not None]
+    landed = sum(a.landed for a in attempts)
+    total = reference.get("step")
+    resumed = [a.restored for a in attempts[1:] if a.made and a.restored is not None
+               and total is not None and 0 < a.restored < total]
+    a_sha, b_sha = reference.get("state_sha256"), (final or {}).get("state_sha256")
+    common = {"reference_sha": a_sha, "interrupted_sha": b_sha, "resumed_from": resumed,
+              "kills": kills, "landed": landed, "requested": requested}
+    bad = [a for a in attempts if a.code not in (0, -signal.SIGKILL)]
+    if bad:
+        return Verdict(False, f"FAIL: a restarted run exited {bad[0].code} "
+                              f"(see {log_path})", **common)
+    if final is None or not attempts or attempts[-1].code != 0:
+        return Verdict(False, f"FAIL: the interrupted run did not finish (see {log_path})",
+                       **common)
+    detail = (f"{landed}/{requested} kills landed ({', '.join(kills) or 'none'}), "
+              f"restarts resumed from steps {resumed or 'none'} of {total}; final step "
+              f"{final.get('step')} vs {total}, state_sha256 {str(b_sha)[:12]} vs "
+              f"{str(a_sha)[:12]}")
+    if landed < requested:
+        return Verdict(False, f"FAIL: only {detail}", **common)
+    if not resumed:
+        return Verdict(False, f"INCONCLUSIVE: no restart resumed from a checkpoint "
+                              f"between step 0 and the final step; {detail}", **common)
+    if a_sha == b_sha and final.get("step") == total:
+        return Verdict(True, f"PASS: bitwise identical after {detail}", **common)
+    return Verdict(False, f"FAIL: resumed run differs from the uninterrupted one: {detail}",
+                   **common)
+
+
+def _reference_run(command, ref_dir, env, log_path, timeout):
+    """Run the reference, watching its checkpoint directory: (code, seconds, seen)
+    with `seen` = {step: seconds from start when its checkpoint first appeared}."""
+    seen: dict[int, float] = {}
+
+    def watch(elapsed: float) -> bool:
+        for step in _entries(ref_dir).values():
+            seen.setdefault(step, elapsed)
+        return False
+
+    code, seconds, _ = _run(command(ref_dir), env, log_path, watch=watch, timeout=timeout)
+    return code, seconds, seen
+
+
 def verify_resume(command: Callable[[str], list], root: str, *, kills: int = 4,
                   seed: int | None = None, env: dict | None = None,
                   negative_control: bool = False, reference: str | None = None,
                   plan: list | None = None, timeout: float = TIMEOUT_S) -> Verdict:
     """Reference run (unless `reference` names a finished one), then the killed run.
-    `plan`: the kills to make, as `kill_plan` returns them (default: random)."""
+    `plan`: the kills to make, as `kill_plan` returns them (default: random); each is
+    placed before the final save on its restart (`place_kill`)."""
     rng = random.Random(seed if seed is not None else time.time_ns())
     env = dict(os.environ if env is None else env)
     if "JAX_COMPILATION_CACHE_DIR" not in env:  # restarts reuse compiled programs
@@ -127,59 +295,59 @@ def verify_resume(command: Callable[[str], list], root: str, *, kills: int = 4,
     os.makedirs(root, exist_ok=True)
     ref_dir = reference or os.path.join(root, "reference")
     run_dir = os.path.join(root, "interrupted")
-    ref_seconds = 30.0
+    seen: dict[int, float] = {}
     if reference is None:
         _fresh(ref_dir)
-        code, ref_seconds = _run(command(ref_dir), env, os.path.join(root, "reference.log"),
-                                 timeout=timeout)
+        code, _, seen = _reference_run(command, ref_dir, env,
+                                       os.path.join(root, "reference.log"), timeout)
         if code != 0:
             return Verdict(False, f"FAIL: the reference run exited {code} "
                                   f"(see {os.path.join(root, 'reference.log')})")
     ref = _summary(ref_dir)
-    if ref is None:
-        return Verdict(False, f"FAIL: no summary.json in {ref_dir}")
+    if ref is None or not isinstance(ref.get("step"), int):
+        return Verdict(False, f"FAIL: no summary.json with a step in {ref_dir}")
+    final_step = ref["step"]
+    timeline = Timeline(final_step, sorted(set(seen) | set(_finished_steps(ref_dir))),
+                        seen.get(final_step))
 
     _fresh(run_dir)
     if plan is None:
-        plan = kill_plan(kills, rng, steps_hint=int(ref.get("step") or 100),
-                         ref_seconds=ref_seconds)
-    done, history = [], []
+        plan = kill_plan(kills, rng, steps_hint=final_step,
+                         ref_seconds=timeline.last_save_s or 30.0)
+    plan = list(plan)
+    attempts: list[Attempt] = []
     log_path = os.path.join(root, "interrupted.log")
-    for i, (kind, value) in enumerate(plan + [("none", None)]):
+    for i, entry in enumerate(plan + [None]):
+        restored = (_finished_steps(run_dir) or [None])[-1]
+        placed = None
+        if entry is not None:
+            placed = place_kill(*entry, restored, timeline, later=len(plan) - i - 1)
+            if placed is None:  # cannot land before the final save: counted, not made
+                attempts.append(Attempt(f"{entry[0]}:{entry[1]}", restored, 0,
+                                        f"{entry[0]}:{entry[1]} [no room before the "
+                                        f"final save]", made=False))
+                continue
         run_env = dict(env)
         if negative_control and i > 0:
             run_env[faults.SKIP_DATA_RESTORE_ENV] = "1"
-        if kind in ("step", "eval", "save"):
-            run_env[faults.FAULT_ENV] = f"{kind}:{value}"
-        before = _finished_steps(run_dir)
-        code, _ = _run(command(run_dir), run_env, log_path, timeout=timeout,
-                       kill_after=value if kind == "time" else None)
-        if kind != "none":
-            history.append(f"{kind}:{value}" + ("" if code == -signal.SIGKILL else
-                                                f"(exit {code}, not killed)"))
-        done.append(before[-1] if before else None)
-        if code == 0:
-            break
+        if placed is not None and placed.fault:
+            run_env[faults.FAULT_ENV] = placed.fault
+        watch = None
+        if placed is not None and placed.when_saving is not None:
+            watch = _new_save_watch(run_dir, placed.when_saving)
+        code, _, by = _run(command(run_dir), run_env, log_path, timeout=timeout,
+                           kill_after=placed.after_s if placed else None, watch=watch)
+        label = placed.label if placed else None
+        if placed is not None and code == -signal.SIGKILL:
+            if placed.after_s is not None and by is None:
+                label = f"{placed.fault} [backstop of {placed.label}]"
+            elif by == "watch":
+                label = f"{placed.label} [at save {placed.when_saving}]"
+        attempts.append(Attempt(f"{entry[0]}:{entry[1]}" if entry else None,
+                                restored, code, label))
         if code != -signal.SIGKILL:
-            return Verdict(False, f"FAIL: a restarted run exited {code} (see {log_path})",
-                           kills=history)
-    final = _summary(run_dir)
-    if final is None or code != 0:
-        return Verdict(False, f"FAIL: the interrupted run did not finish (see {log_path})",
-                       kills=history)
-    resumed = [s for s in done[1:] if s]
-    a, b = ref.get("state_sha256"), final.get("state_sha256")
-    killed = sum(1 for h in history if "not killed" not in h)
-    detail = (f"{killed} kills ({', '.join(history)}), restarts resumed from steps "
-              f"{resumed or 'none'}; final step {final.get('step')} vs {ref.get('step')}, "
-              f"state_sha256 {str(b)[:12]} vs {str(a)[:12]}")
-    if not resumed:
-        return Verdict(False, f"INCONCLUSIVE: no restart resumed from a checkpoint; {detail}",
-                       a, b, resumed, history)
-    if a == b and final.get("step") == ref.get("step"):
-        return Verdict(True, f"PASS: bitwise identical after {detail}", a, b, resumed, history)
-    return Verdict(False, f"FAIL: resumed run differs from the uninterrupted one: {detail}",
-                   a, b, resumed, history)
+            break  # finished (a kill that did not land), or failed
+    return judge(ref, _summary(run_dir), attempts, len(plan), log_path)
 
 
 def _fresh(path: str) -> None:
@@ -220,4 +388,3 @@ def run_from_cli(argv: list, workdir: str, *, kills: int,
                         if negative_control else "") + "\n")
     sys.stdout.flush()
     return 0 if verdict.ok else 1
-

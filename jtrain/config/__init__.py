@@ -47,7 +47,20 @@ def defaults(model: str = "transformer") -> ml_collections.ConfigDict:
     _check_value("model.name", str, tuple(MODEL_FAMILIES), model)
     tree = _build(schema_for(model))
     tree["model"]["name"] = model
-    return ml_collections.ConfigDict(tree)
+    config = ml_collections.ConfigDict(tree)
+    for key, spec in _fields(schema_for(model)):  # None-able numbers: typed placeholders
+        if spec.type == "optfloat":
+            section, name = key.rsplit(".", 1)
+            config[section][name] = ml_collections.config_dict.placeholder(float)
+    return config
+
+
+def _fields(schema: dict, prefix: str = ""):
+    for key, spec in schema.items():
+        if isinstance(spec, dict):
+            yield from _fields(spec, f"{prefix}{key}.")
+        else:
+            yield prefix + key, spec
 
 
 def _as_dict(config) -> dict:
@@ -125,6 +138,10 @@ def _check_value(key: str, typ, check, value) -> None:
         if not isinstance(value, bool):
             raise ConfigError(key, f"must be true or false, got {value!r}")
         return
+    if typ == "optfloat":
+        if value is None:
+            return
+        typ = float
     if typ is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(key, f"must be an integer, got {value!r}")
@@ -180,6 +197,14 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
         raise ConfigError("optim.warmup_steps",
                           f"{optim['warmup_steps']} >= total_steps={tree['total_steps']}: "
                           "the run would never leave warmup")
+    for beta in ("b1", "b2"):  # (0, 1) inclusive in the schema; 1.0 never forgets
+        if optim["name"] in ("adam", "adamw", "lion") and optim[beta] >= 1.0:
+            raise ConfigError(f"optim.{beta}", f"must be < 1 for {optim['name']}, got "
+                              f"{optim[beta]!r} (the moment estimate would never update)")
+    if not 0.0 < tree["plateau"]["factor"] < 1.0:
+        raise ConfigError("plateau.factor", f"must be in (0, 1), got "
+                          f"{tree['plateau']['factor']!r}")
+    _check_early_stop(tree["early_stop"])
     if optim["name"] == "adam" and optim["weight_decay"] > 0:
         raise ConfigError("optim.weight_decay", "adam has no weight decay; use optim.name=adamw")
     batch = tree["data"]["batch_size"]
@@ -255,6 +280,17 @@ def _check_data(data: dict) -> None:
         if path and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", path):
             raise ConfigError(f"data.{key}",
                               f"expected 'package.module:function', got {path!r}")
+
+
+def _check_early_stop(es: dict) -> None:
+    stop, diverge = es["stopping_threshold"], es["divergence_threshold"]
+    if stop is None or diverge is None:
+        return
+    better = stop < diverge if es["mode"] == "min" else stop > diverge
+    if not better:
+        raise ConfigError("early_stop.divergence_threshold",
+                          f"{diverge!r} is better than stopping_threshold={stop!r} for "
+                          f"mode={es['mode']}")
 
 
 def _check_checkpoint(ckpt: dict) -> None:

@@ -10,7 +10,8 @@ from typing import Any, NamedTuple
 
 class Field(NamedTuple):
     """One config key. `type`: int, float, bool, str, "strs" / "ints" (tuples), "dict"
-    (free-form kwargs). `check`: a range (lo, hi) with None for an open end (inclusive),
+    (free-form kwargs), "optfloat" (a number or None = off; an ml_collections float
+    placeholder in config files, so `--config.x=0.5` works). `check`: a range (lo, hi) with None for an open end (inclusive),
     a tuple of choices, or None. `resume`: True when the key may differ on resume without
     `checkpoint.allow_changes` (it cannot change the trained state, or, for mesh.*, only
     the float reduction order)."""
@@ -45,6 +46,8 @@ SCHEMA: dict[str, Any] = {
     "total_steps": F(int, 1000, (1, INF), "optimizer updates in the run"),
     "max_steps_in_flight": F(int, 8, (1, 16), "steps dispatched ahead of the host "
                              "(CPU collectives deadlock past ~32)", resume=True),
+    "deterministic": F(bool, False, None, "deterministic GPU ops (XLA flags set before the "
+                       "backend starts); CPU is deterministic already", resume=True),
     "model": {
         "name": F(str, "transformer", None, "built-in family (MODEL_FAMILIES); a model "
                   "passed to jtrain.train replaces it"),
@@ -70,8 +73,8 @@ SCHEMA: dict[str, Any] = {
         "decay_embeddings": F(bool, False, None, "apply weight decay to embedding tables"),
         "clip_norm": F(float, 0.0, (0.0, INF), "global-norm gradient clipping; 0 = off"),
         "grad_accum_steps": F(int, 1, (1, 4096), "microbatches per update (inside the step)"),
-        "b1": F(float, 0.9, (0.0, 1.0), "adam / adamw / lion beta1"),
-        "b2": F(float, 0.999, (0.0, 1.0), "adam / adamw / lion beta2"),
+        "b1": F(float, 0.9, (0.0, 1.0), "adam / adamw / lion beta1, in [0, 1)"),
+        "b2": F(float, 0.999, (0.0, 1.0), "adam / adamw / lion beta2, in [0, 1)"),
         "eps": F(float, 1e-8, (0.0, 1.0), "adam / adamw epsilon"),
         "momentum": F(float, 0.9, (0.0, 1.0), "sgd momentum; 0 = plain sgd"),
         "nesterov": F(bool, False, None, "sgd: Nesterov momentum"),
@@ -96,6 +99,8 @@ SCHEMA: dict[str, Any] = {
                     "the data or {'train': ..., 'eval': ...}; overrides name"),
         "kwargs": F("dict", {}, None, "keyword arguments of data.source"),
         "transform": F(str, "", None, "'package.module:fn', fn(item, rng) on train items"),
+        "valid_fn": F(str, "", None, "'package.module:fn', fn(batch) -> bool scalar, traced "
+                      "in the step: False skips the batch's update (jtrain.control)"),
     },
     "mesh": _resume_safe({
         "data": F(int, -1, (-1, INF), "pure data-parallel axis; -1 = the rest"),
@@ -151,6 +156,47 @@ SCHEMA: dict[str, Any] = {
         "init_from_opt": F(bool, False, None, "also take the optimizer state"),
         "init_exclude": F("strs", (), None, "regexes of leaf paths that keep a fresh init"),
         "writer_nice": F(int, 19, (0, 19), "Linux nice of background-write threads"),
+        "save_on_best": F(bool, True, None, "an eval that enters the keep_top_k best saves "
+                          "its step (when keep_top_k > 0)"),
+    }),
+    # Run control (jtrain/control): decisions from globally reduced values, state in
+    # the checkpoint.
+    "early_stop": _resume_safe({
+        "monitor": F(str, "", None, "eval metric to watch, e.g. eval/f1; '' = off"),
+        "mode": F(str, "min", ("min", "max"), "whether lower or higher is better"),
+        "patience": F(int, 5, (1, INF), "evals without improvement before stopping"),
+        "min_delta": F(float, 0.0, (0.0, INF), "smallest change that counts as better"),
+        "stopping_threshold": F("optfloat", None, None, "stop once the metric is at least "
+                                "this good"),
+        "divergence_threshold": F("optfloat", None, None, "stop once the metric is worse "
+                                  "than this"),
+        "check_finite": F(bool, True, None, "stop when the metric is NaN or infinite"),
+    }),
+    "plateau": {  # changes the learning rate from here on: not resume-safe
+        "monitor": F(str, "", None, "eval metric driving ReduceLROnPlateau; '' = off"),
+        "mode": F(str, "min", ("min", "max"), "whether lower or higher is better"),
+        "factor": F(float, 0.1, (0.0, 1.0), "multiply the learning rate by this, in (0, 1)"),
+        "patience": F(int, 3, (0, INF), "evals without improvement before reducing"),
+        "cooldown": F(int, 0, (0, INF), "evals to wait after a reduction"),
+        "min_lr": F(float, 0.0, (0.0, INF), "optim.lr x the plateau factor never goes "
+                     "below this"),
+        "min_delta": F(float, 1e-4, (0.0, INF), "smallest change that counts as better"),
+    },
+    "nonfinite": _resume_safe({
+        "policy": F(str, "skip", ("skip", "halt"), "a non-finite loss or gradient norm: "
+                    "skip the update, or halt (exit 4)"),
+        "max_consecutive": F(int, 8, (1, INF), "skip: halt after this many skips in a row"),
+    }),
+    "watchdog": _resume_safe({
+        "timeout_s": F(float, -1.0, (-1.0, INF), "a step, eval or save taking longer "
+                       "dumps all stacks and exits 5; 0 = off, -1 = 1800 s with several "
+                       "processes, off with one"),
+        "first_timeout_s": F(float, 3600.0, (0.0, INF), "allowance for start-up and the "
+                             "first step (compile)"),
+    }),
+    "memory": _resume_safe({
+        "budget_bytes": F(float, 0.0, (0.0, INF), "per-device memory the train step may use; "
+                          "0 = the device's own limit (none known on CPU)"),
     }),
 }
 

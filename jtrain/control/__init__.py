@@ -4,12 +4,18 @@
     record    the run-control record every checkpoint carries (RunControl)
     changes   config diffs on resume and which keys need checkpoint.allow_changes
     faults    test-only fault injection for --verify_resume (JTRAIN_FAULT)
+    watchdog  a step, eval or save past watchdog.timeout_s -> stacks dumped, exit 5 (Watchdog)
+    monitor   early stopping, plateau and best-value trackers, JSON state (EarlyStopping, Plateau)
+    decide    the loop's decisions after each step and eval, the same on every process
+    ledger    the skip ledger: skipped steps and their example indices (WORKDIR/skipped.jsonl)
 """
 
 from jtrain.control.changes import (config_changes, describe_changes, flatten,
                                     unallowed_changes)
 from jtrain.control.record import RunControl, versions, writer_run_ids
 from jtrain.control.signals import SYNC_EVERY, Stopper, StopRequested
+from jtrain.control.watchdog import Watchdog, effective_timeout
 
-__all__ = ["RunControl", "SYNC_EVERY", "StopRequested", "Stopper", "config_changes",
-           "describe_changes", "flatten", "unallowed_changes", "versions", "writer_run_ids"]
+__all__ = ["RunControl", "SYNC_EVERY", "StopRequested", "Stopper", "Watchdog",
+           "config_changes", "describe_changes", "effective_timeout", "flatten",
+           "unallowed_changes", "versions", "writer_run_ids"]

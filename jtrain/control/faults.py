@@ -3,6 +3,8 @@
 JTRAIN_FAULT=`step:N` SIGKILLs this process right after its N-th step was dispatched,
 `eval:N` shortly after its N-th evaluation began, `save:N` while its N-th checkpoint is
 being written in the background; `step:N:TERM` (or `:INT`) sends that signal instead.
+`hang:N[:SECONDS]` makes the N-th step's fault point sleep SECONDS (default 3600) in the
+calling thread instead, a stuck step for the hang watchdog (control.watchdog) to catch.
 JTRAIN_SKIP_DATA_RESTORE (the negative control of --verify_resume): restarts ignore the
 saved data position.
 """
@@ -12,11 +14,12 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 FAULT_ENV = "JTRAIN_FAULT"
 SKIP_DATA_RESTORE_ENV = "JTRAIN_SKIP_DATA_RESTORE"
 
-_armed: tuple[str, int, str] | None = None  # (event kind, N, signal name)
+_armed: tuple[str, int, str | None] | None = None  # (plan kind, N, signal or seconds)
 _skip_data_restore = False
 _fault_counts: dict[str, int] = {}
 
@@ -31,7 +34,7 @@ def arm() -> None:
     _armed = None
     if spec:
         parts = spec.split(":")
-        _armed = (parts[0], int((parts[1:2] or ["1"])[0]), (parts[2:3] or ["KILL"])[0])
+        _armed = (parts[0], int((parts[1:2] or ["1"])[0]), (parts[2:3] or [None])[0])
 
 
 def skip_data_restore() -> bool:
@@ -41,13 +44,20 @@ def skip_data_restore() -> bool:
 
 def fault_point(kind: str, delay: float = 0.0) -> None:
     """At the N-th `kind` event of an armed plan (`kind:N[:SIG]`), send this process
-    SIGKILL (or SIGTERM / SIGINT for SIG = TERM / INT), after `delay` seconds."""
-    if _armed is None or _armed[0] != kind:
+    SIGKILL (or SIGTERM / SIGINT for SIG = TERM / INT), after `delay` seconds; a
+    `hang:N[:SECONDS]` plan sleeps at the N-th step instead."""
+    if _armed is None:
+        return
+    hang = _armed[0] == "hang" and kind == "step"
+    if _armed[0] != kind and not hang:
         return
     _fault_counts[kind] = _fault_counts.get(kind, 0) + 1
     if _fault_counts[kind] != _armed[1]:
         return
-    signum = getattr(signal, f"SIG{_armed[2]}")
+    if hang:
+        time.sleep(float(_armed[2] or 3600))
+        return
+    signum = getattr(signal, f"SIG{_armed[2] or 'KILL'}")
     if delay <= 0:
         os.kill(os.getpid(), signum)
     else:

@@ -21,7 +21,11 @@ class RunControl:
     metric_registry: dict = dataclasses.field(default_factory=dict)
     eval_history: list = dataclasses.field(default_factory=list)  # last evaluations
     config_changes: list = dataclasses.field(default_factory=list)  # accepted on resume
-    stopped_by: str | None = None
+    stopped_by: str | None = None  # SIGTERM, SIGINT, early_stop, on_eval
+    # Early stopping and plateau state ({"early_stop": ..., "plateau": ...}, see
+    # jtrain.control.monitor) and the skip ledger (jtrain.control.ledger).
+    monitors: dict = dataclasses.field(default_factory=dict)
+    skip_ledger: list = dataclasses.field(default_factory=list)
 
     HISTORY_KEEP = 100
 

@@ -26,7 +26,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
-from jtrain.data import checks, evalsets, load, pipeline, text, torch_adapters
+import numpy as np
+
+from jtrain.data import checks, evalsets, items as items_lib, load, pipeline, text
+from jtrain.data import torch_adapters
 from jtrain.data.items import DataError, x64_enabled
 from jtrain.data.dataset import Data, MapData
 from jtrain.data.prefetch import DevicePrefetch
@@ -37,6 +40,34 @@ __all__ = ["BUILTIN", "Data", "DataError", "as_data", "device_prefetch", "eval_b
            "num_eval_examples", "with_transform"]
 
 BUILTIN = {"pystdlib": text.make_pystdlib}
+VOCAB_SCAN = 1024  # examples check_vocab reads (all of them for smaller datasets)
+example_indices = pipeline.example_indices
+load_named = load.load_named
+
+
+def check_vocab(model_cfg, data: Data) -> None:
+    """ConfigError naming model.vocab_size when a token id in the first VOCAB_SCAN
+    examples' integer inputs / targets is not below it (an embedding lookup out of range
+    does not fail on device: it clamps, and the run trains on garbage)."""
+    vocab = model_cfg.get("vocab_size")
+    if vocab is None:
+        return
+    from jtrain.errors import ConfigError
+
+    n = min(len(data), VOCAB_SCAN) if isinstance(data, MapData) else 1
+    for i in range(max(n, 1)):
+        example = data[i]
+        for key in ("inputs", "targets"):
+            if example.get(key) is None:
+                continue
+            for _, leaf in items_lib.flatten(example[key]):
+                if np.issubdtype(np.asarray(leaf).dtype, np.integer) and np.size(leaf):
+                    top = int(np.max(leaf))
+                    if top >= vocab:
+                        raise ConfigError("model.vocab_size", (
+                            f"{vocab} is not above the largest token id in {data.name}: "
+                            f"{top} (in {key!r} of example {i}); set model.vocab_size "
+                            f">= {top + 1}"))
 
 
 def as_data(obj, name: str) -> Data:

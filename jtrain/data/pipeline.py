@@ -182,6 +182,18 @@ class MapIterator:
             self._it = None
 
 
+def example_indices(data_state: dict | None, seed: int, number: int | None):
+    """The global dataset indices of global batch `number` of a map-style train
+    iterator whose state is `data_state` (None for a stream: it has no global index)."""
+    if number is None or not data_state or data_state.get("kind") != "map":
+        return None
+    b = int(data_state["global_batch"])
+    plan = BatchPlan(int(data_state["num_examples"]), b, b, 0, seed,
+                     bool(data_state["shuffle"]), bool(data_state["drop_last"]))
+    _, _, indices, valid = plan(number)
+    return [int(i) for i in indices[valid]]
+
+
 def with_workers(ds: grain.IterDataset, num_workers: int, prefetch: int, worker_init_fn):
     """`ds` read by `num_workers` spawned grain worker processes (none: `ds` itself)."""
     if not num_workers:

@@ -4,6 +4,7 @@
     header    the run header and the parameter table printed before training
     redact    secrets masked from everything jtrain prints or writes
     writers   metric writers: JSONL, TensorBoard, MLflow, W&B (background thread)
+    jsonl     the metrics.jsonl format; a resumed run's records truncated to its step
     perf      steps/s, tokens/s, MFU, data wait, compile time; the profiler
     plots     PNG plots for `python -m jtrain.evaluate`
 """

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import queue
 import re
@@ -19,6 +18,7 @@ from pathlib import Path
 
 # Redaction lives beside the console output that needs it most; it is part of this API.
 from jtrain import config as config_lib
+from jtrain.observe import jsonl
 from jtrain.observe.redact import redact, redact_text
 
 _MLFLOW_PARAM_MAX_LEN = 6000  # MLflow rejects longer parameter values.
@@ -84,26 +84,22 @@ class _Backend:
     def close(self) -> None: ...
 
 
-def _json_float(v: float):
-    if math.isfinite(v):
-        return v
-    return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-
-
 class _Jsonl(_Backend):
     name = "jsonl"
 
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, resumed_step: int | None = None):
         path = os.path.join(workdir, "metrics.jsonl")
+        if resumed_step is not None and os.path.exists(path):
+            jsonl.truncate_after(path, resumed_step)
         # A kill mid-line leaves a partial record; start ours on a fresh line.
-        torn = os.path.exists(path) and os.path.getsize(path) > 0 and _last_byte(path) != b"\n"
+        torn = os.path.exists(path) and os.path.getsize(path) > 0 and jsonl.last_byte(path) != b"\n"
         self._f = open(path, "a", encoding="utf-8")
         if torn:
             self._f.write("\n")
 
     def scalars(self, step, wall, scalars):
         record = {"step": step, "time": wall}
-        record.update({k: _json_float(v) for k, v in scalars.items()})
+        record.update({k: jsonl.json_float(v) for k, v in scalars.items()})
         self._f.write(json.dumps(record, allow_nan=False) + "\n")
         self._f.flush()  # cheap here (background thread); a kill loses nothing written
 
@@ -112,12 +108,6 @@ class _Jsonl(_Backend):
 
     def close(self):
         self._f.close()
-
-
-def _last_byte(path: str) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1)
 
 
 class _TensorBoard(_Backend):
@@ -253,12 +243,15 @@ class _Wandb(_Backend):
 
 class MetricWriter:
     """Writes scalars, the config and text to every backend in log.writers, off-thread.
+    `resumed_step`: metrics.jsonl drops its records after that step, which the resumed
+    run writes again (TensorBoard and the trackers keep both; the later one is current).
 
     On non-primary processes every method is a no-op and no file is created.
     """
 
     def __init__(self, workdir: str, log_cfg, *, is_primary: bool,
-                 run_ids: dict | None = None, run_name: str | None = None):
+                 run_ids: dict | None = None, run_name: str | None = None,
+                 resumed_step: int | None = None):
         self._ids = dict(run_ids or {})
         self._backends: list[_Backend] = []
         self._thread = None
@@ -273,7 +266,7 @@ class MetricWriter:
                 _import_extra(extra)
         os.makedirs(workdir, exist_ok=True)
         try:
-            self._backends.append(_Jsonl(workdir))
+            self._backends.append(_Jsonl(workdir, resumed_step))
             if "tensorboard" in names:
                 self._backends.append(_TensorBoard(workdir))
             for name, cls in (("mlflow", _MLflow), ("wandb", _Wandb)):

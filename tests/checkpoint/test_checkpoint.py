@@ -35,7 +35,8 @@ def make_state(step=0, scale=1.0, width=16, dtype=jnp.float32, extra=False):
     return TrainState(step=jnp.asarray(step, jnp.int32), params=params, opt_state=opt,
                       rng=jnp.asarray([1, 2], jnp.uint32),
                       loss_scale={"scale": jnp.float32(1), "good_steps": jnp.int32(0)},
-                      skipped_steps=jnp.int32(0))
+                      skipped_steps=jnp.int32(0), consecutive_skips=jnp.int32(0),
+                      halted_at=jnp.int32(0), lr_factor=jnp.float32(1))
 
 
 def abstract(state):
@@ -243,9 +244,9 @@ def test_changed_config_refuses_with_diff_unless_allowed(base_run, tmp_path):
     assert record["config"]["optim"]["lr"] == 0.5
 
 
-def test_retention_latest_topk_final_across_two_resumes(tmp_path):
-    """max_to_keep=2, keep_top_k=2 with mode=max (so the best are not the latest),
-    final step 90; three sessions (two resumes)."""
+def test_retention_latest_topk_across_two_resumes(tmp_path):
+    """max_to_keep=2, keep_top_k=2 with mode=max (so the best are not the latest);
+    three sessions (two resumes): exactly latest-2 ∪ top-2 each time."""
     cfg = make_config(max_to_keep=2, keep_top_k=2, mode="max", monitor="eval/loss")
     values = {10: 5.0, 20: 3.0, 30: 4.0, 40: 6.0, 50: 1.0, 60: 2.0, 70: 0.5, 80: 7.0, 90: 0.1}
     expected = [[10, 20, 30], [10, 40, 50, 60], [40, 80, 90]]

@@ -1,0 +1,160 @@
+"""Decisions taken on eval metrics: early stopping and ReduceLROnPlateau.
+
+Both are plain host-side state machines fed one evaluation at a time with the globally
+reduced eval metrics (`jtrain.eval_loop` reduces over all processes), so every process
+would decide the same; the loop still broadcasts process 0's decision (`agree`) so that
+float noise or a user hook can never split them. Their state is JSON and lives in the
+checkpoint's run-control record (`RunControl.monitors`): a run killed between evals and
+resumed re-runs the same evals from the same state and stops at the same step.
+
+Early stopping (`early_stop.*`, Lightning's rules): an eval improves when it beats the
+best by more than `min_delta`; `patience` evals in a row without improvement stop the
+run; so do `stopping_threshold` (good enough), `divergence_threshold` (hopeless) and,
+with `check_finite`, a NaN or infinite value.
+
+ReduceLROnPlateau (`plateau.*`, PyTorch's rules with an absolute `min_delta`): more than
+`patience` evals without improvement multiply the learning-rate factor by `factor`, then
+`cooldown` evals are ignored; `optim.lr * factor` never goes below `min_lr`. The factor
+is `TrainState.lr_factor`: it scales the whole update inside the jitted step (for the
+optimizers here, exactly what scaling the learning rate does), composed with the
+schedule, so `train/lr` logs the effective rate and no recompile happens. optax's
+`contrib.reduce_on_plateau` was not used: it is driven by a value passed to every
+`update` (the train loss) and counts update calls, not evaluations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass
+class Best:
+    """The best value of a metric so far and the evals since it improved."""
+    mode: str  # "min" | "max"
+    min_delta: float
+    value: float | None = None
+    step: int | None = None
+    bad_evals: int = 0
+
+    def better(self, value: float) -> bool:
+        if self.value is None:
+            return True
+        if self.mode == "min":
+            return value < self.value - self.min_delta
+        return value > self.value + self.min_delta
+
+    def update(self, step: int, value: float) -> bool:
+        """Record one eval; True when it improved."""
+        if math.isfinite(value) and self.better(value):
+            self.value, self.step, self.bad_evals = value, step, 0
+            return True
+        self.bad_evals += 1
+        return False
+
+    def to_json(self) -> dict:
+        return {"value": self.value, "step": self.step, "bad_evals": self.bad_evals}
+
+    def load(self, d: dict | None) -> None:
+        if d:
+            self.value, self.step, self.bad_evals = d["value"], d["step"], d["bad_evals"]
+
+
+def monitored(metrics: dict, key: str) -> float:
+    """The monitored value; KeyError names what the eval produced instead."""
+    if key not in metrics:
+        have = ", ".join(sorted(k for k in metrics if k != "step")) or "nothing"
+        raise KeyError(f"{key} is not an eval metric of this run (it has: {have})")
+    return float(metrics[key])
+
+
+class EarlyStopping:
+    """`update(step, metrics)` -> None, or the reason to stop now (one line)."""
+
+    def __init__(self, cfg, state: dict | None = None):
+        self.cfg = cfg
+        self.best = Best(cfg.mode, float(cfg.min_delta))
+        self.best.load((state or {}).get("best"))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cfg.monitor)
+
+    def update(self, step: int, metrics: dict) -> str | None:
+        if not self.enabled:
+            return None
+        key, cfg = self.cfg.monitor, self.cfg
+        value = monitored(metrics, key)
+        if not math.isfinite(value):
+            self.best.bad_evals += 1
+            return f"{key} is {value} (early_stop.check_finite)" if cfg.check_finite else None
+        self.best.update(step, value)
+        lower = cfg.mode == "min"
+        if cfg.stopping_threshold is not None and (
+                value <= cfg.stopping_threshold if lower else value >= cfg.stopping_threshold):
+            return (f"{key} {value:.6g} reached early_stop.stopping_threshold="
+                    f"{cfg.stopping_threshold:g}")
+        if cfg.divergence_threshold is not None and (
+                value > cfg.divergence_threshold if lower else value < cfg.divergence_threshold):
+            return (f"{key} {value:.6g} is past early_stop.divergence_threshold="
+                    f"{cfg.divergence_threshold:g}")
+        if self.best.bad_evals >= cfg.patience:
+            return (f"{key} did not improve by more than {cfg.min_delta:g} in "
+                    f"{self.best.bad_evals} evals (early_stop.patience={cfg.patience})")
+        return None
+
+    def to_json(self) -> dict:
+        return {"best": self.best.to_json()}
+
+
+class Plateau:
+    """`update(step, metrics)` -> the new learning-rate factor, or None if unchanged."""
+
+    def __init__(self, cfg, peak_lr: float, state: dict | None = None):
+        self.cfg, self.peak_lr = cfg, float(peak_lr)
+        state = state or {}
+        self.best = Best(cfg.mode, float(cfg.min_delta))
+        self.best.load(state.get("best"))
+        self.factor = float(state.get("factor", 1.0))
+        self.cooldown_left = int(state.get("cooldown_left", 0))
+        self.reductions = list(state.get("reductions", []))  # [(step, factor)]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cfg.monitor)
+
+    def update(self, step: int, metrics: dict) -> float | None:
+        if not self.enabled:
+            return None
+        self.best.update(step, monitored(metrics, self.cfg.monitor))
+        if self.cooldown_left > 0:
+            self.cooldown_left -= 1
+            self.best.bad_evals = 0
+        if self.best.bad_evals <= self.cfg.patience:
+            return None
+        self.best.bad_evals = 0
+        floor = self.cfg.min_lr / self.peak_lr if self.peak_lr > 0 else 0.0
+        new = max(self.factor * self.cfg.factor, floor)
+        if new >= self.factor:  # already at min_lr
+            return None
+        self.factor, self.cooldown_left = new, self.cfg.cooldown
+        self.reductions.append([int(step), new])
+        return new
+
+    def to_json(self) -> dict:
+        return {"best": self.best.to_json(), "factor": self.factor,
+                "cooldown_left": self.cooldown_left, "reductions": self.reductions}
+
+
+def agree(stop: bool, factor: float | None) -> tuple[bool, float | None]:
+    """Process 0's decision on every process (one small broadcast per eval)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return stop, factor
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    code = np.asarray([float(stop), -1.0 if factor is None else float(factor)], np.float64)
+    code = np.asarray(multihost_utils.broadcast_one_to_all(code))
+    return bool(code[0]), (None if code[1] < 0 else float(code[1]))

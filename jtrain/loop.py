@@ -1,0 +1,248 @@
+"""The training loop: dispatch steps, drain them in order, evaluate, decide, save.
+
+Per step: the batch (already on the devices) goes into the jitted step; at most
+`max_steps_in_flight` steps run ahead of the host. Draining a step reads its in-graph
+status (a skipped update becomes a warning and a skip-ledger entry, a halt ends the run
+with `NonFiniteError`, exit 4) and, on log steps, its metrics.
+
+At an eval step (every `eval.every_steps`, and always the last step) the loop evaluates
+*before* it saves, so the checkpoint of that step holds its eval (best-k registry,
+history, early-stopping state); then early stopping, the plateau factor and `on_eval`
+decide (jtrain.control.decide), and an eval that enters the top k saves its step
+(checkpoint.save_on_best). Before every save all steps in flight are drained (a halt is
+never checkpointed) and the params are checked finite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections import deque
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jtrain import eval_loop
+from jtrain import state as state_lib
+from jtrain.errors import NonFiniteError
+
+
+@dataclasses.dataclass
+class Run:
+    """What `train.setup` builds for the loop."""
+    workdir: str
+    build: Any  # train.Build
+    state: Any
+    train_iter: Any
+    eval_source: Any
+    data_info: dict
+    ckpt: Any  # checkpoint.Checkpointer
+    out: Any  # train.Outputs
+    resumed_from: int | None
+    decisions: Any  # control.decide.Decisions
+    watchdog: Any  # control.Watchdog (a no-op when off)
+    determinism: str | None = None
+    stopper: Any = None  # control.Stopper: signals -> stop after a step
+
+    def close(self):
+        self.watchdog.pause()
+        self.out.close()
+        self.ckpt.close()
+        if hasattr(self.train_iter, "close"):
+            self.train_iter.close()
+
+
+@dataclasses.dataclass
+class _Session:
+    """The loop's bookkeeping for this process's part of the run."""
+    history: list = dataclasses.field(default_factory=list)  # evals
+    train_history: list = dataclasses.field(default_factory=list)  # log steps
+    stop_reason: str | None = None
+    stopped_by: str | None = None
+
+
+def run_loop(cfg, run: Run):
+    """Returns (state, session); `train()` turns them into a TrainResult."""
+    state, total = run.state, cfg.total_steps
+    start = int(jax.device_get(state.step))
+    pending: deque = deque()  # (step, metrics on device): bounded steps in flight
+    session = _Session()
+    evaluate_now = _evaluator(cfg, run)
+    set_factor = jax.jit(lambda s, f: s.replace(lr_factor=f.astype(jnp.float32)),
+                         donate_argnums=0, out_shardings=run.build.shardings)
+    all_finite = jax.jit(lambda params: jnp.all(jnp.asarray(
+        [jnp.isfinite(x).all() for x in jax.tree.leaves(params)])))
+
+    def drain_all():
+        while pending:
+            _drain(pending.popleft(), cfg, run, session)
+
+    def save(step):
+        drain_all()  # a halt found in flight ends the run before anything is saved
+        run.watchdog.beat("save")
+        if not bool(all_finite(state.params)):
+            raise NonFiniteError(f"the params became non-finite by step {step} (an update "
+                                 "overflowed); not saved; lower optim.lr or set "
+                                 "optim.clip_norm")
+        run.ckpt.save(step, state, run.train_iter.get_state(), evals=session.history,
+                      stopped_by=session.stopped_by, monitors=run.decisions.state(),
+                      skip_ledger=run.decisions.ledger.entries)
+
+    if run.stopper.signal_name is not None:  # a signal during start-up: nothing new to save
+        session.stopped_by = run.stopper.signal_name
+    step = start
+    for step in range(start + 1, total + 1 if not session.stopped_by else start + 1):
+        # The first step compiles: it is timed with watchdog.first_timeout_s.
+        if step == start + 1:
+            run.watchdog.beat("first step", allowance=cfg.watchdog.first_timeout_s)
+        else:
+            run.watchdog.beat("step")
+        run.out.profiler.before_step(step)
+        t0 = time.perf_counter()
+        batch = next(run.train_iter)  # on the devices already (data.device_prefetch)
+        t1 = time.perf_counter()
+        state, metrics = run.build.train_step(state, batch)
+        run.out.perf.step_done(step, t1 - t0, time.perf_counter() - t1,
+                               metrics if step == start + 1 else None)  # first: compile time
+        if run.out.profiler.after_step(step, metrics):
+            run.out.progress.message(f"jtrain: profile trace written to "
+                                     f"{run.out.profiler.directory}")
+        pending.append((step, metrics))
+        if len(pending) > cfg.max_steps_in_flight:
+            _drain(pending.popleft(), cfg, run, session)
+        best = False
+        if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == total:
+            drain_all()  # log lines before the eval line (eval waits for the state anyway)
+            # The first evaluation compiles the eval step: first_timeout_s too.
+            run.watchdog.beat("eval", allowance=None if session.history else
+                              cfg.watchdog.first_timeout_s)
+            result = run.stopper.interruptible(evaluate_now, state, step)  # [] if a signal
+            if result:
+                session.history += result
+                decided = run.decisions.after_eval(step, result[0],
+                                                   primary=jax.process_index() == 0)
+                if decided.factor is not None:
+                    state = set_factor(state, np.float32(decided.factor))
+                    run.out.progress.message(
+                        f"jtrain: step {step}: {cfg.plateau.monitor} has not improved; "
+                        f"learning rate x{decided.factor:.3g} (plateau.factor)")
+                if decided.stop:
+                    session.stop_reason, session.stopped_by = decided.stop, decided.stopped_by
+                best = run.ckpt.enters_top_k(step, result[0])
+        if run.stopper.should_stop(step):  # SIGTERM/SIGINT, the same step on all processes
+            session.stopped_by = session.stopped_by or run.stopper.signal_name
+        if session.stopped_by or best or step == total or run.ckpt.due(step):
+            save(step)
+        if session.stopped_by:
+            break
+    drain_all()
+    run.watchdog.beat("final save")
+    if step == total == start:  # resumed at the end: its eval is in the checkpoint
+        last = [e for e in run.ckpt.control.eval_history if e.get("step") == total]
+        session.history += last[-1:] or run.stopper.interruptible(evaluate_now, state, total)
+    if run.ckpt.latest_step() != step and not (step == start and session.stopped_by):
+        save(step)
+    run.ckpt.wait()  # a failed write ends the run with an error, before any summary
+    run.watchdog.pause()
+    if session.stop_reason:
+        run.out.progress.message(f"jtrain: stopped early at step {step}: "
+                                 f"{session.stop_reason}", level=0)
+    return state, session
+
+
+def _drain(item, cfg, run: Run, session: _Session) -> None:
+    """Wait for an old step (bounds dispatch) and read its status; on log steps, fetch
+    and write its metrics."""
+    step, metrics = item
+    status = int(jax.device_get(metrics["train/status"]))
+    if status:
+        small = jax.device_get({k: metrics[k] for k in
+                                ("train/skipped_steps", "train/consecutive_skips")})
+        rows_ok = np.asarray(jax.device_get(metrics["train/rows_ok"]))
+        run.decisions.after_step(step, status, int(small["train/skipped_steps"]),
+                                 int(small["train/consecutive_skips"]), rows_ok)
+    if step % cfg.log.every_steps and step != cfg.total_steps:
+        return
+    values = {k: float(v) for k, v in jax.device_get(metrics).items()
+              if k not in ("train/status", "train/rows_ok", "train/consecutive_skips")}
+    values.update(run.out.perf.log_values(step, values.pop("train/tokens")))
+    run.out.writer.write_scalars(step, values)
+    run.out.progress.update(step, values)
+    session.train_history.append({"step": step, **{k: v for k, v in values.items()
+                                                   if k.startswith("train/")}})
+    if cfg.log.verbosity >= 2:
+        run.out.progress.message(run.out.perf.debug_line(), level=2)
+
+
+def _evaluator(cfg, run: Run):
+    eval_batch = (cfg.eval.batch_size or cfg.data.batch_size) // jax.process_count()
+
+    def evaluate_now(state, step: int) -> dict:
+        if run.eval_source is None:
+            return {"step": step}
+        t0 = time.perf_counter()
+        result = eval_loop.run_eval(run.build.eval_step, state.params, run.eval_source,
+                                    mesh=run.build.mesh, local_batch=eval_batch,
+                                    max_batches=cfg.eval.num_batches, spec=run.build.eval_spec)
+        run.out.perf.add("eval", time.perf_counter() - t0)
+        run.out.writer.write_scalars(step, result.scalars)
+        run.out.progress.message(eval_loop.format_line(step, result))
+        return {"step": step, **result.scalars}
+
+    return evaluate_now
+
+
+def summarize(cfg, run: Run, state, session: _Session) -> dict:
+    last_eval = session.history[-1] if session.history else {}
+    summary = {
+        "step": int(jax.device_get(state.step)),
+        "state_sha256": state_lib.state_sha256(state),
+        "skipped_steps": int(jax.device_get(state.skipped_steps)),
+        "lr_factor": float(jax.device_get(state.lr_factor)),
+        "resumed_from": run.resumed_from,
+        "stopped_by": session.stopped_by,  # SIGTERM, SIGINT, early_stop, on_eval; None
+        "stop_reason": session.stop_reason,
+        **_best(cfg, run),
+        **{k: v for k, v in last_eval.items() if k != "step"},
+        **run.out.perf.summary(),
+    }
+    baseline = run.data_info.get("unigram_baseline")
+    if baseline is not None:
+        summary["unigram_baseline"] = baseline
+        summary["data_fingerprint"] = run.data_info["fingerprint"]
+        if "eval/loss" in summary:
+            run.out.progress.message(f"jtrain: final eval loss {summary['eval/loss']:.4f} "
+                                     f"nats/byte vs unigram baseline {baseline:.4f}")
+    run.out.progress.message(_final_line(summary), level=0)
+    if jax.process_index() == 0:
+        with open(os.path.join(run.workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2, sort_keys=True)
+    return summary
+
+
+def _best(cfg, run: Run) -> dict:
+    """The best step and value of the monitored metric (early_stop / plateau monitor,
+    else checkpoint.monitor) over the run's recorded evals, resumes included."""
+    out = run.decisions.best()
+    if out:
+        return out
+    key, sign = cfg.checkpoint.monitor, (1.0 if cfg.checkpoint.mode == "min" else -1.0)
+    scored = [(sign * e[key], e["step"]) for e in run.ckpt.control.eval_history
+              if key in e and np.isfinite(e[key])]
+    if not scored:
+        return {}
+    value, step = min(scored, key=lambda vs: (vs[0], -vs[1]))
+    return {"best_metric": key, "best_step": step, "best_value": sign * value}
+
+
+def _final_line(summary: dict) -> str:
+    """The one line printed even at verbosity 0."""
+    evals = eval_loop.headline(summary)
+    rate = summary.get("perf/steps_per_sec")
+    return (f"jtrain: done at step {summary['step']}" + (f"; eval {evals}" if evals else "")
+            + (f"; {rate:.2f} steps/s" if rate else "")
+            + (f"; {summary['skipped_steps']} skipped steps" if summary["skipped_steps"] else ""))
