@@ -12,7 +12,24 @@ its pieces are public so research code can assemble them one by one:
     step = jax.jit(jtrain.make_train_step(model_fns.apply, loss_fn, tx, schedule), ...)
 """
 
-from jtrain.models.adapters import ModelFns, to_model_fns
+import sys as _sys
+
+# `python -m jtrain.main`: SIGTERM / SIGINT during the imports and start-up (before
+# train() installs control.Stopper) are recorded here instead of killing the process
+# with status 143; the Stopper takes them over: nothing new to save, exit 0. Only for the
+# CLI: importing jtrain from a user's script changes no signal handling.
+_EARLY_SIGNALS: list[str] = []
+if _sys.argv[:1] == ["-m"] and "jtrain.main" in getattr(_sys, "orig_argv", ()):
+    import signal as _signal
+
+    def _early(signum, frame):
+        if not _EARLY_SIGNALS:
+            _EARLY_SIGNALS.append(_signal.Signals(signum).name)
+
+    for _sig in (_signal.SIGTERM, _signal.SIGINT):
+        _signal.signal(_sig, _early)
+
+from jtrain.models.adapters import ModelFns, to_model_fns  # noqa: E402
 from jtrain.config import defaults, resolve
 from jtrain.errors import ConfigError, DataError
 from jtrain.mesh import batch_sharding, host_to_device, make_mesh

@@ -28,6 +28,7 @@ import numpy as np
 
 from jtrain import eval_loop
 from jtrain import state as state_lib
+from jtrain.control.faults import fault_point
 from jtrain.errors import NonFiniteError
 
 
@@ -105,6 +106,8 @@ def run_loop(cfg, run: Run):
         t0 = time.perf_counter()
         batch = next(run.train_iter)  # on the devices already (data.device_prefetch)
         t1 = time.perf_counter()
+        if step == start + 1:
+            fault_point("compile", delay=0.05)  # test-only: a signal while it compiles
         state, metrics = run.build.train_step(state, batch)
         run.out.perf.step_done(step, t1 - t0, time.perf_counter() - t1,
                                metrics if step == start + 1 else None)  # first: compile time

@@ -81,6 +81,11 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES))
 
 
+def data_parallel_size(mesh: Mesh) -> int:
+    """How many ways the batch is split (data x fsdp)."""
+    return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 

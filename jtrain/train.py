@@ -25,6 +25,7 @@ from jtrain import config as config_lib
 from jtrain import control as control_lib
 from jtrain.control import decide as decide_lib
 from jtrain.control import ledger as ledger_lib
+from jtrain.control import memory as memory_lib
 from jtrain.control import watchdog as watchdog_lib
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
@@ -69,36 +70,45 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
         raise ValueError("workdir: required (the run's identity: checkpoints, logs, summary)")
     cfg = config_lib.resolve(config)
     determinism = precision_lib.set_deterministic(cfg.deterministic)
-    # data.source factories run, and a torch DataLoader's settings become data.*, before
-    # the batch is checked against the devices.
-    train_data, eval_data, overrides = data_lib.load_user_data(
-        cfg.data, train_data, eval_data, process_index=jax.process_index(),
-        process_count=jax.process_count())
-    if overrides:  # a new config: a validated one is never changed in place
-        cfg = config_lib.resolve({**cfg.to_dict(), "data": {**cfg.data.to_dict(), **overrides}})
-    config_lib.validate(cfg, num_devices=jax.device_count())
-    # From here on SIGTERM / SIGINT mean: save the current step, stop, return (jtrain.control.signals).
-    # A step, eval or save past watchdog.timeout_s ends the process (exit 5) with the
-    # stacks in WORKDIR/hang.log; start-up (compile included) gets first_timeout_s.
-    watchdog = control_lib.Watchdog(
-        control_lib.effective_timeout(cfg.watchdog.timeout_s, jax.process_count()),
-        cfg.watchdog.first_timeout_s, log_path=os.path.join(
-            os.path.abspath(workdir), watchdog_lib.LOG_FILE),
-        process_index=jax.process_index())
-    with control_lib.Stopper(cfg.checkpoint.grace_seconds) as stopper, watchdog:
-        run = _setup(cfg, os.path.abspath(workdir), model, train_data, eval_data, loss_fn,
-                     on_eval, determinism, watchdog)
-        run.stopper = stopper
-        try:
-            # Steps trace under the mesh and the logical-axis rules, so models' activation
-            # constraints (nn.with_logical_constraint) resolve to this mesh.
-            with jax.set_mesh(run.build.mesh), nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
-                state, session = loop_lib.run_loop(cfg, run)
-                summary = loop_lib.summarize(cfg, run, state, session)
-            return TrainResult(state=state, history=session.history, summary=summary,
-                               train_history=session.train_history)
-        finally:
-            run.close()
+    # From here on SIGTERM / SIGINT mean: save the current step (if any), stop, return
+    # (jtrain.control.signals); one that came during the CLI's imports is taken over.
+    with control_lib.Stopper(cfg.checkpoint.grace_seconds) as stopper:
+        # data.source factories run, and a torch DataLoader's settings become data.*,
+        # before the batch is checked against the devices.
+        train_data, eval_data, overrides = data_lib.load_user_data(
+            cfg.data, train_data, eval_data, process_index=jax.process_index(),
+            process_count=jax.process_count())
+        if overrides:  # a new config: a validated one is never changed in place
+            cfg = config_lib.resolve({**cfg.to_dict(),
+                                      "data": {**cfg.data.to_dict(), **overrides}})
+        config_lib.validate(cfg, num_devices=jax.device_count())
+        # A step, eval or save past watchdog.timeout_s ends the process (exit 5) with the
+        # stacks in WORKDIR/hang.log; start-up (compile included) gets first_timeout_s.
+        watchdog = control_lib.Watchdog(
+            control_lib.effective_timeout(cfg.watchdog.timeout_s, jax.process_count()),
+            cfg.watchdog.first_timeout_s, log_path=os.path.join(
+                os.path.abspath(workdir), watchdog_lib.LOG_FILE),
+            process_index=jax.process_index())
+        with watchdog:
+            return _train(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
+                          determinism, watchdog, stopper)
+
+
+def _train(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval, determinism,
+           watchdog, stopper) -> TrainResult:
+    run = _setup(cfg, os.path.abspath(workdir), model, train_data, eval_data, loss_fn,
+                 on_eval, determinism, watchdog)
+    run.stopper = stopper
+    try:
+        # Steps trace under the mesh and the logical-axis rules, so models' activation
+        # constraints (nn.with_logical_constraint) resolve to this mesh.
+        with jax.set_mesh(run.build.mesh), nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
+            state, session = loop_lib.run_loop(cfg, run)
+            summary = loop_lib.summarize(cfg, run, state, session)
+        return TrainResult(state=state, history=session.history, summary=summary,
+                           train_history=session.train_history)
+    finally:
+        run.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +129,7 @@ class Build:
     train_step: Callable  # jit(state, batch) -> (state, metrics), state donated
     eval_step: Callable  # jit(params, batch) -> (metric states, batch rows)
     seed: int
+    memory_plan: Any = None  # control.memory.Plan when a budget was given, else None
 
     def init(self) -> state_lib.TrainState:
         return state_lib.init_state(self.model_fns, self.tx, self.policy, self.sample_inputs,
@@ -130,11 +141,14 @@ class Build:
 
 
 def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | None = None,
-          byte_level: bool = False, eval_defaults: bool = False) -> Build:
+          byte_level: bool = False, eval_defaults: bool = False,
+          train_example: dict | None = None) -> Build:
     """Model, mesh, optimizer, abstract state and shardings, jitted steps: the set-up that
     training, `python -m jtrain.evaluate` and the benchmarks share. `sample`: one example's
     inputs (any pytree of arrays), `eval_example`: one eval example (for its targets).
-    `eval_defaults`: the task's default metrics on top of `eval.metrics` (the report)."""
+    `eval_defaults`: the task's default metrics on top of `eval.metrics` (the report).
+    `train_example`: one training example; with a memory budget (control.memory) the
+    step's grad_accum_steps is planned from it."""
     mesh = mesh_lib.make_mesh(cfg.mesh)
     policy = precision_lib.make_policy(cfg.model)
     name = cfg.model.name if model is None else f"user {type(model).__name__}"
@@ -150,15 +164,19 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
     batch_sharding, repl = mesh_lib.batch_sharding(mesh), mesh_lib.replicated(mesh)
     valid_fn = data_lib.load_named(cfg.data.valid_fn, "data.valid_fn") \
         if cfg.data.valid_fn else None
-    train_step = jax.jit(
-        step_lib.make_train_step(model_fns.apply, loss_fn or losses.default_loss, tx, schedule,
-                                 grad_accum_steps=cfg.optim.grad_accum_steps,
-                                 dynamic_loss_scale=policy.dynamic_loss_scale,
-                                 halt_on_nonfinite=cfg.nonfinite.policy == "halt",
-                                 max_consecutive=cfg.nonfinite.max_consecutive,
-                                 valid_fn=valid_fn),
-        in_shardings=(shardings, batch_sharding), out_shardings=(shardings, repl),
-        donate_argnums=0)
+    def make_train_step(accum):
+        return jax.jit(
+            step_lib.make_train_step(
+                model_fns.apply, loss_fn or losses.default_loss, tx, schedule,
+                grad_accum_steps=accum, dynamic_loss_scale=policy.dynamic_loss_scale,
+                halt_on_nonfinite=cfg.nonfinite.policy == "halt",
+                max_consecutive=cfg.nonfinite.max_consecutive, valid_fn=valid_fn),
+            in_shardings=(shardings, batch_sharding), out_shardings=(shardings, repl),
+            donate_argnums=0)
+
+    memory_plan = _plan_memory(cfg, mesh, make_train_step, abstract, train_example)
+    train_step = make_train_step(memory_plan.accum if memory_plan
+                                 else cfg.optim.grad_accum_steps)
     eval_spec = eval_loop.make_spec(cfg.eval, model_fns.apply, abstract.params, sample_inputs,
                                     eval_example, byte_level=byte_level,
                                     with_defaults=eval_defaults)
@@ -168,7 +186,25 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
                         in_shardings=(shardings.params, batch_sharding),
                         out_shardings=(repl, batch_sharding))
     return Build(mesh, policy, model_fns, name, model, tx, schedule, sample_inputs, abstract,
-                 shardings, eval_spec, train_step, eval_step, cfg.seed)
+                 shardings, eval_spec, train_step, eval_step, cfg.seed, memory_plan)
+
+
+def _plan_memory(cfg, mesh, make_train_step, abstract, train_example):
+    """control.memory's plan when a budget is known and a train example given, else None."""
+    budget, source = memory_lib.device_budget(cfg.memory.budget_bytes,
+                                              mesh.devices.flat[0])
+    if budget is None or train_example is None:
+        return None
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), train_example)
+
+    def measure(accum):
+        return memory_lib.step_bytes(make_train_step(accum).lower(abstract, batch).compile())
+
+    return memory_lib.plan(measure, per_device_batch=cfg.data.batch_size
+                           // mesh_lib.data_parallel_size(mesh),
+                           configured=cfg.optim.grad_accum_steps, budget=budget,
+                           source=source)
 
 
 @dataclasses.dataclass
@@ -198,7 +234,8 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
     sample = train_src[0]["inputs"]  # example 0 as the model sees it (after collate_fn)
     b = build(cfg, sample=sample, eval_example=(eval_src if eval_src is not None
                                                 else train_src)[0],
-              model=model, loss_fn=loss_fn, byte_level=data_info.get("name") == "pystdlib")
+              model=model, loss_fn=loss_fn, byte_level=data_info.get("name") == "pystdlib",
+              train_example=train_src[0])
     # Config values that would make the run wrong, found before the first step.
     decide_lib.check_monitors(cfg, None if eval_src is None
                                else eval_loop.metric_keys(b.eval_spec))
@@ -285,6 +322,8 @@ def _header(cfg, b: Build, data_info, sources, workdir, resumed_from, flops, pea
     mfu = f"MFU vs peak {peak:.3g} FLOP/s/device" if peak else "MFU n/a (set perf.peak_flops)"
     if determinism:
         extra.append(f"jtrain: {determinism}")
+    if b.memory_plan is not None:
+        extra.append(f"jtrain: {b.memory_plan.describe()}")
     extra.append(f"jtrain: eval {b.eval_spec.task}: {', '.join(b.eval_spec.names)}; "
                  + (f"{flops:.3g} train FLOPs/example, {mfu}" if flops else "MFU n/a"))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(b.abstract.params))

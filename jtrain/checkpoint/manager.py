@@ -178,6 +178,7 @@ class Checkpointer:
         problem = integrity.compare_trees(saved_tree, integrity.tree_spec(abstract_state))
         if problem:
             raise RestoreError(f"checkpoint {path} does not fit the model: {problem}")
+        faults.fault_point("restore", delay=0.02)
         try:
             out = self._mngr.restore(step, args=ocp.args.Composite(
                 state=_state_restore_args(abstract_state),

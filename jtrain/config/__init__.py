@@ -205,6 +205,10 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
         raise ConfigError("plateau.factor", f"must be in (0, 1), got "
                           f"{tree['plateau']['factor']!r}")
     _check_early_stop(tree["early_stop"])
+    if -1.0 < tree["memory"]["budget_bytes"] < 0.0:
+        raise ConfigError("memory.budget_bytes", "must be -1 (the device's limit), 0 (no "
+                          f"planning) or a number of bytes, got "
+                          f"{tree['memory']['budget_bytes']!r}")
     if optim["name"] == "adam" and optim["weight_decay"] > 0:
         raise ConfigError("optim.weight_decay", "adam has no weight decay; use optim.name=adamw")
     batch = tree["data"]["batch_size"]

@@ -195,8 +195,10 @@ SCHEMA: dict[str, Any] = {
                              "first step (compile)"),
     }),
     "memory": _resume_safe({
-        "budget_bytes": F(float, 0.0, (0.0, INF), "per-device memory the train step may use; "
-                          "0 = the device's own limit (none known on CPU)"),
+        "budget_bytes": F(float, 0.0, (-1.0, INF), "per-device bytes the train step may "
+                          "use; over it, grad_accum_steps is raised until it fits "
+                          "(control.memory); 0 = no planning, -1 = the device's own "
+                          "limit (none known on CPU)"),
     }),
 }
 

@@ -7,6 +7,7 @@
     watchdog  a step, eval or save past watchdog.timeout_s -> stacks dumped, exit 5 (Watchdog)
     monitor   early stopping, plateau and best-value trackers, JSON state (EarlyStopping, Plateau)
     decide    the loop's decisions after each step and eval, the same on every process
+    memory    memory planning: the grad_accum_steps whose compiled step fits memory.budget_bytes
     ledger    the skip ledger: skipped steps and their example indices (WORKDIR/skipped.jsonl)
 """
 

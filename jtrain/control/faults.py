@@ -2,7 +2,9 @@
 
 JTRAIN_FAULT=`step:N` SIGKILLs this process right after its N-th step was dispatched,
 `eval:N` shortly after its N-th evaluation began, `save:N` while its N-th checkpoint is
-being written in the background; `step:N:TERM` (or `:INT`) sends that signal instead.
+being written in the background, `restore:1` while the checkpoint is being restored,
+`compile:1` while the first step compiles; `step:N:TERM` (or `:INT`) sends that signal
+instead.
 `hang:N[:SECONDS]` makes the N-th step's fault point sleep SECONDS (default 3600) in the
 calling thread instead, a stuck step for the hang watchdog (control.watchdog) to catch.
 JTRAIN_SKIP_DATA_RESTORE (the negative control of --verify_resume): restarts ignore the

@@ -51,6 +51,10 @@ class Stopper:
             sigs = (signal.SIGINT,) if self._multi else (signal.SIGTERM, signal.SIGINT)
             for sig in sigs:
                 self._previous[sig] = signal.signal(sig, self._handle)
+        import jtrain
+
+        if jtrain._EARLY_SIGNALS:  # arrived during the CLI's start-up (jtrain/__init__.py)
+            self._announce(jtrain._EARLY_SIGNALS.pop(), during="start-up")
         return self
 
     def __exit__(self, *exc):
@@ -67,14 +71,19 @@ class Stopper:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt  # second Ctrl-C: abort without a final save
             return
-        self._request(name)
-        # os.write: the handler may interrupt a print to sys.stderr (not reentrant).
-        os.write(2, (f"\njtrain: {name} received: saving a checkpoint of the current step "
-                     f"and stopping (within {self.grace_seconds:g} s"
-                     + ("; Ctrl-C again aborts without saving" if name == "SIGINT" else "")
-                     + ")\n").encode())
+        self._announce(name)
         if self._interruptible:
             raise StopRequested(name)
+
+    def _announce(self, name: str, during: str = "") -> None:
+        self._request(name)
+        what = ("stopping before the first step, nothing new to save" if during else
+                "saving a checkpoint of the current step and stopping")
+        # os.write: the handler may interrupt a print to sys.stderr (not reentrant).
+        os.write(2, (f"\njtrain: {name} received{' during ' + during if during else ''}: "
+                     f"{what} (within {self.grace_seconds:g} s"
+                     + ("; Ctrl-C again aborts without saving" if name == "SIGINT" else "")
+                     + ")\n").encode())
 
     def _request(self, name: str) -> None:
         if self.signal_name is not None:

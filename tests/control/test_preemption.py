@@ -1,0 +1,91 @@
+"""Preemption at any moment: SIGTERM during the CLI's start-up (before train() runs),
+during a restore and during the first compile each end the run with exit 0 / a normal
+return, with a checkpoint of the newest step if it has one and nothing else written.
+(During an eval and during a save: tests/checkpoint/test_resume.py.)"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import flax.linen as nn
+import numpy as np
+import pytest
+
+import jtrain
+from jtrain.control import faults
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+        return nn.Dense(2)(nn.relu(nn.Dense(8)(x)))
+
+
+def _data():
+    r = np.random.default_rng(0)
+    x = r.normal(size=(64, 4)).astype(np.float32)
+    return {"inputs": x, "targets": (x[:, 0] > 0).astype(np.int32)}
+
+
+def _train(workdir):
+    cfg = {"total_steps": 8, "optim": {"name": "sgd", "lr": 0.1, "schedule": "constant"},
+           "data": {"batch_size": 8}, "eval": {"every_steps": 0},
+           "log": {"writers": ("jsonl",), "verbosity": 0},
+           "checkpoint": {"every_steps": 0}}
+    return jtrain.train(cfg, str(workdir), model=Net(), train_data=_data()).summary
+
+
+@pytest.fixture
+def fault(monkeypatch):
+    def set_fault(spec):
+        if spec:
+            monkeypatch.setenv(faults.FAULT_ENV, spec)
+        else:
+            monkeypatch.delenv(faults.FAULT_ENV, raising=False)
+    yield set_fault
+
+
+def test_sigterm_during_restore_and_during_compile(tmp_path, fault):
+    run = tmp_path / "run"
+    fault("compile:1:TERM")  # arrives while step 1 compiles: step 1 finishes, is saved
+    summary = _train(run)
+    assert (summary["stopped_by"], summary["step"]) == ("SIGTERM", 1)
+    assert os.listdir(run / "checkpoints") == ["1"]
+    fault("restore:1:TERM")  # arrives while step 1 is restored: no step, nothing new
+    summary = _train(run)
+    assert (summary["stopped_by"], summary["step"], summary["resumed_from"]) == \
+        ("SIGTERM", 1, 1)
+    assert os.listdir(run / "checkpoints") == ["1"]
+    fault(None)
+    summary = _train(run)
+    assert (summary["stopped_by"], summary["step"], summary["resumed_from"]) == (None, 8, 1)
+
+
+def test_cli_sigterm_during_startup_exits_0(tmp_path):
+    """A scheduler's SIGTERM half a second after launch (the CLI is still importing):
+    exit 0 with one line, not status 143, and no checkpoint."""
+    shutil.copytree(os.path.join(REPO, "configs"), tmp_path / "configs",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", faults.FAULT_ENV)}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.Popen([sys.executable, "-m", "jtrain.main",
+                             "--config=configs/base.py:debug", "--workdir=runs/x"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "jtrain: SIGTERM received during start-up: stopping before the first step" in err
+    assert "Traceback" not in err
+    ckpts = tmp_path / "runs" / "x" / "checkpoints"
+    assert not ckpts.exists() or os.listdir(ckpts) == []
+    with open(tmp_path / "runs" / "x" / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["stopped_by"] == "SIGTERM" and summary["step"] == 0
