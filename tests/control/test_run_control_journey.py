@@ -1,0 +1,188 @@
+"""Run control as a user meets it: the CLI and a plain script, each in a subprocess from a
+temp cwd with relative paths and no test helpers: a user's data module with overflowing
+rows (skipped, ledger; `nonfinite.policy=halt` exits 4 with one line), early stopping on
+a threshold, a mistyped monitor and an impossible memory budget (exit 2, one line), a
+user's NNX model stopped by `on_eval` with a plateau, and two processes where only one
+holds the bad rows (both skip the same step; nothing hangs)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+DATA_MODULE = '''
+import numpy as np
+
+def make(n=64, bad=()):
+    r = np.random.default_rng(0)
+    x = r.normal(size=(n, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    x[list(bad)] = 3e38  # finite inputs whose loss overflows
+    return {"train": {"inputs": x, "targets": y}, "eval": {"inputs": x[:16], "targets": y[:16]}}
+'''
+
+CONFIG_FILE = '''
+from jtrain.config import defaults
+
+def get_config():
+    config = defaults(model="mlp")
+    config.model.num_outputs = 2
+    config.model.hidden = (16,)
+    config.data.source = "mydata:make"
+    config.data.batch_size = 8
+    config.data.shuffle = False
+    config.total_steps = 8
+    config.optim.name = "sgd"
+    config.optim.lr = 0.1
+    config.optim.schedule = "constant"
+    config.eval.every_steps = 4
+    config.log.every_steps = 1
+    return config
+'''
+
+CLI = ["--config=myconfig.py"]
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "XLA_FLAGS", "JTRAIN_FAULT")}
+    env.update(JAX_PLATFORMS="cpu", **extra)
+    return env
+
+
+def _cwd(tmp_path):
+    (tmp_path / "mydata.py").write_text(DATA_MODULE)
+    (tmp_path / "myconfig.py").write_text(CONFIG_FILE)
+    return tmp_path
+
+
+def _cli(cwd, *args, env=None):
+    return subprocess.run([sys.executable, "-m", "jtrain.main", *CLI, *args], cwd=cwd,
+                          env=env or _env(), capture_output=True, text=True, timeout=300)
+
+
+def _errors(stderr):
+    return [ln for ln in stderr.splitlines() if " error: " in ln]
+
+
+def test_cli_bad_rows_skip_then_halt_and_early_stop(tmp_path):
+    cwd = _cwd(tmp_path)
+    bad = "--config.data.kwargs={'bad': (8, 9)}"  # batch 2 (rows 8..15) overflows
+    # skip (the default): the run goes on, the ledger names step 2 and its examples.
+    proc = _cli(cwd, "--workdir=runs/skip", bad)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 skipped steps" in proc.stderr
+    ledger = [json.loads(ln) for ln in open(cwd / "runs/skip/skipped.jsonl")]
+    assert [(e["step"], e["reason"], e["examples"]) for e in ledger] == [
+        (2, "non-finite loss", list(range(8, 16)))]
+    # halt: exit 4, one line, no traceback; what was saved before stays.
+    proc = _cli(cwd, "--workdir=runs/halt", bad, "--config.nonfinite.policy=halt",
+                "--config.checkpoint.every_steps=1")
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    assert _errors(proc.stderr) == [
+        ln for ln in proc.stderr.splitlines() if ln.startswith("jtrain: non-finite error:")]
+    assert len(_errors(proc.stderr)) == 1 and "halted at step 2" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert os.listdir(cwd / "runs/halt/checkpoints") == ["1"]
+    # early stopping on a threshold: one line, exit 0, the reason in summary.json.
+    proc = _cli(cwd, "--workdir=runs/es", "--config.early_stop.monitor=eval/accuracy",
+                "--config.early_stop.mode=max", "--config.early_stop.stopping_threshold=0.01")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "jtrain: stopped early at step 4:" in proc.stderr
+    summary = json.load(open(cwd / "runs/es/summary.json"))
+    assert (summary["stopped_by"], summary["step"]) == ("early_stop", 4)
+    assert summary["best_metric"] == "eval/accuracy" and summary["best_step"] == 4
+
+
+def test_cli_config_mistakes_are_one_line_exit_2(tmp_path):
+    cwd = _cwd(tmp_path)
+    for args, key in [(["--config.early_stop.monitor=eval/acuracy"], "early_stop.monitor"),
+                      (["--config.memory.budget_bytes=1000"], "memory.budget_bytes")]:
+        proc = _cli(cwd, "--workdir=runs/bad", *args)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        lines = _errors(proc.stderr)
+        assert len(lines) == 1 and lines[0].startswith(f"jtrain: config error: {key}:"), \
+            proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr
+        assert not (cwd / "runs/bad/checkpoints").exists() or \
+            os.listdir(cwd / "runs/bad/checkpoints") == []
+    assert "eval/accuracy" in _errors(_cli(cwd, "--workdir=runs/bad",
+                                           "--config.early_stop.monitor=eval/acuracy"
+                                           ).stderr)[0]  # the did-you-mean hint
+
+
+SCRIPT = '''
+import numpy as np
+from flax import nnx
+import jtrain
+
+class Model(nnx.Module):
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(4, 16, rngs=rngs)
+        self.out = nnx.Linear(16, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))
+
+r = np.random.default_rng(0)
+x = r.normal(size=(96, 4)).astype(np.float32)
+data = {"inputs": x, "targets": (x[:, 0] > 0).astype(np.int32)}
+seen = []
+
+def on_eval(step, metrics):
+    seen.append(step)
+    return step >= 6  # a research rule: stop at the third evaluation
+
+config = {"total_steps": 40, "data": {"batch_size": 8},
+          "optim": {"name": "sgd", "lr": 0.1, "schedule": "constant"},
+          "eval": {"every_steps": 2}, "log": {"verbosity": 0, "every_steps": 1},
+          "plateau": {"monitor": "eval/loss", "patience": 0, "min_delta": 10.0}}
+result = jtrain.train(config, "runs/nnx", model=Model(nnx.Rngs(0)), train_data=data,
+                      on_eval=on_eval)
+print("evals", seen, "stopped_by", result.summary["stopped_by"],
+      "lr_factor", round(result.summary["lr_factor"], 6))
+'''
+
+
+def test_script_nnx_model_on_eval_stop_and_plateau(tmp_path):
+    (tmp_path / "train_nnx.py").write_text(SCRIPT)
+    proc = subprocess.run([sys.executable, "train_nnx.py"], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # min_delta 10 means no eval ever improves: with patience 0 every eval after the
+    # first multiplies the rate by 0.1 (steps 4 and 6).
+    assert "evals [2, 4, 6] stopped_by on_eval lr_factor 0.01" in proc.stdout
+    summary = json.load(open(tmp_path / "runs/nnx/summary.json"))
+    assert (summary["step"], summary["stopped_by"]) == (6, "on_eval")
+    assert "6" in os.listdir(tmp_path / "runs/nnx/checkpoints")
+    lrs = [json.loads(ln).get("train/lr") for ln in open(tmp_path / "runs/nnx/metrics.jsonl")]
+    # the effective rate: 0.1 until the first reduction (after step 4's eval), then 0.01
+    assert [round(v, 6) for v in lrs if v is not None] == [0.1] * 4 + [0.01] * 2
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_bad_rows_in_one_shard_skip_the_same_step(tmp_path):
+    cwd = _cwd(tmp_path)
+    env = _env(XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               JTRAIN_COORDINATOR=f"127.0.0.1:{_free_port()}", JTRAIN_NUM_PROCESSES="2")
+    # process p reads rows [4p, 4p+4) of each global batch of 8: rows 13..15 of batch 2
+    # are in process 1's shard only.
+    args = ["--workdir=runs/two", "--config.data.kwargs={'bad': (13, 14, 15)}",
+            "--config.checkpoint.every_steps=4"]
+    procs = [subprocess.Popen(
+        ["timeout", "-k", "5", "240", sys.executable, "-m", "jtrain.main", *CLI, *args],
+        cwd=cwd, env={**env, "JTRAIN_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate()[1] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]  # 124 would be a hang
+    summary = json.load(open(cwd / "runs/two/summary.json"))
+    assert summary["step"] == 8 and summary["skipped_steps"] == 1
+    ledger = [json.loads(ln) for ln in open(cwd / "runs/two/skipped.jsonl")]
+    assert [e["step"] for e in ledger] == [2]
