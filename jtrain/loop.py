@@ -11,6 +11,9 @@ history, early-stopping state); then early stopping, the plateau factor and `on_
 decide (jtrain.control.decide), and an eval that enters the top k saves its step
 (checkpoint.save_on_best). Before every save all steps in flight are drained (a halt is
 never checkpointed) and the params are checked finite.
+
+With `spike.zscore`, a drained step whose train loss spikes makes the loop roll back to
+the newest checkpoint before it (`_rollback`) before it evaluates, saves or goes on.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class _Session:
     train_history: list = dataclasses.field(default_factory=list)  # log steps
     stop_reason: str | None = None
     stopped_by: str | None = None
+    rollback: tuple | None = None  # (spike step, z-score) found while draining
 
 
 def run_loop(cfg, run: Run):
@@ -81,6 +85,15 @@ def run_loop(cfg, run: Run):
     def drain_all():
         while pending:
             _drain(pending.popleft(), cfg, run, session)
+        settle()
+
+    def settle():  # a spike found while draining: roll back before anything else
+        nonlocal state
+        if session.rollback is not None:
+            while pending:  # the rest of the undone steps (no spike checks)
+                _drain(pending.popleft(), cfg, run, session)
+            state = _rollback(cfg, run, state, *session.rollback)
+            session.rollback = None
 
     def save(step):
         drain_all()  # a halt found in flight ends the run before anything is saved
@@ -117,6 +130,7 @@ def run_loop(cfg, run: Run):
         pending.append((step, metrics))
         if len(pending) > cfg.max_steps_in_flight:
             _drain(pending.popleft(), cfg, run, session)
+            settle()
         best = False
         if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == total:
             drain_all()  # log lines before the eval line (eval waits for the state anyway)
@@ -132,7 +146,7 @@ def run_loop(cfg, run: Run):
                     state = set_factor(state, np.float32(decided.factor))
                     run.out.progress.message(
                         f"jtrain: step {step}: {cfg.plateau.monitor} has not improved; "
-                        f"learning rate x{decided.factor:.3g} (plateau.factor)")
+                        f"learning-rate factor now {decided.factor:.3g} (plateau.factor)")
                 if decided.stop:
                     session.stop_reason, session.stopped_by = decided.stop, decided.stopped_by
                 best = run.ckpt.enters_top_k(step, result[0])
@@ -158,10 +172,18 @@ def run_loop(cfg, run: Run):
 
 
 def _drain(item, cfg, run: Run, session: _Session) -> None:
-    """Wait for an old step (bounds dispatch) and read its status; on log steps, fetch
-    and write its metrics."""
+    """Wait for an old step (bounds dispatch) and read its status (and with spike.zscore
+    its loss); on log steps, fetch and write its metrics."""
     step, metrics = item
-    status = int(jax.device_get(metrics["train/status"]))
+    if run.decisions.spike.enabled:
+        status, loss = jax.device_get((metrics["train/status"], metrics["train/loss"]))
+        status = int(status)
+        if session.rollback is None and not status:
+            z = run.decisions.check_spike(step, float(loss))
+            if z is not None:
+                session.rollback = (step, z)
+    else:
+        status = int(jax.device_get(metrics["train/status"]))
     if status:
         small = jax.device_get({k: metrics[k] for k in
                                 ("train/skipped_steps", "train/consecutive_skips")})
@@ -179,6 +201,33 @@ def _drain(item, cfg, run: Run, session: _Session) -> None:
                                                    if k.startswith("train/")}})
     if cfg.log.verbosity >= 2:
         run.out.progress.message(run.out.perf.debug_line(), level=2)
+
+
+def _rollback(cfg, run: Run, state, spike_step: int, z: float):
+    """The state of the newest periodic checkpoint before `spike_step` (or the initial
+    state of a fresh run without one), carried forward to the current step: the steps since count
+    as skipped (so the schedule's position is the checkpoint's), the data goes on with
+    the next batch, and step numbers, checkpoints and metrics.jsonl stay monotonic."""
+    current = int(jax.device_get(state.step))
+    # Periodic checkpoints first: a SIGTERM or best-eval save exists in some runs of the
+    # same command and not in others, and the target must not depend on that.
+    older = [s for s in run.ckpt.all_steps() if s < spike_step]
+    older = [s for s in older if s % cfg.checkpoint.every_steps == 0] or older
+    if older:
+        to_step = older[-1]
+        restored = run.ckpt.restore_state(to_step, run.build.abstract_with_shardings())
+    elif run.resumed_from is None:
+        to_step, restored = 0, run.build.init()
+    else:  # unreachable: the checkpoint this run resumed from is kept and older
+        raise NonFiniteError(f"a loss spike at step {spike_step} and no checkpoint before "
+                             "it to roll back to")
+    del state  # donated buffers of the undone trajectory
+    run.decisions.rolled_back(spike_step, z, to_step, current)
+    undone = current - int(jax.device_get(restored.step))
+    return jax.jit(lambda s, n, f: s.replace(
+        step=s.step + n, skipped_steps=s.skipped_steps + n, consecutive_skips=0 * n,
+        lr_factor=f), donate_argnums=0, out_shardings=run.build.shardings)(
+        restored, np.int32(undone), np.float32(run.decisions.lr_factor()))
 
 
 def _evaluator(cfg, run: Run):
@@ -209,6 +258,7 @@ def summarize(cfg, run: Run, state, session: _Session) -> dict:
         "resumed_from": run.resumed_from,
         "stopped_by": session.stopped_by,  # SIGTERM, SIGINT, early_stop, on_eval; None
         "stop_reason": session.stop_reason,
+        "rollbacks": run.decisions.spike.rollbacks,  # [[spike step, rolled back to]]
         **_best(cfg, run),
         **{k: v for k, v in last_eval.items() if k != "step"},
         **run.out.perf.summary(),

@@ -210,9 +210,61 @@ def test_skip_ledger_survives_a_resume_once(tmp_path, monkeypatch):
     ({"checkpoint__keep_top_k": 1, "checkpoint__monitor": "eval/los"}, "checkpoint.monitor"),
     ({"early_stop__monitor": "eval/loss", "eval__every_steps": 0}, "early_stop.monitor"),
     ({"optim__b1": 1.0, "optim__name": "adamw"}, "optim.b1"),
+    ({"spike__zscore": 4.0}, "spike.zscore"),  # no periodic checkpoint to roll back to
 ])
 def test_bad_run_control_config_fails_before_the_first_step(tmp_path, over, key):
     with pytest.raises(ConfigError) as e:
         train(tmp_path, **over)
     assert e.value.key == key
     assert not (tmp_path / "run" / "checkpoints").exists() or not kept(tmp_path / "run")
+
+
+def test_loss_spike_rolls_back_and_is_reproducible_across_kills(tmp_path, monkeypatch):
+    # 192 rows, batch 8, no shuffle: step k reads rows [8(k-1), 8k), no batch twice in 24
+    # steps. Rows of step 14 are scaled x300: a finite loss far above the others.
+    data = arrays(n=192)
+    data["inputs"][104:112] *= 300.0
+    cfg = config(total_steps=24, data__val_fraction=0.0, eval__every_steps=0,
+                 checkpoint__every_steps=5, checkpoint__max_to_keep=10,
+                 spike={"zscore": 6.0, "window": 5, "lr_factor": 0.5})
+    ref = jtrain.train(cfg, str(tmp_path / "ref"), model=Net(), train_data=data)
+    summary = ref.summary
+    assert summary["rollbacks"] == [[14, 10]]
+    ledger = [json.loads(line) for line in open(tmp_path / "ref" / "skipped.jsonl")]
+    undone = [e["step"] for e in ledger]
+    assert undone[0] == 11 and undone == list(range(11, undone[-1] + 1)) and 14 in undone
+    assert ledger[undone.index(14)]["examples"] == list(range(104, 112))
+    assert summary["skipped_steps"] == len(undone) and summary["step"] == 24
+    assert summary["lr_factor"] == 0.5
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(ref.state.params))
+    # Without the rollback the x300 batch is applied.
+    plain = jtrain.train(config(**{**{k: v for k, v in cfg.items() if k != "spike"}}),
+                         str(tmp_path / "plain"), model=Net(), train_data=data)
+    assert plain.summary["rollbacks"] == [] and \
+        plain.summary["state_sha256"] != summary["state_sha256"]
+    # Killed before the spike and after the rollback: resumed runs end identical.
+    for kill_at in (12, 19):
+        workdir = str(tmp_path / f"kill{kill_at}")
+        sigterm_at(monkeypatch, kill_at)
+        assert jtrain.train(cfg, workdir, model=Net(), train_data=data).summary[
+            "stopped_by"] == "SIGTERM"
+        monkeypatch.delenv(faults.FAULT_ENV)
+        again = jtrain.train(cfg, workdir, model=Net(), train_data=data).summary
+        assert again["state_sha256"] == summary["state_sha256"], kill_at
+        assert again["rollbacks"] == [[14, 10]]
+        assert open(os.path.join(workdir, "skipped.jsonl")).read() == \
+            open(tmp_path / "ref" / "skipped.jsonl").read()
+
+
+def test_loss_spike_after_max_rollbacks_halts_with_exit_4(tmp_path):
+    data = arrays(n=192)
+    data["inputs"][104:112] *= 300.0  # step 14
+    data["inputs"][160:168] *= 300.0  # step 21
+    cfg = config(total_steps=24, data__val_fraction=0.0, eval__every_steps=0,
+                 checkpoint__every_steps=5, spike={"zscore": 6.0, "window": 5,
+                                                   "max_rollbacks": 1})
+    with pytest.raises(NonFiniteError, match="step 21: the train loss spiked again .* "
+                                             "after 1 rollbacks") as e:
+        jtrain.train(cfg, str(tmp_path / "run"), model=Net(), train_data=data)
+    assert e.value.exit_code == 4
+    assert max(kept(tmp_path / "run")) < 21  # the spiked trajectory was never saved

@@ -308,6 +308,18 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
 
+    def restore_state(self, step: int, abstract_state):
+        """The train state saved at `step`, checksums verified (a loss-spike rollback);
+        the run's record and data position are left as they are."""
+        self.wait()
+        path = os.path.join(self.directory, str(step))
+        problem = integrity.check_step(path, step)
+        if problem:
+            raise CheckpointError(f"cannot roll back to {path}: {problem}")
+        out = self._mngr.restore(step, args=ocp.args.Composite(
+            state=_state_restore_args(abstract_state)))
+        return out["state"]
+
     def all_steps(self) -> list[int]:
         return sorted(self._mngr.all_steps())
 

@@ -205,6 +205,12 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
         raise ConfigError("plateau.factor", f"must be in (0, 1), got "
                           f"{tree['plateau']['factor']!r}")
     _check_early_stop(tree["early_stop"])
+    if tree["spike"]["zscore"] > 0 and not tree["checkpoint"]["every_steps"]:
+        raise ConfigError("spike.zscore", "a rollback restores the newest periodic "
+                          "checkpoint: set checkpoint.every_steps > 0")
+    if tree["spike"]["lr_factor"] <= 0.0:
+        raise ConfigError("spike.lr_factor", f"must be in (0, 1], got "
+                          f"{tree['spike']['lr_factor']!r}")
     if -1.0 < tree["memory"]["budget_bytes"] < 0.0:
         raise ConfigError("memory.budget_bytes", "must be -1 (the device's limit), 0 (no "
                           f"planning) or a number of bytes, got "

@@ -187,6 +187,16 @@ SCHEMA: dict[str, Any] = {
                     "skip the update, or halt (exit 4)"),
         "max_consecutive": F(int, 8, (1, INF), "skip: halt after this many skips in a row"),
     }),
+    "spike": {  # changes the trajectory: not resume-safe
+        "zscore": F(float, 0.0, (0.0, INF), "a train loss this many standard deviations "
+                    "above the last spike.window steps' mean rolls the run back to the "
+                    "newest checkpoint before it and skips the batches since; 0 = off"),
+        "window": F(int, 50, (5, 100_000), "steps of train loss the z-score is taken over"),
+        "lr_factor": F(float, 1.0, (0.0, 1.0), "learning-rate factor applied at each "
+                       "rollback (1 = unchanged)"),
+        "max_rollbacks": F(int, 3, (1, INF), "one more spike after this many rollbacks "
+                           "halts the run (exit 4)"),
+    },
     "watchdog": _resume_safe({
         "timeout_s": F(float, -1.0, (-1.0, INF), "a step, eval or save taking longer "
                        "dumps all stacks and exits 5; 0 = off, -1 = 1800 s with several "

@@ -35,6 +35,7 @@ class Decisions:
         saved = dict(record.monitors or {})
         self.early = monitor.EarlyStopping(cfg.early_stop, saved.get("early_stop"))
         self.plateau = monitor.Plateau(cfg.plateau, cfg.optim.lr, saved.get("plateau"))
+        self.spike = monitor.Spike(cfg.spike, saved.get("spike"))
         self.halted: str | None = None
 
     # -- after a step ---------------------------------------------------------------------
@@ -63,6 +64,42 @@ class Decisions:
                            f"{ledger_lib.FILE}")
             raise NonFiniteError(self.halted)
 
+    def check_spike(self, step: int, loss: float) -> float | None:
+        """The z-score of a spike at `step` (the loop rolls back), else None. Raises
+        NonFiniteError when spike.max_rollbacks rollbacks did not help."""
+        z = self.spike.check(step, loss)
+        if z is not None and len(self.spike.rollbacks) >= self.cfg.spike.max_rollbacks:
+            self.halted = (f"training halted at step {step}: the train loss spiked again "
+                           f"(loss {loss:.4g}, z-score {z:.3g}) after "
+                           f"{len(self.spike.rollbacks)} rollbacks (spike.max_rollbacks); "
+                           "lower optim.lr or check the data in WORKDIR/"
+                           f"{ledger_lib.FILE}")
+            raise NonFiniteError(self.halted)
+        return z
+
+    def rolled_back(self, spike_step: int, z: float, to_step: int, last_step: int) -> None:
+        """Steps to_step+1..last_step were undone: one ledger entry each, one line."""
+        for step in range(to_step + 1, last_step + 1):
+            batch = self.batch_of(step)
+            out = {"step": step, "reason": f"rolled back (loss spike at step {spike_step})"}
+            if batch is not None:
+                out["batch"] = int(batch)
+                indices = self.indices_of(batch)
+                if indices is not None:
+                    out["examples"] = [int(i) for i in indices]
+            self.ledger.add(out)
+        self.spike.rolled_back(spike_step, to_step)
+        factor = (f"; learning rate x{self.cfg.spike.lr_factor:.3g} (spike.lr_factor)"
+                  if self.cfg.spike.lr_factor != 1 else "")
+        self.say(f"jtrain: warning: step {spike_step}: train loss spike (z-score {z:.3g} "
+                 f"over the last {self.cfg.spike.window} steps); rolled back to step "
+                 f"{to_step}, steps {to_step + 1}..{last_step} undone and their batches "
+                 f"skipped (WORKDIR/{ledger_lib.FILE}){factor}")
+
+    def lr_factor(self) -> float:
+        """The learning-rate factor the state should carry: plateau x spike."""
+        return self.plateau.factor * self.spike.scale
+
     # -- after an evaluation ----------------------------------------------------------------
     def after_eval(self, step: int, metrics: dict, *, primary: bool) -> AfterEval:
         out = AfterEval()
@@ -81,11 +118,12 @@ class Decisions:
         stop, factor = monitor.agree(bool(out.stop), out.factor)
         if stop and not out.stop:  # process 0 decided; say the same here
             out.stop, out.stopped_by = "process 0 decided to stop", "early_stop"
-        out.factor = factor
+        out.factor = None if factor is None else factor * self.spike.scale
         return out
 
     def state(self) -> dict:
-        return {"early_stop": self.early.to_json(), "plateau": self.plateau.to_json()}
+        return {"early_stop": self.early.to_json(), "plateau": self.plateau.to_json(),
+                "spike": self.spike.to_json()}
 
     def best(self) -> dict:
         """The monitored metric's best step and value, for the summary."""

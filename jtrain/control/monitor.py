@@ -20,6 +20,11 @@ optimizers here, exactly what scaling the learning rate does), composed with the
 schedule, so `train/lr` logs the effective rate and no recompile happens. optax's
 `contrib.reduce_on_plateau` was not used: it is driven by a value passed to every
 `update` (the train loss) and counts update calls, not evaluations.
+
+Loss spikes (`spike.*`, `Spike`): the train loss of every step, read when the loop
+drains it, against the mean and standard deviation of the last `window` kept steps; the
+loop rolls back (jtrain.loop). Losses are global values, so every process sees the same
+spike at the same step; the window is in the checkpoint like the rest.
 """
 
 from __future__ import annotations
@@ -144,6 +149,44 @@ class Plateau:
     def to_json(self) -> dict:
         return {"best": self.best.to_json(), "factor": self.factor,
                 "cooldown_left": self.cooldown_left, "reductions": self.reductions}
+
+
+class Spike:
+    """`check(step, loss)` -> the loss's z-score when it is a spike, else None (and the
+    loss joins the window). The window holds the last `spike.window` finite losses of
+    steps that were kept; a rollback to step c drops the losses of steps after c."""
+
+    def __init__(self, cfg, state: dict | None = None):
+        self.cfg = cfg
+        state = state or {}
+        self.recent = [(int(s), float(v)) for s, v in state.get("recent", [])]
+        self.rollbacks = [list(r) for r in state.get("rollbacks", [])]  # [spike, to step]
+        self.scale = float(state.get("scale", 1.0))  # product of spike.lr_factor so far
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.zscore > 0
+
+    def check(self, step: int, loss: float) -> float | None:
+        if not self.enabled or not math.isfinite(loss):
+            return None
+        if len(self.recent) >= self.cfg.window:
+            values = [v for _, v in self.recent]
+            mean = sum(values) / len(values)
+            std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+            z = (loss - mean) / max(std, 1e-7 * abs(mean), 1e-12)
+            if z > self.cfg.zscore:
+                return z
+        self.recent = (self.recent + [(int(step), float(loss))])[-self.cfg.window:]
+        return None
+
+    def rolled_back(self, spike_step: int, to_step: int) -> None:
+        self.recent = [(s, v) for s, v in self.recent if s <= to_step]
+        self.rollbacks.append([int(spike_step), int(to_step)])
+        self.scale *= self.cfg.lr_factor
+
+    def to_json(self) -> dict:
+        return {"recent": self.recent, "rollbacks": self.rollbacks, "scale": self.scale}
 
 
 def agree(stop: bool, factor: float | None) -> tuple[bool, float | None]:

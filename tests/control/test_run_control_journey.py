@@ -14,11 +14,12 @@ import sys
 DATA_MODULE = '''
 import numpy as np
 
-def make(n=64, bad=()):
+def make(n=64, bad=(), spike=(0, 0)):
     r = np.random.default_rng(0)
     x = r.normal(size=(n, 4)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int32)
     x[list(bad)] = 3e38  # finite inputs whose loss overflows
+    x[spike[0]:spike[1]] *= 300.0  # a finite loss far above the rest
     return {"train": {"inputs": x, "targets": y}, "eval": {"inputs": x[:16], "targets": y[:16]}}
 '''
 
@@ -93,6 +94,20 @@ def test_cli_bad_rows_skip_then_halt_and_early_stop(tmp_path):
     summary = json.load(open(cwd / "runs/es/summary.json"))
     assert (summary["stopped_by"], summary["step"]) == ("early_stop", 4)
     assert summary["best_metric"] == "eval/accuracy" and summary["best_step"] == 4
+
+
+def test_cli_loss_spike_rolls_back(tmp_path):
+    cwd = _cwd(tmp_path)
+    proc = _cli(cwd, "--workdir=runs/spike", "--config.total_steps=24",
+                "--config.data.kwargs={'n': 192, 'spike': (104, 112)}",  # step 14
+                "--config.eval.every_steps=0", "--config.checkpoint.every_steps=5",
+                "--config.spike.zscore=6", "--config.spike.window=5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [ln for ln in proc.stderr.splitlines() if "train loss spike" in ln]
+    assert len(line) == 1 and line[0].startswith("jtrain: warning: step 14: train loss "
+                                                 "spike") and "rolled back to step 10" in line[0]
+    summary = json.load(open(cwd / "runs/spike/summary.json"))
+    assert summary["rollbacks"] == [[14, 10]] and summary["step"] == 24
 
 
 def test_cli_config_mistakes_are_one_line_exit_2(tmp_path):
