@@ -92,6 +92,12 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+class PeerError(JtrainError):
+    """A collective with the other processes failed: a peer died or hung up."""
+
+    kind, exit_code = "peer", 5
+
+
 def exit_code(e: BaseException) -> int:
     return e.exit_code if isinstance(e, JtrainError) else 1
 

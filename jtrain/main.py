@@ -5,16 +5,21 @@ absl flags + ml_collections config files (`--config=configs/x.py:variant`,
 --process_id (or set JTRAIN_COORDINATOR, JTRAIN_NUM_PROCESSES, JTRAIN_PROCESS_ID), or
 --distributed=auto on SLURM / Cloud TPU, where JAX finds its peers itself.
 
-User errors print one line `jtrain: <kind> error: <key>: <why>` and exit 2; a checkpoint
-that cannot be restored (damaged with --strict_restore, another model, a changed config)
-exits 3; a failed checkpoint write exits 1. A run stopped by SIGTERM or SIGINT saves its
-current step and exits 0 (jtrain.control). `--verify_resume`: see jtrain.checkpoint.verify.
+Exit codes (README "Run control"): 0 done, stopped early, or stopped by SIGTERM / SIGINT
+with its current step saved (a signal during start-up: nothing new to save); 2 a config,
+data or usage error, one line `jtrain: <kind> error: <key>: <why>`, before any training;
+3 a checkpoint that cannot be restored (damaged with --strict_restore, another model, a
+changed config) or written; 4 training halted on non-finite values or repeated loss
+spikes; 5 a hang (watchdog.timeout_s), no clean stop within checkpoint.grace_seconds, or a
+failed peer (a collective with another process broke).
+`--verify_resume`: see jtrain.checkpoint.verify (exit 1 on FAIL).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 import ml_collections
 from absl import app, flags
@@ -71,7 +76,36 @@ def fail(error: errors.JtrainError):
     """Its one line on stderr, no traceback, its exit code."""
     sys.stderr.write(errors.render(error) + "\n")
     sys.stderr.flush()
-    sys.exit(error.exit_code)
+    _exit(error.exit_code)
+
+
+def _exit(code: int):
+    if _multi_process():  # jax.distributed's shutdown at exit waits for peers that may be
+        sys.stdout.flush()  # gone: leave at once
+        os._exit(code)
+    sys.exit(code)
+
+
+def _multi_process() -> bool:
+    jax = sys.modules.get("jax")
+    try:
+        return jax is not None and jax.distributed.is_initialized() and \
+            jax.process_count() > 1
+    except Exception:  # noqa: BLE001 - no backend: one process
+        return False
+
+
+def _peer_failure(e: BaseException) -> errors.PeerError | None:
+    """A runtime error in a multi-process run that is a failed collective."""
+    jax = sys.modules.get("jax")
+    if jax is None or not _multi_process() or not isinstance(e, jax.errors.JaxRuntimeError):
+        return None
+    first = errors.first_line(e)
+    if "RESOURCE_EXHAUSTED" in first:  # out of memory: not a peer's fault
+        return None
+    return errors.PeerError(f"a collective with the other processes failed ({first[:200]});"
+                            " another process probably stopped: see its output; a "
+                            "restart resumes from the newest checkpoint")
 
 
 def parse_flags(argv, fv: flags.FlagValues = FLAGS):
@@ -111,6 +145,15 @@ def main(argv, fv: flags.FlagValues = FLAGS):
         _run(argv, fv)  # returns normally after a SIGTERM/SIGINT stop: exit 0
     except errors.JtrainError as e:
         fail(e)
+    except Exception as e:
+        peer = _peer_failure(e)
+        if peer is not None:
+            fail(peer)
+        if _multi_process():  # a bug: its traceback, then out without the shutdown wait
+            traceback.print_exc()
+            sys.stderr.flush()
+            _exit(1)
+        raise
 
 
 def _run(argv, fv: flags.FlagValues) -> None:
@@ -127,6 +170,10 @@ def _run(argv, fv: flags.FlagValues) -> None:
 
         sys.exit(verify.run_from_cli(_RAW_ARGV, fv.workdir, kills=fv.verify_kills,
                                      negative_control=fv.verify_negative_control))
+    if getattr(fv.config, "deterministic", False):  # XLA_FLAGS before the backend starts
+        from jtrain import precision
+
+        precision.set_deterministic(True)
     import jax
 
     if fv.distributed == "auto":

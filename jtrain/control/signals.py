@@ -2,7 +2,7 @@
 step": the loop saves a checkpoint of the state it has and `train()` returns normally, so
 the CLI exits 0 (for both signals; the summary records which). A second SIGINT aborts at
 once (KeyboardInterrupt, no final save). After the first signal the run has
-`checkpoint.grace_seconds` to finish; past it the process exits 1 with one line, and the
+`checkpoint.grace_seconds` to finish; past it the process exits 5 with one line, and the
 newest finished checkpoint is what a restart resumes from. With several processes
 (jax.distributed) SIGTERM belongs to JAX's preemption notifier, and every process stops
 at the step `multihost_utils.reached_preemption_sync_point` names; a SIGINT on any
@@ -95,11 +95,13 @@ class Stopper:
             self._watchdog.start()
 
     def _grace_expired(self) -> None:
-        sys.stderr.write(f"jtrain: preemption error: no clean stop within the "
-                         f"{self.grace_seconds:g} s grace period (checkpoint.grace_seconds); "
-                         "exiting; a restart resumes from the newest finished checkpoint\n")
-        sys.stderr.flush()
-        os._exit(1)
+        from jtrain.errors import HangError, render
+
+        line = render(HangError(f"no clean stop within the {self.grace_seconds:g} s grace "
+                                "period (checkpoint.grace_seconds); exiting; a restart "
+                                "resumes from the newest finished checkpoint"))
+        os.write(2, (line + "\n").encode())
+        os._exit(HangError.exit_code)
 
     def interruptible(self, fn, *args, **kwargs) -> list:
         """[fn(*args, **kwargs)], or [] when a stop signal arrived before or during the

@@ -89,3 +89,17 @@ def test_cli_sigterm_during_startup_exits_0(tmp_path):
     with open(tmp_path / "runs" / "x" / "summary.json") as f:
         summary = json.load(f)
     assert summary["stopped_by"] == "SIGTERM" and summary["step"] == 0
+
+
+def test_no_clean_stop_within_the_grace_period_exits_5(tmp_path):
+    code = ("import os, signal, time\n"
+            "from jtrain.control import Stopper\n"
+            "with Stopper(grace_seconds=0.5):\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    time.sleep(60)  # a stop that never comes\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", faults.FAULT_ENV)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={**env, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 5, proc.stderr[-2000:]
+    assert proc.stderr.splitlines()[-1].startswith(
+        "jtrain: hang error: no clean stop within the 0.5 s grace period")

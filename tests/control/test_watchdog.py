@@ -175,3 +175,24 @@ def test_two_processes_one_hangs_both_exit(tmp_path):
     assert procs[1].returncode == 5, outs[1][-3000:]
     assert HANG_LINE in outs[1].splitlines() and "fault_point" in outs[1]
     assert procs[0].returncode not in (0, 124, 137), outs[0][-3000:]  # ended, not timed out
+
+
+def test_two_processes_one_dies_the_other_exits_5_with_one_line(tmp_path):
+    """Process 1 is SIGKILLed after its 3rd step: process 0's next collective fails;
+    it says so in one line and exits 5 at once (without waiting at jax.distributed's
+    shutdown for the dead peer)."""
+    _copy_configs(tmp_path)
+    env = _env(XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               JTRAIN_COORDINATOR=f"127.0.0.1:{_free_port()}", JTRAIN_NUM_PROCESSES="2")
+    args = [*TRAIN_ARGS, "--config.watchdog.timeout_s=0"]  # the peer check alone
+    procs = [subprocess.Popen(
+        ["timeout", "-k", "5", "240", sys.executable, "-m", "jtrain.main", *args],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**env, "JTRAIN_PROCESS_ID": str(i), **({"JTRAIN_FAULT": "step:3"} if i else {})})
+        for i in range(2)]
+    outs = [p.communicate()[1] for p in procs]
+    assert procs[1].returncode == -9
+    assert procs[0].returncode == 5, outs[0][-3000:]
+    assert outs[0].splitlines()[-1].startswith(
+        "jtrain: peer error: a collective with the other processes failed")
+    assert "Traceback" not in outs[0]
