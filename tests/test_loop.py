@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import jtrain
+from jtrain import evaluate
 from jtrain.control import faults
 from jtrain.errors import ConfigError, NonFiniteError
 
@@ -91,6 +92,9 @@ def test_retention_is_top_k_union_latest_across_chunked_resumes(tmp_path, monkey
         seen.update({h["step"]: h["eval/loss"] for h in res.history})
         best = min(seen, key=lambda s: (seen[s], -s))
         assert kept(tmp_path / "run") == sorted({best, total}), (total, seen)
+        # python -m jtrain.evaluate --step=best picks it (metrics.jsonl, resumes included)
+        assert evaluate.resolve_step("best", kept(tmp_path / "run"),
+                                     str(tmp_path / "run")) == best
 
 
 def test_save_on_best_keeps_a_best_eval_between_saves(tmp_path):

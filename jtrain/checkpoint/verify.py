@@ -274,6 +274,7 @@ def _reference_run(command, ref_dir, env, log_path, timeout):
         return False
 
     code, seconds, _ = _run(command(ref_dir), env, log_path, watch=watch, timeout=timeout)
+    watch(seconds)  # a save that finished after the last poll: at most `seconds`
     return code, seconds, seen
 
 

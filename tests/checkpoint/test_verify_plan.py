@@ -186,7 +186,7 @@ def test_reference_timeline_is_recorded(tmp_path):
     code, seconds, seen = verify._reference_run(command, str(tmp_path / "ref"),
                                                 dict(os.environ), str(tmp_path / "log"), 60)
     assert code == 0 and set(seen) == {5, 10, 15, 20}, seen
-    assert sorted(seen.values()) == [seen[5], seen[10], seen[15], seen[20]] and seen[20] < seconds
+    assert sorted(seen.values()) == [seen[5], seen[10], seen[15], seen[20]] and seen[20] <= seconds
     assert json.loads((tmp_path / "ref" / "summary.json").read_text())["step"] == 20
 
 
