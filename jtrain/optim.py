@@ -32,9 +32,19 @@ Choices worth knowing:
   parameter-scale multiplication); `b1`, `b2`, `eps` and `momentum` are not used.
 - `grad_accum_steps` is read by the step builder (token-weighted accumulation inside the
   train step, one step = one update), not here.
+- Freezing (`optim.trainable`, `optim.frozen`: regexes searched in leaf paths such as
+  `params/encoder/Dense_0/kernel`): the whole chain above runs inside
+  `optax.multi_transform` on the trainable leaves only, the frozen ones get
+  `optax.set_to_zero()`: frozen leaves never move (weight decay included), carry no
+  optimizer state, and do not count in the clipping norm.
+- `optim.lr_mults` ({regex: factor}, first match wins) multiplies the updates of matching
+  leaves, which for these optimizers is multiplying their learning rate (weight decay
+  included, as it is scaled by the learning rate).
 """
 
 import functools
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -176,6 +186,67 @@ _OPTIMIZERS = {
 OPTIMIZERS = tuple(_OPTIMIZERS)
 
 
+def leaf_path(path) -> str:
+    """A leaf's path as the regexes of optim.trainable / frozen / lr_mults see it."""
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def trainable_labels(params, trainable=(), frozen=()):
+    """"train" or "frozen" per leaf: with `trainable`, only leaves matching one of its
+    regexes train; leaves matching a `frozen` regex never do."""
+    keep = [re.compile(p) for p in trainable]
+    drop = [re.compile(p) for p in frozen]
+
+    def label(path, leaf):
+        del leaf
+        name = leaf_path(path)
+        if keep and not any(r.search(name) for r in keep):
+            return "frozen"
+        return "frozen" if any(r.search(name) for r in drop) else "train"
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
+def trainable_split(params, optim_cfg) -> dict:
+    """{"train": (leaves, values), "frozen": (leaves, values)} for the header; raises
+    ValueError naming a regex that matches no leaf, or when nothing would train."""
+    flat = [(leaf_path(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]]
+    for key in ("trainable", "frozen", "lr_mults"):
+        for pattern in optim_cfg[key]:
+            if not any(re.search(pattern, name) for name, _ in flat):
+                example = ", ".join(repr(name) for name, _ in flat[:3])
+                raise ValueError(f"optim.{key}: {pattern!r} matches no parameter path; "
+                                 f"paths look like {example}")
+    labels = jax.tree.leaves(trainable_labels(params, optim_cfg["trainable"],
+                                              optim_cfg["frozen"]))
+    out = {"train": [0, 0], "frozen": [0, 0]}
+    for label, (_, leaf) in zip(labels, flat):
+        out[label][0] += 1
+        out[label][1] += int(math.prod(leaf.shape))
+    if not out["train"][0]:
+        raise ValueError("optim.trainable: no parameter is left to train (every leaf is "
+                         "frozen by optim.trainable / optim.frozen)")
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def _scale_by_path(mults: dict) -> optax.GradientTransformation:
+    """Multiplies each leaf's update by the factor of the first regex in `mults` that
+    its path matches (1 when none does)."""
+    compiled = [(re.compile(p), float(f)) for p, f in mults.items()]
+
+    def factor(path):
+        name = leaf_path(path)
+        return next((f for r, f in compiled if r.search(name)), 1.0)
+
+    def update(updates, state, params=None):
+        del params
+        return jax.tree_util.tree_map_with_path(
+            lambda path, u: u if factor(path) == 1.0 else u * jnp.asarray(factor(path), u.dtype),
+            updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(optim_cfg, total_steps):
     """Returns `(tx, schedule)`; `schedule` is the one inside `tx` (log `schedule(step)`)."""
     name = optim_cfg["name"]
@@ -187,7 +258,14 @@ def make_optimizer(optim_cfg, total_steps):
     wd = float(optim_cfg["weight_decay"])
     mask = functools.partial(weight_decay_mask, decay_embeddings=bool(optim_cfg["decay_embeddings"]))
     tx = _OPTIMIZERS[name](optim_cfg, schedule, wd, mask)
+    if optim_cfg["lr_mults"]:
+        tx = optax.chain(tx, _scale_by_path(dict(optim_cfg["lr_mults"])))
     clip_norm = float(optim_cfg["clip_norm"])
     if clip_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)
+    if optim_cfg["trainable"] or optim_cfg["frozen"]:
+        tx = optax.multi_transform(
+            {"train": tx, "frozen": optax.set_to_zero()},
+            functools.partial(trainable_labels, trainable=tuple(optim_cfg["trainable"]),
+                              frozen=tuple(optim_cfg["frozen"])))
     return tx, schedule

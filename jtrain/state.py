@@ -44,11 +44,13 @@ def make_abstract_state(model_fns, tx, policy, sample_inputs, mesh, seed: int):
             rng, sample_inputs, mesh)
     abstract = jax.eval_shape(lambda: _fresh_state(abstract_params, tx, policy, rng))
     repl = NamedSharding(mesh, P())
+    # MaskedNode: no state for that parameter (frozen by optim.trainable / frozen).
     opt_shardings = optax.tree_map_params(
-        tx, lambda leaf, p, s: s if leaf.shape == p.shape else repl,
+        tx, lambda leaf, p, s: leaf if isinstance(leaf, optax.MaskedNode)
+        else s if leaf.shape == p.shape else repl,
         abstract.opt_state, abstract.params, param_shardings,
         transform_non_params=lambda _: repl,
-        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+        is_leaf=lambda x: isinstance(x, (jax.ShapeDtypeStruct, optax.MaskedNode)))
     shardings = jax.tree.map(lambda _: repl, abstract).replace(
         params=param_shardings, opt_state=opt_shardings)
     return abstract, shardings

@@ -38,6 +38,7 @@ from jtrain import step as step_lib
 from jtrain.models import adapters
 from jtrain.observe import console, header as header_lib
 from jtrain.observe import writers as writers_lib
+from jtrain.errors import ConfigError
 from jtrain.observe.redact import redact
 
 
@@ -130,6 +131,7 @@ class Build:
     eval_step: Callable  # jit(params, batch) -> (metric states, batch rows)
     seed: int
     memory_plan: Any = None  # control.memory.Plan when a budget was given, else None
+    trainable: dict | None = None  # optim.trainable_split: {"train"|"frozen": (leaves, n)}
 
     def init(self) -> state_lib.TrainState:
         return state_lib.init_state(self.model_fns, self.tx, self.policy, self.sample_inputs,
@@ -160,6 +162,13 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
         (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), sample)
     abstract, shardings = state_lib.make_abstract_state(
         model_fns, tx, policy, sample_inputs, mesh, cfg.seed)
+    split = None
+    if cfg.optim.trainable or cfg.optim.frozen or cfg.optim.lr_mults:
+        try:  # regexes that match no parameter are typos: said before the first step
+            split = optim_lib.trainable_split(abstract.params, cfg.optim)
+        except ValueError as e:
+            key, why = str(e).split(": ", 1)
+            raise ConfigError(key, why) from None
 
     batch_sharding, repl = mesh_lib.batch_sharding(mesh), mesh_lib.replicated(mesh)
     valid_fn = data_lib.load_named(cfg.data.valid_fn, "data.valid_fn") \
@@ -186,7 +195,7 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
                         in_shardings=(shardings.params, batch_sharding),
                         out_shardings=(repl, batch_sharding))
     return Build(mesh, policy, model_fns, name, model, tx, schedule, sample_inputs, abstract,
-                 shardings, eval_spec, train_step, eval_step, cfg.seed, memory_plan)
+                 shardings, eval_spec, train_step, eval_step, cfg.seed, memory_plan, split)
 
 
 def _plan_memory(cfg, mesh, make_train_step, abstract, train_example):
@@ -322,6 +331,10 @@ def _header(cfg, b: Build, data_info, sources, workdir, resumed_from, flops, pea
     mfu = f"MFU vs peak {peak:.3g} FLOP/s/device" if peak else "MFU n/a (set perf.peak_flops)"
     if determinism:
         extra.append(f"jtrain: {determinism}")
+    if b.trainable is not None and b.trainable["frozen"][0]:
+        (tl, tn), (fl, fn) = b.trainable["train"], b.trainable["frozen"]
+        extra.append(f"jtrain: trainable {tn:,} params in {tl} leaves; frozen {fn:,} in "
+                     f"{fl} leaves (optim.trainable / optim.frozen)")
     if b.memory_plan is not None:
         extra.append(f"jtrain: {b.memory_plan.describe()}")
     extra.append(f"jtrain: eval {b.eval_spec.task}: {', '.join(b.eval_spec.names)}; "

@@ -215,6 +215,16 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
         raise ConfigError("memory.budget_bytes", "must be -1 (the device's limit), 0 (no "
                           f"planning) or a number of bytes, got "
                           f"{tree['memory']['budget_bytes']!r}")
+    for key in ("trainable", "frozen", "lr_mults"):
+        for pattern in optim[key]:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ConfigError(f"optim.{key}", f"bad regex {pattern!r}: {e}") from None
+    for pattern, factor in optim["lr_mults"].items():
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 0:
+            raise ConfigError("optim.lr_mults", f"{pattern!r}: the factor must be a "
+                              f"number >= 0, got {factor!r}")
     if optim["name"] == "adam" and optim["weight_decay"] > 0:
         raise ConfigError("optim.weight_decay", "adam has no weight decay; use optim.name=adamw")
     batch = tree["data"]["batch_size"]

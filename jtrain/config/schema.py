@@ -78,6 +78,11 @@ SCHEMA: dict[str, Any] = {
         "eps": F(float, 1e-8, (0.0, 1.0), "adam / adamw epsilon"),
         "momentum": F(float, 0.9, (0.0, 1.0), "sgd momentum; 0 = plain sgd"),
         "nesterov": F(bool, False, None, "sgd: Nesterov momentum"),
+        "trainable": F("strs", (), None, "regexes of parameter paths that train; () = all "
+                       "(the rest are frozen: no update, no optimizer state)"),
+        "frozen": F("strs", (), None, "regexes of parameter paths that never train"),
+        "lr_mults": F("dict", {}, None, "{regex: factor}: learning-rate multiplier per "
+                      "parameter path, first match wins"),
     },
     "data": {
         "name": F(str, "pystdlib", None, "built-in dataset (checked by jtrain.data)"),
