@@ -28,15 +28,17 @@ from jtrain import checkpoint, cli
 from jtrain import config as config_lib
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
-from jtrain.train import build
+from jtrain.train import MODEL_SOURCE_KEY, build
 from jtrain.checkpoint import policy
 from jtrain.errors import EvaluateError, JtrainError, UsageError, first_line
 from jtrain.eval_loop import (MAX_IN_FLIGHT, Evaluation, format_line, headline,  # noqa: F401
                               local_rows, make_spec, run_eval)
 
-def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data: str = "eval",
-                        num_batches: int = 0, plots: bool = True) -> dict:
-    """Evaluates a checkpoint of a run with a built-in model and writes the report files.
+def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data="eval",
+                        num_batches: int = 0, plots: bool = True, model=None) -> dict:
+    """Evaluates a checkpoint of a run and writes the report files. The model is rebuilt
+    from config.json (a built-in family or model.factory); `model`: the object a run was
+    given from Python (the same one, or one built the same way).
 
     The model, mesh, state and eval step come from `jtrain.train.build`, as in training.
     Returns the report (what eval_<step>.json holds)."""
@@ -47,13 +49,21 @@ def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data: str =
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"--workdir: {workdir} has no config.json (not a jtrain run)")
     with open(cfg_path) as f:
-        cfg = config_lib.resolve(json.load(f))
+        recorded = json.load(f)
+    source = recorded.pop(MODEL_SOURCE_KEY, None)
+    if source is not None and model is None:
+        raise EvaluateError(
+            f"--workdir: {workdir} was trained with a model passed from Python "
+            f"({source.split(': ', 1)[-1]}); the CLI cannot rebuild it: call "
+            "jtrain.evaluate.evaluate_checkpoint(workdir, model=...) from Python, or train "
+            "with model.name='user' and model.factory='package.module:function'")
+    cfg = config_lib.resolve(recorded)
     config_lib.validate(cfg, num_devices=jax.device_count())
     reader = checkpoint.CheckpointReader(workdir)  # read-only: safe beside a running job
     chosen = resolve_step(step, reader.all_steps(), workdir, monitor=cfg.checkpoint.monitor,
                           mode=cfg.checkpoint.mode)
     source, data_name, data_info = _pick_data(data, cfg.data)
-    b = build(cfg, sample=source[0]["inputs"], eval_example=source[0],
+    b = build(cfg, sample=source[0]["inputs"], eval_example=source[0], model=model,
               byte_level=data_info.get("name") == "pystdlib", eval_defaults=True)
     state = reader.restore(chosen, b.abstract_with_shardings())[0]
     eval_batch = (cfg.eval.batch_size or cfg.data.batch_size) // jax.process_count()
@@ -106,7 +116,10 @@ def resolve_step(step, available: list[int], workdir: str, *, monitor: str | Non
 
 def _pick_data(data: str, data_cfg):
     """(source, its name, data info) for --data: the run's eval or train split (built-in
-    or data.source), or a .npz file with `inputs` and `targets`."""
+    or data.source), or a .npz file with `inputs` and `targets`; from Python also any
+    input `jtrain.train` accepts (arrays, a torch Dataset, ...)."""
+    if not isinstance(data, str):
+        return data_lib.as_data(data, "data"), "data", {}
     if data in ("", "eval", "train"):
         train_src, eval_src, info = data_lib.make_sources(data_cfg)
         if data == "train":

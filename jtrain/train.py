@@ -112,6 +112,9 @@ def _train(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval, determi
         run.close()
 
 
+MODEL_SOURCE_KEY = "model_source"  # in config.json only: how the run got its model
+
+
 @dataclasses.dataclass(frozen=True)
 class Build:
     """What `build` sets up: everything a run, an evaluation or a benchmark needs before
@@ -153,10 +156,13 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
     step's grad_accum_steps is planned from it."""
     mesh = mesh_lib.make_mesh(cfg.mesh)
     policy = precision_lib.make_policy(cfg.model)
-    name = cfg.model.name if model is None else f"user {type(model).__name__}"
+    if model is None and cfg.model.name == "user":  # model.factory: treated as passed in
+        model = models_lib.make_model(cfg.model, dtype=policy.compute_dtype,
+                                      param_dtype=policy.param_dtype)
     module = model if model is not None else models_lib.make_model(
         cfg.model, dtype=policy.compute_dtype, param_dtype=policy.param_dtype)
     model_fns = adapters.to_model_fns(module, mesh)
+    name = cfg.model.name if model is None else f"user {_model_name(model, model_fns)}"
     tx, schedule = optim_lib.make_optimizer(cfg.optim, cfg.total_steps)
     sample_inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), sample)
@@ -196,6 +202,17 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
                         out_shardings=(repl, batch_sharding))
     return Build(mesh, policy, model_fns, name, model, tx, schedule, sample_inputs, abstract,
                  shardings, eval_spec, train_step, eval_step, cfg.seed, memory_plan, split)
+
+
+def _model_name(model, model_fns) -> str:
+    """The class of the user's model, also when a function built it (NNX rngs -> module)."""
+    if model_fns.nnx_graph is not None:
+        built = getattr(model_fns.nnx_graph.graphdef.nodes[0], "type", None)
+        if isinstance(built, type):
+            return built.__name__
+    if isinstance(model, tuple):
+        return "(init, apply)"
+    return model.__name__ if isinstance(model, type) else type(model).__name__
 
 
 def _plan_memory(cfg, mesh, make_train_step, abstract, train_example):
@@ -248,7 +265,7 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
     # Config values that would make the run wrong, found before the first step.
     decide_lib.check_monitors(cfg, None if eval_src is None
                                else eval_loop.metric_keys(b.eval_spec))
-    if model is None:
+    if b.user_model is None:
         data_lib.check_vocab(cfg.model, train_src)
 
     # Start-up precedence (jtrain.checkpoint.manager, WORKSPACE.md): (1) the newest intact
@@ -271,8 +288,12 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
 
     resolved = cfg.to_dict()
     if primary:
+        # A model object passed from Python cannot be rebuilt from the config: say which
+        # (jtrain.evaluate reads this key and explains; model.factory makes it rebuildable).
+        source = {} if model is None else {MODEL_SOURCE_KEY: f"python: {b.model_name}"}
         with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(redact(resolved), f, indent=2, sort_keys=True, default=str)
+            json.dump(redact({**resolved, **source}), f, indent=2, sort_keys=True,
+                      default=str)
     writer = writers_lib.MetricWriter(workdir, cfg.log, is_primary=primary,
                                       run_ids=control_lib.writer_run_ids(start.control),
                                       resumed_step=start.step)

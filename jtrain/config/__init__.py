@@ -274,6 +274,9 @@ def _check_family(model: dict) -> None:
         if (d // h) % 2:
             raise ConfigError("model.num_heads", f"head size d_model/num_heads={d // h} must "
                                                  "be even for rotary positions")
+    if model["name"] == "user" and ":" not in model["factory"]:
+        raise ConfigError("model.factory", "required with model.name='user': "
+                          f"'package.module:function', got {model['factory']!r}")
     if model["name"] == "mlp" and model["activation"] not in ACTIVATIONS:
         raise ConfigError("model.activation", f"unknown activation {model['activation']!r}; "
                                               f"choose one of: {', '.join(ACTIVATIONS)}")

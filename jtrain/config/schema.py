@@ -219,6 +219,11 @@ SCHEMA: dict[str, Any] = {
 
 # Built-in model families: their keys under `model.` (jtrain/models/<name>.py builds them).
 MODEL_FAMILIES: dict[str, dict[str, Field]] = {
+    "user": {
+        "factory": F(str, "", None, "'package.module:function' returning your model "
+                     "(Linen, NNX or (init, apply)); jtrain/models/user.py"),
+        "kwargs": F("dict", {}, None, "keyword arguments of model.factory"),
+    },
     "transformer": {
         "vocab_size": F(int, 256, (1, INF), "token vocabulary (256: bytes)"),
         "d_model": F(int, 128, (1, INF), "residual width"),

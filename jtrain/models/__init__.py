@@ -2,6 +2,7 @@
 
     transformer   decoder-only LM over bytes or tokens (RoPE, RMSNorm, logical axes)
     mlp           MLP classifier / regressor
+    user          your own model from `model.factory` ("package.module:function")
     adapters      Linen / NNX / pure (init, apply) -> ModelFns (init, apply)
 
 Built-in families are chosen by `config.model.name` from one plain dict, `MODELS`. Each
@@ -17,9 +18,9 @@ from flax import linen as nn
 
 from jtrain import config as config_lib
 from jtrain.errors import ConfigError
-from jtrain.models import mlp, transformer
+from jtrain.models import mlp, transformer, user
 
-MODELS = {"transformer": transformer, "mlp": mlp}
+MODELS = {"transformer": transformer, "mlp": mlp, "user": user}
 
 
 def _family(model_cfg_or_name):
@@ -35,7 +36,7 @@ def _family(model_cfg_or_name):
     return MODELS[name]
 
 
-def make_model(model_cfg, *, dtype, param_dtype) -> nn.Module:
+def make_model(model_cfg, *, dtype, param_dtype):
     """The module for `model_cfg.name` (a partial `model` section is completed with the
     schema's defaults and checked); params in `param_dtype`, matmuls in `dtype`."""
     family = _family(model_cfg)
