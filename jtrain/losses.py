@@ -8,11 +8,31 @@ Batch conventions (numpy dicts from jtrain.data):
            float targets -> mean squared error
   weights  optional per-example or per-token loss weights (e.g. an LM's loss mask)
   mask     optional [B] validity of rows (0 = padding added by the eval pipeline)
+
+Building blocks for custom losses (pure jax.numpy, jit-able, float32 math). Each takes
+arrays plus optional `weights` (broadcast over trailing axes, e.g. [B] weights for [B, T]
+elements) and returns float32 `(loss_sum, weight_sum)`; `loss_sum / weight_sum` is the
+mean over the counted elements. Elements with weight 0 count for nothing, even if their
+loss is NaN (in value: keep them finite where gradients are taken). Pass
+`weights=weights_for(batch, shape)` to honour the batch's weights and row mask.
+  weighted(per_element, batch)       reduce any per-element loss with the batch weights
+  masked_cross_entropy(logits, labels, weights, ignore_index)   softmax CE, int labels
+  mse(pred, target, weights), mae(pred, target, weights)        squared / absolute error
+  binary_cross_entropy(logits, targets, weights)                sigmoid CE on logits
+  negative_binomial_nll(counts, mean, dispersion, weights, eps) NB(mu, theta) NLL (scVI)
+  gaussian_nll(target, mean, var, weights, eps, full)           as torch gaussian_nll_loss
+  poisson_nll(log_rate_or_rate, target, weights, log_input, full, eps)  as torch's
+  pearson_loss(pred, target, weights, axis, eps)   1 - Pearson r over the batch axis
+                                                   (batch-level: see its docstring)
 """
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
+import jax.scipy.special
 import optax
 
 
@@ -64,3 +84,142 @@ def correct_count(outputs, batch):
     hits = (jnp.argmax(outputs, axis=-1) == targets).astype(jnp.float32)
     w = weights_for(batch, hits.shape)
     return (hits * w).sum(), w.sum()
+
+
+# ---------------------------------------------------------------------------------------
+# Building blocks: per-element losses reduced to (loss_sum, weight_sum).
+
+def _weights(weights, shape) -> jnp.ndarray:
+    """float32 weights of `shape`: ones, or `weights` broadcast over trailing axes."""
+    if weights is None:
+        return jnp.ones(shape, jnp.float32)
+    return jnp.broadcast_to(_expand(weights, len(shape)), shape)
+
+
+def _reduce(per, w):
+    """(sum of per * w, sum of w) as float32; elements with w == 0 are dropped with
+    `where`, so a NaN/inf loss in a padded element cannot leak into the sum."""
+    per = per.astype(jnp.float32)
+    return jnp.where(w != 0, per * w, 0.0).sum(), w.sum()
+
+
+def weighted(per_element, batch):
+    """(sum, weight) of a per-element loss under the batch's `weights` and row `mask`."""
+    per_element = jnp.asarray(per_element)
+    return _reduce(per_element, weights_for(batch, per_element.shape))
+
+
+def masked_cross_entropy(logits, labels, weights=None, ignore_index=-100):
+    """Softmax CE of logits [..., C] against int labels [...]; labels == ignore_index
+    and weight-0 elements do not count (torch F.cross_entropy with ignore_index)."""
+    logits = jnp.asarray(logits).astype(jnp.float32)
+    labels = jnp.asarray(labels)
+    valid = labels != ignore_index
+    safe = jnp.where(valid, labels, 0).astype(jnp.int32)
+    picked = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
+    per = jax.nn.logsumexp(logits, axis=-1) - picked
+    w = jnp.where(valid, _weights(weights, labels.shape), 0.0)
+    return _reduce(per, w)
+
+
+def _pair(a, b):
+    a = jnp.asarray(a).astype(jnp.float32)
+    b = jnp.asarray(b).astype(jnp.float32)
+    shape = jnp.broadcast_shapes(a.shape, b.shape)
+    return jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape)
+
+
+def mse(pred, target, weights=None):
+    """Mean squared error per element; weight = sum of the (broadcast) element weights."""
+    pred, target = _pair(pred, target)
+    return _reduce((pred - target) ** 2, _weights(weights, pred.shape))
+
+
+def mae(pred, target, weights=None):
+    """Mean absolute error per element; weight = sum of the (broadcast) element weights."""
+    pred, target = _pair(pred, target)
+    return _reduce(jnp.abs(pred - target), _weights(weights, pred.shape))
+
+
+def binary_cross_entropy(logits, targets, weights=None):
+    """Sigmoid CE on logits, stable for large |logits| (torch BCE-with-logits)."""
+    x, t = _pair(logits, targets)
+    # -[t log s(x) + (1 - t) log(1 - s(x))] = max(x, 0) - x t + log(1 + e^-|x|)
+    per = jnp.maximum(x, 0.0) - x * t + jnp.log1p(jnp.exp(-jnp.abs(x)))
+    return _reduce(per, _weights(weights, x.shape))
+
+
+def negative_binomial_nll(counts, mean, dispersion, weights=None, eps=1e-8):
+    """-log NB(counts; mean mu, inverse dispersion theta) with the lgamma terms, i.e.
+    scipy nbinom.logpmf(x, n=theta, p=theta/(theta+mu)) negated (scVI log_nb_positive)."""
+    x = jnp.asarray(counts).astype(jnp.float32)
+    mu = jnp.asarray(mean).astype(jnp.float32)
+    theta = jnp.asarray(dispersion).astype(jnp.float32)
+    shape = jnp.broadcast_shapes(x.shape, mu.shape, theta.shape)
+    x, mu, theta = (jnp.broadcast_to(v, shape) for v in (x, mu, theta))
+    # theta log(theta/(theta+mu)) + x log(mu/(theta+mu)) (eps as scVI puts it), as log1p
+    # rather than a difference of logs; lgamma(x+theta) - lgamma(theta) - lgamma(x+1)
+    # as -log(x+theta) - betaln(theta, x+1): both lose far less in float32
+    log_lik = (-theta * jnp.log1p(mu / (theta + eps)) - x * jnp.log1p(theta / (mu + eps))
+               - jnp.log(x + theta) - jax.scipy.special.betaln(theta, x + 1.0))
+    return _reduce(-log_lik, _weights(weights, shape))
+
+
+def _clamp_min_straight_through(v, lo):
+    """max(v, lo) in value, identity in gradient (torch clamps var under no_grad)."""
+    return v + jax.lax.stop_gradient(jnp.maximum(v, lo) - v)
+
+
+def gaussian_nll(target, mean, var, weights=None, eps=1e-6, full=False):
+    """0.5 (log var + (target - mean)^2 / var) per element, var clamped at eps, plus
+    0.5 log(2 pi) if `full` (torch F.gaussian_nll_loss)."""
+    target, mean = _pair(target, mean)
+    var = jnp.asarray(var).astype(jnp.float32)
+    if var.shape == target.shape[:-1]:  # torch: var may lack the last (feature) axis
+        var = var[..., None]
+    var = _clamp_min_straight_through(jnp.broadcast_to(var, target.shape), eps)
+    per = 0.5 * (jnp.log(var) + (target - mean) ** 2 / var)
+    if full:
+        per = per + 0.5 * math.log(2.0 * math.pi)
+    return _reduce(per, _weights(weights, target.shape))
+
+
+def poisson_nll(log_rate_or_rate, target, weights=None, log_input=True, full=False,
+                eps=1e-8):
+    """Poisson NLL without the log(target!) term, or with its Stirling approximation
+    (target > 1) if `full` (torch F.poisson_nll_loss)."""
+    inp, t = _pair(log_rate_or_rate, target)
+    per = jnp.exp(inp) - t * inp if log_input else inp - t * jnp.log(inp + eps)
+    if full:
+        safe_t = jnp.where(t > 1.0, t, 1.0)
+        stirling = (safe_t * jnp.log(safe_t) - safe_t
+                    + 0.5 * jnp.log(2.0 * math.pi * safe_t))
+        per = per + jnp.where(t > 1.0, stirling, 0.0)
+    return _reduce(per, _weights(weights, t.shape))
+
+
+def pearson_loss(pred, target, weights=None, axis=0, eps=1e-8):
+    """1 - Pearson r over the batch `axis`, per feature; (sum over features, n features).
+
+    A batch-level loss: the means and sums run over the rows it is given, so it is
+    exact only over the whole batch (with grad accumulation each microbatch is its own
+    batch; jtrain's eval step runs a user loss one example at a time, where r is
+    undefined). Rows with weight 0 (e.g. eval padding: pass weights_for(batch, shape))
+    are excluded, whatever their values; non-binary weights weight the moments.
+    Features whose weight total is 0 do not count. `eps` floors each standard deviation
+    (a constant column gives r = 0)."""
+    p, t = _pair(pred, target)
+    w = _weights(weights, p.shape)
+    p, t, w = (jnp.moveaxis(v, axis, 0) for v in (p, t, w))
+    keep = w != 0
+    p, t = jnp.where(keep, p, 0.0), jnp.where(keep, t, 0.0)  # padding can hold NaN/inf
+    total = w.sum(axis=0)
+    denom = jnp.where(total > 0, total, 1.0)
+    dp = jnp.where(keep, p - (w * p).sum(axis=0) / denom, 0.0)
+    dt = jnp.where(keep, t - (w * t).sum(axis=0) / denom, 0.0)
+    cov = (w * dp * dt).sum(axis=0) / denom
+    std_p = jnp.sqrt(jnp.maximum((w * dp * dp).sum(axis=0) / denom, eps * eps))
+    std_t = jnp.sqrt(jnp.maximum((w * dt * dt).sum(axis=0) / denom, eps * eps))
+    r = cov / (std_p * std_t)
+    counted = (total > 0).astype(jnp.float32)
+    return jnp.where(total > 0, 1.0 - r, 0.0).sum(), counted.sum()
