@@ -14,7 +14,7 @@ from __future__ import annotations
 import grain
 import numpy as np
 
-from jtrain.data import items as items_lib
+from jtrain.data import items as items_lib, pipeline
 from jtrain.data.items import DataError, first_line
 from jtrain.data.streams import EpochEnd, _jsonable
 
@@ -98,6 +98,7 @@ class LoaderIterator:
 
     def __next__(self) -> dict:
         if self._it is None:
+            pipeline.prepare_workers()
             self._it = iter(self.loader)
             if self._pending is not None:
                 self._it.set_state(self._pending.encode())
@@ -140,6 +141,7 @@ def loader_items(loader, name: str) -> list:
         raise DataError(f"{name}: the grain DataLoader repeats forever (num_epochs=None); "
                         "for evaluation give it num_epochs=1")
     rows = []
+    pipeline.prepare_workers()
     for b, raw in enumerate(loader):
         batch = items_lib.to_numpy_item(raw, f"{name}[batch {b}]")
         n = len(np.asarray(items_lib.flatten(batch)[0][1]))

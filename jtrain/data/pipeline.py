@@ -195,12 +195,27 @@ def example_indices(data_state: dict | None, seed: int, number: int | None):
 
 
 def with_workers(ds: grain.IterDataset, num_workers: int, prefetch: int, worker_init_fn):
-    """`ds` read by `num_workers` spawned grain worker processes (none: `ds` itself)."""
+    """`ds` read by `num_workers` spawned grain worker processes (none: `ds` itself).
+
+    A torch DataLoader's num_workers becomes data.num_workers and its dataset is read by
+    these workers (the DataLoader itself is never iterated, so torch starts none)."""
     if not num_workers:
         return ds
+    prepare_workers()
     return ds.mp_prefetch(grain.MultiprocessingOptions(
         num_workers=num_workers, per_worker_buffer_size=max(1, prefetch)),
         worker_init_fn=worker_init_fn)
+
+
+def prepare_workers() -> None:
+    """Called before jtrain starts grain worker processes: here (mp_prefetch) and when it
+    iterates a user's grain DataLoader (grain_sources.py; its workers are mp_prefetch
+    too). grain starts them with the "spawn" context, never `fork` beside a live JAX
+    runtime. It reads absl flags while doing so, which raises UnparsedFlagAccessError in
+    a plain script (no absl.app owns the process): marked parsed then, if nobody has."""
+    from jtrain import cli
+
+    cli.mark_absl_parsed()
 
 
 def own_memory(batch: dict) -> dict:

@@ -8,8 +8,10 @@ Every model becomes a `ModelFns`:
 
 Accepted user models:
   * a `flax.linen.Module`;
-  * a `flax.nnx.Module` instance (its existing parameters are used and resharded), or a
-    function `rngs -> nnx.Module` (created shapes-first, like Linen);
+  * a `flax.nnx.Module` instance (its existing parameters are used and resharded), a
+    function `rngs -> nnx.Module`, or an NNX Module class whose constructor takes `rngs`
+    (built as `cls(rngs=nnx.Rngs(<from config.seed>))`; both created shapes-first, like
+    Linen);
   * a tuple `(init, apply)` with `init(rng, inputs) -> params` and
     `apply(params, inputs[, rng=..., train=...]) -> outputs`.
 Models are called with `batch["inputs"]`. If the call signature has `train` (or
@@ -156,6 +158,31 @@ def from_pure(init_apply) -> ModelFns:
     return ModelFns(init=user_init, apply=apply, kind="pure")
 
 
+def nnx_class_factory(cls: type) -> Callable[[nnx.Rngs], nnx.Module]:
+    """An NNX Module class as the factory `rngs -> cls(rngs=rngs)` (a TypeError naming
+    the class when its constructor needs more than `rngs`)."""
+    try:  # the constructor's own signature (the class's is its metaclass's *args, **kwargs)
+        params = dict(list(inspect.signature(cls.__init__).parameters.items())[1:])
+    except (TypeError, ValueError):
+        params = {}
+    kinds = {p.kind for p in params.values()}
+    takes_rngs = "rngs" in params or inspect.Parameter.VAR_KEYWORD in kinds
+    needed = [n for n, p in params.items() if n != "rngs" and p.default is p.empty
+              and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if params and (not takes_rngs or needed):
+        what = f"also needs {', '.join(needed)}" if takes_rngs else "takes no rngs"
+        raise TypeError(
+            f"model: the NNX class {cls.__name__} is built as {cls.__name__}(rngs=...), but "
+            f"its constructor {what}; pass an instance, or a function rngs -> "
+            f"{cls.__name__}(..., rngs=rngs)")
+
+    def factory(rngs):
+        return cls(rngs=rngs)
+
+    factory.__name__ = factory.__qualname__ = cls.__name__
+    return factory
+
+
 def to_model_fns(model, mesh=None) -> ModelFns:
     """Dispatch on what the user handed over; a clear TypeError for anything else.
     `mesh`: where an NNX factory's partitioned parameters will live (see from_nnx)."""
@@ -165,8 +192,14 @@ def to_model_fns(model, mesh=None) -> ModelFns:
         return from_nnx(model, mesh)
     if isinstance(model, (tuple, list)) and len(model) == 2 and all(map(callable, model)):
         return from_pure(model)
+    if isinstance(model, type) and issubclass(model, nnx.Module):
+        return from_nnx(nnx_class_factory(model), mesh)
+    if isinstance(model, type) and issubclass(model, nn.Module):
+        raise TypeError(f"model: {model.__name__} is a flax.linen.Module class; pass an "
+                        f"instance, e.g. model={model.__name__}(...)")
     if callable(model) and not isinstance(model, type):
         return from_nnx(model, mesh)
     raise TypeError(
-        f"model: expected a flax.linen.Module, a flax.nnx.Module (or a function "
-        f"rngs -> nnx.Module), or an (init, apply) pair; got {type(model).__name__}")
+        f"model: expected a flax.linen.Module, a flax.nnx.Module (an instance, a class "
+        f"taking rngs, or a function rngs -> nnx.Module), or an (init, apply) pair; "
+        f"got {type(model).__name__}")

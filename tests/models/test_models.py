@@ -264,7 +264,7 @@ def test_mlp_flops_are_six_times_params():
 
 
 def test_unknown_model_name():
-    msg = "model.name: unknown model 'x'; choose one of: mlp, transformer"
+    msg = "model.name: unknown model 'x'; choose one of: mlp, transformer, user"
     with pytest.raises(ValueError) as e:
         models.make_model({"name": "x"}, dtype=jnp.float32, param_dtype=jnp.float32)
     assert str(e.value) == msg
@@ -296,8 +296,8 @@ def test_default_model_config_and_config_dict():
     for name in models.MODELS:
         d = models.default_model_config(name)
         assert d["name"] == name
-        d["dropout"] = 0.3  # a fresh copy: the family defaults stay untouched
-        assert models.default_model_config(name)["dropout"] == 0.0
+        d["dtype"] = "float16"  # a fresh copy: the family defaults stay untouched
+        assert models.default_model_config(name)["dtype"] == "auto"
     assert models.default_model_config("transformer")["vocab_size"] == 256
     assert models.default_model_config("mlp")["hidden"] == (64, 64)
     cfg = ml_collections.ConfigDict({**models.default_model_config("mlp"), "num_outputs": 2})
