@@ -38,9 +38,7 @@ def make_spec(eval_cfg, apply_fn, abstract_params, sample_inputs, example: dict,
     """The metrics to compute (`eval.metrics`, or the task's defaults when empty; both with
     `with_defaults`), from the model's output shape (no arrays are built) and one
     example's targets."""
-    out = jax.eval_shape(lambda p, x: apply_fn(p, x, rng=None, train=False),
-                         abstract_params, sample_inputs)
-    output_shape = tuple(out.shape[1:]) if hasattr(out, "shape") else None
+    output_shape = output_shape_of(apply_fn, abstract_params, sample_inputs)
     targets = np.asarray(example["targets"])
     names = tuple(eval_cfg.metrics)
     if with_defaults or not names:
@@ -50,6 +48,52 @@ def make_spec(eval_cfg, apply_fn, abstract_params, sample_inputs, example: dict,
     return metrics_lib.EvalSpec.create(output_shape, targets.shape, targets.dtype, names=names,
                                        top_k=eval_cfg.top_k, max_gathered=eval_cfg.max_gathered,
                                        byte_level=byte_level)
+
+
+def output_shape_of(apply_fn, abstract_params, sample_inputs):
+    """One example's output shape (no batch axis), None for a pytree of outputs."""
+    out = jax.eval_shape(lambda p, x: apply_fn(p, x, rng=None, train=False),
+                         abstract_params, sample_inputs)
+    return tuple(out.shape[1:]) if hasattr(out, "shape") else None
+
+
+TARGET_SCAN = 256  # examples of each split whose targets are checked before step 1
+
+
+def check_targets(spec, output_shape, sources: dict, *, default_loss: bool) -> None:
+    """DataError (one line, before the first step) for targets that would train wrong
+    without an error: a class label outside [0, num_classes) (with a user loss, negative
+    labels are allowed: an ignore index), or, with the default loss, regression targets
+    whose shape differs from the output's (the MSE would broadcast [B, 1] against [B])."""
+    if default_loss and output_shape is not None:
+        for name, src in sources.items():
+            targets = np.asarray(src[0]["targets"])
+            shape = targets.shape
+            if np.issubdtype(targets.dtype, np.floating) and \
+                    tuple(shape) != tuple(output_shape):
+                raise data_lib.DataError(
+                    f"{name}: targets of shape {tuple(shape)} per example against model "
+                    f"outputs of shape {tuple(output_shape)}: the default MSE would "
+                    "broadcast them; reshape the targets (or the output) to match, or pass "
+                    "a loss_fn")
+    if spec.task not in ("classification", "sequence"):
+        return
+    low = 0 if default_loss else -np.inf
+    for name, src in sources.items():
+        n = min(len(src), TARGET_SCAN) if hasattr(src, "__len__") else 1
+        for i in range(n):
+            example = src[i]
+            labels = np.asarray(example["targets"])
+            if "weights" in example:  # a label with weight 0 is never used
+                labels = labels[np.broadcast_to(np.asarray(example["weights"]) > 0,
+                                                labels.shape)]
+            bad = labels[(labels < low) | (labels >= spec.num_classes)]
+            if bad.size:
+                raise data_lib.DataError(
+                    f"{name}: example {i} has class label {int(bad.flat[0])}, outside "
+                    f"0..{spec.num_classes - 1} (the model has {spec.num_classes} outputs); "
+                    "fix the labels, give the model more outputs, or give such labels "
+                    "weight 0 (batch['weights'])")
 
 
 def metric_keys(spec) -> set[str]:

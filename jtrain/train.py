@@ -267,6 +267,11 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
                                else eval_loop.metric_keys(b.eval_spec))
     if b.user_model is None:
         data_lib.check_vocab(cfg.model, train_src)
+    eval_loop.check_targets(
+        b.eval_spec, eval_loop.output_shape_of(b.model_fns.apply, b.abstract.params,
+                                               b.sample_inputs),
+        {"train_data": train_src, **({"eval_data": eval_src} if eval_src is not None else {})},
+        default_loss=loss_fn is None)
 
     # Start-up precedence (jtrain.checkpoint.manager, WORKSPACE.md): (1) the newest intact
     # checkpoint in workdir/checkpoints; (2) else checkpoint.init_from; (3) else fresh.
