@@ -1,14 +1,19 @@
 """The mixed-precision policy and fp16 dynamic loss scaling.
 
 Reads `config.model.dtype`, `config.model.param_dtype`, `config.model.loss_scale`,
-`config.model.init_scale`. The policy is applied in one place: models get
-`compute_dtype` / `param_dtype` when they are built; the default losses (losses.py)
-compute in float32 whatever the outputs' dtype, and built-in models keep norms in float32.
+`config.model.init_scale`, `config.model.keep_fp32`. Built-in models get
+`compute_dtype` / `param_dtype` when they are built and keep norms in float32. Your own
+model gets the policy without its cooperation (`cast_apply`, as mixed-precision
+libraries do): params stay stored in `param_dtype`; inside the step, floating params
+(except paths matching `keep_fp32`) and floating inputs are cast to the compute dtype
+before `apply`, and floating outputs back to float32. The default losses (losses.py)
+compute in float32 whatever the outputs' dtype.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +49,32 @@ def make_policy(model_cfg, platform: str | None = None) -> Policy:
     return Policy(param_dtype=_DTYPES[model_cfg.param_dtype], compute_dtype=compute,
                   dynamic_loss_scale=dynamic,
                   init_scale=float(model_cfg.init_scale))
+
+
+def cast_apply(apply_fn, policy: Policy, keep_fp32=("norm",)):
+    """`apply_fn` computing in `policy.compute_dtype` (see the module doc); `apply_fn`
+    itself when the compute dtype is float32 and the params are stored in float32."""
+    compute = jnp.dtype(policy.compute_dtype)
+    if compute == jnp.float32 and jnp.dtype(policy.param_dtype) == jnp.float32:
+        return apply_fn
+    keep = [re.compile(p, re.IGNORECASE) for p in keep_fp32]
+
+    def floating(x):
+        return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+    def cast_param(path, x):
+        if not floating(x):
+            return x
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        return x.astype(jnp.float32 if any(r.search(name) for r in keep) else compute)
+
+    def apply(params, inputs, **kwargs):
+        params = jax.tree_util.tree_map_with_path(cast_param, params)
+        inputs = jax.tree.map(lambda x: x.astype(compute) if floating(x) else x, inputs)
+        out = apply_fn(params, inputs, **kwargs)
+        return jax.tree.map(lambda y: y.astype(jnp.float32) if floating(y) else y, out)
+
+    return apply
 
 
 def init_loss_scale(policy: Policy) -> dict:

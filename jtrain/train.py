@@ -163,6 +163,9 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
         cfg.model, dtype=policy.compute_dtype, param_dtype=policy.param_dtype)
     model_fns = adapters.to_model_fns(module, mesh)
     name = cfg.model.name if model is None else f"user {_model_name(model, model_fns)}"
+    if model is not None:  # your model computes in the policy's dtype (precision.py)
+        model_fns = dataclasses.replace(model_fns, apply=precision_lib.cast_apply(
+            model_fns.apply, policy, tuple(cfg.model.keep_fp32)))
     tx, schedule = optim_lib.make_optimizer(cfg.optim, cfg.total_steps)
     sample_inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), sample)

@@ -215,6 +215,11 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
         raise ConfigError("memory.budget_bytes", "must be -1 (the device's limit), 0 (no "
                           f"planning) or a number of bytes, got "
                           f"{tree['memory']['budget_bytes']!r}")
+    for pattern in tree["model"]["keep_fp32"]:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ConfigError("model.keep_fp32", f"bad regex {pattern!r}: {e}") from None
     for key in ("trainable", "frozen", "lr_mults"):
         for pattern in optim[key]:
             try:

@@ -58,6 +58,8 @@ SCHEMA: dict[str, Any] = {
         "loss_scale": F(str, "auto", ("auto", "dynamic", "none"), "fp16 loss scaling; auto "
                         "= dynamic for float16 compute"),
         "init_scale": F(float, 2.0**15, (1.0, 2.0**24), "initial dynamic loss scale"),
+        "keep_fp32": F("strs", ("norm",), None, "your model: regexes (case-insensitive) of "
+                       "parameter paths not cast to the compute dtype"),
         # + the fields of MODEL_FAMILIES[model.name]
     },
     "optim": {
