@@ -65,6 +65,10 @@ def check_targets(spec, output_shape, sources: dict, *, default_loss: bool) -> N
     without an error: a class label outside [0, num_classes) (with a user loss, negative
     labels are allowed: an ignore index), or, with the default loss, regression targets
     whose shape differs from the output's (the MSE would broadcast [B, 1] against [B])."""
+    if default_loss and output_shape is None:
+        raise data_lib.DataError(
+            "model: it returns a pytree of outputs (e.g. a dict of heads), which the "
+            "default loss cannot score; pass loss_fn(outputs, batch)")
     if default_loss and output_shape is not None:
         for name, src in sources.items():
             targets = np.asarray(src[0]["targets"])
@@ -96,14 +100,29 @@ def check_targets(spec, output_shape, sources: dict, *, default_loss: bool) -> N
                     "weight 0 (batch['weights'])")
 
 
-def metric_keys(spec) -> set[str]:
+def metric_keys(spec, terms=()) -> set[str]:
     """The names ("eval/<name>") an evaluation with `spec` reports, known before any
-    eval runs (checked against early_stop / plateau / checkpoint monitors)."""
+    eval runs (checked against early_stop / plateau / checkpoint monitors); `terms`:
+    the user loss's named terms (`loss_term_names`)."""
     device, host = metrics_lib.make_collection(spec).partition()
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        names = {*device.compute(), *host.compute()}
+        names = {*device.compute(), *host.compute(), *terms}
     return {f"eval/{k}" for k in names}
+
+
+def loss_term_names(apply_fn, loss_fn, abstract_params, example: dict) -> tuple[str, ...]:
+    """The names of the terms a user loss returns beside the loss (`(loss, {...})`),
+    traced on one example's shapes; () for the default loss."""
+    if loss_fn is None:
+        return ()
+    from jtrain import losses
+
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1,) + np.shape(x),
+                                                        np.asarray(x).dtype), example)
+    terms = jax.eval_shape(lambda p, b: losses.split_loss(loss_fn(
+        apply_fn(p, b["inputs"], rng=None, train=False), b))[1], abstract_params, batch)
+    return tuple(terms)
 
 
 def local_rows(x) -> np.ndarray:
@@ -127,9 +146,15 @@ def run_eval(eval_step, params, source, *, mesh, local_batch: int, spec, max_bat
     device_total, host_total = metrics_lib.make_collection(spec).partition()
     pending: deque = deque()
 
+    terms: dict[str, list] = {}  # the loss's named terms: [sum, weight] in float64
+
     def drain(out):
         nonlocal device_total, host_total
-        state, inputs = out
+        state, inputs, batch_terms = out
+        for name, pair in jax.device_get(batch_terms).items():
+            acc = terms.setdefault(name, [0.0, 0.0])
+            acc[0] += float(pair[0])
+            acc[1] += float(pair[1])
         device_total = device_total.merge(state)  # float64 / int64 on the host
         if host_total.metrics:
             host_total = host_total.update(**{k: local_rows(v) for k, v in inputs.items()})
@@ -146,7 +171,8 @@ def run_eval(eval_step, params, source, *, mesh, local_batch: int, spec, max_bat
     # The device states came from global batches and already cover every process; the
     # host-side buffers hold this process's rows only.
     host_total = metrics_lib.reduce_across_processes(host_total)
-    scalars = {**device_total.compute(), **host_total.compute()}
+    scalars = {**device_total.compute(), **host_total.compute(),
+               **{name: (s / w if w > 0 else float("nan")) for name, (s, w) in terms.items()}}
     n = data_lib.num_eval_examples(source, max_batches, local_batch * jax.process_count())
     return Evaluation(scalars={f"eval/{k}": v for k, v in scalars.items()},
                       arrays=device_total.compute_arrays(), num_examples=n)

@@ -68,6 +68,17 @@ def default_loss(outputs, batch):
     return (per * w).sum(), w.sum()
 
 
+def split_loss(result):
+    """A loss function's result as ((loss_sum, weight), {name: (sum, weight)}): the loss
+    may be a scalar mean, a (sum, weight) pair, or either of those followed by a dict of
+    named terms (`(loss, {"recon": ..., "kl": ...})`), each a scalar mean or a pair.
+    The terms are logged as train/<name> and eval/<name>; only the loss is optimized."""
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
+        return (as_sum_and_weight(result[0]),
+                {str(k): as_sum_and_weight(v) for k, v in result[1].items()})
+    return as_sum_and_weight(result), {}
+
+
 def as_sum_and_weight(result):
     """Normalise a loss function's result to (loss_sum, weight_sum)."""
     if isinstance(result, tuple):

@@ -80,8 +80,8 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
 
     def loss_and_aux(params, batch, key, scale):
         outputs = apply_fn(params, batch["inputs"], rng=key, train=True)
-        loss_sum, weight = losses.as_sum_and_weight(loss_fn(outputs, batch))
-        return loss_sum * scale, (loss_sum, weight)
+        (loss_sum, weight), terms = losses.split_loss(loss_fn(outputs, batch))
+        return loss_sum * scale, (loss_sum, weight, terms)
 
     grad_fn = jax.grad(loss_and_aux, has_aux=True)
 
@@ -91,22 +91,24 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
 
         def body(carry, xs):
             micro, j = xs
-            g, (l, w) = grad_fn(params, micro, jax.random.fold_in(key, j), scale)
-            acc_g, acc_l, acc_w = carry
-            return (jax.tree.map(jnp.add, acc_g, g), acc_l + l, acc_w + w), None
+            g, aux = grad_fn(params, micro, jax.random.fold_in(key, j), scale)
+            acc_g, acc_aux = carry  # loss, weight and the named terms: sums
+            return (jax.tree.map(jnp.add, acc_g, g), jax.tree.map(jnp.add, acc_aux, aux)), None
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        init = (zeros, jnp.float32(0), jnp.float32(0))
-        xs = (_split_microbatches(batch, grad_accum_steps), jnp.arange(grad_accum_steps))
-        (g, l, w), _ = jax.lax.scan(body, init, xs)
+        splits = _split_microbatches(batch, grad_accum_steps)
+        first = jax.tree.map(lambda x: x[0], splits)
+        aux_shape = jax.eval_shape(lambda: grad_fn(params, first, key, scale)[1])
+        init = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+                jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shape))
+        (g, aux), _ = jax.lax.scan(body, init, (splits, jnp.arange(grad_accum_steps)))
         g = jax.tree.map(lambda a, p: a.astype(p.dtype), g, params)
-        return g, (l, w)
+        return g, aux
 
     def train_step(state: TrainState, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         scale = state.loss_scale["scale"]
         rows_ok = row_validity(batch, valid_fn)
-        grads, (loss_sum, weight) = gradients(state.params, batch, key, scale)
+        grads, (loss_sum, weight, terms) = gradients(state.params, batch, key, scale)
         denom = jnp.maximum(weight, 1e-12) * scale
         grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / denom).astype(g.dtype), grads)
         grad_norm = optax.tree.norm(grads)
@@ -153,6 +155,8 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
             "train/status": status,
             "train/rows_ok": rows_ok,
         }
+        for name, (term_sum, term_weight) in terms.items():  # the loss's named terms
+            metrics[f"train/{name}"] = term_sum / jnp.maximum(term_weight, 1e-12)
         if dynamic_loss_scale:
             metrics["train/loss_scale"] = new_state.loss_scale["scale"]
         return new_state, metrics
@@ -163,9 +167,10 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
 def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool,
                    metrics: metrics_lib.EvalSpec | None = None) -> Callable:
     """Returns eval_step(params, batch) -> sums {loss_sum, weight[, correct, counted]}, or
-    with `metrics` (a jtrain.metrics.EvalSpec) -> (state, inputs): the jittable metric
-    states of this batch (a MetricCollection; merge them on the host in float64) and,
-    when the spec has host-side metrics (AUROC, Spearman), their batch inputs, else {}.
+    with `metrics` (a jtrain.metrics.EvalSpec) -> (state, inputs, terms): the jittable
+    metric states of this batch (a MetricCollection; merge them on the host in float64),
+    when the spec has host-side metrics (AUROC, Spearman) their batch inputs, else {},
+    and the user loss's named terms {name: (sum, weight)} (`losses.split_loss`).
 
     Rows with mask 0 (padding) contribute nothing. The default loss honours the mask
     itself; a user loss is evaluated one example at a time (vmapped) and masked here,
@@ -175,18 +180,24 @@ def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool,
 
     def eval_step(params, batch):
         outputs = apply_fn(params, batch["inputs"], rng=None, train=False)
+        terms = {}
         if user_loss:
-            mask = batch.get("mask", jnp.ones(outputs.shape[0], jnp.float32))
+            rows_n = jax.tree.leaves(outputs)[0].shape[0]  # outputs may be a dict of heads
+            mask = batch.get("mask", jnp.ones(rows_n, jnp.float32))
 
             def one(out, ex):
                 ex = jax.tree.map(lambda x: x[None], ex)
-                return losses.as_sum_and_weight(loss_fn(out[None], ex))
+                return losses.split_loss(loss_fn(jax.tree.map(lambda o: o[None], out), ex))
 
             rows = {k: v for k, v in batch.items() if k != "mask"}
-            ls, ws = jax.vmap(one)(outputs, rows)  # [B], [B]
+            (ls, ws), per_terms = jax.vmap(one)(outputs, rows)  # [B] each
             keep = mask > 0  # `where`, not a product: a NaN in a padded row must not leak
-            sums = {"loss_sum": jnp.where(keep, ls * mask, 0.0).sum(),
-                    "weight": jnp.where(keep, ws * mask, 0.0).sum()}
+
+            def masked(x):
+                return jnp.where(keep, x * mask, 0.0).sum()
+
+            sums = {"loss_sum": masked(ls), "weight": masked(ws)}
+            terms = {k: (masked(s), masked(w)) for k, (s, w) in per_terms.items()}
         else:
             loss_sum, weight = losses.default_loss(outputs, batch)
             sums = {"loss_sum": loss_sum, "weight": weight}
@@ -194,7 +205,7 @@ def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool,
             state = metrics_lib.update_from_outputs(device_metrics, outputs, batch,
                                                     sums["loss_sum"], sums["weight"], metrics)
             return state, (metrics_lib.metric_batch(outputs, batch, metrics)
-                           if metrics.gathers else {})
+                           if metrics.gathers else {}), terms
         hits = losses.correct_count(outputs, batch)
         if hits is not None:
             sums["correct"], sums["counted"] = hits

@@ -202,7 +202,7 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
                                                 user_loss=loss_fn is not None,
                                                 metrics=eval_spec),
                         in_shardings=(shardings.params, batch_sharding),
-                        out_shardings=(repl, batch_sharding))
+                        out_shardings=(repl, batch_sharding, repl))
     return Build(mesh, policy, model_fns, name, model, tx, schedule, sample_inputs, abstract,
                  shardings, eval_spec, train_step, eval_step, cfg.seed, memory_plan, split)
 
@@ -266,8 +266,10 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
               model=model, loss_fn=loss_fn, byte_level=data_info.get("name") == "pystdlib",
               train_example=train_src[0])
     # Config values that would make the run wrong, found before the first step.
+    terms = eval_loop.loss_term_names(b.model_fns.apply, loss_fn, b.abstract.params,
+                                      (eval_src if eval_src is not None else train_src)[0])
     decide_lib.check_monitors(cfg, None if eval_src is None
-                               else eval_loop.metric_keys(b.eval_spec))
+                               else eval_loop.metric_keys(b.eval_spec, terms))
     if b.user_model is None:
         data_lib.check_vocab(cfg.model, train_src)
     eval_loop.check_targets(

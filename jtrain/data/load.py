@@ -22,7 +22,7 @@ import numpy as np
 from jtrain.data import grain_sources, items as items_lib, torch_adapters
 from jtrain.data.dataset import Data, LoaderData, MapData, StreamData
 from jtrain.data.items import DataError, call_item, first_line
-from jtrain.data.sources import (ArraySource, MapSource, WithTransform)
+from jtrain.data.sources import (ArraySource, MapSource, WithTransform, is_array_tree)
 from jtrain.data.streams import IterableStream
 
 
@@ -91,7 +91,7 @@ def as_data(obj, name: str) -> Data:
                         "dict with 'inputs' and 'targets'")
     if isinstance(obj, tuple) and len(obj) in (2, 3) and all(hasattr(a, "shape") for a in obj):
         obj = dict(zip(items_lib.TUPLE_KEYS, obj))
-    if isinstance(obj, dict) and obj and all(hasattr(v, "shape") for v in obj.values()):
+    if isinstance(obj, dict) and obj and all(is_array_tree(v) for v in obj.values()):
         return MapData(name, ArraySource(obj, name), "arrays")
     if grain_sources.is_grain_loader(obj):
         return LoaderData(name, obj, "grain DataLoader")

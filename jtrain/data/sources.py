@@ -179,14 +179,36 @@ class MapSource:
         return f"MapSource({self.name}, {type(self.dataset).__name__}, n={len(self)})"
 
 
+def is_array_tree(value) -> bool:
+    """An array, or a (nested) dict whose leaves are all arrays."""
+    if isinstance(value, dict):
+        return bool(value) and all(is_array_tree(v) for v in value.values())
+    return hasattr(value, "shape")
+
+
+def _tree_map(fn, tree, path=""):
+    if isinstance(tree, dict):
+        return {k: _tree_map(fn, v, f"{path}.{k}" if path else str(k)) for k, v in tree.items()}
+    return fn(tree, path)
+
+
+def _tree_leaves(tree, path=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _tree_leaves(v, f"{path}.{k}" if path else str(k))
+    else:
+        yield path, tree
+
+
 class ArraySource:
-    """Rows of a dict of equally long arrays."""
+    """Rows of a dict of equally long arrays; a field may itself be a dict of arrays
+    (dict targets of a multi-head model: {"targets": {"x": ..., "y": ...}})."""
 
     def __init__(self, arrays: dict, name: str):
         if "inputs" not in arrays:
             raise DataError(f"{name}: missing the 'inputs' field (got {sorted(arrays)})")
-        self.arrays = {k: _array(v, f"{name}.{k}") for k, v in arrays.items()}
-        lengths = {k: len(v) for k, v in self.arrays.items()}
+        self.arrays = _tree_map(lambda v, path: _array(v, f"{name}.{path}"), arrays)
+        lengths = {path: len(v) for path, v in _tree_leaves(self.arrays)}
         if len(set(lengths.values())) != 1:
             raise DataError(f"{name}: fields have different lengths {lengths}")
         self._len, self.name = next(iter(lengths.values())), name
@@ -195,15 +217,15 @@ class ArraySource:
         return self._len
 
     def read(self, index: int, epoch: int = 0, seed: int = 0) -> dict:
-        return {k: v[index] for k, v in self.arrays.items()}
+        return _tree_map(lambda v, _: v[index], self.arrays)
 
     def read_batch(self, indices, epoch: int, seed: int, key: int, stream: int = 0) -> list:
-        return [{k: v[i] for k, v in self.arrays.items()} for i in indices]
+        return [self.read(i) for i in indices]
 
     check_read = read
 
     def __repr__(self) -> str:
-        shapes = {k: v.shape for k, v in self.arrays.items()}
+        shapes = {path: v.shape for path, v in _tree_leaves(self.arrays)}
         return f"ArraySource({self.name}, {shapes})"
 
 

@@ -457,7 +457,8 @@ spec = evaluate.make_spec(cfg.eval, apply, eye,
 mesh = mesh_lib.make_mesh(cfg.mesh)
 eval_step = jax.jit(step_lib.make_eval_step(apply, losses.default_loss, user_loss=False,
                                             metrics=spec),
-                    out_shardings=(mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh)))
+                    out_shardings=(mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh),
+                                   mesh_lib.replicated(mesh)))
 source = data_lib.as_data((d["logits"], d["labels"].astype(np.int32)), "eval")
 result = evaluate.run_eval(eval_step, eye, source, mesh=mesh, local_batch=8, spec=spec)
 out["run_eval"] = dict(result.scalars, num_examples=result.num_examples)

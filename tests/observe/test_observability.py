@@ -234,7 +234,8 @@ def test_eval_loop_exact_on_mesh(n, batch):
     mesh = mesh_lib.make_mesh(cfg.mesh)
     step = jax.jit(step_lib.make_eval_step(linear_apply, jtrain.losses.default_loss,
                                            user_loss=False, metrics=spec),
-                   out_shardings=(mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh)))
+                   out_shardings=(mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh),
+                                  mesh_lib.replicated(mesh)))
     source = jtrain.data.as_data((x, y), "eval")
     result = evaluate.run_eval(step, params, source, mesh=mesh, local_batch=batch, spec=spec)
     logits = x.astype(np.float64) @ np.asarray(params["w"], np.float64)
