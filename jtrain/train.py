@@ -69,6 +69,7 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
     """
     if workdir is None:
         raise ValueError("workdir: required (the run's identity: checkpoints, logs, summary)")
+    _check_workdir(os.path.abspath(workdir))
     cfg = config_lib.resolve(config)
     determinism = precision_lib.set_deterministic(cfg.deterministic)
     # From here on SIGTERM / SIGINT mean: save the current step (if any), stop, return
@@ -93,6 +94,18 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
         with watchdog:
             return _train(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
                           determinism, watchdog, stopper)
+
+
+def _check_workdir(path: str) -> None:
+    """A ConfigError naming the workdir when it cannot be a run's directory."""
+    parent = path
+    while not os.path.exists(parent):  # the nearest existing ancestor must be writable
+        parent = os.path.dirname(parent)
+    if parent == path and not os.path.isdir(path):
+        raise ConfigError("workdir", f"{path} is a file, not a directory")
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError("workdir", f"{parent} is not writable (the run writes its "
+                                     "checkpoints and logs there)")
 
 
 def _train(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval, determinism,

@@ -106,3 +106,31 @@ def test_cli_label_out_of_range_is_one_line_exit_2(tmp_path):
                      "0..1 (the model has 2 outputs); fix the labels, give the model more "
                      "outputs, or give such labels weight 0 (batch['weights'])"], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_workdir_that_is_a_file_or_read_only_is_one_line(tmp_path):
+    (tmp_path / "afile").write_text("not a run")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    data = {"inputs": _x(), "targets": _labels()}
+    try:
+        for workdir, why in [(tmp_path / "afile", "is a file, not a directory"),
+                             (locked / "run", "is not writable")]:
+            if why == "is not writable" and os.access(locked, os.W_OK):
+                continue  # running as a user that ignores permissions (root)
+            with pytest.raises(jtrain.ConfigError, match=why) as e:
+                jtrain.train(CFG, str(workdir), model=Classifier(), train_data=data)
+            assert e.value.key == "workdir"
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        proc = subprocess.run([sys.executable, "-m", "jtrain.main",
+                               f"--config={repo}/configs/base.py:debug", "--workdir=afile"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                              env={**env, "JAX_PLATFORMS": "cpu"})
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines()[-1].startswith(
+            "jtrain: config error: workdir: ") and "is a file" in proc.stderr
+        assert (tmp_path / "afile").read_text() == "not a run"  # nothing overwritten
+    finally:
+        locked.chmod(0o700)
