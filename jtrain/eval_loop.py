@@ -73,6 +73,13 @@ def check_targets(spec, output_shape, sources: dict, *, default_loss: bool) -> N
         for name, src in sources.items():
             targets = np.asarray(src[0]["targets"])
             shape = targets.shape
+            if np.issubdtype(targets.dtype, np.integer) and \
+                    tuple(output_shape[:-1]) != tuple(shape):
+                raise data_lib.DataError(
+                    f"{name}: integer targets (class labels) of shape {tuple(shape)} per "
+                    f"example need model outputs of shape {tuple(shape)} + (classes,), got "
+                    f"{tuple(output_shape)}; fix the targets or the model's output, or "
+                    "pass a loss_fn")
             if np.issubdtype(targets.dtype, np.floating) and \
                     tuple(shape) != tuple(output_shape):
                 raise data_lib.DataError(

@@ -65,6 +65,9 @@ CFG = {"total_steps": 2, "data": {"batch_size": 8, "val_fraction": 0.0},
     (Classifier(), {"inputs": _x(), "targets": _labels(-1),
                     "weights": (np.arange(32) != 5).astype(np.float32)}, None, None),
     (Regressor(), {"inputs": _x(), "targets": _x()[:, :1]}, None, None),  # (1,) vs (1,)
+    (Classifier(), {"inputs": _x(), "targets": np.stack([_labels()] * 2, 1)}, None,
+     "train_data: integer targets (class labels) of shape (2,) per example need model "
+     "outputs of shape (2,) + (classes,), got (3,)"),
 ])
 def test_targets_checked_before_the_first_step(tmp_path, model, data, loss_fn, error):
     run = lambda: jtrain.train(CFG, str(tmp_path / "run"), model=model,  # noqa: E731
