@@ -8,7 +8,8 @@ the optimizer state is taken too (`opt_state/...`, a checkpoint source only). Le
 path matches a regex in `checkpoint.init_exclude` (re.search) keep their fresh init, as
 does everything else (step, rng, loss scale). A leaf the model needs that the source
 lacks, or a shape that differs, is an error naming the leaf (exit 3). A floating dtype
-that differs (a bfloat16 export into float32 parameters) is cast, and said so.
+that differs (a bfloat16 export into float32 parameters) is cast, and said so. One line
+reports the leaves loaded, excluded and unused in the source, with the first paths.
 """
 
 from __future__ import annotations
@@ -48,10 +49,10 @@ def init_from(ckpt_cfg, abstract_state, init_fn):
     target = integrity.tree_spec(abstract_state)
     wanted = [p for p in target if p.startswith("params/")
               or (with_opt and p.startswith("opt_state/"))]
-    taken, excluded, cast = {}, 0, set()
+    taken, excluded, cast = {}, [], set()
     for p in wanted:
         if any(rx.search(p) for rx in excludes):
-            excluded += 1
+            excluded.append(p)
             continue
         if p not in loaded:
             raise RestoreError(f"checkpoint.init_from {source}: {p} ({tuple(target[p][0])} "
@@ -80,10 +81,15 @@ def init_from(ckpt_cfg, abstract_state, init_fn):
         return jax.make_array_from_callback(arr.shape, leaf.sharding, lambda idx: arr[idx])
 
     state = jax.tree_util.tree_map_with_path(pick, fresh)
-    unused = sum(1 for p in loaded if p not in target)
+    unused = sorted(p for p in loaded if p not in target)
     say(f"initialized from {source}: {len(taken)} leaves"
         + (" (params and optimizer state)" if with_opt else " (params)")
-        + (f", {excluded} excluded (fresh init)" if excluded else "")
+        + (f", {len(excluded)} excluded (fresh init: {_first(excluded)})" if excluded else "")
         + (f", cast {', '.join(sorted(cast))}" if cast else "")
-        + (f", {unused} source leaves unused" if unused else "") + "; starting at step 0")
+        + (f", {len(unused)} source leaves unused ({_first(unused)})" if unused else "")
+        + "; starting at step 0")
     return state
+
+
+def _first(paths: list, n: int = 3) -> str:
+    return ", ".join(paths[:n]) + (", ..." if len(paths) > n else "")

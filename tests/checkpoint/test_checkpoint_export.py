@@ -74,7 +74,7 @@ def test_init_from_export_casts_and_excludes(run_dir, tmp_path, capfd):
     np.testing.assert_array_equal(s.params["dense"]["bias"], make_state().params["dense"]["bias"])
     assert int(s.step) == 0
     err = capfd.readouterr().err
-    assert "1 excluded" in err and "bfloat16->float32" in err
+    assert "1 excluded (fresh init: params/dense/bias)" in err and "bfloat16->float32" in err
 
 
 def test_init_from_checkpoint_with_optimizer_state(run_dir, tmp_path):
