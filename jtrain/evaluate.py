@@ -30,6 +30,7 @@ from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
 from jtrain.train import MODEL_SOURCE_KEY, build
 from jtrain.checkpoint import policy
+from jtrain.observe import jsonl
 from jtrain.errors import EvaluateError, JtrainError, UsageError, first_line
 from jtrain.eval_loop import (MAX_IN_FLIGHT, Evaluation, format_line, headline,  # noqa: F401
                               local_rows, make_spec, run_eval)
@@ -95,15 +96,11 @@ def resolve_step(step, available: list[int], workdir: str, *, monitor: str | Non
     if step in (None, "", "latest"):
         return max(available)
     if step == "best":
-        registry = {}
-        for record in read_jsonl(os.path.join(workdir, "metrics.jsonl")):
-            if isinstance(record.get(monitor), (int, float)):
-                registry[str(int(record["step"]))] = float(record[monitor])
-        best = policy.best_steps(registry, available, 1, mode)
-        if not best:
+        best = policy.best_logged_step(workdir, available, monitor, mode)
+        if best is None:
             raise ValueError(f"--step=best: no checkpoint step of {available} has a logged "
                              f"{monitor} in metrics.jsonl")
-        return best[0]
+        return best
     try:
         n = int(step)
     except (TypeError, ValueError):
@@ -141,16 +138,7 @@ def _pick_data(data: str, data_cfg):
 
 def read_jsonl(path: str) -> list[dict]:
     """Records of a metrics.jsonl; a torn line (a kill mid-write) is skipped."""
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
+    return jsonl.read_records(path)
 
 
 def _json_number(v: float):

@@ -26,7 +26,7 @@ import numpy as np
 from absl import flags
 
 from jtrain import cli
-from jtrain.checkpoint import integrity
+from jtrain.checkpoint import integrity, policy
 from jtrain.errors import ExportError, UsageError, first_line
 
 PARAMS_FILE = "params.safetensors"
@@ -114,9 +114,13 @@ def load_export(path: str) -> dict[str, np.ndarray]:
     return {f"params/{k}": v for k, v in tensors.items()}
 
 
-def find_step_dir(path: str, step: int | None = None) -> str:
+def find_step_dir(path: str, step: int | str | None = None) -> str:
     """The intact step directory of a jtrain run: `path` is a workdir, its
-    `checkpoints/` directory or a step directory. Reads only; moves nothing."""
+    `checkpoints/` directory or a step directory; `step` None / "latest" (the newest
+    intact one), N, or "best" (by the run's checkpoint.monitor as logged in its
+    metrics.jsonl; `path` must then be the workdir or its checkpoints/). Reads only."""
+    if isinstance(step, str):
+        step = _named_step(path, step)
     if os.path.isfile(os.path.join(path, integrity.MANIFEST)):
         problem = integrity.check_step(path, int(os.path.basename(os.path.normpath(path))))
         if problem:
@@ -140,6 +144,30 @@ def find_step_dir(path: str, step: int | None = None) -> str:
         problems.append(problem)
     raise ExportError(f"damaged checkpoint: {problems[0]}" if problems
                       else f"{directory}: no checkpoints")
+
+
+def _named_step(path: str, step: str) -> int | None:
+    if step in ("", "latest"):
+        return None
+    if step.isdigit():
+        return int(step)
+    if step != "best":
+        raise ExportError(f"step: expected a step number, 'latest' or 'best', got {step!r}")
+    norm = os.path.normpath(path)
+    workdir = norm if os.path.isdir(os.path.join(norm, "checkpoints")) else (
+        os.path.dirname(norm) if os.path.basename(norm) == "checkpoints" else None)
+    if workdir is None or not os.path.isfile(os.path.join(workdir, "config.json")):
+        raise ExportError(f"{path}: step 'best' needs a run's workdir (with config.json and "
+                          "metrics.jsonl)")
+    with open(os.path.join(workdir, "config.json")) as f:
+        ckpt = json.load(f).get("checkpoint", {})
+    monitor, mode = ckpt.get("monitor") or "eval/loss", ckpt.get("mode") or "min"
+    steps, _, _ = integrity.scan(os.path.join(workdir, "checkpoints"))
+    best = policy.best_logged_step(workdir, steps, monitor, mode)
+    if best is None:
+        raise ExportError(f"{path}: step 'best': no checkpoint of {steps} has a logged "
+                          f"{monitor} in metrics.jsonl")
+    return best
 
 
 def load_checkpoint_leaves(step_dir: str, prefixes=("params",)) -> dict[str, np.ndarray]:
@@ -166,7 +194,8 @@ def load_checkpoint_leaves(step_dir: str, prefixes=("params",)) -> dict[str, np.
             for p, v in jax.tree_util.tree_flatten_with_path(out)[0]}
 
 
-def export(workdir: str, out: str, *, step: int | None = None, dtype: str | None = None) -> dict:
+def export(workdir: str, out: str, *, step: int | str | None = None,
+           dtype: str | None = None) -> dict:
     """Write the export; returns the export.json record."""
     step_dir = find_step_dir(workdir, step)
     leaves = load_checkpoint_leaves(step_dir)
@@ -194,8 +223,9 @@ def export(workdir: str, out: str, *, step: int | None = None, dtype: str | None
 
 
 def _define_flags(fv) -> None:
-    flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest intact step).",
-                         flag_values=fv)
+    flags.DEFINE_string("step", None, "Checkpoint step: N, latest (default: the newest "
+                        "intact step) or best (by checkpoint.monitor in metrics.jsonl).",
+                        flag_values=fv)
     flags.DEFINE_string("out", None, "Output directory (required).", flag_values=fv)
     flags.DEFINE_enum("dtype", None, ["bfloat16", "float16", "float32"],
                       "Cast floating parameters (default: keep the saved dtype).",
@@ -219,6 +249,6 @@ def _main(fv, args) -> int:
 
 
 def main(argv=None) -> int:
-    """`python -m jtrain.export WORKDIR --out=DIR [--step=N] [--dtype=bfloat16]`."""
+    """`python -m jtrain.export WORKDIR --out=DIR [--step=N|latest|best] [--dtype=bfloat16]`."""
     return cli.run("python -m jtrain.export", _define_flags, _main, argv,
                    description="Export a checkpoint's parameters (safetensors).")

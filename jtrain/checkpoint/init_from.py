@@ -2,7 +2,8 @@
 
 The source is an export (`python -m jtrain.export`: a directory with params.safetensors,
 or the file) or another run's checkpoint (its workdir, its checkpoints/ directory, or a
-step directory; the newest intact step is used; nothing there is modified). Parameters
+step directory; the newest intact step, or `checkpoint.init_from_step` = N or best;
+nothing there is modified). Parameters
 are taken by path (`params/blocks_0/attn/qkv/kernel`); with `checkpoint.init_from_opt`
 the optimizer state is taken too (`opt_state/...`, a checkpoint source only). Leaves whose
 path matches a regex in `checkpoint.init_exclude` (re.search) keep their fresh init, as
@@ -36,10 +37,13 @@ def init_from(ckpt_cfg, abstract_state, init_fn):
             if with_opt:
                 raise RestoreError(f"checkpoint.init_from={path} is an export (parameters "
                                    "only); init_from_opt needs a checkpoint")
+            if ckpt_cfg.init_from_step not in ("", "latest"):
+                raise RestoreError(f"checkpoint.init_from={path} is an export (one step); "
+                                   "checkpoint.init_from_step applies to a run")
             loaded = export_lib.load_export(path)
             source = path
         else:
-            source = export_lib.find_step_dir(path)
+            source = export_lib.find_step_dir(path, ckpt_cfg.init_from_step)
             prefixes = ("params", "opt_state") if with_opt else ("params",)
             loaded = export_lib.load_checkpoint_leaves(source, prefixes)
     except ExportError as e:

@@ -40,6 +40,20 @@ def best_steps(registry: dict, steps, k: int, mode: str) -> list[int]:
     return [s for _, s in scored[:k]]
 
 
+def best_logged_step(workdir: str, steps, monitor: str, mode: str) -> int | None:
+    """The best of `steps` by `monitor` as logged in WORKDIR/metrics.jsonl (`mode` min or
+    max, ties to the newer step: the rule retention uses); None when none is logged.
+    `--step=best` of evaluate and export, `checkpoint.init_from_step=best`."""
+    from jtrain.observe import jsonl
+
+    registry = {}
+    for record in jsonl.read_records(os.path.join(workdir, "metrics.jsonl")):
+        if isinstance(record.get(monitor), (int, float)) and "step" in record:
+            registry[str(int(record["step"]))] = float(record[monitor])
+    best = best_steps(registry, steps, 1, mode)
+    return best[0] if best else None
+
+
 def lower_writer_priority(nice: int, tid: int | None = None) -> None:
     """Renice tensorstore's I/O pool threads (or thread `tid`) to `nice` (Linux).
 

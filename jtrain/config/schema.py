@@ -160,6 +160,8 @@ SCHEMA: dict[str, Any] = {
                            "resume"),
         "init_from": F(str, "", None, "an export or a checkpoint to start from when the "
                        "workdir has none"),
+        "init_from_step": F(str, "", None, "init_from a run: its step N, latest (\"\" = "
+                            "the newest intact) or best (by its checkpoint.monitor)"),
         "init_from_opt": F(bool, False, None, "also take the optimizer state"),
         "init_exclude": F("strs", (), None, "regexes of leaf paths that keep a fresh init"),
         "writer_nice": F(int, 19, (0, 19), "Linux nice of background-write threads"),

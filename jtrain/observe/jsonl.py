@@ -39,3 +39,17 @@ def last_byte(path: str) -> bytes:
     with open(path, "rb") as f:
         f.seek(-1, os.SEEK_END)
         return f.read(1)
+
+
+def read_records(path: str) -> list[dict]:
+    """Records of a metrics.jsonl; a torn line (a kill mid-write) is skipped."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
