@@ -104,7 +104,7 @@ def run_loop(cfg, run: Run):
                                  "optim.clip_norm")
         run.ckpt.save(step, state, run.train_iter.get_state(), evals=session.history,
                       stopped_by=session.stopped_by, monitors=run.decisions.state(),
-                      skip_ledger=run.decisions.ledger.entries)
+                      skip_ledger=list(run.decisions.ledger.entries))  # a snapshot: saves are async
 
     if run.stopper.signal_name is not None:  # a signal during start-up: nothing new to save
         session.stopped_by = run.stopper.signal_name

@@ -215,17 +215,9 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
         raise ConfigError("memory.budget_bytes", "must be -1 (the device's limit), 0 (no "
                           f"planning) or a number of bytes, got "
                           f"{tree['memory']['budget_bytes']!r}")
-    for pattern in tree["model"]["keep_fp32"]:
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            raise ConfigError("model.keep_fp32", f"bad regex {pattern!r}: {e}") from None
+    _check_regexes("model.keep_fp32", tree["model"]["keep_fp32"])
     for key in ("trainable", "frozen", "lr_mults"):
-        for pattern in optim[key]:
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ConfigError(f"optim.{key}", f"bad regex {pattern!r}: {e}") from None
+        _check_regexes(f"optim.{key}", optim[key])
     for pattern, factor in optim["lr_mults"].items():
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 0:
             raise ConfigError("optim.lr_mults", f"{pattern!r}: the factor must be a "
@@ -321,12 +313,17 @@ def _check_early_stop(es: dict) -> None:
                           f"mode={es['mode']}")
 
 
-def _check_checkpoint(ckpt: dict) -> None:
-    for pattern in ckpt["init_exclude"]:
+def _check_regexes(key: str, patterns) -> None:
+    """ConfigError naming `key` for the first pattern that is not a regex."""
+    for pattern in patterns:
         try:
             re.compile(pattern)
         except re.error as e:
-            raise ConfigError("checkpoint.init_exclude", f"bad regex {pattern!r}: {e}") from None
+            raise ConfigError(key, f"bad regex {pattern!r}: {e}") from None
+
+
+def _check_checkpoint(ckpt: dict) -> None:
+    _check_regexes("checkpoint.init_exclude", ckpt["init_exclude"])
     if ckpt["keep_top_k"] and not ckpt["monitor"]:
         raise ConfigError("checkpoint.monitor", "required when checkpoint.keep_top_k > 0")
     if ckpt["init_from_opt"] and not ckpt["init_from"]:

@@ -79,6 +79,7 @@ class Decisions:
 
     def rolled_back(self, spike_step: int, z: float, to_step: int, last_step: int) -> None:
         """Steps to_step+1..last_step were undone: one ledger entry each, one line."""
+        undone = []
         for step in range(to_step + 1, last_step + 1):
             batch = self.batch_of(step)
             out = {"step": step, "reason": f"rolled back (loss spike at step {spike_step})"}
@@ -87,7 +88,8 @@ class Decisions:
                 indices = self.indices_of(batch)
                 if indices is not None:
                     out["examples"] = [int(i) for i in indices]
-            self.ledger.add(out)
+            undone.append(out)
+        self.ledger.add(*undone)
         self.spike.rolled_back(spike_step, to_step)
         factor = (f"; learning rate x{self.cfg.spike.lr_factor:.3g} (spike.lr_factor)"
                   if self.cfg.spike.lr_factor != 1 else "")

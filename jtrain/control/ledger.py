@@ -43,11 +43,13 @@ class Ledger:
             with open(self.path, "w") as f:
                 f.writelines(json.dumps(e) + "\n" for e in self.entries)
 
-    def add(self, entry: dict) -> None:
-        self.entries = (self.entries + [entry])[-KEEP:]
+    def add(self, *entries: dict) -> None:
+        """Append entries (one file write for all of them, e.g. a rollback's steps)."""
+        self.entries.extend(entries)
+        del self.entries[:-KEEP]
         if self.primary:
             with open(self.path, "a") as f:
-                f.write(json.dumps(entry) + "\n")
+                f.writelines(json.dumps(e) + "\n" for e in entries)
 
 
 def entry(step: int, status: int, *, batch: int | None, rows_ok, indices) -> dict:
