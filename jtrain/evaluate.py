@@ -28,7 +28,8 @@ from jtrain import checkpoint, cli
 from jtrain import config as config_lib
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
-from jtrain.train import MODEL_SOURCE_KEY, build
+from jtrain.build import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, build, model_sample
+from jtrain.metrics.classification import classification_report
 from jtrain.checkpoint import policy
 from jtrain.observe import jsonl
 from jtrain.errors import EvaluateError, JtrainError, UsageError, first_line
@@ -36,10 +37,12 @@ from jtrain.eval_loop import (MAX_IN_FLIGHT, Evaluation, format_line, headline, 
                               local_rows, make_spec, run_eval)
 
 def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data="eval",
-                        num_batches: int = 0, plots: bool = True, model=None) -> dict:
+                        num_batches: int = 0, plots: bool = True, model=None,
+                        loss_fn=None) -> dict:
     """Evaluates a checkpoint of a run and writes the report files. The model is rebuilt
-    from config.json (a built-in family or model.factory); `model`: the object a run was
-    given from Python (the same one, or one built the same way).
+    from config.json (a built-in family or model.factory), the loss from loss.fn /
+    loss.terms; `model` / `loss_fn`: the objects a run was given from Python (the same
+    ones, or ones built the same way).
 
     The model, mesh, state and eval step come from `jtrain.train.build`, as in training.
     Returns the report (what eval_<step>.json holds)."""
@@ -58,13 +61,21 @@ def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data="eval"
             f"({source.split(': ', 1)[-1]}); the CLI cannot rebuild it: call "
             "jtrain.evaluate.evaluate_checkpoint(workdir, model=...) from Python, or train "
             "with model.name='user' and model.factory='package.module:function'")
+    loss_source = recorded.pop(LOSS_SOURCE_KEY, None)
+    if loss_source is not None and loss_fn is None:
+        raise EvaluateError(
+            f"--workdir: {workdir} was trained with a loss_fn passed from Python "
+            f"({loss_source}); the CLI cannot rebuild it: call "
+            "jtrain.evaluate.evaluate_checkpoint(workdir, loss_fn=...) from Python, or train "
+            "with loss.fn='package.module:function' (or loss.terms)")
     cfg = config_lib.resolve(recorded)
     config_lib.validate(cfg, num_devices=jax.device_count())
     reader = checkpoint.CheckpointReader(workdir)  # read-only: safe beside a running job
     chosen = resolve_step(step, reader.all_steps(), workdir, monitor=cfg.checkpoint.monitor,
                           mode=cfg.checkpoint.mode)
     source, data_name, data_info = _pick_data(data, cfg.data)
-    b = build(cfg, sample=source[0]["inputs"], eval_example=source[0], model=model,
+    b = build(cfg, sample=model_sample(cfg, source[0]), eval_example=source[0], model=model,
+              loss_fn=loss_fn,
               byte_level=data_info.get("name") == "pystdlib", eval_defaults=True)
     state = reader.restore(chosen, b.abstract_with_shardings())[0]
     eval_batch = (cfg.eval.batch_size or cfg.data.batch_size) // jax.process_count()
@@ -77,6 +88,9 @@ def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data="eval"
         "metrics": {k: _json_number(v) for k, v in result.scalars.items()},
         **{k: v.tolist() for k, v in result.arrays.items()},
     }
+    if "confusion_matrix" in result.arrays:  # per class and averaged, as sklearn's
+        report["classification_report"] = classification_report(
+            result.arrays["confusion_matrix"])
     if jax.process_index() == 0:
         files = write_report(workdir, report, result, plots=plots)
         report["files"] = files

@@ -31,6 +31,28 @@ def _split_microbatches(batch, k: int):
                         batch)
 
 
+# Keys the engine adds to a batch (the row mask of padded batches): never model inputs.
+ENGINE_KEYS = ("mask",)
+
+
+def inputs_of(batch, model_inputs: tuple = ()):
+    """What the model is called with: the `model_inputs` fields of the batch (one: that
+    array; several: a dict of them), else `batch["inputs"]`, else the whole batch less
+    the engine's row mask (a dataset yielding `x_data`, `x_avail`, ... needs no
+    restructuring). Works on one example as on a batch."""
+    if model_inputs:
+        missing = [k for k in model_inputs if k not in batch]
+        if missing:
+            raise KeyError(f"data.model_inputs: no field {missing[0]!r} in the batch "
+                           f"(fields: {', '.join(sorted(map(str, batch)))})")
+        if len(model_inputs) == 1:
+            return batch[model_inputs[0]]
+        return {k: batch[k] for k in model_inputs}
+    if "inputs" in batch:
+        return batch["inputs"]
+    return {k: v for k, v in batch.items() if k not in ENGINE_KEYS}
+
+
 # Bits of the per-step `train/status` the host reads (jtrain.control.nonfinite).
 BAD_LOSS, BAD_GRADS, INVALID_BATCH, HALTED = 1, 2, 4, 8
 
@@ -65,7 +87,8 @@ def _floating_leaves(batch):
 def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTransformation,
                     schedule: Callable, *, grad_accum_steps: int = 1,
                     dynamic_loss_scale: bool = False, halt_on_nonfinite: bool = False,
-                    max_consecutive: int = 8, valid_fn: Callable | None = None) -> Callable:
+                    max_consecutive: int = 8, valid_fn: Callable | None = None,
+                    model_inputs: tuple = ()) -> Callable:
     """Returns train_step(state, batch) -> (state, metrics). Jit it with shardings.
 
     An update is applied only when the loss and the gradient norm are finite (global
@@ -79,7 +102,7 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
     scales the whole update, i.e. the learning rate, without a recompile."""
 
     def loss_and_aux(params, batch, key, scale):
-        outputs = apply_fn(params, batch["inputs"], rng=key, train=True)
+        outputs = apply_fn(params, inputs_of(batch, model_inputs), rng=key, train=True)
         (loss_sum, weight), terms = losses.split_loss(loss_fn(outputs, batch))
         return loss_sum * scale, (loss_sum, weight, terms)
 
@@ -165,7 +188,8 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
 
 
 def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool,
-                   metrics: metrics_lib.EvalSpec | None = None) -> Callable:
+                   metrics: metrics_lib.EvalSpec | None = None, model_inputs: tuple = (),
+                   predict_fn: Callable | None = None, batch_loss: bool = False) -> Callable:
     """Returns eval_step(params, batch) -> sums {loss_sum, weight[, correct, counted]}, or
     with `metrics` (a jtrain.metrics.EvalSpec) -> (state, inputs, terms): the jittable
     metric states of this batch (a MetricCollection; merge them on the host in float64),
@@ -173,15 +197,19 @@ def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool,
     and the user loss's named terms {name: (sum, weight)} (`losses.split_loss`).
 
     Rows with mask 0 (padding) contribute nothing. The default loss honours the mask
-    itself; a user loss is evaluated one example at a time (vmapped) and masked here,
-    so a user loss that returns a mean is still exact under padding."""
+    itself. A user loss is evaluated one example at a time (vmapped) and masked here, so
+    a user loss that returns a mean is still exact under padding; with `batch_loss` it is
+    called once on the whole batch, `batch["mask"]` marking the padding rows (exact for
+    a loss that honours `losses.weights_for(batch, ...)`, and the only way to score a
+    loss defined over the batch, such as a correlation). `predict_fn(outputs, batch)
+    -> (predictions, targets[, weights])` is what the metrics compare."""
     device_metrics = (None if metrics is None
                       else metrics_lib.make_collection(metrics).partition()[0])
 
     def eval_step(params, batch):
-        outputs = apply_fn(params, batch["inputs"], rng=None, train=False)
+        outputs = apply_fn(params, inputs_of(batch, model_inputs), rng=None, train=False)
         terms = {}
-        if user_loss:
+        if user_loss and not batch_loss:
             rows_n = jax.tree.leaves(outputs)[0].shape[0]  # outputs may be a dict of heads
             mask = batch.get("mask", jnp.ones(rows_n, jnp.float32))
 
@@ -198,13 +226,17 @@ def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool,
 
             sums = {"loss_sum": masked(ls), "weight": masked(ws)}
             terms = {k: (masked(s), masked(w)) for k, (s, w) in per_terms.items()}
+        elif user_loss:
+            (loss_sum, weight), terms = losses.split_loss(loss_fn(outputs, batch))
+            sums = {"loss_sum": loss_sum, "weight": weight}
         else:
             loss_sum, weight = losses.default_loss(outputs, batch)
             sums = {"loss_sum": loss_sum, "weight": weight}
         if metrics is not None:
-            state = metrics_lib.update_from_outputs(device_metrics, outputs, batch,
+            m_outputs, m_batch = metric_view(outputs, batch, predict_fn)
+            state = metrics_lib.update_from_outputs(device_metrics, m_outputs, m_batch,
                                                     sums["loss_sum"], sums["weight"], metrics)
-            return state, (metrics_lib.metric_batch(outputs, batch, metrics)
+            return state, (metrics_lib.metric_batch(m_outputs, m_batch, metrics)
                            if metrics.gathers else {}), terms
         hits = losses.correct_count(outputs, batch)
         if hits is not None:
@@ -212,3 +244,21 @@ def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool,
         return sums
 
     return eval_step
+
+
+def metric_view(outputs, batch, predict_fn: Callable | None = None):
+    """(predictions, batch) the metrics read: the outputs and the batch as they are, or
+    `predict_fn`'s predictions with its targets (and weights, if it returns them) in
+    place of the batch's."""
+    if predict_fn is None:
+        return outputs, batch
+    result = predict_fn(outputs, batch)
+    if not isinstance(result, tuple) or len(result) not in (2, 3):
+        raise TypeError("eval.predict_fn: must return (predictions, targets) or "
+                        f"(predictions, targets, weights), got {type(result).__name__}")
+    view = {"targets": result[1]}
+    if len(result) == 3:
+        view["weights"] = result[2]
+    if "mask" in batch:
+        view["mask"] = batch["mask"]
+    return result[0], view

@@ -12,34 +12,29 @@ import functools
 import json
 import os
 import time
-from collections import deque
 from typing import Any, Callable
 
 import jax
 import numpy as np
 from flax import linen as nn
 
-from jtrain import checkpoint, eval_loop, losses
+from jtrain import checkpoint, eval_loop
 from jtrain import loop as loop_lib
 from jtrain import config as config_lib
 from jtrain import control as control_lib
 from jtrain.control import decide as decide_lib
 from jtrain.control import ledger as ledger_lib
-from jtrain.control import memory as memory_lib
 from jtrain.control import watchdog as watchdog_lib
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
-from jtrain import models as models_lib
-from jtrain import optim as optim_lib
 from jtrain.observe import perf as perf_lib
 from jtrain import precision as precision_lib
 from jtrain import state as state_lib
-from jtrain import step as step_lib
-from jtrain.models import adapters
 from jtrain.observe import console, header as header_lib
 from jtrain.observe import writers as writers_lib
 from jtrain.errors import ConfigError
 from jtrain.observe.redact import redact
+from jtrain.build import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, Build, build, model_sample  # noqa: F401
 
 
 @dataclasses.dataclass
@@ -125,130 +120,6 @@ def _train(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval, determi
         run.close()
 
 
-MODEL_SOURCE_KEY = "model_source"  # in config.json only: how the run got its model
-
-
-@dataclasses.dataclass(frozen=True)
-class Build:
-    """What `build` sets up: everything a run, an evaluation or a benchmark needs before
-    the first array exists. `init()` builds the fresh state directly in its shardings."""
-    mesh: Any
-    policy: precision_lib.Policy
-    model_fns: adapters.ModelFns
-    model_name: str  # the built-in family, or "user <Class>"
-    user_model: Any  # the model object given to train(), None for a built-in
-    tx: Any
-    schedule: Callable
-    sample_inputs: Any  # ShapeDtypeStructs of one global batch of inputs
-    abstract: state_lib.TrainState  # ShapeDtypeStructs
-    shardings: Any  # NamedShardings, same tree
-    eval_spec: Any  # jtrain.metrics.EvalSpec
-    train_step: Callable  # jit(state, batch) -> (state, metrics), state donated
-    eval_step: Callable  # jit(params, batch) -> (metric states, batch rows)
-    seed: int
-    memory_plan: Any = None  # control.memory.Plan when a budget was given, else None
-    trainable: dict | None = None  # optim.trainable_split: {"train"|"frozen": (leaves, n)}
-
-    def init(self) -> state_lib.TrainState:
-        return state_lib.init_state(self.model_fns, self.tx, self.policy, self.sample_inputs,
-                                    self.mesh, self.seed, self.shardings)
-
-    def abstract_with_shardings(self):
-        """What orbax restores into."""
-        return checkpoint.abstract_with_shardings(self.abstract, self.shardings)
-
-
-def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | None = None,
-          byte_level: bool = False, eval_defaults: bool = False,
-          train_example: dict | None = None) -> Build:
-    """Model, mesh, optimizer, abstract state and shardings, jitted steps: the set-up that
-    training, `python -m jtrain.evaluate` and the benchmarks share. `sample`: one example's
-    inputs (any pytree of arrays), `eval_example`: one eval example (for its targets).
-    `eval_defaults`: the task's default metrics on top of `eval.metrics` (the report).
-    `train_example`: one training example; with a memory budget (control.memory) the
-    step's grad_accum_steps is planned from it."""
-    mesh = mesh_lib.make_mesh(cfg.mesh)
-    policy = precision_lib.make_policy(cfg.model)
-    if model is None and cfg.model.name == "user":  # model.factory: treated as passed in
-        model = models_lib.make_model(cfg.model, dtype=policy.compute_dtype,
-                                      param_dtype=policy.param_dtype)
-    module = model if model is not None else models_lib.make_model(
-        cfg.model, dtype=policy.compute_dtype, param_dtype=policy.param_dtype)
-    model_fns = adapters.to_model_fns(module, mesh)
-    name = cfg.model.name if model is None else f"user {_model_name(model, model_fns)}"
-    if model is not None:  # your model computes in the policy's dtype (precision.py)
-        model_fns = dataclasses.replace(model_fns, apply=precision_lib.cast_apply(
-            model_fns.apply, policy, tuple(cfg.model.keep_fp32)))
-    tx, schedule = optim_lib.make_optimizer(cfg.optim, cfg.total_steps)
-    sample_inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), sample)
-    abstract, shardings = state_lib.make_abstract_state(
-        model_fns, tx, policy, sample_inputs, mesh, cfg.seed)
-    split = None
-    if cfg.optim.trainable or cfg.optim.frozen or cfg.optim.lr_mults:
-        try:  # regexes that match no parameter are typos: said before the first step
-            split = optim_lib.trainable_split(abstract.params, cfg.optim)
-        except ValueError as e:
-            key, why = str(e).split(": ", 1)
-            raise ConfigError(key, why) from None
-
-    batch_sharding, repl = mesh_lib.batch_sharding(mesh), mesh_lib.replicated(mesh)
-    valid_fn = data_lib.load_named(cfg.data.valid_fn, "data.valid_fn") \
-        if cfg.data.valid_fn else None
-    def make_train_step(accum):
-        return jax.jit(
-            step_lib.make_train_step(
-                model_fns.apply, loss_fn or losses.default_loss, tx, schedule,
-                grad_accum_steps=accum, dynamic_loss_scale=policy.dynamic_loss_scale,
-                halt_on_nonfinite=cfg.nonfinite.policy == "halt",
-                max_consecutive=cfg.nonfinite.max_consecutive, valid_fn=valid_fn),
-            in_shardings=(shardings, batch_sharding), out_shardings=(shardings, repl),
-            donate_argnums=0)
-
-    memory_plan = _plan_memory(cfg, mesh, make_train_step, abstract, train_example)
-    train_step = make_train_step(memory_plan.accum if memory_plan
-                                 else cfg.optim.grad_accum_steps)
-    eval_spec = eval_loop.make_spec(cfg.eval, model_fns.apply, abstract.params, sample_inputs,
-                                    eval_example, byte_level=byte_level,
-                                    with_defaults=eval_defaults)
-    eval_step = jax.jit(step_lib.make_eval_step(model_fns.apply, loss_fn or losses.default_loss,
-                                                user_loss=loss_fn is not None,
-                                                metrics=eval_spec),
-                        in_shardings=(shardings.params, batch_sharding),
-                        out_shardings=(repl, batch_sharding, repl))
-    return Build(mesh, policy, model_fns, name, model, tx, schedule, sample_inputs, abstract,
-                 shardings, eval_spec, train_step, eval_step, cfg.seed, memory_plan, split)
-
-
-def _model_name(model, model_fns) -> str:
-    """The class of the user's model, also when a function built it (NNX rngs -> module)."""
-    if model_fns.nnx_graph is not None:
-        built = getattr(model_fns.nnx_graph.graphdef.nodes[0], "type", None)
-        if isinstance(built, type):
-            return built.__name__
-    if isinstance(model, tuple):
-        return "(init, apply)"
-    return model.__name__ if isinstance(model, type) else type(model).__name__
-
-
-def _plan_memory(cfg, mesh, make_train_step, abstract, train_example):
-    """control.memory's plan when a budget is known and a train example given, else None."""
-    budget, source = memory_lib.device_budget(cfg.memory.budget_bytes,
-                                              mesh.devices.flat[0])
-    if budget is None or train_example is None:
-        return None
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), train_example)
-
-    def measure(accum):
-        return memory_lib.step_bytes(make_train_step(accum).lower(abstract, batch).compile())
-
-    return memory_lib.plan(measure, per_device_batch=cfg.data.batch_size
-                           // mesh_lib.data_parallel_size(mesh),
-                           configured=cfg.optim.grad_accum_steps, budget=budget,
-                           source=source)
-
-
 @dataclasses.dataclass
 class _Outputs:
     """What the run shows and records (process 0 writes; the others mostly stay quiet)."""
@@ -273,14 +144,24 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
     train_src, eval_src, data_info = data_lib.make_sources(
         cfg.data, train_data, eval_data, process_index=jax.process_index(),
         process_count=jax.process_count(), gather=mesh_lib.process_values)
-    sample = train_src[0]["inputs"]  # example 0 as the model sees it (after collate_fn)
-    b = build(cfg, sample=sample, eval_example=(eval_src if eval_src is not None
-                                                else train_src)[0],
+    example = (eval_src if eval_src is not None else train_src)[0]
+    sample = model_sample(cfg, train_src[0])  # example 0's inputs as the model sees them
+    b = build(cfg, sample=sample, eval_example=example,
               model=model, loss_fn=loss_fn, byte_level=data_info.get("name") == "pystdlib",
               train_example=train_src[0])
     # Config values that would make the run wrong, found before the first step.
-    terms = eval_loop.loss_term_names(b.model_fns.apply, loss_fn, b.abstract.params,
-                                      (eval_src if eval_src is not None else train_src)[0])
+    eval_loop.check_model_and_loss(
+        b.model_fns.apply, b.loss_fn, b.abstract.params,
+        {"train_data": train_src[0], **({"eval_data": eval_src[0]} if eval_src is not None
+                                        else {})},
+        model_inputs=tuple(cfg.data.model_inputs), model=b.model_name.removeprefix("user "))
+    if b.loss_fn is None and "targets" not in example:
+        raise data_lib.DataError(
+            f"{'eval_data' if eval_src is not None else 'train_data'}[0]: no 'targets' field "
+            f"(fields: {', '.join(sorted(map(str, example)))}); the default loss needs one: "
+            "pass loss_fn(outputs, batch), or set loss.fn or loss.terms")
+    terms = eval_loop.loss_term_names(b.model_fns.apply, b.loss_fn, b.abstract.params,
+                                      example, tuple(cfg.data.model_inputs))
     decide_lib.check_monitors(cfg, None if eval_src is None
                                else eval_loop.metric_keys(b.eval_spec, terms))
     if b.user_model is None:
@@ -289,7 +170,7 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
         b.eval_spec, eval_loop.output_shape_of(b.model_fns.apply, b.abstract.params,
                                                b.sample_inputs),
         {"train_data": train_src, **({"eval_data": eval_src} if eval_src is not None else {})},
-        default_loss=loss_fn is None)
+        default_loss=b.loss_fn is None)
 
     # Start-up precedence (jtrain.checkpoint.manager, WORKSPACE.md): (1) the newest intact
     # checkpoint in workdir/checkpoints; (2) else checkpoint.init_from; (3) else fresh.
@@ -314,6 +195,8 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
         # A model object passed from Python cannot be rebuilt from the config: say which
         # (jtrain.evaluate reads this key and explains; model.factory makes it rebuildable).
         source = {} if model is None else {MODEL_SOURCE_KEY: f"python: {b.model_name}"}
+        if loss_fn is not None:
+            source[LOSS_SOURCE_KEY] = f"python: {getattr(loss_fn, '__name__', 'loss_fn')}"
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(redact({**resolved, **source}), f, indent=2, sort_keys=True,
                       default=str)

@@ -10,6 +10,13 @@ it loads without jtrain, without the run's state and without pickle (`safetensor
 `read_safetensors` below, or a few lines of numpy). `--dtype=bfloat16` casts floating
 parameters. `checkpoint.init_from=DIR` starts a new run from an export.
 
+    python -m jtrain.export runs/ft --out=exports/ft --merge_lora   # a LoRA fine-tune
+
+`--merge_lora` (a run with `finetune.lora.rank` > 0) folds each adapter pair into its
+weight, `W + alpha/rank * A @ B` (jtrain.models.lora.merge), and leaves the adapters out:
+the export loads into the plain model (finetune.lora.rank=0). Without LoRA it is a usage
+error (exit 2).
+
 The checkpoint is integrity-checked (see `jtrain.checkpoint.integrity`) before reading.
 Errors print one line `jtrain: export error: ...` and exit 3.
 """
@@ -195,18 +202,21 @@ def load_checkpoint_leaves(step_dir: str, prefixes=("params",)) -> dict[str, np.
 
 
 def export(workdir: str, out: str, *, step: int | str | None = None,
-           dtype: str | None = None) -> dict:
-    """Write the export; returns the export.json record."""
+           dtype: str | None = None, merge_lora: bool = False) -> dict:
+    """Write the export; returns the export.json record. `merge_lora`: adapters folded
+    into their weights (a UsageError for a run without LoRA)."""
     step_dir = find_step_dir(workdir, step)
-    leaves = load_checkpoint_leaves(step_dir)
+    with open(os.path.join(step_dir, "control", "metadata")) as f:
+        control = json.load(f)
+    leaves = {name.split("/", 1)[1]: arr  # "params/body/kernel" -> "body/kernel"
+              for name, arr in load_checkpoint_leaves(step_dir).items()}
+    merged = _merge_lora(leaves, control.get("config") or {}, workdir) if merge_lora else None
     tensors = {}
     for name, arr in leaves.items():
         floating = np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16"
         if dtype and floating:
             arr = arr.astype(_np_dtype(dtype))
-        tensors[name.split("/", 1)[1]] = arr
-    with open(os.path.join(step_dir, "control", "metadata")) as f:
-        control = json.load(f)
+        tensors[name] = arr
     os.makedirs(out, exist_ok=True)
     record = {
         "format": "jtrain-export", "version": 1,
@@ -215,11 +225,33 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
         "num_params": int(sum(a.size for a in tensors.values())),
         "config_sha256": control.get("config_sha256"), "config": control.get("config"),
     }
+    if merged is not None:
+        record["merged_lora"] = merged
     write_safetensors(os.path.join(out, PARAMS_FILE), tensors,
                       {"format": "jtrain-export", "step": str(record["step"])})
     with open(os.path.join(out, INFO_FILE), "w") as f:
         json.dump(record, f, indent=2, sort_keys=True)
     return record
+
+
+def _merge_lora(leaves: dict, config: dict, workdir: str) -> dict:
+    """Folds the LoRA adapters in `leaves` into their weights (in place); returns
+    {"rank", "alpha", "merged": number of weights}."""
+    from jtrain.models import lora
+
+    lora_cfg = (config.get("finetune") or {}).get("lora") or {}
+    rank = int(lora_cfg.get("rank") or 0)
+    if rank <= 0 or not any(lora.is_adapter(name) for name in leaves):
+        raise UsageError(f"--merge_lora: {workdir} was not trained with LoRA "
+                         f"(finetune.lora.rank={rank}); export it without --merge_lora")
+    alpha = float(lora_cfg["alpha"])
+    try:
+        merged, names = lora.merge(leaves, rank, alpha)
+    except ValueError as e:
+        raise ExportError(f"--merge_lora: {e}") from None
+    leaves.clear()
+    leaves.update(merged)
+    return {"rank": rank, "alpha": alpha, "merged": len(names)}
 
 
 def _define_flags(fv) -> None:
@@ -230,6 +262,9 @@ def _define_flags(fv) -> None:
     flags.DEFINE_enum("dtype", None, ["bfloat16", "float16", "float32"],
                       "Cast floating parameters (default: keep the saved dtype).",
                       flag_values=fv)
+    flags.DEFINE_bool("merge_lora", False, "Fold LoRA adapters into their weights "
+                      "(W + alpha/rank * A @ B): the export loads into the plain model.",
+                      flag_values=fv)
 
 
 def _main(fv, args) -> int:
@@ -239,16 +274,21 @@ def _main(fv, args) -> int:
     if not fv.out:
         raise UsageError("--out: required (the export directory)")
     try:
-        record = export(args[0], fv.out, step=fv.step, dtype=fv.dtype)
+        record = export(args[0], fv.out, step=fv.step, dtype=fv.dtype,
+                        merge_lora=fv.merge_lora)
     except OSError as e:
         raise ExportError(f"{args[0]}: {e.strerror or first_line(e)}") from None
+    merged = record.get("merged_lora")
     print(f"jtrain: exported step {record['step']}: {record['num_params']:,} params in "
           f"{record['num_tensors']} tensors ({record['dtype']}) to "
-          f"{os.path.join(fv.out, PARAMS_FILE)}")
+          f"{os.path.join(fv.out, PARAMS_FILE)}"
+          + (f"; LoRA merged into {merged['merged']} weights (rank {merged['rank']}, alpha "
+             f"{merged['alpha']:g})" if merged else ""))
     return 0
 
 
 def main(argv=None) -> int:
-    """`python -m jtrain.export WORKDIR --out=DIR [--step=N|latest|best] [--dtype=bfloat16]`."""
+    """`python -m jtrain.export WORKDIR --out=DIR [--step=N|latest|best] [--dtype=bfloat16]
+    [--merge_lora]`."""
     return cli.run("python -m jtrain.export", _define_flags, _main, argv,
                    description="Export a checkpoint's parameters (safetensors).")

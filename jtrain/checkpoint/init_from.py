@@ -9,8 +9,10 @@ the optimizer state is taken too (`opt_state/...`, a checkpoint source only). Le
 path matches a regex in `checkpoint.init_exclude` (re.search) keep their fresh init, as
 does everything else (step, rng, loss scale). A leaf the model needs that the source
 lacks, or a shape that differs, is an error naming the leaf (exit 3). A floating dtype
-that differs (a bfloat16 export into float32 parameters) is cast, and said so. One line
-reports the leaves loaded, excluded and unused in the source, with the first paths.
+that differs (a bfloat16 export into float32 parameters) is cast, and said so. LoRA
+adapters (`*_lora_a` / `*_lora_b`, jtrain.models.lora) that the source lacks are expected:
+a LoRA fine-tune of a plain run or export keeps their fresh init. One line reports the
+leaves loaded, excluded, fresh adapters and unused in the source, with the first paths.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import jax
 from jtrain.checkpoint import export as export_lib
 from jtrain.checkpoint import integrity
 from jtrain.errors import ConfigError, ExportError, RestoreError
+from jtrain.models import lora
 from jtrain.observe.console import say
 
 
@@ -53,10 +56,13 @@ def init_from(ckpt_cfg, abstract_state, init_fn):
     target = integrity.tree_spec(abstract_state)
     wanted = [p for p in target if p.startswith("params/")
               or (with_opt and p.startswith("opt_state/"))]
-    taken, excluded, cast = {}, [], set()
+    taken, excluded, adapters, cast = {}, [], [], set()
     for p in wanted:
         if any(rx.search(p) for rx in excludes):
             excluded.append(p)
+            continue
+        if p not in loaded and p.startswith("params/") and lora.is_adapter(p):
+            adapters.append(p)  # a LoRA fine-tune of a plain model: fresh adapters
             continue
         if p not in loaded:
             raise RestoreError(f"checkpoint.init_from {source}: {p} ({tuple(target[p][0])} "
@@ -89,8 +95,12 @@ def init_from(ckpt_cfg, abstract_state, init_fn):
     say(f"initialized from {source}: {len(taken)} leaves"
         + (" (params and optimizer state)" if with_opt else " (params)")
         + (f", {len(excluded)} excluded (fresh init: {_first(excluded)})" if excluded else "")
+        + (f", {len(adapters)} LoRA adapter leaves not in the source (fresh init: "
+           f"{_first(adapters)})" if adapters else "")
         + (f", cast {', '.join(sorted(cast))}" if cast else "")
         + (f", {len(unused)} source leaves unused ({_first(unused)})" if unused else "")
+        + ("; the source's LoRA adapters are not used: export it with --merge_lora"
+           if any(lora.is_adapter(p) for p in unused) else "")
         + "; starting at step 0")
     return state
 

@@ -108,6 +108,9 @@ SCHEMA: dict[str, Any] = {
         "transform": F(str, "", None, "'package.module:fn', fn(item, rng) on train items"),
         "valid_fn": F(str, "", None, "'package.module:fn', fn(batch) -> bool scalar, traced "
                       "in the step: False skips the batch's update (jtrain.control)"),
+        "model_inputs": F("strs", (), None, "fields of a dict batch the model is called "
+                          "with (one: that array; several: a dict of them); () = "
+                          "batch['inputs'], or the whole batch when it has no 'inputs'"),
     },
     "mesh": _resume_safe({
         "data": F(int, -1, (-1, INF), "pure data-parallel axis; -1 = the rest"),
@@ -123,7 +126,35 @@ SCHEMA: dict[str, Any] = {
         "top_k": F(int, 5, (1, INF), "k of top_k_accuracy"),
         "max_gathered": F(int, 1_000_000, (1, INF), "AUROC / Spearman keep this many "
                           "examples, exactly"),
+        "predict_fn": F(str, "", None, "'package.module:fn', fn(outputs, batch) -> "
+                        "(predictions, targets[, weights]) that the metrics compare (e.g. a "
+                        "negative-binomial mean vs counts); '' = outputs vs batch targets"),
     }),
+    "loss": {  # jtrain/loss_terms.py; a loss_fn passed to jtrain.train replaces fn / terms
+        "fn": F(str, "", None, "'package.module:fn', fn(outputs, batch) -> loss, (sum, "
+                "weight), or either with a dict of named terms; '' = the default loss"),
+        "terms": F("dict", {}, None, "weighted multi-loss: {name: {fn, output, target, "
+                   "weights, weight, kwargs}}, each term logged as train/<name>, eval/<name>"),
+        "eval_scope": F(str, "auto", ("auto", "example", "batch"), "how eval scores a "
+                        "user loss on a padded batch: example = one example at a time "
+                        "(exact for any per-example loss), batch = the whole batch, padding "
+                        "rows weighted 0 via batch['mask'] (exact for losses that honour "
+                        "losses.weights_for; needed for batch-level losses such as a "
+                        "correlation); auto = batch for loss.terms, else example",
+                        resume=True),
+    },
+    "finetune": {  # jtrain/models/lora.py; changes the model and what trains: not resume-safe
+        "lora": {
+            "rank": F(int, 0, (0, 4096), "LoRA rank r: adapters A [in, r] and B [r, out] "
+                      "beside each targeted matmul weight, which freezes; only adapters "
+                      "train; 0 = off (needs qwix: pip install 'jtrain[lora]')"),
+            "alpha": F(float, 16.0, (0.0, INF), "LoRA scale: a weight W acts as "
+                       "W + alpha/rank * A @ B (python -m jtrain.export --merge_lora)"),
+            "targets": F(str, "^(?!.*embed)", None, "regex (re.search) of module paths "
+                         "whose matmul weights get adapters, e.g. 'attn|mlp'; default: "
+                         "every module whose path has no 'embed'"),
+        },
+    },
     "log": _resume_safe({
         "every_steps": F(int, 50, (1, INF), "log train metrics every N steps"),
         "writers": F("strs", ("jsonl", "tensorboard"), WRITERS, "metric writers (jsonl is "

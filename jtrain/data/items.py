@@ -1,7 +1,9 @@
 """Items and batches: what a user's dataset returns, made into dicts of numpy arrays.
 
 An item is a dict with `inputs` (an array or a nested dict/list/tuple of arrays),
-`targets` and optional `weights`, or a tuple `(inputs, targets[, weights])`. Leaves may
+`targets` and optional `weights`, or a tuple `(inputs, targets[, weights])`; a dict
+without `inputs` is given to the model whole (or the fields `data.model_inputs` names,
+`jtrain.step.inputs_of`), and `loss_fn(outputs, batch)` sees every field. Leaves may
 be torch tensors, numpy arrays or Python numbers. They become numpy here, in the process
 that read them, before anything crosses a worker process (torch tensors through grain
 workers crash on the second batch). 64-bit leaves become 32-bit, as JAX would make them
@@ -45,9 +47,9 @@ def as_dict(raw, where: str) -> dict:
                             f"targets, weights), got {len(raw)} elements")
         return dict(zip(TUPLE_KEYS, raw))
     if isinstance(raw, dict):
-        if "inputs" not in raw:
-            raise DataError(f"{where}: a dict item needs an 'inputs' field (and usually "
-                            f"'targets'), got {sorted(map(str, raw))}")
+        if not raw:
+            raise DataError(f"{where}: an empty dict item; items need fields such as "
+                            "'inputs' and 'targets'")
         return raw
     raise DataError(f"{where}: items must be dicts or (inputs, targets) tuples, got "
                     f"{type(raw).__name__}")

@@ -205,8 +205,8 @@ class ArraySource:
     (dict targets of a multi-head model: {"targets": {"x": ..., "y": ...}})."""
 
     def __init__(self, arrays: dict, name: str):
-        if "inputs" not in arrays:
-            raise DataError(f"{name}: missing the 'inputs' field (got {sorted(arrays)})")
+        if not arrays:
+            raise DataError(f"{name}: an empty dict of arrays")
         self.arrays = _tree_map(lambda v, path: _array(v, f"{name}.{path}"), arrays)
         lengths = {path: len(v) for path, v in _tree_leaves(self.arrays)}
         if len(set(lengths.values())) != 1:

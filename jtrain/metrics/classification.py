@@ -156,3 +156,26 @@ class PrecisionRecallF1:
                 out[f"recall/{i}"] = float(recall[i])
                 out[f"f1/{i}"] = float(f1[i])
         return out
+
+
+def classification_report(confusion) -> dict:
+    """sklearn's `classification_report(output_dict=True)` from a [C, C] (true, predicted)
+    confusion matrix: {"<i>": {precision, recall, f1-score, support}, "accuracy",
+    "macro avg", "weighted avg"}; zero_division=0."""
+    cm = np.asarray(confusion, np.float64)
+    tp = np.diag(cm)
+    predicted, support = cm.sum(axis=0), cm.sum(axis=1)
+    precision, recall = _safe_divide(tp, predicted), _safe_divide(tp, support)
+    f1 = _safe_divide(2 * tp, predicted + support)
+    report = {str(i): {"precision": float(precision[i]), "recall": float(recall[i]),
+                       "f1-score": float(f1[i]), "support": int(support[i])}
+              for i in range(len(tp))}
+    total = support.sum()
+    report["accuracy"] = float(_safe_divide(tp.sum(), total))
+    weights = _safe_divide(support, total) if total else np.zeros_like(support)
+    for name, w in (("macro avg", np.full(len(tp), 1 / max(len(tp), 1))),
+                    ("weighted avg", weights)):
+        report[name] = {"precision": float((precision * w).sum()),
+                        "recall": float((recall * w).sum()),
+                        "f1-score": float((f1 * w).sum()), "support": int(total)}
+    return report

@@ -526,3 +526,20 @@ def test_two_processes_reduce(tmp_path):
         assert_close(ev["eval/auroc"], ref["auroc_ovr"])
         probs = special.softmax(d["logits"].astype(np.float64), axis=-1)
         assert_close(ev["eval/loss"], skm.log_loss(d["labels"], probs), rel=1e-5)
+
+
+def test_classification_report_matches_sklearn():
+    from jtrain.metrics.classification import classification_report
+
+    rng = np.random.default_rng(0)
+    y, p = rng.integers(0, 4, 200), rng.integers(0, 4, 200)
+    p[y == 3] = 0  # class 3 never predicted: zero_division=0
+    cm = skm.confusion_matrix(y, p, labels=range(5))  # class 4: no support at all
+    got = classification_report(cm)
+    want = skm.classification_report(y, p, labels=range(5), output_dict=True,
+                                     zero_division=0)
+    assert set(got) == {"0", "1", "2", "3", "4", "accuracy", "macro avg", "weighted avg"}
+    for key in ("0", "3", "4", "macro avg", "weighted avg"):
+        for field in ("precision", "recall", "f1-score", "support"):
+            assert got[key][field] == pytest.approx(want[key][field], abs=1e-12), (key, field)
+    assert got["accuracy"] == pytest.approx(skm.accuracy_score(y, p))

@@ -6,8 +6,6 @@ it, and `evaluate_checkpoint(workdir, model=...)` does."""
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,6 +13,7 @@ import pytest
 import jtrain
 from jtrain import evaluate
 from jtrain.errors import ConfigError, EvaluateError
+from tests.journey import run_python
 
 MODELS = '''
 import jax.numpy as jnp
@@ -80,8 +79,7 @@ def _env():
 
 
 def _run(cwd, module, *args):
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    return run_python(cwd, "-m", module, *args)
 
 
 @pytest.fixture
@@ -109,9 +107,15 @@ def test_cli_trains_evaluates_and_finetunes_a_factory_model(user_dir):
     # (the same numbers as the run's own final eval)
     proc = _run(user_dir, "jtrain.evaluate", "--workdir=runs/a", "--step=latest", "--no_plots")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.load(open(user_dir / "runs/a/eval_12.json"))["metrics"]
+    full = json.load(open(user_dir / "runs/a/eval_12.json"))
+    report = full["metrics"]
     summary = json.load(open(user_dir / "runs/a/summary.json"))
     assert report["eval/accuracy"] == summary["eval/accuracy"]
+    # the classification report (sklearn's layout) agrees with the metrics
+    cr = full["classification_report"]
+    assert abs(cr["accuracy"] - report["eval/accuracy"]) < 1e-9
+    assert abs(cr["macro avg"]["f1-score"] - report["eval/f1_macro"]) < 1e-9
+    assert cr["weighted avg"]["support"] == full["num_examples"]
     assert abs(report["eval/loss"] - summary["eval/loss"]) < 1e-6
     # fine-tune from it (a relative path), fresh step 0
     proc = _run(user_dir, "jtrain.main", "--config=myconfig.py", "--workdir=runs/ft",

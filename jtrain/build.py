@@ -1,0 +1,178 @@
+"""`build()`: the set-up that training, `python -m jtrain.evaluate` and the benchmarks
+share — model (built-in, `model.factory` or yours, LoRA-wrapped when configured), mesh,
+optimizer, loss (yours, `loss.fn` or `loss.terms`), abstract state, shardings and the
+jitted steps — before the first array exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jtrain import checkpoint, eval_loop, loss_terms, losses
+from jtrain.control import memory as memory_lib
+from jtrain import data as data_lib
+from jtrain import mesh as mesh_lib
+from jtrain import models as models_lib
+from jtrain import optim as optim_lib
+from jtrain import precision as precision_lib
+from jtrain import state as state_lib
+from jtrain import step as step_lib
+from jtrain.models import adapters, lora as lora_lib
+from jtrain.errors import ConfigError, JtrainError
+
+
+MODEL_SOURCE_KEY = "model_source"  # in config.json only: how the run got its model
+LOSS_SOURCE_KEY = "loss_source"  # ... and its loss_fn, when one was passed from Python
+
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """What `build` sets up: everything a run, an evaluation or a benchmark needs before
+    the first array exists. `init()` builds the fresh state directly in its shardings."""
+    mesh: Any
+    policy: precision_lib.Policy
+    model_fns: adapters.ModelFns
+    model_name: str  # the built-in family, or "user <Class>"
+    user_model: Any  # the model object given to train(), None for a built-in
+    tx: Any
+    schedule: Callable
+    sample_inputs: Any  # ShapeDtypeStructs of one global batch of inputs
+    abstract: state_lib.TrainState  # ShapeDtypeStructs
+    shardings: Any  # NamedShardings, same tree
+    eval_spec: Any  # jtrain.metrics.EvalSpec
+    train_step: Callable  # jit(state, batch) -> (state, metrics), state donated
+    eval_step: Callable  # jit(params, batch) -> (metric states, batch rows)
+    seed: int
+    memory_plan: Any = None  # control.memory.Plan when a budget was given, else None
+    trainable: dict | None = None  # optim.trainable_split: {"train"|"frozen": (leaves, n)}
+    loss_fn: Callable | None = None  # the user's / the config's loss; None = default
+
+    def init(self) -> state_lib.TrainState:
+        return state_lib.init_state(self.model_fns, self.tx, self.policy, self.sample_inputs,
+                                    self.mesh, self.seed, self.shardings)
+
+    def abstract_with_shardings(self):
+        """What orbax restores into."""
+        return checkpoint.abstract_with_shardings(self.abstract, self.shardings)
+
+
+def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | None = None,
+          byte_level: bool = False, eval_defaults: bool = False,
+          train_example: dict | None = None) -> Build:
+    """Model, mesh, optimizer, abstract state and shardings, jitted steps: the set-up that
+    training, `python -m jtrain.evaluate` and the benchmarks share. `sample`: one example's
+    inputs (any pytree of arrays), `eval_example`: one eval example (for its targets).
+    `eval_defaults`: the task's default metrics on top of `eval.metrics` (the report).
+    `train_example`: one training example; with a memory budget (control.memory) the
+    step's grad_accum_steps is planned from it."""
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    policy = precision_lib.make_policy(cfg.model)
+    if model is None and cfg.model.name == "user":  # model.factory: treated as passed in
+        model = models_lib.make_model(cfg.model, dtype=policy.compute_dtype,
+                                      param_dtype=policy.param_dtype)
+    module = model if model is not None else models_lib.make_model(
+        cfg.model, dtype=policy.compute_dtype, param_dtype=policy.param_dtype)
+    model_fns, cfg = lora_lib.to_model_fns(module, cfg, sample, mesh)  # finetune.lora
+    name = cfg.model.name if model is None else f"user {_model_name(model, model_fns)}"
+    if model is not None:  # your model computes in the policy's dtype (precision.py)
+        model_fns = dataclasses.replace(model_fns, apply=precision_lib.cast_apply(
+            model_fns.apply, policy, tuple(cfg.model.keep_fp32)))
+    tx, schedule = optim_lib.make_optimizer(cfg.optim, cfg.total_steps)
+    sample_inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), sample)
+    try:  # Linen's init calls the model: the first time it meets the data's inputs
+        abstract, shardings = state_lib.make_abstract_state(
+            model_fns, tx, policy, sample_inputs, mesh, cfg.seed)
+    except JtrainError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's model: one line, no traceback
+        raise eval_loop.model_call_error(e, sample_inputs, model=name.removeprefix("user ")) \
+            from e
+    split = None
+    if cfg.optim.trainable or cfg.optim.frozen or cfg.optim.lr_mults:
+        try:  # regexes that match no parameter are typos: said before the first step
+            split = optim_lib.trainable_split(abstract.params, cfg.optim)
+        except ValueError as e:
+            key, why = str(e).split(": ", 1)
+            raise ConfigError(key, why) from None
+
+    batch_sharding, repl = mesh_lib.batch_sharding(mesh), mesh_lib.replicated(mesh)
+    valid_fn = data_lib.load_named(cfg.data.valid_fn, "data.valid_fn") \
+        if cfg.data.valid_fn else None
+    predict_fn = data_lib.load_named(cfg.eval.predict_fn, "eval.predict_fn") \
+        if cfg.eval.predict_fn else None
+    multi = False
+    if loss_fn is None:  # loss.fn / loss.terms (a loss_fn passed to train() wins)
+        loss_fn, multi = loss_terms.from_config(cfg.loss)
+    batch_loss = cfg.loss.eval_scope == "batch" or (cfg.loss.eval_scope == "auto" and multi)
+    model_inputs = tuple(cfg.data.model_inputs)
+    def make_train_step(accum):
+        return jax.jit(
+            step_lib.make_train_step(
+                model_fns.apply, loss_fn or losses.default_loss, tx, schedule,
+                grad_accum_steps=accum, dynamic_loss_scale=policy.dynamic_loss_scale,
+                halt_on_nonfinite=cfg.nonfinite.policy == "halt",
+                max_consecutive=cfg.nonfinite.max_consecutive, valid_fn=valid_fn,
+                model_inputs=model_inputs),
+            in_shardings=(shardings, batch_sharding), out_shardings=(shardings, repl),
+            donate_argnums=0)
+
+    memory_plan = _plan_memory(cfg, mesh, make_train_step, abstract, train_example)
+    train_step = make_train_step(memory_plan.accum if memory_plan
+                                 else cfg.optim.grad_accum_steps)
+    eval_spec = eval_loop.make_spec(cfg.eval, model_fns.apply, abstract.params, sample_inputs,
+                                    eval_example, byte_level=byte_level,
+                                    with_defaults=eval_defaults, predict_fn=predict_fn,
+                                    model_inputs=model_inputs)
+    eval_step = jax.jit(step_lib.make_eval_step(
+        model_fns.apply, loss_fn or losses.default_loss, user_loss=loss_fn is not None,
+        metrics=eval_spec, model_inputs=model_inputs, predict_fn=predict_fn,
+        batch_loss=batch_loss),
+                        in_shardings=(shardings.params, batch_sharding),
+                        out_shardings=(repl, batch_sharding, repl))
+    return Build(mesh, policy, model_fns, name, model, tx, schedule, sample_inputs, abstract,
+                 shardings, eval_spec, train_step, eval_step, cfg.seed, memory_plan, split,
+                 loss_fn)
+
+
+def model_sample(cfg, example: dict):
+    """One example's model inputs (`step.inputs_of`); a missing data.model_inputs field
+    is a ConfigError naming it."""
+    missing = [k for k in cfg.data.model_inputs if k not in example]
+    if missing:
+        raise ConfigError("data.model_inputs", f"no field {missing[0]!r} in the data's items "
+                                               f"(fields: {', '.join(sorted(map(str, example)))})")
+    return step_lib.inputs_of(example, tuple(cfg.data.model_inputs))
+
+
+def _model_name(model, model_fns) -> str:
+    """The class of the user's model, also when a function built it (NNX rngs -> module)."""
+    if model_fns.nnx_graph is not None:
+        built = getattr(model_fns.nnx_graph.graphdef.nodes[0], "type", None)
+        if isinstance(built, type):
+            return built.__name__
+    if isinstance(model, tuple):
+        return "(init, apply)"
+    return model.__name__ if isinstance(model, type) else type(model).__name__
+
+
+def _plan_memory(cfg, mesh, make_train_step, abstract, train_example):
+    """control.memory's plan when a budget is known and a train example given, else None."""
+    budget, source = memory_lib.device_budget(cfg.memory.budget_bytes,
+                                              mesh.devices.flat[0])
+    if budget is None or train_example is None:
+        return None
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), train_example)
+
+    def measure(accum):
+        return memory_lib.step_bytes(make_train_step(accum).lower(abstract, batch).compile())
+
+    return memory_lib.plan(measure, per_device_batch=cfg.data.batch_size
+                           // mesh_lib.data_parallel_size(mesh),
+                           configured=cfg.optim.grad_accum_steps, budget=budget,
+                           source=source)
