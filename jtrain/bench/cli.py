@@ -56,8 +56,10 @@ EXIT_USAGE = 2
 
 
 def _overhead_flags(fv) -> None:
-    flags.DEFINE_enum("model", "base", ["base", "tiny"], "base: configs/base.py model; "
-                      "tiny: 1-layer d_model=32, batch 8", flag_values=fv)
+    flags.DEFINE_enum("model", "base", ["base", "tiny", "gpt2", "gpt2_debug"],
+                      "base: configs/base.py model; tiny: 1-layer d_model=32, batch 8; gpt2: "
+                      "configs/gpt2_small.py (124 M, for a GPU); gpt2_debug: its debug "
+                      "variant", flag_values=fv)
     flags.DEFINE_integer("rounds", None, "rounds per side (>= 3 advised)", flag_values=fv)
     flags.DEFINE_integer("steps", None, "timed steps per round and side", flag_values=fv)
     flags.DEFINE_integer("log_every", None, "jtrain log interval = warm-up steps (compile) "
@@ -121,7 +123,8 @@ def format_report(res: dict) -> str:
     if j["mfu"] is None:
         lines.append(f"MFU: {j['mfu_note']}")
     else:
-        lines.append(f"MFU: jtrain {100 * j['mfu']:.1f}%, hand {100 * h['mfu']:.1f}%")
+        lines.append(f"MFU: jtrain {100 * j['mfu']:.1f}%, hand {100 * h['mfu']:.1f}% "
+                     f"{j['mfu_note']}")
     lines.append(
         f"overhead {res['model']}: jtrain {_fmt_ms(j['median_ms'])} ms/step, hand "
         f"{_fmt_ms(h['median_ms'])} ms/step, ratio {res['ratio']:.3f} (goal <= {res['goal']})")

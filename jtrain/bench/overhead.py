@@ -65,7 +65,8 @@ from jtrain import optim as optim_lib
 from jtrain import precision as precision_lib
 from jtrain.train import train as jtrain_train  # `jtrain.train` itself is this function
 
-BASE_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "base.py"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+BASE_CONFIG = CONFIGS / "base.py"
 
 # Defaults per preset: (steps timed per round, log interval = warm-up steps, rounds).
 # Base runs ~1 s/step on 2 shared CPU cores (+~25 s fixed cost per jtrain round), so its
@@ -73,6 +74,9 @@ BASE_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "base.py"
 PRESETS = {
     "base": dict(steps=8, log_every=4, rounds=3),
     "tiny": dict(steps=2000, log_every=100, rounds=5),
+    # configs/gpt2_small.py: the GPU throughput run (124 M params, 32 x 1024 tokens per step)
+    "gpt2": dict(steps=60, log_every=20, rounds=3),
+    "gpt2_debug": dict(steps=4, log_every=2, rounds=1),  # its :debug variant, for CPUs
 }
 
 # Dense bf16 peak FLOP/s per device (no sparsity), matched against jax's device_kind.
@@ -83,13 +87,13 @@ class BenchError(ValueError):
     """A bad bench argument or a missing file; printed as one line, exit 2."""
 
 
-def load_base_config():
-    if not BASE_CONFIG.is_file():
-        raise BenchError(f"{BASE_CONFIG}: not found (the base preset reads configs/base.py)")
-    spec = importlib.util.spec_from_file_location("jtrain_bench_base_config", BASE_CONFIG)
+def load_base_config(path: Path = BASE_CONFIG, variant: str | None = None):
+    if not path.is_file():
+        raise BenchError(f"{path}: not found (the presets read the repository's configs/)")
+    spec = importlib.util.spec_from_file_location(f"jtrain_bench_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.get_config()
+    return module.get_config(variant)
 
 
 def preset_config(name: str):
@@ -101,6 +105,8 @@ def preset_config(name: str):
         cfg.model.update(d_model=32, num_layers=1, num_heads=2, d_ff=64, max_len=32)
         cfg.data.update(seq_len=32, batch_size=8)
         return cfg
+    if name in ("gpt2", "gpt2_debug"):
+        return load_base_config(CONFIGS / "gpt2_small.py", "debug" if name == "gpt2_debug" else None)
     raise BenchError(f"--model: unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
 
 
@@ -257,6 +263,11 @@ def throughput(cfg, ms_per_step: float) -> dict:
         out["mfu_note"] = f"n/a (no peak FLOP/s known for {kind!r})"
         return out
     out["mfu"] = flops * cfg.data.batch_size * per_s / (peak * jax.device_count())
+    from jtrain.models import transformer  # the only family with a preset here
+
+    n = transformer.matmul_params(cfg.model)
+    out["mfu_note"] = (f"(6N + 12*L*d*T FLOPs per token, N = {n:,} matmul params; peak "
+                       f"{peak / 1e12:.0f} TFLOP/s dense bf16, {kind})")
     return out
 
 
@@ -314,4 +325,4 @@ def run_overhead(model: str, *, rounds: int, steps: int, log_every: int, workdir
     }
 
 
-GOALS = {"base": 1.02, "tiny": 1.10}
+GOALS = {"base": 1.02, "tiny": 1.10, "gpt2": 1.02, "gpt2_debug": 1.10}

@@ -268,6 +268,9 @@ MODEL_FAMILIES: dict[str, dict[str, Field]] = {
         "max_len": F(int, 256, (1, INF), "longest sequence (rotary positions)"),
         "dropout": F(float, 0.0, (0.0, 1.0), "dropout rate in [0, 1)"),
         "tie_embeddings": F(bool, True, None, "output projection = embedding table"),
+        "attention": F(str, "auto", ("auto", "xla", "cudnn"), "attention kernel: xla = "
+                       "written out; cudnn = fused (GPU, 16-bit dtype); auto = cudnn where "
+                       "it applies, else xla"),
     },
     "mlp": {
         "hidden": F("ints", (64, 64), None, "hidden layer widths"),

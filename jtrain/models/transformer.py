@@ -63,6 +63,7 @@ class CausalSelfAttention(nn.Module):
     num_heads: int
     dtype: Dtype
     param_dtype: Dtype
+    attention: str = "xla"  # "xla": written out below; "cudnn": fused (flash) kernel
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # x [B, T, D]
@@ -77,15 +78,27 @@ class CausalSelfAttention(nn.Module):
             qkv.append(jnp.einsum("btd,dhk->bthk", x, w.astype(self.dtype)))  # [B, T, H, Dh]
         q, k, v = qkv
         q, k = _rope(q), _rope(k)
-        scores = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32)  # [B, H, T, T]
-        scores = scores / jnp.sqrt(jnp.float32(dh))
-        t = x.shape[1]
-        causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # [T, T]: query q sees keys s <= q
-        scores = jnp.where(causal[None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)  # [B, H, T, T]
-        ctx = jnp.einsum("bhqs,bshk->bqhk", probs, v)  # [B, T, H, Dh]
+        if self.attention == "cudnn":
+            # cuDNN's fused causal attention: the [B, H, T, T] scores never reach memory.
+            ctx = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                               implementation="cudnn")  # [B, T, H, Dh]
+        else:
+            ctx = _attend(q, k, v)
         w_out = _param(self, "out", (h, dh, d), ("heads", "kv", "embed"), out_init)
         return jnp.einsum("bthk,hkd->btd", ctx, w_out.astype(self.dtype))  # [B, T, D]
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal softmax attention written out; q, k, v [B, T, H, Dh] -> [B, T, H, Dh].
+    Scores and the softmax in float32."""
+    dh, dtype = q.shape[-1], q.dtype
+    scores = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32)  # [B, H, T, T]
+    scores = scores / jnp.sqrt(jnp.float32(dh))
+    t = q.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # [T, T]: query q sees keys s <= q
+    scores = jnp.where(causal[None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)  # [B, H, T, T]
+    return jnp.einsum("bhqs,bshk->bqhk", probs, v)  # [B, T, H, Dh]
 
 
 class MlpBlock(nn.Module):
@@ -110,11 +123,13 @@ class Block(nn.Module):
     dropout: float
     dtype: Dtype
     param_dtype: Dtype
+    attention: str = "xla"
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:  # x [B, T, D]
         h = _norm(self.param_dtype, "attn_norm")(x)  # float32 [B, T, D]
-        h = CausalSelfAttention(self.num_heads, self.dtype, self.param_dtype, name="attn")(h)
+        h = CausalSelfAttention(self.num_heads, self.dtype, self.param_dtype,
+                                self.attention, name="attn")(h)
         x = x + _dropout(h, self.dropout, train)
         h = _norm(self.param_dtype, "mlp_norm")(x)
         h = MlpBlock(self.d_ff, self.dtype, self.param_dtype, name="mlp")(h)
@@ -138,6 +153,7 @@ class Transformer(nn.Module):
     tie_embeddings: bool
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    attention: str = "xla"
 
     @nn.compact
     def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
@@ -158,7 +174,7 @@ class Transformer(nn.Module):
             # gathering the weights. A no-op unless the engine sets logical-axis rules.
             x = nn.with_logical_constraint(x, ("batch", "length", None))
             x = Block(self.num_heads, self.d_ff, self.dropout, self.dtype, self.param_dtype,
-                      name=f"layer_{i}")(x, train=train)
+                      self.attention, name=f"layer_{i}")(x, train=train)
         x = nn.with_logical_constraint(x, ("batch", "length", None))
         x = _norm(self.param_dtype, "final_norm")(x)  # float32 [B, T, D]
         if self.tie_embeddings:
@@ -177,7 +193,18 @@ def build(model_cfg, *, dtype, param_dtype) -> Transformer:
         vocab_size=int(c["vocab_size"]), d_model=int(c["d_model"]),
         num_layers=int(c["num_layers"]), num_heads=int(c["num_heads"]), d_ff=int(c["d_ff"]),
         max_len=int(c["max_len"]), dropout=float(c["dropout"]),
-        tie_embeddings=c["tie_embeddings"], dtype=dtype, param_dtype=param_dtype)
+        tie_embeddings=c["tie_embeddings"], dtype=dtype, param_dtype=param_dtype,
+        attention=attention_impl(c.get("attention", "auto"), dtype))
+
+
+def attention_impl(choice: str, dtype, platform: str | None = None) -> str:
+    """model.attention -> "xla" or "cudnn". auto: cuDNN's fused kernel on a GPU with a
+    16-bit compute dtype (what it supports), the written-out attention elsewhere."""
+    if choice != "auto":
+        return choice
+    platform = platform or jax.default_backend()
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if platform == "gpu" and half else "xla"
 
 
 def matmul_params(model_cfg) -> int:
