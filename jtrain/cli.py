@@ -57,7 +57,7 @@ def parse(prog: str, define_flags: Callable, argv, description: str = ""
     try:
         rest = fv([prog, *argv])
     except flags.Error as e:
-        raise errors.UsageError(errors.first_line(e)) from None
+        raise errors.UsageError(describe_flag_error(e, argv)) from None
     return fv, rest[1:]
 
 
@@ -97,6 +97,9 @@ def describe_flag_error(error: Exception, argv) -> str:
     m = re.match(r"flag --config\.([\w.]+)=(.*?): (.*)", text, re.DOTALL)
     if m:
         return f"{m.group(1)}: {_plain_why(m.group(3).strip().splitlines()[-1])}"
+    m = re.match(r"flag --(\w+)=(.*?): (.*)", text, re.DOTALL)  # a plain flag's bad value
+    if m and m.group(1) != "config":
+        return f"--{m.group(1)}: {_plain_why(m.group(3).strip().splitlines()[-1])}"
     m = re.match(r"Missing value for flag --config\.([\w.]+)", text)
     if m:
         return f"{m.group(1)}: missing value"

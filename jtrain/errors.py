@@ -118,7 +118,7 @@ class WorkdirError(JtrainError):
 class DiskFullError(JtrainError):
     """No space left on the device (ENOSPC) while writing the run's files: exit code 6."""
 
-    kind, exit_code = "disk full", 6
+    kind, exit_code = "disk", 6
 
 
 # What a write that failed for lack of space says, wherever it was raised: Python's
@@ -134,8 +134,10 @@ def classify(e: BaseException, where: str = "") -> BaseException:
 
     ENOSPC anywhere (an OSError, or orbax's error around tensorstore's) is a
     DiskFullError; a write refused by the file system is a WorkdirError naming the path."""
-    text = str(e)
-    if isinstance(e, OSError) and e.errno == errno.ENOSPC or any(m in text for m in _NO_SPACE):
+    chain = [e, e.__cause__, e.__context__]
+    text = " ".join(str(c) for c in chain if c is not None)
+    no_space = any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in chain)
+    if no_space or any(m in text for m in _NO_SPACE):
         place = getattr(e, "filename", None) or where or "the workdir"
         what = first_line(e) if isinstance(e, JtrainError) else ""
         what = what.split(" failed:", 1)[0] if " failed:" in what else ""

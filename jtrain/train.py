@@ -67,6 +67,7 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
         raise ValueError("workdir: required (the run's identity: checkpoints, logs, summary)")
     _check_workdir(os.path.abspath(workdir))
     cfg = config_lib.resolve(config)
+    redact(cfg)  # its secrets are known to the redactor before any line can echo them
     determinism = precision_lib.set_deterministic(cfg.deterministic)
     # From here on SIGTERM / SIGINT mean: save the current step (if any), stop, return
     # (jtrain.control.signals); one that came during the CLI's imports is taken over.

@@ -69,7 +69,9 @@ def resolved_text(config) -> str:
     """The resolved config, one key a line: `key = value  (type; default; range) doc`."""
     from jtrain import config as config_lib
 
-    cfg = config_lib.resolve(config).to_dict()
+    from jtrain.observe.redact import redact
+
+    cfg = redact(config_lib.resolve(config).to_dict())  # values under secret keys masked
     family = cfg["model"]["name"]
     rows = []
     for key, field in fields(schema_for(family)):

@@ -89,13 +89,26 @@ def to_train_log(workdir: str, verbosity: int):
             "uncaught exception in thread %s", getattr(args.thread, "name", "?"),
             exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
 
+    def excepthook(exc_type, exc, tb):  # also what C code's PyErr_Print calls (asyncio
+        # callbacks of tensorstore after orbax closed the loop print through it)
+        logging.getLogger("jtrain.threads").error("uncaught exception",
+                                                  exc_info=(exc_type, exc, tb))
+
+    def unraisable(args):
+        logging.getLogger("jtrain.threads").error(
+            "exception ignored in %r", args.object,
+            exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+
+    old_sys_hooks = sys.excepthook, sys.unraisablehook
     threading.excepthook = hook
+    sys.excepthook, sys.unraisablehook = excepthook, unraisable
 
     def undo():
         root.removeHandler(mine)
         for handler in consoles:
             root.addHandler(handler)
         threading.excepthook = old_hook
+        sys.excepthook, sys.unraisablehook = old_sys_hooks
 
     return undo
 
