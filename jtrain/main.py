@@ -209,8 +209,10 @@ def _route_logs(fv) -> callable:
 
 
 def _logged(error: errors.JtrainError, fv) -> errors.JtrainError:
-    """The error, its line and traceback appended to WORKDIR/train.log (if it exists)."""
-    liblogs.append_traceback(fv.workdir, errors.render(error), error)
+    """The error, its line and traceback appended to WORKDIR/train.log once the run has
+    one (an error before the run started leaves the workdir as it was)."""
+    if fv.workdir and os.path.isfile(os.path.join(fv.workdir, liblogs.LOG_FILE)):
+        liblogs.append_traceback(fv.workdir, errors.render(error), error)
     return error
 
 
