@@ -8,7 +8,8 @@ short-run overrides appended (SHORT) and `jtrain evaluate` gets `--num_batches=2
 commands are otherwise exactly the README's. The first line is stopped with SIGINT
 (Ctrl-C) by the test once training has logged a step; the second (the same command)
 must continue from the saved step to the end; evaluate, export and the init_from
-fine-tune must then work from those relative paths.
+fine-tune must then work from those relative paths. The commands share a persistent
+JAX compilation cache (environment only; the same model compiles once, not four times).
 """
 
 from __future__ import annotations
@@ -51,8 +52,14 @@ def _argv(cmd: list[str]) -> list[str]:
     return [_jtrain(), *cmd[1:], *extra]
 
 
+def _env(cwd) -> dict:
+    return user_env(JAX_COMPILATION_CACHE_DIR=str(Path(cwd, ".jax_cache")),
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
 def _run(cwd, cmd) -> subprocess.CompletedProcess:
-    proc = subprocess.run(_argv(cmd), cwd=cwd, env=user_env(), capture_output=True,
+    proc = subprocess.run(_argv(cmd), cwd=cwd, env=_env(cwd), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, (cmd, proc.stderr[-3000:])
     assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr[-3000:]
@@ -62,7 +69,7 @@ def _run(cwd, cmd) -> subprocess.CompletedProcess:
 def _interrupt(cwd, cmd) -> subprocess.CompletedProcess:
     """Starts `cmd`, sends SIGINT once metrics.jsonl has a train step, waits."""
     workdir = Path(cwd, next(a.split("=", 1)[1] for a in cmd if a.startswith("--workdir=")))
-    proc = subprocess.Popen(_argv(cmd), cwd=cwd, env=user_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_argv(cmd), cwd=cwd, env=_env(cwd), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
