@@ -6,8 +6,9 @@
 
 parses `argv` on a fresh `flags.FlagValues` (in-process calls never collide), answers
 `--help`, and calls `main(flag_values, positional_args)`. Every jtrain error
-(`jtrain.errors.JtrainError`) becomes its one line on stderr and its exit code; a bad flag
-is a `UsageError` (exit 2). No traceback for anything a user can cause.
+(`jtrain.errors.JtrainError`), and every OSError `errors.classify` names (a full disk, a
+read-only or unwritable directory), becomes its one line on stderr and its exit code; a
+bad flag is a `UsageError` (exit 2). No traceback for anything a user can cause.
 """
 
 from __future__ import annotations
@@ -69,10 +70,13 @@ def run(prog: str, define_flags: Callable, main: Callable, argv=None,
         fv, args = parse(prog, define_flags, argv, description)
         mark_absl_parsed()
         return int(main(fv, args) or 0)
-    except errors.JtrainError as e:
-        sys.stderr.write(errors.render(e) + "\n")
+    except Exception as e:  # noqa: BLE001 - jtrain's errors, and OSErrors it can name
+        known = errors.classify(e)  # a full disk, a read-only or unwritable directory
+        if not isinstance(known, errors.JtrainError):
+            raise  # a bug: its traceback
+        sys.stderr.write(errors.render(known) + "\n")
         sys.stderr.flush()
-        return errors.exit_code(e)
+        return errors.exit_code(known)
 
 
 # -- config-file flags -----------------------------------------------------------------

@@ -129,7 +129,7 @@ _NOT_WRITABLE = {errno.EROFS: "read-only file system", errno.EACCES: "permission
                  errno.EEXIST: "exists and is not a directory"}
 
 
-def classify(e: BaseException, where: str = "") -> BaseException:
+def classify(e: BaseException, where: str = "", flag: str = "--workdir") -> BaseException:
     """The JtrainError a person should see for `e` (`e` itself when nothing fits).
 
     ENOSPC anywhere (an OSError, or orbax's error around tensorstore's) is a
@@ -143,14 +143,14 @@ def classify(e: BaseException, where: str = "") -> BaseException:
         what = what.split(" failed:", 1)[0] if " failed:" in what else ""
         return DiskFullError(f"no space left on the device holding {place}"
                              + (f" ({what})" if what else "")
-                             + "; free space (or use another --workdir) and rerun the same "
-                             "command to continue from the newest checkpoint")
+                             + f"; free space (or use another {flag}) and rerun the same "
+                             "command" + (" to continue from the newest checkpoint"
+                                          if flag == "--workdir" else ""))
     if isinstance(e, JtrainError):
         return e
     if isinstance(e, OSError) and e.errno in _NOT_WRITABLE:
         place = e.filename or where or "the workdir"
-        return WorkdirError(f"{place}: {_NOT_WRITABLE[e.errno]}; choose a --workdir you "
-                            "can write")
+        return WorkdirError(f"{place}: {_NOT_WRITABLE[e.errno]}; choose another {flag}")
     return e
 
 

@@ -37,6 +37,7 @@ from ml_collections import config_flags
 from jtrain import cli as cli_lib
 from jtrain import errors
 from jtrain.observe import liblogs
+from jtrain.observe.redact import redact_text
 
 
 def define_flags(fv: flags.FlagValues, sys_argv=None) -> None:
@@ -262,7 +263,8 @@ def _run(argv, fv: flags.FlagValues) -> None:
     if jax.process_index() == 0:  # the machine-readable result: one JSON line on stdout
         scalars = {k: v for k, v in result.summary.items()
                    if isinstance(v, (int, float, str, bool)) or v is None}
-        sys.stdout.write(json.dumps({"workdir": fv.workdir, **scalars}, default=str) + "\n")
+        sys.stdout.write(redact_text(json.dumps({"workdir": fv.workdir, **scalars},
+                                                default=str)) + "\n")
         sys.stdout.flush()
 
 

@@ -35,7 +35,7 @@ from absl import flags
 
 from jtrain import cli
 from jtrain.checkpoint import integrity, policy
-from jtrain.errors import ExportError, UsageError, first_line
+from jtrain.errors import ExportError, UsageError, classify, first_line
 
 PARAMS_FILE = "params.safetensors"
 INFO_FILE = "export.json"
@@ -285,6 +285,9 @@ def _main(fv, args) -> int:
         record = export(args[0], fv.out, step=fv.step, dtype=fv.dtype,
                         merge_lora=fv.merge_lora)
     except OSError as e:
+        known = classify(e, fv.out, flag="--out")  # --out on a full or read-only disk
+        if known is not e:
+            raise known from None
         raise ExportError(f"{args[0]}: {e.strerror or first_line(e)}") from None
     merged = record.get("merged_lora")
     print(f"jtrain: exported step {record['step']}: {record['num_params']:,} params in "

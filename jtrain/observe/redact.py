@@ -22,7 +22,7 @@ _SECRET_KEY = re.compile(
     re.IGNORECASE,
 )
 _SECRET_ENV = re.compile(r"(?:^|_)KEY$|APIKEY|TOKEN(?!IZ)|PASSWORD|PASSWD|PASSPHRASE|SECRET"
-                         r"|CREDENTIAL|(?:^|_)O?AUTH(?!OR(?!I))", re.IGNORECASE)
+                         r"|CREDENTIAL|(?:^|_)O?AUTH(?!OR(?!I)|_SOCK)", re.IGNORECASE)
 # URI userinfo: scheme://user:password@host -> scheme://user:<redacted>@host (the
 # password may hold '@'), and scheme://token@host -> scheme://<redacted>@host.
 _URI_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^/\s:@]*):[^\s/]+@")
