@@ -4,8 +4,9 @@ code (jtrain/errors.py), and nothing printed or written leaks a secret.
 CASES is a table of bad command lines and environments, typed as a user types them
 (`jtrain <command> ...`, relative paths, a user directory as cwd): bad flags, bad config
 files (one that raises KeyError, one that calls sys.exit), bad overrides, a workdir that
-is a file, on a read-only file system or on a full one (small tmpfs mounts: the tests
-run as root; without mount rights those two rows skip), bad environment variables, and
+is a file, on a read-only file system or on a full one, at start-up or when a
+checkpoint is written mid-run (small tmpfs mounts: the tests run as root; without mount
+rights those rows skip), bad environment variables, and
 the other commands' mistakes. Each row asserts: its exit code, exactly one line on
 stderr starting with `jtrain: <kind> error:` and containing the row's text, no
 `Traceback` anywhere, and nothing written to stdout.
@@ -125,6 +126,12 @@ CASES = [
      "is not writable (read-only file system)"),
     ("disk_full", ["train", DEBUG, "--workdir={mount:full}/run"], {}, 6,
      "disk error: no space left on the device"),
+    # A checkpoint (3 MB: an MLP of 512 x 512) that does not fit on a 1 MB disk, written
+    # in orbax's background threads after two steps: orbax's error logs and tracebacks
+    # go to train.log, the console (--verbosity=0: errors only) gets the one line.
+    ("disk_full_mid_run", ["train", "--config=user_data.py", "--workdir={mount:small}/run",
+                           "--config.model.hidden=(512, 512)", "--verbosity=0"], {}, 6,
+     "disk error: no space left on the device holding small/run (saving checkpoint step 2"),
     ("env_num_processes", ["train", DEBUG, "--workdir=runs/a"],
      {"JTRAIN_NUM_PROCESSES": "two"}, 2,
      "usage error: JTRAIN_NUM_PROCESSES='two' in the environment: expected an integer"),
@@ -236,6 +243,8 @@ def table(tmp_path_factory):
         if _mount(user / "full", "size=64k"):
             mounts["full"] = user / "full"
             _fill(user / "full")
+        if _mount(user / "small", "size=1m"):
+            mounts["small"] = user / "small"
         return _run_table(user, mounts)
     finally:
         for m in mounts.values():
@@ -244,14 +253,16 @@ def table(tmp_path_factory):
 
 def _run_table(user: Path, mounts: dict):
     jobs, skipped = [], {}
+    mounts_used = ("ro", "full", "small")
     env = {"MY_API_TOKEN": SECRETS["env"], "JAX_PLATFORMS": "cpu"}
     for case_id, argv, extra, *_ in [*CASES, *[(i, a, {}) for i, a in SECRET_RUNS],
                                      *LATE_CASES]:
-        needs = [m for m in ("ro", "full") if any(f"{{mount:{m}}}" in a for a in argv)]
+        needs = [m for m in mounts_used if any(f"{{mount:{m}}}" in a for a in argv)]
         if any(m not in mounts for m in needs):
             skipped[case_id] = "mounting a tmpfs needs root (CAP_SYS_ADMIN)"
             continue
-        argv = [a.replace("{mount:ro}", "ro").replace("{mount:full}", "full") for a in argv]
+        for m in mounts_used:
+            argv = [a.replace(f"{{mount:{m}}}", m) for a in argv]
         out = user / "out" / case_id
         out.mkdir(parents=True)
         jobs.append({"id": case_id, "argv": argv, "env": {**env, **extra}, "cwd": str(user),
