@@ -124,7 +124,7 @@ CASES = [
      "is a file, not a directory"),
     ("workdir_read_only", ["train", DEBUG, "--workdir={mount:ro}/run"], {}, 2,
      "is not writable (read-only file system)"),
-    ("disk_full", ["train", DEBUG, "--workdir={mount:full}/run"], {}, 6,
+    ("disk_full", ["train", "--config=user_data.py", "--workdir={mount:full}/run"], {}, 6,
      "disk error: no space left on the device"),
     # A checkpoint (3 MB: an MLP of 512 x 512) that does not fit on a 1 MB disk, written
     # in orbax's background threads after two steps: orbax's error logs and tracebacks
@@ -176,12 +176,13 @@ LATE_CASES = [
 ]
 
 SERVER = textwrap.dedent('''
-    import json, os, sys
+    import json, os, sys, time
     import jtrain.command  # the imports, once; JAX's backend starts in the children
     results = []
     for case in json.load(sys.stdin):
         sys.stdout.flush()
         sys.stderr.flush()
+        t0 = time.monotonic()
         pid = os.fork()
         if pid == 0:
             code = 99
@@ -203,7 +204,8 @@ SERVER = textwrap.dedent('''
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
-        results.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        results.append([code, round(time.monotonic() - t0, 2)])
     print(json.dumps(results))
 ''')
 
@@ -271,9 +273,10 @@ def _run_table(user: Path, mounts: dict):
                           env=user_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     codes = json.loads(proc.stdout.strip().splitlines()[-1])
+    print("row seconds:", {job["id"]: t for job, (_, t) in zip(jobs, codes)})  # -s shows it
     results = {job["id"]: (code, Path(job["out"], "stdout").read_text(),
                            Path(job["out"], "stderr").read_text())
-               for job, code in zip(jobs, codes)}
+               for job, (code, _) in zip(jobs, codes)}
     return results, skipped, user
 
 
