@@ -307,6 +307,7 @@ def test_failures_leave_no_run_behind(table):
     run = user / "runs" / "a"
     assert not (run / "config.json").exists() and not (run / "metrics.jsonl").exists()
     assert not list(run.glob("checkpoints/*"))
+    assert not (user / "exports").exists()  # a failed export writes nothing
     assert (user / "afile").read_text() == "not a run"  # a file as workdir is left alone
 
 
