@@ -13,7 +13,9 @@ bad flag is a `UsageError` (exit 2). No traceback for anything a user can cause.
 
 from __future__ import annotations
 
+import ast
 import difflib
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -153,8 +155,6 @@ def _describe_unknown_key(error: KeyError, argv) -> str:
 
 def _raised_in_file(error: BaseException, path: str) -> bool:
     """Did `error` (or what it wraps) come out of code in the config file `path`?"""
-    import os
-
     target = os.path.abspath(path)
     for e in (error, error.__cause__, error.__context__):
         tb = getattr(e, "__traceback__", None)
@@ -211,7 +211,6 @@ def _plain_why(why: str) -> str:
 # data.kwargs and model.kwargs are free-form: `--config.data.kwargs.NAME=value` may name a
 # key the config file does not have. config_flags only overrides existing keys, so these
 # are taken out of argv before it parses and set on the loaded config after.
-FREE_FORM = ("data.kwargs.", "model.kwargs.")
 
 
 def split_free_form(argv) -> tuple[list[str], list[tuple[str, str]]]:
@@ -229,8 +228,6 @@ def split_free_form(argv) -> tuple[list[str], list[tuple[str, str]]]:
 def parse_value(raw: str):
     """A command-line value: a Python literal (1, 0.5, 'a', [1, 2], None), true / false,
     or else the text itself."""
-    import ast
-
     if raw.lower() in ("true", "false"):
         return raw.lower() == "true"
     try:
@@ -247,9 +244,7 @@ def apply_free_form(config, overrides) -> None:
         node = config
         for i, part in enumerate(parts[:-1]):
             child = node.get(part) if hasattr(node, "get") else None
-            if child is None:
-                if i < 2 and part not in ("data", "model", "kwargs"):
-                    raise errors.ConfigError(key, "unknown key")
+            if child is None:  # validation reports a kwargs the model family lacks
                 _set(node, part, {})
                 child = node[part]
             elif not hasattr(child, "get"):

@@ -33,7 +33,7 @@ from jtrain import precision as precision_lib
 from jtrain import state as state_lib
 from jtrain.observe import console, header as header_lib
 from jtrain.observe import writers as writers_lib
-from jtrain.errors import ConfigError, WorkdirError
+from jtrain.errors import WorkdirError
 from jtrain.observe.redact import redact
 from jtrain.build import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, Build, build, model_sample  # noqa: F401
 
