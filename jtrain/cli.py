@@ -6,13 +6,16 @@
 
 parses `argv` on a fresh `flags.FlagValues` (in-process calls never collide), answers
 `--help`, and calls `main(flag_values, positional_args)`. Every jtrain error
-(`jtrain.errors.JtrainError`) becomes its one line on stderr and its exit code; a bad flag
-is a `UsageError` (exit 2). No traceback for anything a user can cause.
+(`jtrain.errors.JtrainError`), and every OSError `errors.classify` names (a full disk, a
+read-only or unwritable directory), becomes its one line on stderr and its exit code; a
+bad flag is a `UsageError` (exit 2). No traceback for anything a user can cause.
 """
 
 from __future__ import annotations
 
+import ast
 import difflib
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -57,7 +60,7 @@ def parse(prog: str, define_flags: Callable, argv, description: str = ""
     try:
         rest = fv([prog, *argv])
     except flags.Error as e:
-        raise errors.UsageError(errors.first_line(e)) from None
+        raise errors.UsageError(describe_flag_error(e, argv)) from None
     return fv, rest[1:]
 
 
@@ -69,10 +72,13 @@ def run(prog: str, define_flags: Callable, main: Callable, argv=None,
         fv, args = parse(prog, define_flags, argv, description)
         mark_absl_parsed()
         return int(main(fv, args) or 0)
-    except errors.JtrainError as e:
-        sys.stderr.write(errors.render(e) + "\n")
+    except Exception as e:  # noqa: BLE001 - jtrain's errors, and OSErrors it can name
+        known = errors.classify(e)  # a full disk, a read-only or unwritable directory
+        if not isinstance(known, errors.JtrainError):
+            raise  # a bug: its traceback
+        sys.stderr.write(errors.render(known) + "\n")
         sys.stderr.flush()
-        return errors.exit_code(e)
+        return errors.exit_code(known)
 
 
 # -- config-file flags -----------------------------------------------------------------
@@ -87,14 +93,19 @@ def describe_flag_error(error: Exception, argv) -> str:
     """`<dotted.key or file>: <why>` for what absl / config_flags raised."""
     if isinstance(error, AttributeError) and error.args and isinstance(error.args[0], KeyError):
         error = error.args[0]  # config_flags wraps a typo below the top level: optim.lrr
+    if _raised_in_file(error, config_file(argv)):  # get_config() itself raised
+        return _describe_file_error(error, config_file(argv))
     if isinstance(error, KeyError):  # an override names a key the config does not have
         return _describe_unknown_key(error, argv)
     text = str(error)
     if not isinstance(error, flags.Error):  # raised while loading the config file
-        return _describe_file_error(error, _config_file(argv))
+        return _describe_file_error(error, config_file(argv))
     m = re.match(r"flag --config\.([\w.]+)=(.*?): (.*)", text, re.DOTALL)
     if m:
         return f"{m.group(1)}: {_plain_why(m.group(3).strip().splitlines()[-1])}"
+    m = re.match(r"flag --(\w+)=(.*?): (.*)", text, re.DOTALL)  # a plain flag's bad value
+    if m and m.group(1) != "config":
+        return f"--{m.group(1)}: {_plain_why(m.group(3).strip().splitlines()[-1])}"
     m = re.match(r"Missing value for flag --config\.([\w.]+)", text)
     if m:
         return f"{m.group(1)}: missing value"
@@ -142,7 +153,19 @@ def _describe_unknown_key(error: KeyError, argv) -> str:
     return f"{key}: unknown key"
 
 
-def _config_file(argv) -> str:
+def _raised_in_file(error: BaseException, path: str) -> bool:
+    """Did `error` (or what it wraps) come out of code in the config file `path`?"""
+    target = os.path.abspath(path)
+    for e in (error, error.__cause__, error.__context__):
+        tb = getattr(e, "__traceback__", None)
+        while tb is not None:
+            if os.path.abspath(tb.tb_frame.f_code.co_filename) == target:
+                return True
+            tb = tb.tb_next
+    return False
+
+
+def config_file(argv) -> str:
     """The path part of `--config=PATH[:variant]` (or `--config PATH`) in argv."""
     for i, a in enumerate(argv):
         m = re.match(r"--?config(=|$)(.*)", a)
@@ -182,3 +205,58 @@ def _plain_why(why: str) -> str:
     if m:
         return f"must be true or false, got {m.group(1)}"
     return why
+
+
+# -- free-form dicts on the command line -----------------------------------------------
+# data.kwargs and model.kwargs are free-form: `--config.data.kwargs.NAME=value` may name a
+# key the config file does not have. config_flags only overrides existing keys, so these
+# are taken out of argv before it parses and set on the loaded config after.
+
+
+def split_free_form(argv) -> tuple[list[str], list[tuple[str, str]]]:
+    """(argv without the free-form overrides, [(dotted key, raw value), ...])."""
+    kept, free = [], []
+    for a in argv:
+        m = re.match(r"--?config\.((?:data|model)\.kwargs\.[\w.]+)=(.*)", a, re.DOTALL)
+        if m:
+            free.append((m.group(1), m.group(2)))
+        else:
+            kept.append(a)
+    return kept, free
+
+
+def parse_value(raw: str):
+    """A command-line value: a Python literal (1, 0.5, 'a', [1, 2], None), true / false,
+    or else the text itself."""
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return raw
+
+
+def apply_free_form(config, overrides) -> None:
+    """Sets each (dotted key, raw value) on the loaded `config` (a locked ConfigDict or a
+    dict), creating names below data.kwargs / model.kwargs as needed."""
+    for key, raw in overrides:
+        parts = key.split(".")
+        node = config
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part) if hasattr(node, "get") else None
+            if child is None:  # validation reports a kwargs the model family lacks
+                _set(node, part, {})
+                child = node[part]
+            elif not hasattr(child, "get"):
+                raise errors.ConfigError(key, f"{'.'.join(parts[:i + 1])} is a value, "
+                                              "not a section")
+            node = child
+        _set(node, parts[-1], parse_value(raw))
+
+
+def _set(node, name, value) -> None:
+    if hasattr(node, "unlocked"):  # a locked ConfigDict: new names need unlocking
+        with node.unlocked():
+            node[name] = value
+    else:
+        node[name] = value

@@ -11,23 +11,33 @@ data or usage error, one line `jtrain: <kind> error: <key>: <why>`, before any t
 3 a checkpoint that cannot be restored (damaged with --strict_restore, another model, a
 changed config) or written; 4 training halted on non-finite values or repeated loss
 spikes; 5 a hang (watchdog.timeout_s), no clean stop within checkpoint.grace_seconds, or a
-failed peer (a collective with another process broke).
+failed peer (a collective with another process broke); 6 the disk holding the workdir is
+full (free space, rerun the same command); 1 a bug (`jtrain: internal error: ...`). The
+workdir being a file, read-only or not writable is exit 2 (`jtrain: workdir error`).
+Every failure is one line on stderr (jtrain.errors); its traceback, and the logs of
+orbax, absl and grain, go to WORKDIR/train.log (on the console too with --verbosity=2).
+`--print_config` prints every key of the resolved config with its type, default, range
+and description, and exits 0. stdout carries one JSON line, the run's result
+(summary.json's scalars); everything else is on stderr.
 `--verify_resume`: see jtrain.checkpoint.verify (exit 1 on FAIL).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
 
 import ml_collections
-from absl import app, flags
+from absl import flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from jtrain import cli as cli_lib
 from jtrain import errors
+from jtrain.observe import liblogs
+from jtrain.observe.redact import redact_text
 
 
 def define_flags(fv: flags.FlagValues, sys_argv=None) -> None:
@@ -39,9 +49,9 @@ def define_flags(fv: flags.FlagValues, sys_argv=None) -> None:
                         flag_values=fv)
     flags.DEFINE_string("coordinator_address", os.environ.get("JTRAIN_COORDINATOR"),
                         "host:port of process 0, for multi-process runs.", flag_values=fv)
-    flags.DEFINE_integer("num_processes", int(os.environ.get("JTRAIN_NUM_PROCESSES", "1")),
+    flags.DEFINE_integer("num_processes", _env_int("JTRAIN_NUM_PROCESSES", 1),
                          "Number of processes in a multi-process run.", flag_values=fv)
-    flags.DEFINE_integer("process_id", int(os.environ.get("JTRAIN_PROCESS_ID", "0")),
+    flags.DEFINE_integer("process_id", _env_int("JTRAIN_PROCESS_ID", 0),
                          "This process's index in a multi-process run.", flag_values=fv)
     flags.DEFINE_enum("distributed", "off", ["off", "auto"],
                       "auto: jax.distributed.initialize() with cluster auto-detection.",
@@ -64,10 +74,22 @@ def define_flags(fv: flags.FlagValues, sys_argv=None) -> None:
     flags.DEFINE_bool("verify_negative_control", False,
                       "--verify_resume with the data position not restored: must FAIL.",
                       flag_values=fv)
+    flags.DEFINE_integer("verbosity", None, "0: errors and the result; 1: + header, progress"
+                         " and evals (default); 2: + debug lines and the logs of orbax, absl "
+                         "and grain on the console (= --config.log.verbosity=N).",
+                         lower_bound=0, upper_bound=2, flag_values=fv)
+    flags.DEFINE_bool("print_config", False, "Print every key of the resolved config (value,"
+                      " type, default, range or choices, description) and exit 0; "
+                      "--workdir not needed.", flag_values=fv)
 
+def _env_int(name: str, default: int) -> int:
+    """An integer from the environment (launch/local.sh sets these); one line if not."""
+    raw = os.environ.get(name, "")
+    try:
+        return int(raw) if raw.strip() else default
+    except ValueError:
+        fail(errors.UsageError(f"{name}={raw!r} in the environment: expected an integer"))
 
-FLAGS = flags.FLAGS
-define_flags(FLAGS)
 
 _RAW_ARGV: list[str] = []  # as parsed; --verify_resume reruns it
 
@@ -108,8 +130,10 @@ def _peer_failure(e: BaseException) -> errors.PeerError | None:
                             "restart resumes from the newest checkpoint")
 
 
-def parse_flags(argv, fv: flags.FlagValues = FLAGS):
-    """absl's parser, with config file and override errors turned into one line."""
+def parse_flags(argv, fv: flags.FlagValues):
+    """absl's parser, with config file and override errors turned into one line.
+    `--config.data.kwargs.NAME=value` / `--config.model.kwargs.NAME=value` (free-form
+    dicts: new names allowed) are applied here, after the file is loaded."""
     # config_flags loads every file as module "config_config" and reuses a loaded one:
     # a file without get_config() would borrow the previous file's (in-process runs).
     sys.modules.pop("config_config", None)
@@ -123,6 +147,7 @@ def parse_flags(argv, fv: flags.FlagValues = FLAGS):
         cli_lib.print_help("python -m jtrain.main", help_fv, __doc__.split("\n\n", 1)[1])
     absl_logging.get_absl_logger().addFilter(quiet)
     _RAW_ARGV[:] = list(argv)
+    argv, free_form = cli_lib.split_free_form(argv)
     try:
         rest = fv(argv)
         if fv["config"].present:
@@ -132,28 +157,64 @@ def parse_flags(argv, fv: flags.FlagValues = FLAGS):
             if not isinstance(config, (dict, ml_collections.ConfigDict)):
                 raise TypeError(f"get_config() returned {type(config).__name__}, "
                                 "expected a ConfigDict")
+            cli_lib.apply_free_form(config, free_form)
+        elif free_form:
+            raise errors.ConfigError(free_form[0][0], "override given without --config")
         return rest
+    except errors.JtrainError as e:
+        fail(e)
+    except SystemExit as e:  # get_config() called sys.exit: it is the file's error
+        fail(errors.ConfigError(cli_lib.config_file(argv), "get_config() called sys.exit("
+                                f"{e.code!r}) while the config was loading"))
     except Exception as e:  # noqa: BLE001 - flags.Error, and what config_flags raises loading
         key, _, why = cli_lib.describe_flag_error(e, argv).partition(": ")
+        if key.startswith("--") and not key.startswith("--config"):  # not a config key
+            fail(errors.UsageError(f"{key}: {why}"))
         fail(errors.ConfigError(key, why))
     finally:
         absl_logging.get_absl_logger().removeFilter(quiet)
 
 
-def main(argv, fv: flags.FlagValues = FLAGS):
+def main(argv, fv: flags.FlagValues):
+    undo_logs = lambda: None  # noqa: E731
     try:
+        undo_logs = _route_logs(fv)
         _run(argv, fv)  # returns normally after a SIGTERM/SIGINT stop: exit 0
     except errors.JtrainError as e:
-        fail(e)
-    except Exception as e:
-        peer = _peer_failure(e)
-        if peer is not None:
-            fail(peer)
-        if _multi_process():  # a bug: its traceback, then out without the shutdown wait
+        fail(_logged(errors.classify(e, fv.workdir or ""), fv))
+    except Exception as e:  # noqa: BLE001 - every failure is one line (jtrain.errors)
+        known = _peer_failure(e) or errors.classify(e, fv.workdir or "")
+        if isinstance(known, errors.JtrainError):
+            fail(_logged(known, fv))
+        line = errors.render(e)
+        if liblogs.append_traceback(fv.workdir, line, e):
+            line += f" (traceback in {os.path.join(fv.workdir, liblogs.LOG_FILE)})"
+        else:
             traceback.print_exc()
-            sys.stderr.flush()
-            _exit(1)
-        raise
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        _exit(1)
+    finally:
+        undo_logs()
+
+
+def _route_logs(fv) -> callable:
+    """Library logs into WORKDIR/train.log unless verbosity 2 (jtrain.observe.liblogs)."""
+    verbosity = fv.verbosity
+    if verbosity is None:
+        log = getattr(fv.config, "log", None) if fv.config is not None else None
+        verbosity = getattr(log, "verbosity", 1) if log is not None else 1
+    if not fv.workdir or fv.print_config:
+        return lambda: None
+    return liblogs.to_train_log(fv.workdir, int(verbosity))
+
+
+def _logged(error: errors.JtrainError, fv) -> errors.JtrainError:
+    """The error, its line and traceback appended to WORKDIR/train.log once the run has
+    one (an error before the run started leaves the workdir as it was)."""
+    if fv.workdir and os.path.isfile(os.path.join(fv.workdir, liblogs.LOG_FILE)):
+        liblogs.append_traceback(fv.workdir, errors.render(error), error)
+    return error
 
 
 def _run(argv, fv: flags.FlagValues) -> None:
@@ -161,6 +222,12 @@ def _run(argv, fv: flags.FlagValues) -> None:
         raise errors.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     if fv.config is None:
         raise errors.ConfigError("--config", "required, e.g. --config=configs/base.py")
+    if fv.print_config:
+        from jtrain.config import reference
+
+        sys.stdout.write(reference.resolved_text(_config_dict(fv)))
+        sys.stdout.flush()
+        return
     if not fv.workdir:
         raise errors.ConfigError("--workdir", "required (the run's directory)")
     # orbax and others log every save at INFO through absl; jtrain prints its own lines.
@@ -192,13 +259,26 @@ def _run(argv, fv: flags.FlagValues) -> None:
 
     from jtrain.train import train
 
-    # Flags that stand for config keys go into a copy; train() resolves and validates it.
+    result = train(_config_dict(fv), fv.workdir)
+    if jax.process_index() == 0:  # the machine-readable result: one JSON line on stdout
+        scalars = {k: v for k, v in result.summary.items()
+                   if isinstance(v, (int, float, str, bool)) or v is None}
+        sys.stdout.write(redact_text(json.dumps({"workdir": fv.workdir, **scalars},
+                                                default=str)) + "\n")
+        sys.stdout.flush()
+
+
+def _config_dict(fv) -> dict:
+    """The config as a dict, with the flags that stand for config keys applied (a copy;
+    train() resolves and validates it)."""
     config = fv.config.to_dict() if hasattr(fv.config, "to_dict") else dict(fv.config)
     if fv.strict_restore:
         config.setdefault("checkpoint", {})["strict_restore"] = True
     if fv.all_hosts_log:
         config.setdefault("log", {})["all_hosts"] = True
-    train(config, fv.workdir)
+    if fv.verbosity is not None:
+        config.setdefault("log", {})["verbosity"] = fv.verbosity
+    return config
 
 
 def _quiet() -> None:
@@ -216,16 +296,19 @@ def _quiet() -> None:
 
 
 def cli(argv) -> None:
-    """Parse `argv` on fresh flags and run, without absl's app (for tests and embedding).
-    User errors raise SystemExit(2) after printing their one line."""
+    """Parse `argv` (argv[0] is the program) on fresh flags and run: what `python -m
+    jtrain.main` and `jtrain train` do. User errors raise SystemExit(code) after
+    printing their one line."""
     argv = list(argv)
     fv = flags.FlagValues()
-    define_flags(fv, sys_argv=argv)
-    main(parse_flags(argv, fv), fv)
+    define_flags(fv, sys_argv=cli_lib.split_free_form(argv)[0])
+    rest = parse_flags(argv, fv)
+    cli_lib.mark_absl_parsed()
+    main(rest, fv)
 
 
 def run():
-    app.run(main, flags_parser=parse_flags)
+    cli(sys.argv)
 
 
 if __name__ == "__main__":

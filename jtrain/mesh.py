@@ -47,16 +47,20 @@ def resolve_axis_sizes(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
     if len(free) > 1:
         raise ValueError(f"mesh.{free[1]}: only one axis may be -1, got -1 for {', '.join(free)}")
     fixed = math.prod(s for s in sizes.values() if s != -1)
+    # The key to change: a set axis that does not divide the devices, else any set axis.
+    set_axes = [a for a, s in sizes.items() if s not in (-1, 1)]
+    bad = [a for a in set_axes if num_devices % sizes[a]] or set_axes or ["data"]
     if free:
         if num_devices % fixed:
             raise ValueError(
-                f"mesh.{free[0]}: the other axes multiply to {fixed}, which does not divide "
-                f"the {num_devices} devices")
+                f"mesh.{bad[-1]}: the axes other than mesh.{free[0]}=-1 multiply to {fixed}, "
+                f"which does not divide the {num_devices} devices")
         sizes[free[0]] = num_devices // fixed
     elif fixed != num_devices:
         raise ValueError(
-            f"mesh.data: data*fsdp*tensor = {sizes['data']}*{sizes['fsdp']}*{sizes['tensor']} = "
-            f"{fixed}, but there are {num_devices} devices")
+            f"mesh.{bad[-1]}: data*fsdp*tensor = {sizes['data']}*{sizes['fsdp']}*"
+            f"{sizes['tensor']} = {fixed}, but there are {num_devices} devices (-1 on one "
+            "axis takes the rest)")
     return sizes["data"], sizes["fsdp"], sizes["tensor"]
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import os
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -32,7 +33,7 @@ from jtrain import precision as precision_lib
 from jtrain import state as state_lib
 from jtrain.observe import console, header as header_lib
 from jtrain.observe import writers as writers_lib
-from jtrain.errors import ConfigError
+from jtrain.errors import WorkdirError
 from jtrain.observe.redact import redact
 from jtrain.build import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, Build, build, model_sample  # noqa: F401
 
@@ -66,6 +67,7 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
         raise ValueError("workdir: required (the run's identity: checkpoints, logs, summary)")
     _check_workdir(os.path.abspath(workdir))
     cfg = config_lib.resolve(config)
+    redact(cfg)  # its secrets are known to the redactor before any line can echo them
     determinism = precision_lib.set_deterministic(cfg.deterministic)
     # From here on SIGTERM / SIGINT mean: save the current step (if any), stop, return
     # (jtrain.control.signals); one that came during the CLI's imports is taken over.
@@ -92,15 +94,23 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
 
 
 def _check_workdir(path: str) -> None:
-    """A ConfigError naming the workdir when it cannot be a run's directory."""
+    """A WorkdirError naming the workdir when it cannot be a run's directory. Writing is
+    tried (a file created and removed in the workdir, or in its nearest existing parent
+    when it does not exist yet), not inferred from permission bits: root passes every
+    os.access check, and a read-only file system fails only the write."""
     parent = path
     while not os.path.exists(parent):  # the nearest existing ancestor must be writable
         parent = os.path.dirname(parent)
-    if parent == path and not os.path.isdir(path):
-        raise ConfigError("workdir", f"{path} is a file, not a directory")
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError("workdir", f"{parent} is not writable (the run writes its "
-                                     "checkpoints and logs there)")
+    if not os.path.isdir(parent):
+        where = "" if parent == path else f" (in {path})"
+        raise WorkdirError(f"{parent} is a file, not a directory{where}; choose another "
+                           "--workdir")
+    try:
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as e:
+        why = (e.strerror or str(e)).lower()
+        raise WorkdirError(f"{parent} is not writable ({why}): the run writes its "
+                           "checkpoints and logs there; choose another --workdir") from None
 
 
 def _train(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval, determinism,

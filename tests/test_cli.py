@@ -1,6 +1,7 @@
 """Every entry point as a user runs it: `python -m ...` in a subprocess from a fresh
 directory with relative paths, no conftest help. One line and an exit code for every
-mistake; `--help` exits 0."""
+mistake; `--help` exits 0. The table of mistakes per command (missing runs, missing
+--out, unknown benchmarks, ...) is tests/test_failure_table.py."""
 
 from __future__ import annotations
 
@@ -24,25 +25,6 @@ def one_line(stderr: str) -> str:
     return lines[0]
 
 
-def test_export_of_a_missing_run_is_one_line_exit_3(tmp_path):
-    proc = run(tmp_path, "jtrain.export", "runs/nope", "--out=exports/x")
-    assert proc.returncode == 3
-    assert one_line(proc.stderr).startswith("jtrain: export error: runs/nope")
-    assert not (tmp_path / "exports").exists()  # nothing written for a failed export
-
-
-def test_export_without_out_is_a_usage_error(tmp_path):
-    proc = run(tmp_path, "jtrain.export", "runs/nope")
-    assert proc.returncode == 2
-    assert one_line(proc.stderr) == "jtrain: usage error: --out: required (the export directory)"
-
-
-def test_evaluate_of_a_missing_run_is_one_line(tmp_path):
-    proc = run(tmp_path, "jtrain.evaluate", "--workdir=runs/nope")
-    assert proc.returncode == 2
-    assert one_line(proc.stderr).startswith("jtrain: evaluate error: --workdir:")
-
-
 def test_unknown_flag_is_a_usage_error_everywhere(tmp_path):
     for args in (("jtrain.evaluate", "--workdir=x", "--bogus=1"),
                  ("jtrain.export", "x", "--out=y", "--bogus=1"),
@@ -53,12 +35,6 @@ def test_unknown_flag_is_a_usage_error_everywhere(tmp_path):
         assert line.startswith("jtrain: usage error:") and "bogus" in line, (args, line)
 
 
-def test_unknown_benchmark_is_one_line_exit_2(tmp_path):
-    proc = run(tmp_path, "jtrain.bench", "nosuch")
-    assert proc.returncode == 2
-    assert "unknown benchmark 'nosuch'" in one_line(proc.stderr)
-
-
 @pytest.mark.parametrize("module", ["jtrain.main", "jtrain.evaluate", "jtrain.export",
                                     "jtrain.bench"])
 def test_help_exits_0(tmp_path, module):
@@ -67,24 +43,21 @@ def test_help_exits_0(tmp_path, module):
     assert "usage:" in proc.stdout
 
 
-def test_train_export_evaluate_init_from_with_relative_paths(tmp_path):
-    """The README's journey from a fresh directory: train, export, evaluate, fine-tune,
-    every path relative (a relative export once crashed inside orbax)."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    config = os.path.join(repo, "configs", "base.py") + ":debug"
-    short = ["--config.total_steps=6", "--config.eval.every_steps=3", "--config.log.every_steps=3",
-             "--config.eval.num_batches=2", "--config.optim.warmup_steps=2"]
-    proc = run(tmp_path, "jtrain.main", f"--config={config}", "--workdir=runs/d", *short)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    proc = run(tmp_path, "jtrain.export", "runs/d", "--out=exports/d", "--dtype=bfloat16")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("jtrain: exported step 6:")
-    assert (tmp_path / "exports" / "d" / "params.safetensors").is_file()
-    proc = run(tmp_path, "jtrain.evaluate", "--workdir=runs/d", "--step=best", "--noplots",
-               "--num_batches=2")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (tmp_path / "runs" / "d" / "eval_6.json").is_file()
-    proc = run(tmp_path, "jtrain.main", f"--config={config}", "--workdir=runs/ft", *short,
-               "--config.checkpoint.init_from=exports/d")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "initialized from exports/d: " in proc.stderr
+def test_jtrain_console_script(tmp_path):
+    """The installed `jtrain` script: its usage (exit 0 on --help) and a subcommand's
+    --help (exit 0: the `python -m` form's flags behind it). Every subcommand's errors:
+    tests/test_failure_table.py; the whole journey (train, Ctrl-C, resume, evaluate, export, init_from) is
+    tests/test_readme_commands.py."""
+    jtrain = os.path.join(os.path.dirname(sys.executable), "jtrain")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+    def script(*args):
+        return subprocess.run([jtrain, *args], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    proc = script("--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: jtrain {train,evaluate,"
+                                                           "export,tune,bench}"), proc
+    proc = script("train", "--help")
+    assert proc.returncode == 0 and "--print_config" in proc.stdout and "--verbosity" in \
+        proc.stdout, proc.stderr

@@ -105,7 +105,7 @@ CASES_8_DEVICES = [
     ([DEBUG, "--config.data.batch_size=12"], "data.batch_size", "data-parallel size 8"),
     ([DEBUG, "--config.eval.batch_size=12"], "eval.batch_size", "data-parallel size 8"),
     ([DEBUG, "--config.optim.grad_accum_steps=4"], "optim.grad_accum_steps", "per-device"),
-    ([DEBUG, "--config.mesh.fsdp=3"], "mesh.data", "does not divide"),
+    ([DEBUG, "--config.mesh.fsdp=3"], "mesh.fsdp", "does not divide"),  # the axis set
 ]
 
 
@@ -135,7 +135,10 @@ def _run_in_process(args, key, why, cfg_dir, tmp_path, capfd, monkeypatch):
         main_lib.cli(argv)
     out, err = capfd.readouterr()
     assert exc.value.code == 2, err
-    _check_one_line(err, out, key.format(cfg=cfg_dir), why)
+    # A flag that is not a config key is a usage error (as in every jtrain command).
+    kind = "usage" if key.startswith("--") and not key.startswith(("--config", "--workdir")) \
+        else "config"
+    _check_one_line(err, out, key.format(cfg=cfg_dir), why, kind=kind)
     _check_no_checkpoints(workdir)
 
 

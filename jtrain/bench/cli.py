@@ -132,7 +132,9 @@ def format_report(res: dict) -> str:
 
 
 def _fail(message: str) -> int:
-    sys.stderr.write(f"jtrain.bench: {message}\n")
+    """`jtrain: usage error: <message>` on stderr (the one-line form of jtrain.errors)."""
+    message = message[len("error: "):] if message.startswith("error: ") else message
+    sys.stderr.write(f"jtrain: usage error: {message}\n")
     sys.stderr.flush()
     return EXIT_USAGE
 

@@ -1,7 +1,8 @@
-"""Export a checkpoint's parameters: `python -m jtrain.export WORKDIR --step=N --out=DIR`.
+"""Export a checkpoint's parameters: `python -m jtrain.export --workdir=WORKDIR --out=DIR`
+(`jtrain export ...`; WORKDIR may also be given as the one positional argument).
 
-    python -m jtrain.export runs/base --out=exports/base              # newest intact step
-    python -m jtrain.export runs/base --step=1000 --out=exports/b16 --dtype=bfloat16
+    python -m jtrain.export --workdir=runs/base --out=exports/base    # newest intact step
+    python -m jtrain.export --workdir=runs/base --step=1000 --out=exports/b16 --dtype=bfloat16
 
 Writes `DIR/params.safetensors` (parameters only; tensor names are the parameter paths,
 e.g. `blocks_0/attn/qkv/kernel`) and `DIR/export.json` (step, source, dtype, parameter
@@ -10,7 +11,7 @@ it loads without jtrain, without the run's state and without pickle (`safetensor
 `read_safetensors` below, or a few lines of numpy). `--dtype=bfloat16` casts floating
 parameters. `checkpoint.init_from=DIR` starts a new run from an export.
 
-    python -m jtrain.export runs/ft --out=exports/ft --merge_lora   # a LoRA fine-tune
+    python -m jtrain.export --workdir=runs/ft --out=exports/ft --merge_lora   # LoRA
 
 `--merge_lora` (a run with `finetune.lora.rank` > 0) folds each adapter pair into its
 weight, `W + alpha/rank * A @ B` (jtrain.models.lora.merge), and leaves the adapters out:
@@ -34,7 +35,7 @@ from absl import flags
 
 from jtrain import cli
 from jtrain.checkpoint import integrity, policy
-from jtrain.errors import ExportError, UsageError, first_line
+from jtrain.errors import ExportError, UsageError, classify, first_line
 
 PARAMS_FILE = "params.safetensors"
 INFO_FILE = "export.json"
@@ -255,6 +256,9 @@ def _merge_lora(leaves: dict, config: dict, workdir: str) -> dict:
 
 
 def _define_flags(fv) -> None:
+    flags.DEFINE_string("workdir", None, "The run to export: its workdir, its checkpoints/ "
+                        "dir, or a step dir (the positional WORKDIR works too).",
+                        flag_values=fv)
     flags.DEFINE_string("step", None, "Checkpoint step: N, latest (default: the newest "
                         "intact step) or best (by checkpoint.monitor in metrics.jsonl).",
                         flag_values=fv)
@@ -268,8 +272,12 @@ def _define_flags(fv) -> None:
 
 
 def _main(fv, args) -> int:
+    if fv.workdir and args and args != [fv.workdir]:
+        raise UsageError(f"--workdir={fv.workdir} and the positional {' '.join(args)}: give "
+                         "the run once")
+    args = args or ([fv.workdir] if fv.workdir else [])
     if len(args) != 1:
-        raise UsageError("expected one WORKDIR (a run's workdir, its checkpoints/ dir, or a "
+        raise UsageError("--workdir: required (a run's workdir, its checkpoints/ dir, or a "
                          f"step dir), got {len(args)} arguments")
     if not fv.out:
         raise UsageError("--out: required (the export directory)")
@@ -277,6 +285,9 @@ def _main(fv, args) -> int:
         record = export(args[0], fv.out, step=fv.step, dtype=fv.dtype,
                         merge_lora=fv.merge_lora)
     except OSError as e:
+        known = classify(e, fv.out, flag="--out")  # --out on a full or read-only disk
+        if known is not e:
+            raise known from None
         raise ExportError(f"{args[0]}: {e.strerror or first_line(e)}") from None
     merged = record.get("merged_lora")
     print(f"jtrain: exported step {record['step']}: {record['num_params']:,} params in "
@@ -288,7 +299,7 @@ def _main(fv, args) -> int:
 
 
 def main(argv=None) -> int:
-    """`python -m jtrain.export WORKDIR --out=DIR [--step=N|latest|best] [--dtype=bfloat16]
-    [--merge_lora]`."""
+    """`python -m jtrain.export --workdir=WORKDIR --out=DIR [--step=N|latest|best]
+    [--dtype=bfloat16] [--merge_lora]` (or WORKDIR as the one positional argument)."""
     return cli.run("python -m jtrain.export", _define_flags, _main, argv,
                    description="Export a checkpoint's parameters (safetensors).")

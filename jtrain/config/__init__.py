@@ -14,6 +14,8 @@ partial dict; `resolve` fills in the defaults and returns a new validated Config
 
     schema   the declarations: `SCHEMA`, `MODEL_FAMILIES`, `Field`, the choice tuples,
              `resume_safe(key)` and `describe()` (every key with type, default and doc)
+    reference  `--print_config`'s text and docs/config.md, written from the schema
+               (`python -m jtrain.config --markdown`, in `__main__`)
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Redaction of secrets from everything jtrain prints or writes.
 
 `redact(tree)` copies a config with values under secret-looking keys replaced;
-`redact_text(s)` masks URI passwords, secret environment values and secrets `redact` has
+`redact_text(s)` masks URI userinfo (passwords, tokens), secret environment values and secrets `redact` has
 seen. The console, the log file, the metric writers and config.json all go through them.
 """
 
@@ -14,16 +14,19 @@ import threading
 REDACTED = "<redacted>"
 
 # Config keys whose (string or number) values are secrets. `token(?!s|iz)` keeps
-# `max_tokens` and `tokenizer` readable; `*_key`, `apikey`, `key` etc. end in "key".
+# `max_tokens` and `tokenizer` readable; `*_key`, `apikey`, `private_key` etc. end in
+# "key"; `auth(?!or(?!i))` takes auth, oauth, authorization but not author.
 _SECRET_KEY = re.compile(
     r"(?:^|[_\-.]|api|access|private|secret|auth|client|master)key$"
-    r"|token(?!s|iz)|passw(?:or)?d|secret|credential",
+    r"|token(?!s|iz)|passw(?:or)?d|passphrase|secret|credential|auth(?!or(?!i))",
     re.IGNORECASE,
 )
-_SECRET_ENV = re.compile(r"(?:^|_)KEY$|APIKEY|TOKEN(?!IZ)|PASSWORD|PASSWD|SECRET|CREDENTIAL",
-                         re.IGNORECASE)
-# scheme://user:password@host -> scheme://user:<redacted>@host (the password may hold '@').
+_SECRET_ENV = re.compile(r"(?:^|_)KEY$|APIKEY|TOKEN(?!IZ)|PASSWORD|PASSWD|PASSPHRASE|SECRET"
+                         r"|CREDENTIAL|(?:^|_)O?AUTH(?!OR(?!I)|_SOCK)", re.IGNORECASE)
+# URI userinfo: scheme://user:password@host -> scheme://user:<redacted>@host (the
+# password may hold '@'), and scheme://token@host -> scheme://<redacted>@host.
 _URI_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^/\s:@]*):[^\s/]+@")
+_URI_USER = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)[^\s/:@?#]+@")
 # Shorter environment values ("true", "1") would mask ordinary words; they are not secrets.
 _MIN_ENV_SECRET_LEN = 6
 # Secret strings `redact` has replaced, masked from then on in free text too: a config
@@ -44,6 +47,7 @@ def _known_secrets() -> list[str]:
 def redact_text(s: str) -> str:
     """Masks URI passwords, secret environment values and secrets `redact` saw in `s`."""
     s = _URI_PASSWORD.sub(rf"\1:{REDACTED}@", str(s))
+    s = _URI_USER.sub(rf"\1{REDACTED}@", s)
     for value in _known_secrets():
         s = s.replace(value, REDACTED)
     return s

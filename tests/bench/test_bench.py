@@ -25,7 +25,7 @@ def test_future_subcommands_exit_2_with_one_line(name, capsys):
     assert bench.main([name]) == 2
     out, err = capsys.readouterr()
     assert out == ""
-    assert err == f"jtrain.bench: '{name}' is not implemented yet\n"
+    assert err == f"jtrain: usage error: '{name}' is not implemented yet\n"
 
 
 def test_help_lists_subcommands(capsys):

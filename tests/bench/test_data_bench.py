@@ -28,4 +28,4 @@ def test_data_bench_reports_medians_and_ratios(tmp_path, capsys):
 
 def test_data_bench_refuses_bad_sizes(capsys):
     assert bench.main(["data", "--num_examples=10", "--batch_size=16"]) == 2
-    assert capsys.readouterr().err.startswith("jtrain.bench: error: sizes must be")
+    assert capsys.readouterr().err.startswith("jtrain: usage error: sizes must be")
