@@ -168,8 +168,8 @@ class Worker:
                 self.say(f"jtrain: tune: stopped; trial {job.number} saved at step "
                          f"{outcome.step}: rerun the same command to continue it")
                 return 0
-        if self.primary:
-            self._final()
+        if self.primary and not self._final():
+            return 1  # every trial failed: trials.jsonl says why
         return 0
 
     def _next(self):
@@ -226,7 +226,8 @@ class Worker:
                      f"; best so far: trial {best['number']} ({best['value']:.6g})"
                      if best else ""))
 
-    def _final(self) -> None:
+    def _final(self) -> bool:
+        """Writes the results; False when no trial completed."""
         from jtrain.tune import results
 
         recs = results.records(self.study, self.space)
@@ -247,6 +248,7 @@ class Worker:
             f"({', '.join(f'{k}={v!r}' for k, v in best['params'].items())})"
             if best else "; no trial completed"))
         self.say(f"jtrain: tune: wrote {', '.join(files)} in {self.workdir}")
+        return best is not None
 
 
 def _flat(space) -> dict:

@@ -50,10 +50,17 @@ def open_study(tune_cfg, workdir: str, space: dict) -> optuna.Study:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     url = storage_url(tune_cfg, workdir)
     kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
-    try:
-        storage = optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
-    except Exception as e:  # noqa: BLE001 - a bad URL, an unreachable server, no driver
-        raise ConfigError("tune.storage", f"cannot open {url!r}: {first_line(e)}") from None
+    for attempt in range(5):
+        try:
+            storage = optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+            break
+        except Exception as e:  # noqa: BLE001 - a bad URL, an unreachable server, no driver
+            # Workers starting together race to create the tables (a UNIQUE constraint
+            # fails for all but one): the next attempt finds them.
+            if attempt == 4 or "UNIQUE" not in str(e) and "already exists" not in str(e):
+                raise ConfigError("tune.storage", f"cannot open {url!r}: "
+                                  f"{first_line(e)}") from None
+            time.sleep(0.5 + attempt)
     name = tune_cfg.study_name or os.path.basename(os.path.normpath(workdir))
     direction = "minimize" if tune_cfg.mode == "min" else "maximize"
     try:
