@@ -162,6 +162,12 @@ class Worker:
                                         self.tune.monitor, report)
             if self.primary:
                 self._finish(trial, outcome)
+            else:  # in this process's log: the same trial, stopped at the same step
+                import jax
+
+                print(f"jtrain: tune: [process {jax.process_index()}] trial {job.number} "
+                      f"{outcome.state} at step {outcome.step}: "
+                      + ", ".join(f"{k}={v!r}" for k, v in job.params.items()), flush=True)
             if outcome.fatal is not None:
                 raise outcome.fatal
             if outcome.state == "interrupted":

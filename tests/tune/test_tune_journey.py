@@ -7,6 +7,7 @@ the killed trial continues from its own checkpoint); two tuners on one SQLite st
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -152,3 +153,34 @@ def test_two_tuners_on_one_sqlite_study_run_disjoint_trials(tmp_path):
     recs = _records(cwd / "runs/w/trials.jsonl")
     assert [x["state"] for x in recs] == ["complete"] * 3
     assert len({x["workdir"] for x in recs}) == 3
+
+
+def _free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_a_two_process_trial_runs_and_stops_the_same_on_both(tmp_path):
+    """Process 0 alone samples and prunes; process 1 runs the trials it is sent and
+    stops where process 0 does (its log says so)."""
+    cwd = _user_dir(tmp_path)
+    env = user_env(XLA_FLAGS="--xla_force_host_platform_device_count=1",
+                   JTRAIN_COORDINATOR=f"127.0.0.1:{_free_port()}", JTRAIN_NUM_PROCESSES="2")
+    args = ["timeout", "-k", "5", "300", sys.executable, "-m", "jtrain.tune",
+            "--config=search.py", "--workdir=runs/mp", "--config.tune.trials=2",
+            "--config.tune.prune_startup_trials=1"]
+    procs = [subprocess.Popen(args, cwd=cwd, env={**env, "JTRAIN_PROCESS_ID": str(i)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = [p.communicate() for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]  # 124: a hang
+    recs = _records(cwd / "runs/mp/trials.jsonl")
+    assert [(x["state"], x["step"]) for x in recs] == [("complete", 8), ("pruned", 2)]
+    seen = [line for line in outs[1][0].splitlines() if line.startswith("jtrain: tune: [")]
+    assert seen == [f"jtrain: tune: [process 1] trial {x['number']} {x['state']} at step "
+                    f"{x['step']}: " + ", ".join(f"{k}={v!r}" for k, v in x["params"].items())
+                    for x in recs]
