@@ -210,11 +210,11 @@ class Worker:
         from jtrain.tune import results
         from jtrain.tune import study as study_lib
 
+        if outcome.step is not None:
+            trial.set_user_attr(study_lib.STEP, outcome.step)
         if outcome.state == "interrupted":
             study_lib.interrupt(self.study, trial, outcome.reason)
         else:
-            if outcome.step is not None:
-                trial.set_user_attr(study_lib.STEP, outcome.step)
             if outcome.reason:
                 trial.set_user_attr(study_lib.REASON, outcome.reason)
             if outcome.state == "complete":

@@ -32,7 +32,8 @@ def records(study, space: dict) -> list[dict]:
             continue  # never ran: a worker asked past the last slot
         state = "interrupted" if study_lib.is_interrupted(t) else STATES.get(t.state, "?")
         rec = {"number": t.number, "state": state, "value": t.value,
-               "params": trial_lib.decode(space, t.params),
+               "params": trial_lib.decode(space, t.params or  # queued: its fixed params
+                                          t.system_attrs.get("fixed_params", {})),
                "step": a.get(study_lib.STEP, t.last_step),
                "workdir": a.get(study_lib.WORKDIR, f"trials/{t.number}")}
         for key in (study_lib.REASON, study_lib.CONTINUES, study_lib.RESUMED):
