@@ -138,9 +138,18 @@ class Worker:
             print(line, flush=True)
 
     def run(self) -> int:
+        with self._signals_stop_between_trials():
+            return self._loop()
+
+    def _loop(self) -> int:
+        import jtrain
         from jtrain.tune import trial as trial_lib
 
         while True:
+            if jtrain._EARLY_SIGNALS:  # between trials: nothing running to save
+                self.say(f"jtrain: tune: {jtrain._EARLY_SIGNALS.pop()} received: stopped "
+                         "between trials; rerun the same command to continue")
+                return 0
             trial, job = self._next() if self.primary else (None, None)
             job = _share(job)
             if job is None:
@@ -177,6 +186,35 @@ class Worker:
         if self.primary and not self._final():
             return 1  # every trial failed: trials.jsonl says why
         return 0
+
+    @contextlib.contextmanager
+    def _signals_stop_between_trials(self):
+        """SIGTERM / SIGINT between trials stop the worker (exit 0) instead of killing it;
+        during a trial, train()'s own handler saves the step (a signal that came just
+        before it is taken over the way the CLI's start-up signals are). With several
+        processes SIGTERM is JAX's preemption notice and train() handles it."""
+        import signal
+        import threading
+
+        import jax
+        import jtrain
+
+        if jax.process_count() > 1 or threading.current_thread() is not \
+                threading.main_thread():
+            yield
+            return
+
+        def early(signum, frame):
+            if not jtrain._EARLY_SIGNALS:
+                jtrain._EARLY_SIGNALS.append(signal.Signals(signum).name)
+
+        sigs = (signal.SIGTERM, signal.SIGINT)
+        previous = {sig: signal.signal(sig, early) for sig in sigs}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def _next(self):
         from jtrain.tune import study as study_lib

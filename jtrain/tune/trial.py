@@ -76,9 +76,12 @@ def trial_config(base: dict, params: dict, keep_tune: bool = True) -> dict:
 
 def last_checkpoint(workdir: str) -> int | None:
     """The newest finished checkpoint step in a trial's workdir (what a rerun resumes)."""
-    try:
-        steps = [int(n) for n in os.listdir(os.path.join(workdir, "checkpoints"))
-                 if n.isdigit()]
+    from jtrain.checkpoint.integrity import MANIFEST
+
+    root = os.path.join(workdir, "checkpoints")
+    try:  # a finished save has our manifest (written before it is renamed into place)
+        steps = [int(n) for n in os.listdir(root)
+                 if n.isdigit() and os.path.exists(os.path.join(root, n, MANIFEST))]
     except FileNotFoundError:
         return None
     return max(steps) if steps else None
