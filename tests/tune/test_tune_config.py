@@ -50,15 +50,15 @@ def test_trial_config_and_best_config_file(tmp_path):
         "optim.lr": ("uniform", 0.1, 0.2), "model.hidden": ("choice", ((8,), (4, 4)))}}}
     ).to_dict()
     params = trial_lib.decode(base["tune"]["space"],
-                              {"optim.lr": 0.125, "model.hidden": "(4, 4)"})
-    assert params == {"optim.lr": 0.125, "model.hidden": (4, 4)}
+                              {"optim.lr": 0.12345678912345678, "model.hidden": "(4, 4)"})
+    assert params == {"optim.lr": 0.12345678912345678, "model.hidden": (4, 4)}
     rec = {"number": 3, "value": 0.5, "params": params, "workdir": "trials/3"}
     path = results.write_best_config(str(tmp_path), base, rec, "eval/loss")
     ns: dict = {}
     exec(open(path).read(), ns)
     got = ns["get_config"]()
     got.early_stop.stopping_threshold = 0.5  # None-able numbers stay overridable
-    assert got.optim.lr == 0.125 and tuple(got.model.hidden) == (4, 4)
+    assert got.optim.lr == 0.12345678912345678 and tuple(got.model.hidden) == (4, 4)
     assert "tune" not in got  # a plain run's config
     want = trial_lib.trial_config(base, params, keep_tune=False)
     want["early_stop"]["stopping_threshold"] = 0.5
