@@ -22,6 +22,7 @@ import optuna
 from optuna.trial import TrialState
 
 from jtrain.errors import ConfigError, first_line
+from jtrain.observe.redact import redact_text
 
 # Trial attributes (user attrs: visible in Optuna's own tools too).
 HOST, PID, BEAT = "jtrain_host", "jtrain_pid", "jtrain_heartbeat"
@@ -49,6 +50,7 @@ def open_study(tune_cfg, workdir: str, space: dict) -> optuna.Study:
     ConfigError (its results would mix)."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     url = storage_url(tune_cfg, workdir)
+    shown = redact_text(url)  # a password in the URL never reaches a message
     kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
     for attempt in range(5):
         try:
@@ -58,8 +60,8 @@ def open_study(tune_cfg, workdir: str, space: dict) -> optuna.Study:
             # Workers starting together race to create the tables (a UNIQUE constraint
             # fails for all but one): the next attempt finds them.
             if attempt == 4 or "UNIQUE" not in str(e) and "already exists" not in str(e):
-                raise ConfigError("tune.storage", f"cannot open {url!r}: "
-                                  f"{first_line(e)}") from None
+                raise ConfigError("tune.storage", f"cannot open {shown!r}: "
+                                  f"{redact_text(first_line(e))}") from None
             time.sleep(0.5 + attempt)
     name = tune_cfg.study_name or os.path.basename(os.path.normpath(workdir))
     direction = "minimize" if tune_cfg.mode == "min" else "maximize"
@@ -73,7 +75,7 @@ def open_study(tune_cfg, workdir: str, space: dict) -> optuna.Study:
     if theirs is None:
         study.set_user_attr(STUDY_SPACE, mine)
     elif theirs != mine:
-        raise ConfigError("tune.space", f"study {name!r} in {url} was made with another "
+        raise ConfigError("tune.space", f"study {name!r} in {shown} was made with another "
                           "space or tune.monitor; use a new tune.study_name or workdir")
     return study
 

@@ -2,7 +2,7 @@
 whose worker is gone (dead process on this host, or no heartbeat from another host) is
 failed as interrupted and its parameters queued again with its workdir, exactly once
 however many workers look; a trial asked past the last slot gives way; a storage that
-cannot be opened is one line naming tune.storage."""
+cannot be opened is one line naming tune.storage, its password masked."""
 
 import os
 import socket
@@ -106,8 +106,10 @@ def test_a_storage_that_cannot_be_opened_is_one_line(tmp_path, capsys):
                    "    c.tune.space = {'optim': {'lr': ('uniform', 0.01, 0.1)}}\n"
                    "    return c\n")
     code = tune.main([f"--config={cfg}", f"--workdir={tmp_path}/runs",
-                      "--tune.storage=nosuchdb://host/x"])
+                      "--tune.storage=postgresql://me:secretpw@127.0.0.1:1/db"])
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("jtrain: config error: tune.storage: cannot open "
-                          "'nosuchdb://host/x': ") and len(err.splitlines()) == 1, err
+                          "'postgresql://me:<redacted>@127.0.0.1:1/db': ") and \
+        len(err.splitlines()) == 1, err
+    assert "secretpw" not in err
