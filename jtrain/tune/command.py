@@ -148,7 +148,7 @@ class Worker:
         while True:
             if jtrain._EARLY_SIGNALS:  # between trials: nothing running to save
                 self.say(f"jtrain: tune: {jtrain._EARLY_SIGNALS.pop()} received: stopped "
-                         "between trials; rerun the same command to continue")
+                         "before the next trial; rerun the same command to continue")
                 return 0
             trial, job = self._next() if self.primary else (None, None)
             job = _share(job)
