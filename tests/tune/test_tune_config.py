@@ -149,3 +149,19 @@ def test_a_monitor_no_trial_produces_ends_the_study(tmp_path, monkeypatch, capsy
     assert err.startswith("jtrain: config error: tune.monitor: 'eval/f1' is not a metric "
                           "this run produces"), err
     assert len(err.splitlines()) == 1
+
+
+def test_the_example_search_config_is_valid():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "tune.py"
+    spec = importlib.util.spec_from_file_location("tune_example_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for variant in ("", "quick"):
+        cfg = config_lib.resolve(module.get_config(variant))
+        assert set(space_lib.flatten(cfg.tune.space)) == {
+            "optim.lr", "optim.weight_decay", "data.batch_size"}
+    with pytest.raises(ValueError, match="unknown variant"):
+        module.get_config("full")
