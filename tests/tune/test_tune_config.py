@@ -103,9 +103,9 @@ def make():
 '''
 
 
-def _config_file(tmp_path, monkeypatch, space: str) -> str:
-    name = f"tunedata_{abs(hash(space)) % 10**6}"
-    (tmp_path / f"{name}.py").write_text(DATA)
+def _config_file(tmp_path, monkeypatch, space: str, data: str = DATA) -> str:
+    name = f"tunedata_{abs(hash(space + data)) % 10**6}"
+    (tmp_path / f"{name}.py").write_text(data)
     monkeypatch.syspath_prepend(str(tmp_path))
     path = tmp_path / "search.py"
     path.write_text(CONFIG.format(data=name, space=space))
@@ -139,6 +139,19 @@ def test_failed_trials_are_recorded_and_the_study_goes_on(tmp_path, monkeypatch,
         assert r["reason"].startswith("jtrain: config error: optim.warmup_steps: "
                                       f"{r['params']['optim.warmup_steps']} >= total_steps=4")
     assert "no trial completed" in capsys.readouterr().out
+
+
+def test_a_non_finite_halt_is_a_failed_trial(tmp_path, monkeypatch, capsys):
+    overflow = DATA.replace("y = (x", "x[:] = 3e38  # finite inputs whose loss overflows\n"
+                                      "    y = (x")
+    path = _config_file(tmp_path, monkeypatch, '{"optim": {"lr": ("uniform", 0.01, 0.1)}}',
+                        overflow)
+    argv = [f"--config={path}", f"--workdir={tmp_path}/runs", "--config.tune.trials=1",
+            "--config.nonfinite.policy=halt"]
+    assert tune.main(argv) == 1
+    (rec,) = [json.loads(x) for x in open(tmp_path / "runs/trials.jsonl")]
+    assert rec["state"] == "failed" and rec["reason"].startswith(
+        "jtrain: non-finite error: training halted at step 1: non-finite loss"), rec
 
 
 def test_a_monitor_no_trial_produces_ends_the_study(tmp_path, monkeypatch, capsys):
