@@ -14,13 +14,15 @@ its pieces are public so research code can assemble them one by one:
 
 import sys as _sys
 
-# `python -m jtrain.main` (and `jtrain train`): SIGTERM / SIGINT during the imports and start-up (before
-# train() installs control.Stopper) are recorded here instead of killing the process
-# with status 143; the Stopper takes them over: nothing new to save, exit 0. Only for the
-# CLI: importing jtrain from a user's script changes no signal handling.
+# `python -m jtrain.main`, `jtrain train` and `python -m jtrain.tune`: SIGTERM / SIGINT
+# during the imports and start-up (before train() installs control.Stopper) are recorded
+# here instead of killing the process with status 143; the Stopper takes them over:
+# nothing new to save, exit 0. Only for the CLI: importing jtrain from a user's script
+# changes no signal handling.
 _EARLY_SIGNALS: list[str] = []
-if (_sys.argv[:1] == ["-m"] and "jtrain.main" in getattr(_sys, "orig_argv", ())) or (
-        _sys.argv[0].endswith("jtrain") and _sys.argv[1:2] == ["train"]):  # `jtrain train`
+if (_sys.argv[:1] == ["-m"] and {"jtrain.main", "jtrain.tune"} & set(
+        getattr(_sys, "orig_argv", ()))) or (
+        _sys.argv[0].endswith("jtrain") and _sys.argv[1:2] in (["train"], ["tune"])):
     import signal as _signal
 
     def _early(signum, frame):

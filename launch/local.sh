@@ -4,6 +4,7 @@
 #
 #   launch/local.sh 2 --config=configs/base.py:debug --workdir=runs/mp
 #   NPROC=4 DEVICES=2 launch/local.sh 4 --config=... --workdir=...
+#   JTRAIN_MODULE=jtrain.tune launch/local.sh 2 --config=... --workdir=...  # a search
 #
 # Process 0 prints; all processes write their stdout/stderr to WORKDIR/logs/proc_<i>.log.
 # If any process fails, the others are stopped and the script exits with its code.
@@ -23,7 +24,7 @@ for ((i = 0; i < n; i++)); do
   JAX_PLATFORMS=${JAX_PLATFORMS:-cpu} \
   XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=$devices" \
   JTRAIN_COORDINATOR="127.0.0.1:$port" JTRAIN_NUM_PROCESSES="$n" JTRAIN_PROCESS_ID="$i" \
-    python -m jtrain.main "$@" >"$log" 2>&1 &
+    python -m "${JTRAIN_MODULE:-jtrain.main}" "$@" >"$log" 2>&1 &
   pids+=($!)
 done
 [ -t 1 ] && tail -n +1 -f "$workdir/logs/proc_0.log" --pid="${pids[0]}" &

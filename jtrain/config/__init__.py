@@ -16,6 +16,7 @@ partial dict; `resolve` fills in the defaults and returns a new validated Config
              `resume_safe(key)` and `describe()` (every key with type, default and doc)
     reference  `--print_config`'s text and docs/config.md, written from the schema
                (`python -m jtrain.config --markdown`, in `__main__`)
+    space    `tune.space` (the keys a hyperparameter search samples): nesting and checks
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import ml_collections
 from jtrain.config.schema import (ACTIVATIONS, DTYPES, INT_MAX, METRIC_NAMES,  # noqa: F401
                                   MODEL_FAMILIES, OPTIMIZERS, SCHEDULES, SCHEMA, WRITERS,
                                   Field, describe, resume_safe, schema_for)
+from jtrain.config import space as space_lib
 from jtrain.errors import ConfigError  # noqa: F401  (jtrain.config.ConfigError)
 
 
@@ -78,7 +80,7 @@ def _as_dict(config) -> dict:
 
 def resolve(config=None) -> ml_collections.ConfigDict:
     """Defaults overlaid with `config` (partial dicts allowed), validated."""
-    user = _as_dict(config)
+    user = space_lib.nest_dotted(_as_dict(config))
     model_name = (user.get("model") or {}).get("name", "transformer")
     _check_value("model.name", str, tuple(MODEL_FAMILIES), model_name)
     merged = defaults(model_name).to_dict()
@@ -233,6 +235,7 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
                           f"data.batch_size={batch} is not divisible by grad_accum_steps={accum}")
     model = tree["model"]
     _check_family(model)
+    space_lib.check(tree["tune"]["space"], schema_for(model["name"]), _check_value)
     if model["name"] == "transformer" and tree["data"]["seq_len"] > model.get("max_len", 0):
         raise ConfigError("data.seq_len",
                           f"{tree['data']['seq_len']} exceeds model.max_len={model['max_len']}")

@@ -67,11 +67,10 @@ def _get(tree: dict, dotted: str):
 
 def resolved_text(config) -> str:
     """The resolved config, one key a line: `key = value  (type; default; range) doc`."""
-    from jtrain import config as config_lib
+    from jtrain.config import resolve  # the package imports this module: resolve lazily
+    from jtrain.observe.redact import redact  # imports nothing of jtrain
 
-    from jtrain.observe.redact import redact
-
-    cfg = redact(config_lib.resolve(config).to_dict())  # values under secret keys masked
+    cfg = redact(resolve(config).to_dict())  # values under secret keys masked
     family = cfg["model"]["name"]
     rows = []
     for key, field in fields(schema_for(family)):

@@ -34,6 +34,7 @@ METRIC_NAMES = ("loss", "accuracy", "top_k_accuracy", "precision_recall_f1",
                 "confusion_matrix", "auroc", "perplexity", "bits_per_byte",
                 "mse", "mae", "r2", "pearson", "spearman")
 ACTIVATIONS = ("gelu", "relu", "silu", "tanh")
+SPACE_KINDS = ("log_uniform", "uniform", "int", "log_int", "choice")  # tune.space
 F = Field
 
 
@@ -249,6 +250,31 @@ SCHEMA: dict[str, Any] = {
                           "use; over it, grad_accum_steps is raised until it fits "
                           "(control.memory); 0 = no planning, -1 = the device's own "
                           "limit (none known on CPU)"),
+    }),
+    # python -m jtrain.tune (jtrain/tune): read by the tuner only; a plain run ignores it.
+    "tune": _resume_safe({
+        "space": F("dict", {}, None, "searched keys: {'optim': {'lr': ('log_uniform', "
+                   "1e-4, 1e-1)}, 'data': {'batch_size': ('choice', (16, 32))}} (or dotted "
+                   "keys from Python); kinds: " + ", ".join(SPACE_KINDS)),
+        "trials": F(int, 20, (1, INF), "trials the study runs to the end (complete, pruned "
+                    "or failed; a killed trial is continued, not counted twice)"),
+        "monitor": F(str, "eval/loss", None, "eval metric optimised: its value at a "
+                     "trial's last eval; every eval reports it to the pruner"),
+        "mode": F(str, "min", ("min", "max"), "minimise or maximise tune.monitor"),
+        "sampler": F(str, "tpe", ("tpe", "random"), "Optuna sampler, seeded with "
+                     "tune.seed + the trial number"),
+        "seed": F(int, 0, (0, INT_MAX), "seed of the sampler (not of the trials' runs)"),
+        "pruner": F(str, "median", ("median", "hyperband", "none"), "stop unpromising "
+                    "trials at an eval (Optuna MedianPruner / HyperbandPruner)"),
+        "prune_startup_trials": F(int, 5, (0, INF), "median: finished trials before "
+                                  "pruning starts"),
+        "prune_warmup_steps": F(int, 0, (0, INF), "no pruning at evals before this step"),
+        "storage": F(str, "", None, "Optuna RDB URL shared by workers (sqlite:///f.db, "
+                     "postgresql://...); '' = sqlite:///WORKDIR/study.db"),
+        "study_name": F(str, "", None, "study in the storage; '' = the workdir's name"),
+        "stale_after_s": F(float, 300.0, (1.0, INF), "a running trial whose worker has "
+                           "not beaten its heartbeat this long is continued by another "
+                           "(on the same host: as soon as the worker's process is gone)"),
     }),
 }
 

@@ -141,6 +141,8 @@ def check_monitors(cfg, eval_keys: set[str] | None) -> None:
     never produce. `eval_keys`: the eval metric names, None when there is no eval data."""
     wanted = [(f"{section}.monitor", cfg[section].monitor) for section in
               ("early_stop", "plateau") if cfg[section].monitor]
+    if "tune" in cfg and cfg.tune.space:  # a trial of python -m jtrain.tune
+        wanted.append(("tune.monitor", cfg.tune.monitor))
     if cfg.checkpoint.keep_top_k and eval_keys is not None:
         wanted.append(("checkpoint.monitor", cfg.checkpoint.monitor))
     for key, name in wanted:

@@ -1,0 +1,24 @@
+"""Hyperparameter search with retrain-on-best: `python -m jtrain.tune`.
+
+    python -m jtrain.tune --config=configs/x.py --workdir=runs/search [--tune.storage=URL]
+
+The config's `tune.*` keys (jtrain/config/schema.py) say what to search (`tune.space`),
+how many trials, what to optimise and how to sample and prune. An Optuna study in a real
+database (`sqlite:///WORKDIR/study.db` unless `tune.storage` names another) holds the
+trials, so several workers can share it and a killed worker's rerun continues. Each trial
+is a jtrain run in WORKDIR/trials/<n>. The search writes WORKDIR/trials.jsonl,
+WORKDIR/best_config.py (retrain with `python -m jtrain.main --config=...`) and
+WORKDIR/tune.png. Optuna is an extra: `pip install 'jtrain[tune]'`.
+
+    command.py   flags, main(argv), the worker loop, the job broadcast
+    study.py     storage, sampler, pruner, the next trial, killed trials, heartbeats
+    trial.py     one trial: sampled params -> config -> jtrain.train -> outcome
+    results.py   trials.jsonl, best_config.py, tune.png
+"""
+
+
+def main(argv=None) -> int:
+    """The command (`jtrain tune` dispatches here): returns the exit code."""
+    from jtrain.tune.command import main as command_main
+
+    return command_main(argv)

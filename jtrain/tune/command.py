@@ -1,0 +1,317 @@
+"""`python -m jtrain.tune --config=FILE --workdir=DIR [--tune.storage=URL]`: one worker of a
+hyperparameter search. Start it N times (on N machines with a shared `tune.storage`) for
+N workers; rerun it after a kill and it continues. Each trial is a jtrain run in
+`DIR/trials/<n>`; see jtrain.tune for the files it writes.
+
+Several processes per trial (`JTRAIN_MODULE=jtrain.tune launch/local.sh N ...`, or
+--coordinator_address / --num_processes / --process_id): process 0 alone talks to the
+study and broadcasts each job to the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+
+from jtrain import cli
+from jtrain import errors
+from jtrain.errors import ConfigError, UsageError
+
+PROG = "python -m jtrain.tune"
+
+
+def _define_flags(fv: flags.FlagValues, sys_argv) -> None:
+    config_flags.DEFINE_config_file("config", None, "Config file with tune.space, e.g. "
+                                    "configs/x.py:debug.", lock_config=True, flag_values=fv,
+                                    sys_argv=sys_argv)
+    flags.DEFINE_string("workdir", None, "The search's directory: study.db, trials/<n>, "
+                        "trials.jsonl, best_config.py, tune.png.", flag_values=fv)
+    flags.DEFINE_string("tune.storage", None, "Optuna RDB URL the workers share "
+                        "(= --config.tune.storage); default sqlite:///WORKDIR/study.db.",
+                        flag_values=fv)
+    flags.DEFINE_string("coordinator_address", os.environ.get("JTRAIN_COORDINATOR"),
+                        "host:port of process 0, for multi-process trials.", flag_values=fv)
+    flags.DEFINE_integer("num_processes", int(os.environ.get("JTRAIN_NUM_PROCESSES", "1")),
+                         "Processes of each trial.", flag_values=fv)
+    flags.DEFINE_integer("process_id", int(os.environ.get("JTRAIN_PROCESS_ID", "0")),
+                         "This process's index.", flag_values=fv)
+
+
+def _config(fv, argv) -> dict:
+    if fv.config is None:
+        raise ConfigError("--config", "required: a config file with tune.space")
+    try:
+        config = fv.config
+        getattr(config, "lock", None)  # config_flags defers loading errors until here
+    except Exception as e:  # noqa: BLE001 - what loading the file raised
+        key, _, why = cli.describe_flag_error(e, argv).partition(": ")
+        raise ConfigError(key, why) from None
+    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
+
+
+def _init_distributed(fv) -> None:
+    if fv.num_processes <= 1:
+        return
+    if not fv.coordinator_address:
+        raise ConfigError("--coordinator_address", "required when --num_processes > 1")
+    import jax
+
+    jax.distributed.initialize(coordinator_address=fv.coordinator_address,
+                               num_processes=fv.num_processes, process_id=fv.process_id)
+
+
+def _share(job):
+    """Process 0's job (a Job or None) on every process."""
+    import jax
+
+    from jtrain.tune.study import Job
+
+    if jax.process_count() == 1:
+        return job
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    text = json.dumps(None if job is None else job.__dict__).encode()
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(text))))
+    data = np.frombuffer(text, np.uint8).astype(np.int32) if jax.process_index() == 0 \
+        else np.zeros(n, np.int32)
+    data = np.asarray(multihost_utils.broadcast_one_to_all(data)).astype(np.uint8)
+    shared = json.loads(data.tobytes().decode())
+    return None if shared is None else Job(**shared)
+
+
+def _main(fv, args, argv) -> int:
+    if args:
+        raise UsageError(f"unexpected arguments: {' '.join(args)}")
+    config = _config(fv, argv)
+    if not fv.workdir:
+        raise UsageError("--workdir: required (the search's directory)")
+    if fv["tune.storage"].value is not None:
+        config.setdefault("tune", {})["storage"] = fv["tune.storage"].value
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        raise UsageError("jtrain.tune needs optuna, which is not installed: "
+                         "pip install 'jtrain[tune]'") from None
+    from absl import logging as absl_logging
+
+    from jtrain import config as config_lib
+    from jtrain.config import space as space_lib
+    from jtrain.train import _check_workdir
+
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    cfg = config_lib.resolve(config)
+    if not space_lib.flatten(cfg.tune.space):
+        raise ConfigError("tune.space", "empty: nothing to search; e.g. tune.space = "
+                          "{'optim': {'lr': ('log_uniform', 1e-4, 1e-1)}}")
+    workdir = os.path.abspath(fv.workdir)
+    _check_workdir(workdir)
+    _init_distributed(fv)
+    return Worker(cfg, workdir).run()
+
+
+class Worker:
+    """Runs trials until the study needs no more (or a SIGTERM stops one)."""
+
+    def __init__(self, cfg, workdir: str):
+        import jax
+
+        self.cfg, self.workdir = cfg, workdir
+        self.tune, self.base = cfg.tune, cfg.to_dict()
+        self.space = self.base["tune"]["space"]
+        self.primary = jax.process_index() == 0
+        self.study = None
+        if self.primary:
+            from jtrain.tune import study as study_lib
+
+            os.makedirs(workdir, exist_ok=True)
+            self.study = study_lib.open_study(self.tune, workdir,
+                                              _flat(self.space))
+
+    def say(self, line: str) -> None:
+        if self.primary:
+            print(line, flush=True)
+
+    def run(self) -> int:
+        with self._signals_stop_between_trials():
+            return self._loop()
+
+    def _loop(self) -> int:
+        import jtrain
+        from jtrain.tune import trial as trial_lib
+
+        while True:
+            if jtrain._EARLY_SIGNALS:  # between trials: nothing running to save
+                self.say(f"jtrain: tune: {jtrain._EARLY_SIGNALS.pop()} received: stopped "
+                         "before the next trial; rerun the same command to continue")
+                return 0
+            trial, job = self._next() if self.primary else (None, None)
+            job = _share(job)
+            if job is None:
+                break
+            how = (f" (continues trial {job.continues}" + (
+                f" from its step {job.resumed_from})" if job.resumed_from is not None
+                else ", from scratch: it had no checkpoint)")) if job.continues is not None \
+                else ""
+            self.say(f"jtrain: tune: trial {job.number}{how} in {job.workdir}: "
+                     + ", ".join(f"{k}={v!r}" for k, v in job.params.items()))
+            report = None
+            if self.primary:
+                def report(step, value, trial=trial):
+                    trial.report(value, step)
+                    return trial.should_prune()
+            with self._heartbeat(trial):
+                outcome = trial_lib.run(self.base, job.params,
+                                        os.path.join(self.workdir, job.workdir),
+                                        self.tune.monitor, report)
+            if self.primary:
+                self._finish(trial, outcome)
+            else:  # in this process's log: the same trial, stopped at the same step
+                import jax
+
+                print(f"jtrain: tune: [process {jax.process_index()}] trial {job.number} "
+                      f"{outcome.state} at step {outcome.step}: "
+                      + ", ".join(f"{k}={v!r}" for k, v in job.params.items()), flush=True)
+            if outcome.fatal is not None:
+                raise outcome.fatal
+            if outcome.state == "interrupted":
+                self.say(f"jtrain: tune: stopped; trial {job.number} saved at step "
+                         f"{outcome.step}: rerun the same command to continue it")
+                return 0
+        if self.primary and not self._final():
+            return 1  # every trial failed: trials.jsonl says why
+        return 0
+
+    @contextlib.contextmanager
+    def _signals_stop_between_trials(self):
+        """SIGTERM / SIGINT between trials stop the worker (exit 0) instead of killing it;
+        during a trial, train()'s own handler saves the step (a signal that came just
+        before it is taken over the way the CLI's start-up signals are). With several
+        processes SIGTERM is JAX's preemption notice and train() handles it."""
+        import signal
+        import threading
+
+        import jax
+        import jtrain
+
+        if jax.process_count() > 1 or threading.current_thread() is not \
+                threading.main_thread():
+            yield
+            return
+
+        def early(signum, frame):
+            if not jtrain._EARLY_SIGNALS:
+                jtrain._EARLY_SIGNALS.append(signal.Signals(signum).name)
+
+        sigs = (signal.SIGTERM, signal.SIGINT)
+        previous = {sig: signal.signal(sig, early) for sig in sigs}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _next(self):
+        from jtrain.tune import study as study_lib
+        from jtrain.tune import trial as trial_lib
+
+        trial = study_lib.next_trial(self.study, self.tune)
+        if trial is None:
+            return None, None
+        params = trial_lib.suggest(trial, self.space)
+        attrs = trial.user_attrs
+        rel = attrs.get(study_lib.WORKDIR) or f"trials/{trial.number}"
+        trial.set_user_attr(study_lib.WORKDIR, rel)
+        resumed = trial_lib.last_checkpoint(os.path.join(self.workdir, rel))
+        if resumed is not None:
+            trial.set_user_attr(study_lib.RESUMED, resumed)
+        if study_lib.CONTINUES in attrs:
+            study_lib.copy_reports(self.study, trial, resumed)
+        return trial, study_lib.Job(trial.number, rel, params,
+                                    attrs.get(study_lib.CONTINUES), resumed)
+
+    def _heartbeat(self, trial):
+        if trial is None:
+            return contextlib.nullcontext()
+        from jtrain.tune import study as study_lib
+
+        return study_lib.Heartbeat(self.study, trial, min(30.0, self.tune.stale_after_s / 4))
+
+    def _finish(self, trial, outcome) -> None:
+        from optuna.trial import TrialState
+
+        from jtrain.tune import results
+        from jtrain.tune import study as study_lib
+
+        if outcome.step is not None:
+            trial.set_user_attr(study_lib.STEP, outcome.step)
+        if outcome.state == "interrupted":
+            study_lib.interrupt(self.study, trial, outcome.reason)
+        else:
+            if outcome.reason:
+                trial.set_user_attr(study_lib.REASON, outcome.reason)
+            if outcome.state == "complete":
+                self.study.tell(trial, outcome.value)
+            else:
+                self.study.tell(trial, state=TrialState.PRUNED if outcome.state == "pruned"
+                                else TrialState.FAIL)
+        recs = results.records(self.study, self.space)
+        results.write_trials(self.workdir, recs)
+        best = results.best(recs, self.tune.mode)
+        value = "" if outcome.value is None else f": {self.tune.monitor}={outcome.value:.6g}"
+        why = f" ({outcome.reason})" if outcome.state == "failed" else ""
+        self.say(f"jtrain: tune: trial {trial.number} {outcome.state} at step "
+                 f"{outcome.step}{value}{why}" + (
+                     f"; best so far: trial {best['number']} ({best['value']:.6g})"
+                     if best else ""))
+
+    def _final(self) -> bool:
+        """Writes the results; False when no trial completed."""
+        from jtrain.tune import results
+
+        recs = results.records(self.study, self.space)
+        results.write_trials(self.workdir, recs)
+        counts = {s: sum(r["state"] == s for r in recs)
+                  for s in ("complete", "pruned", "failed", "running", "waiting")}
+        files = ["trials.jsonl"]
+        best = results.best(recs, self.tune.mode)
+        if best is not None:
+            results.write_best_config(self.workdir, self.base, best, self.tune.monitor)
+            files.append("best_config.py")
+        if results.write_plot(self.workdir, self.study, recs, self.tune.monitor,
+                              self.tune.mode):
+            files.append("tune.png")
+        summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+        self.say(f"jtrain: tune: {summary or 'no trials'}" + (
+            f"; best trial {best['number']}: {self.tune.monitor}={best['value']:.6g} "
+            f"({', '.join(f'{k}={v!r}' for k, v in best['params'].items())})"
+            if best else "; no trial completed"))
+        self.say(f"jtrain: tune: wrote {', '.join(files)} in {self.workdir}")
+        return best is not None
+
+
+def _flat(space) -> dict:
+    from jtrain.config import space as space_lib
+
+    return space_lib.flatten(space)
+
+
+def main(argv=None) -> int:
+    """`python -m jtrain.tune --config=FILE --workdir=DIR [--tune.storage=URL]`."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    sys.modules.pop("config_config", None)  # config_flags reuses a loaded config module
+    try:
+        return cli.run(PROG, lambda fv: _define_flags(fv, [PROG, *argv]),
+                       lambda fv, args: _main(fv, args, argv), argv,
+                       description=__doc__.split("\n\n", 1)[0])
+    except Exception as e:  # noqa: BLE001 - config_flags' override errors at parse time
+        if isinstance(e, (errors.JtrainError, SystemExit)):
+            raise
+        key, _, why = cli.describe_flag_error(e, argv).partition(": ")
+        sys.stderr.write(errors.render(ConfigError(key, why)) + "\n")
+        return 2

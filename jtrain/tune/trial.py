@@ -1,0 +1,125 @@
+"""One trial of a search: its parameters sampled from `tune.space`, its config, its run in
+its own jtrain workdir (`jtrain.train`, which resumes from the workdir's newest
+checkpoint), every eval reported to the pruner through the `on_eval` hook, and its
+outcome. Every process of a multi-process worker runs the same trial: the job (number,
+workdir, parameters) comes from process 0, and a prune decision is `on_eval`'s, which
+jtrain takes on process 0 and applies on every process at the same step.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+
+from jtrain import errors
+from jtrain.config import space as space_lib
+from jtrain.observe import jsonl
+
+PRIMITIVES = (type(None), bool, int, float, str)
+
+
+@dataclasses.dataclass
+class Outcome:
+    state: str  # complete | pruned | failed | interrupted
+    value: float | None = None
+    step: int | None = None
+    reason: str = ""
+    fatal: errors.JtrainError | None = None  # a tune.* config error: ends the study
+
+
+def suggest(trial, space: dict) -> dict:
+    """{dotted key: value} sampled (or, for a continued trial, re-read) from the space."""
+    params = {}
+    for key, spec in space_lib.flatten(space).items():
+        kind = spec[0]
+        if kind in ("log_uniform", "uniform"):
+            params[key] = trial.suggest_float(key, spec[1], spec[2], log=kind == "log_uniform")
+        elif kind in ("int", "log_int"):
+            params[key] = trial.suggest_int(key, spec[1], spec[2], log=kind == "log_int")
+        else:
+            choices = list(spec[1])
+            if all(isinstance(c, PRIMITIVES) for c in choices):
+                params[key] = trial.suggest_categorical(key, choices)
+            else:  # Optuna stores primitives only: tuples (e.g. model.hidden) by their repr
+                names = [repr(c) for c in choices]
+                params[key] = choices[names.index(trial.suggest_categorical(key, names))]
+    return params
+
+
+def decode(space: dict, params: dict) -> dict:
+    """Stored Optuna params -> config values (a tuple choice is stored as its repr)."""
+    flat, out = space_lib.flatten(space), {}
+    for key, value in params.items():
+        spec = flat.get(key)
+        if spec is not None and spec[0] == "choice" and isinstance(value, str):
+            by_name = {repr(c): c for c in spec[1] if not isinstance(c, PRIMITIVES)}
+            value = by_name.get(value, value)
+        out[key] = value
+    return out
+
+
+def trial_config(base: dict, params: dict, keep_tune: bool = True) -> dict:
+    """The base config with the sampled values at their dotted keys. A trial keeps `tune`
+    (its run checks tune.monitor before the first step); best_config.py leaves it out
+    (tune.* never changes what a run trains)."""
+    config = copy.deepcopy({k: v for k, v in base.items() if keep_tune or k != "tune"})
+    for key, value in params.items():
+        node = config
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return config
+
+
+def last_checkpoint(workdir: str) -> int | None:
+    """The newest finished checkpoint step in a trial's workdir (what a rerun resumes)."""
+    from jtrain.checkpoint.integrity import MANIFEST
+
+    root = os.path.join(workdir, "checkpoints")
+    try:  # a finished save has our manifest (written before it is renamed into place)
+        steps = [int(n) for n in os.listdir(root)
+                 if n.isdigit() and os.path.exists(os.path.join(root, n, MANIFEST))]
+    except FileNotFoundError:
+        return None
+    return max(steps) if steps else None
+
+
+def run(base: dict, params: dict, workdir: str, monitor: str, report=None) -> Outcome:
+    """Trains the trial in `workdir`. `report(step, value) -> prune?` (process 0 only)."""
+    import jtrain
+
+    def on_eval(step, metrics):
+        value = metrics.get(monitor)
+        return bool(report(step, float(value))) if report and value is not None else False
+
+    try:
+        result = jtrain.train(trial_config(base, params), workdir, on_eval=on_eval)
+    except errors.ConfigError as e:
+        if e.key.startswith("tune."):  # the study's own config: no trial can succeed
+            return Outcome("failed", reason=errors.render(e), fatal=e)
+        return Outcome("failed", reason=errors.render(e))
+    except errors.JtrainError as e:  # a bad value for this trial, a non-finite halt, ...
+        return Outcome("failed", reason=errors.render(e))
+    except Exception as e:  # noqa: BLE001 - e.g. a user model failing for some params
+        return Outcome("failed", reason=errors.render(e))
+    step = result.summary.get("step")
+    if result.stopped_by in ("SIGTERM", "SIGINT"):
+        return Outcome("interrupted", step=step, reason=f"stopped by {result.stopped_by}")
+    value = final_value(workdir, monitor)
+    if result.stopped_by == "on_eval":
+        return Outcome("pruned", value=value, step=step)
+    if value is None or not math.isfinite(value):
+        return Outcome("failed", step=step, reason=f"jtrain: tune: {monitor} at the last "
+                       f"eval is {value} (no finite value to rank)")
+    return Outcome("complete", value=value, step=step)
+
+
+def final_value(workdir: str, monitor: str) -> float | None:
+    """The monitor at the run's last eval, from metrics.jsonl (evals of earlier sessions
+    of a resumed run included)."""
+    records = jsonl.read_records(os.path.join(workdir, "metrics.jsonl"))
+    values = [r[monitor] for r in records if monitor in r]
+    return float(values[-1]) if values else None
