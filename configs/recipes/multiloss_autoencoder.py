@@ -7,7 +7,8 @@ Demonstrates: an NNX model with two inputs and three outputs (jtrain/recipes/aut
 has the data process), loss.terms = weighted MSE reconstructions of each modality + a
 Pearson-correlation term tying the latent to a shared target, each term logged as
 train/<name> and eval/<name>; warmup + cosine decay to optim.end_lr_factor of the peak;
-checkpoints every N steps, the best by eval/loss (keep_top_k) and the final one. From
+checkpoints every N steps kept (keep_every_steps), the best by eval/loss (keep_top_k)
+and the final one. From
 Python, `jtrain.train(config, workdir).history` is the per-eval record (README, Recipes).
 Variants: `debug` (fewer examples and steps).
 """
@@ -36,7 +37,7 @@ def get_config(variant=None):
         "latent_corr": {"fn": "pearson", "output": "latent", "target": "z", "weight": 0.5},
     }
     config.eval.predict_fn = "jtrain.recipes.autoencoder:latent"
-    config.eval.metrics = ("loss", "pearson", "r2")
+    config.eval.metrics = ("loss", "pearson")
     config.total_steps = 1500
     config.optim.lr = 3e-3
     config.optim.schedule = "warmup_cosine"
@@ -46,6 +47,7 @@ def get_config(variant=None):
     config.log.every_steps = 125
     config.checkpoint.every_steps = 500
     config.checkpoint.max_to_keep = 2
+    config.checkpoint.keep_every_steps = 500
     config.checkpoint.keep_top_k = 1
     config.checkpoint.monitor = "eval/loss"
     if variant == "debug":
@@ -55,4 +57,5 @@ def get_config(variant=None):
         config.eval.every_steps = 100
         config.log.every_steps = 50
         config.checkpoint.every_steps = 100
+        config.checkpoint.keep_every_steps = 100
     return config

@@ -70,5 +70,5 @@ def make_model(hidden=64):
 
 
 def latent(outputs, batch):
-    """eval.predict_fn: the latent vs the shared target z (eval/pearson, eval/r2)."""
+    """eval.predict_fn: the latent vs the shared target z (eval/pearson, pooled)."""
     return outputs["latent"], batch["z"]

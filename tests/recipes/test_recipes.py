@@ -71,15 +71,12 @@ def test_imputation_masks_in_graph_with_edge_cases():
     np.testing.assert_array_equal(imputation.hide_count(avail.sum(1)), [0, 0, 1, 2])
 
 
-SMALL = "--config.model.kwargs={'width': 32, 'layers': 1, 'heads': 2}"
-
-
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
     cwd = _user_dir(tmp_path_factory.mktemp("pretrain"))
     out = _ok(run_python(cwd, "-m", "jtrain.main",
                          "--config=configs/recipes/masked_pretrain.py:debug",
-                         "--workdir=runs/pretrain", SMALL, "--config.total_steps=200",
+                         "--workdir=runs/pretrain", "--config.total_steps=200",
                          "--config.eval.every_steps=100"))
     assert "80/10/10" in out
     return cwd
@@ -88,8 +85,8 @@ def pretrained(tmp_path_factory):
 def _finetune(cwd, kind):
     out = _ok(run_python(cwd, "-m", "jtrain.main",
                          f"--config=configs/recipes/finetune.py:{kind},debug",
-                         f"--workdir=runs/ft_{kind}", SMALL, "--config.total_steps=60",
-                         "--config.eval.every_steps=60"))
+                         f"--workdir=runs/ft_{kind}", "--config.total_steps=80",
+                         "--config.eval.every_steps=80"))
     return out, _summary(cwd, f"runs/ft_{kind}")["eval/accuracy"]
 
 
