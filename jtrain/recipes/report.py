@@ -36,6 +36,8 @@ def load_run(workdir: str, step: str = "best") -> tuple[dict, dict]:
 
 
 def summary_line(workdir: str) -> str:
+    if not os.path.exists(os.path.join(workdir, "summary.json")):
+        raise FileNotFoundError(f"{workdir}: no summary.json (not a finished jtrain run)")
     with open(os.path.join(workdir, "summary.json")) as f:
         summary = json.load(f)
     with open(os.path.join(workdir, "config.json")) as f:

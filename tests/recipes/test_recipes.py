@@ -50,6 +50,9 @@ def test_imputation_beats_mean_imputation(tmp_path):
     assert m, report
     assert float(m.group(1)) > float(m.group(2)) + 0.05
     assert re.search(r"model observed +[\d.-]+ +[\d.-]+", report)
+    bad = run_python(cwd, "-m", "jtrain.recipes.report", "runs/typo")
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "jtrain: report error: runs/typo: no summary.json (not a finished jtrain run)")
 
 
 def test_imputation_masks_in_graph_with_edge_cases():
