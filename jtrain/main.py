@@ -190,7 +190,7 @@ def _run(argv, fv: flags.FlagValues) -> None:
     if jax.process_index() != 0 and not all_hosts:
         _quiet()
 
-    from jtrain.train import train
+    from jtrain.train import run_from_cli
 
     # Flags that stand for config keys go into a copy; train() resolves and validates it.
     config = fv.config.to_dict() if hasattr(fv.config, "to_dict") else dict(fv.config)
@@ -198,7 +198,7 @@ def _run(argv, fv: flags.FlagValues) -> None:
         config.setdefault("checkpoint", {})["strict_restore"] = True
     if fv.all_hosts_log:
         config.setdefault("log", {})["all_hosts"] = True
-    train(config, fv.workdir)
+    run_from_cli(config, fv.workdir)  # like train(), with command-line hints
 
 
 def _quiet() -> None:
