@@ -203,6 +203,12 @@ def _drain(item, cfg, run: Run, session: _Session) -> None:
     values["train/loss_window"] = total / count if count else float("nan")
     session.window = (0.0, 0)
     run.out.writer.write_scalars(step, values)
+    if run.out.progress.batches_per_epoch is None:  # a stream: learned after one epoch
+        learned = getattr(run.train_iter, "epoch_batches", None)
+        if learned:
+            run.out.progress.batches_per_epoch = learned
+            run.out.progress.message(f"jtrain: data: an epoch of the stream is {learned:,} "
+                                     "batches (learned at the end of its first epoch)")
     run.out.progress.update(step, values)
     session.train_history.append({"step": step, **{k: v for k, v in values.items()
                                                    if k.startswith("train/")}})
