@@ -107,6 +107,8 @@ def test_library_reruns_stream_epoch_and_init_from(tmp_path):
     window = {r["step"]: r["train/loss_window"] for r in logged if "train/loss_window" in r}
     assert sorted(window) == [3, 6, 9, 12]
     assert f"| loss {window[3]:.4g} |" in bars[0]
+    last = {r["step"]: r["train/loss"] for r in logged if "train/loss" in r}
+    assert all(window[s] != last[s] for s in window)  # steps 1-3 averaged, not step 3 alone
     # Unchanged rerun: one line, the stored result (same kind, same summary and state).
     assert err.count("jtrain: already finished at step 12 (summary.json); nothing to do") == 1
     assert "AGAIN TrainResult True True [6, 12]" in out

@@ -92,7 +92,10 @@ def test_fit_fields_drops_low_value_fields_first(width):
     assert ("[####" in line) == (width >= 120)
     assert ("skipped_steps 2" in line) == (width >= 120)
     assert progress.fit_fields(fields, 500) == progress.join_fields(fields)
-    assert progress.fit_fields(fields, 20) == "step 1200/1500 | lo…"  # cut only at last
+    # Narrower than the kept fields: every other field gone, then cut (never lr or rate).
+    assert progress.fit_fields(fields, 60) == ("step 1200/1500 | loss 1.234 | lr 3.0e-04 | "
+                                               "41.2 steps/s | E…")
+    assert progress.fit_fields(fields, 20) == "step 1200/1500 | lo…"
 
 
 def test_tty_bar_stops_before_the_final_line(clock):
