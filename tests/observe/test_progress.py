@@ -131,3 +131,31 @@ def test_default_stream_is_stderr(capsys):
     p.update(2, {"train/loss": 1.0})
     err = capsys.readouterr().err
     assert err.startswith("step 2/4 [##########----------] 50% | loss 1 | ema 1 |")
+
+
+def test_evaluate_png_train_curve_does_not_lag(tmp_path, monkeypatch):
+    """The PNG's smooth train curve: the log windows' means when logged, else a
+    bias-corrected EMA that follows a falling loss (the old one started at step 1's loss
+    and sat far above)."""
+    from matplotlib.axes import Axes
+
+    from jtrain.observe import plots
+
+    drawn = {}
+    real_plot = Axes.plot
+
+    def spy(self, *args, label=None, **kw):
+        if label:
+            drawn[label] = [float(v) for v in args[1]]
+        return real_plot(self, *args, label=label, **kw)
+
+    monkeypatch.setattr(Axes, "plot", spy)
+    old = [{"step": 10 * i, "train/loss": v} for i, v in enumerate([10, 1, 1, 1, 1, 1], 1)]
+    assert plots.training_curves(old, str(tmp_path / "a.png"))
+    (label, smooth), = [(k, v) for k, v in drawn.items() if "EMA" in k]
+    assert label == "train (EMA 0.6, bias-corrected)" and smooth[0] == 10
+    assert smooth[-1] < 1.5  # 1.29; the old curve: 0.8 ** 5 * 10 + (1 - 0.8 ** 5) = 3.95
+    drawn.clear()
+    new = [{**r, "train/loss_window": 2.0 + i} for i, r in enumerate(old)]
+    assert plots.training_curves(new, str(tmp_path / "b.png"))
+    assert drawn["train (mean of each log window)"] == [2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
