@@ -33,6 +33,7 @@ from jtrain import eval_loop
 from jtrain import state as state_lib
 from jtrain.control.faults import fault_point
 from jtrain.observe import jsonl
+from jtrain import errors
 from jtrain.errors import NonFiniteError
 
 
@@ -177,8 +178,10 @@ def run_loop(cfg, run: Run):
 
 
 def _drain(item, cfg, run: Run, session: _Session) -> None:
-    """Wait for an old step (bounds dispatch) and read its status (and with spike.zscore
-    its loss); on log steps, fetch and write its metrics."""
+    """Wait for an old step (bounds dispatch) and read its status and loss (one fetch of
+    two scalars: spike checks and the log window's mean loss); on log steps, fetch and
+    write its metrics, with `train/loss_window` (the mean over the window's applied
+    steps drained in this session)."""
     step, metrics = item
     status, loss = jax.device_get((metrics["train/status"], metrics["train/loss"]))
     status, loss = int(status), float(loss)
@@ -355,8 +358,6 @@ def _final_line(summary: dict, session: _Session) -> str:
 def record_halt(run: Run, error: Exception) -> None:
     """A non-finite halt (exit 4): its line into train.log and summary.json; the entry
     point prints it. Nothing is saved (a halt is never checkpointed)."""
-    from jtrain import errors
-
     line = errors.render(error)
     run.out.progress.record(line)
     if jax.process_index() == 0:
