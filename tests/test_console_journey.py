@@ -148,14 +148,14 @@ def get_config():
     config.optim.name = "sgd"
     config.optim.lr = 0.01
     config.optim.schedule = "constant"
-    config.eval.every_steps = 3
+    config.eval.every_steps = 4
     config.log.every_steps = 1
     config.log.writers = ("jsonl",)
     return config
 '''
 
 
-def test_sigint_from_outside_says_what_happened_and_resumes(tmp_path):
+def test_sigint_from_outside_says_what_happened(tmp_path):
     (tmp_path / "mydata.py").write_text(DATA_MODULE)
     (tmp_path / "myconfig.py").write_text(CONFIG_FILE)
     cmd = [sys.executable, "-m", "jtrain.main", "--config=myconfig.py", "--workdir=runs/x"]
@@ -164,7 +164,7 @@ def test_sigint_from_outside_says_what_happened_and_resumes(tmp_path):
     seen = []
     for line in proc.stderr:  # plain lines: not a terminal
         seen.append(line)
-        if line.startswith("step 4/"):  # after the eval at step 3
+        if line.startswith("step 6/"):  # after the eval at step 4
             os.kill(proc.pid, signal.SIGINT)
             break
     err = "".join(seen) + proc.stderr.read()  # to the end: the process exits
@@ -179,10 +179,15 @@ def test_sigint_from_outside_says_what_happened_and_resumes(tmp_path):
     summary = json.load(open(tmp_path / "runs/x/summary.json"))
     assert (summary["stopped_by"], summary["step"], summary["message"]) == \
         ("SIGINT", step, stop[0])
-    if summary.get("last_eval"):  # an eval from before the stop: kept apart, with its step
-        assert summary["last_eval"]["step"] < step and "eval/loss" not in summary
-    else:  # the stop came right after an eval of that very step
-        assert step % 3 == 0 and "eval/loss" in summary
+    evals = {r["step"]: r["eval/loss"] for r in map(json.loads, open(
+        tmp_path / "runs/x/metrics.jsonl")) if "eval/loss" in r}
+    assert evals and max(evals) <= step
+    if max(evals) < step:  # the last eval is older than the stop: kept apart, with its step
+        assert "eval/loss" not in summary
+        assert (summary["last_eval"]["step"], summary["last_eval"]["eval/loss"]) == \
+            (max(evals), evals[max(evals)])
+    else:  # the stop came right after an eval of that very step: it is the result
+        assert summary["eval/loss"] == evals[step] and "last_eval" not in summary
     assert os.path.isdir(tmp_path / f"runs/x/checkpoints/{step}")
     log = (tmp_path / "runs/x/train.log").read_text().splitlines()
     assert log[-1].endswith(" " + stop[0])
