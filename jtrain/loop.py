@@ -32,6 +32,8 @@ import numpy as np
 from jtrain import eval_loop
 from jtrain import state as state_lib
 from jtrain.control.faults import fault_point
+from jtrain.observe import jsonl
+from jtrain import errors
 from jtrain.errors import NonFiniteError
 
 
@@ -68,6 +70,9 @@ class _Session:
     stop_reason: str | None = None
     stopped_by: str | None = None
     rollback: tuple | None = None  # (spike step, z-score) found while draining
+    window: tuple = (0.0, 0)  # (sum, count) of the finite train losses since the last log
+    saved: int | None = None  # the last step this session saved
+    stored: dict | None = None  # summary.json of a run that had finished already
 
 
 def run_loop(cfg, run: Run):
@@ -99,12 +104,15 @@ def run_loop(cfg, run: Run):
         drain_all()  # a halt found in flight ends the run before anything is saved
         run.watchdog.beat("save")
         if not bool(all_finite(state.params)):
-            raise NonFiniteError(f"the params became non-finite by step {step} (an update "
-                                 "overflowed); not saved; lower optim.lr or set "
-                                 "optim.clip_norm")
+            error = NonFiniteError(f"the params became non-finite by step {step} (an "
+                                   "update overflowed); not saved; lower optim.lr or set "
+                                   "optim.clip_norm")
+            error.step = step
+            raise error
         run.ckpt.save(step, state, run.train_iter.get_state(), evals=session.history,
                       stopped_by=session.stopped_by, monitors=run.decisions.state(),
                       skip_ledger=list(run.decisions.ledger.entries))  # a snapshot: saves are async
+        session.saved = step
 
     if run.stopper.signal_name is not None:  # a signal during start-up: nothing new to save
         session.stopped_by = run.stopper.signal_name
@@ -159,31 +167,30 @@ def run_loop(cfg, run: Run):
     drain_all()
     run.watchdog.beat("final save")
     if step == total == start:  # resumed at the end: its eval is in the checkpoint
+        session.stored = _stored_summary(run.workdir, state)
         last = [e for e in run.ckpt.control.eval_history if e.get("step") == total]
         session.history += last[-1:] or run.stopper.interruptible(evaluate_now, state, total)
     if run.ckpt.latest_step() != step and not (step == start and session.stopped_by):
         save(step)
     run.ckpt.wait()  # a failed write ends the run with an error, before any summary
     run.watchdog.pause()
-    if session.stop_reason:
-        run.out.progress.message(f"jtrain: stopped early at step {step}: "
-                                 f"{session.stop_reason}", level=0)
     return state, session
 
 
 def _drain(item, cfg, run: Run, session: _Session) -> None:
-    """Wait for an old step (bounds dispatch) and read its status (and with spike.zscore
-    its loss); on log steps, fetch and write its metrics."""
+    """Wait for an old step (bounds dispatch) and read its status and loss (one fetch of
+    two scalars: spike checks and the log window's mean loss); on log steps, fetch and
+    write its metrics, with `train/loss_window` (the mean over the window's applied
+    steps drained in this session)."""
     step, metrics = item
-    if run.decisions.spike.enabled:
-        status, loss = jax.device_get((metrics["train/status"], metrics["train/loss"]))
-        status = int(status)
-        if session.rollback is None and not status:
-            z = run.decisions.check_spike(step, float(loss))
-            if z is not None:
-                session.rollback = (step, z)
-    else:
-        status = int(jax.device_get(metrics["train/status"]))
+    status, loss = jax.device_get((metrics["train/status"], metrics["train/loss"]))
+    status, loss = int(status), float(loss)
+    if run.decisions.spike.enabled and session.rollback is None and not status:
+        z = run.decisions.check_spike(step, loss)
+        if z is not None:
+            session.rollback = (step, z)
+    if not status and np.isfinite(loss):  # the log window's mean: applied updates only
+        session.window = (session.window[0] + loss, session.window[1] + 1)
     if status:
         small = jax.device_get({k: metrics[k] for k in
                                 ("train/skipped_steps", "train/consecutive_skips")})
@@ -195,7 +202,16 @@ def _drain(item, cfg, run: Run, session: _Session) -> None:
     values = {k: float(v) for k, v in jax.device_get(metrics).items()
               if k not in ("train/status", "train/rows_ok", "train/consecutive_skips")}
     values.update(run.out.perf.log_values(step, values.pop("train/tokens")))
+    total, count = session.window
+    values["train/loss_window"] = total / count if count else float("nan")
+    session.window = (0.0, 0)
     run.out.writer.write_scalars(step, values)
+    if run.out.progress.batches_per_epoch is None:  # a stream: learned after one epoch
+        learned = getattr(run.train_iter, "epoch_batches", None)
+        if learned:
+            run.out.progress.batches_per_epoch = learned
+            run.out.progress.message(f"jtrain: data: an epoch of the stream is {learned:,} "
+                                     "batches (learned at the end of its first epoch)")
     run.out.progress.update(step, values)
     session.train_history.append({"step": step, **{k: v for k, v in values.items()
                                                    if k.startswith("train/")}})
@@ -242,16 +258,40 @@ def _evaluator(cfg, run: Run):
                                     max_batches=cfg.eval.num_batches, spec=run.build.eval_spec)
         run.out.perf.add("eval", time.perf_counter() - t0)
         run.out.writer.write_scalars(step, result.scalars)
-        run.out.progress.message(eval_loop.format_line(step, result))
+        run.out.progress.message(eval_loop.format_line(step, result), emphasis=True)
         return {"step": step, **result.scalars}
 
     return evaluate_now
 
 
+def _stored_summary(workdir: str, state) -> dict | None:
+    """summary.json when it is the record of exactly this state (a finished run)."""
+    try:
+        with open(os.path.join(workdir, "summary.json")) as f:
+            stored = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(stored, dict) or stored.get("step") != int(jax.device_get(state.step)):
+        return None
+    return stored if stored.get("state_sha256") == state_lib.state_sha256(state) else None
+
+
 def summarize(cfg, run: Run, state, session: _Session) -> dict:
+    step = int(jax.device_get(state.step))
+    if session.stored is not None:  # finished before: say so, return what it recorded
+        run.out.progress.final(f"jtrain: already finished at step {step} (summary.json); "
+                               "nothing to do")
+        session.train_history = [
+            {k: v for k, v in r.items() if k == "step" or k.startswith("train/")}
+            for r in jsonl.read_records(os.path.join(run.workdir, "metrics.jsonl"))
+            if any(k.startswith("train/") for k in r)]
+        return session.stored
     last_eval = session.history[-1] if session.history else {}
+    # Only an eval of the final step is the run's result; an older one (a stop between
+    # evals) is kept apart, with its step, never presented as final.
+    final_eval = last_eval if last_eval.get("step") == step else {}
     summary = {
-        "step": int(jax.device_get(state.step)),
+        "step": step,
         "state_sha256": state_lib.state_sha256(state),
         "skipped_steps": int(jax.device_get(state.skipped_steps)),
         "lr_factor": float(jax.device_get(state.lr_factor)),
@@ -260,7 +300,8 @@ def summarize(cfg, run: Run, state, session: _Session) -> dict:
         "stop_reason": session.stop_reason,
         "rollbacks": run.decisions.spike.rollbacks,  # [[spike step, rolled back to]]
         **_best(cfg, run),
-        **{k: v for k, v in last_eval.items() if k != "step"},
+        **{k: v for k, v in final_eval.items() if k != "step"},
+        **({"last_eval": last_eval} if last_eval and not final_eval else {}),
         **run.out.perf.summary(),
     }
     baseline = run.data_info.get("unigram_baseline")
@@ -270,7 +311,9 @@ def summarize(cfg, run: Run, state, session: _Session) -> dict:
         if "eval/loss" in summary:
             run.out.progress.message(f"jtrain: final eval loss {summary['eval/loss']:.4f} "
                                      f"nats/byte vs unigram baseline {baseline:.4f}")
-    run.out.progress.message(_final_line(summary), level=0)
+    summary["message"] = _final_line(summary, session)
+    summary["exit_code"] = 0
+    run.out.progress.final(summary["message"])
     if jax.process_index() == 0:
         with open(os.path.join(run.workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2, sort_keys=True)
@@ -292,10 +335,35 @@ def _best(cfg, run: Run) -> dict:
     return {"best_metric": key, "best_step": step, "best_value": sign * value}
 
 
-def _final_line(summary: dict) -> str:
-    """The one line printed even at verbosity 0."""
-    evals = eval_loop.headline(summary)
+def _final_line(summary: dict, session: _Session) -> str:
+    """The one line printed even at verbosity 0 (also in train.log and summary.json)."""
+    step, by = summary["step"], summary["stopped_by"]
     rate = summary.get("perf/steps_per_sec")
-    return (f"jtrain: done at step {summary['step']}" + (f"; eval {evals}" if evals else "")
-            + (f"; {rate:.2f} steps/s" if rate else "")
-            + (f"; {summary['skipped_steps']} skipped steps" if summary["skipped_steps"] else ""))
+    tail = ((f"; {rate:.2f} steps/s" if rate else "")
+            + (f"; {summary['skipped_steps']} skipped steps" if summary["skipped_steps"]
+               else ""))
+    evals = eval_loop.headline(summary)  # only an eval of `step` is in the summary
+    if by in ("SIGINT", "SIGTERM"):
+        if step == (summary["resumed_from"] or 0) and session.saved is None:
+            return (f"jtrain: stopped by {by} at step {step} during start-up; nothing new "
+                    "to save; rerun the same command to continue")
+        return (f"jtrain: stopped by {by} at step {step}; checkpoint saved; rerun the same "
+                "command to continue")
+    if by:
+        return (f"jtrain: stopped early at step {step} by {by}: {session.stop_reason}; "
+                f"checkpoint saved" + (f"; eval {evals}" if evals else "") + tail)
+    return (f"jtrain: done at step {step}" + (f"; eval {evals}" if evals else "") + tail)
+
+
+def record_halt(run: Run, error: Exception) -> None:
+    """A non-finite halt (exit 4): its line into train.log and summary.json; the entry
+    point prints it. Nothing is saved (a halt is never checkpointed)."""
+    line = errors.render(error)
+    run.out.progress.record(line)
+    if jax.process_index() == 0:
+        summary = {"step": getattr(error, "step", None), "stopped_by": "non-finite",
+                   "stop_reason": errors.first_line(error), "message": line,
+                   "exit_code": errors.exit_code(error), "resumed_from": run.resumed_from,
+                   "checkpoint_step": run.ckpt.latest_step()}
+        with open(os.path.join(run.workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2, sort_keys=True)

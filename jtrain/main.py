@@ -257,9 +257,9 @@ def _run(argv, fv: flags.FlagValues) -> None:
     if jax.process_index() != 0 and not all_hosts:
         _quiet()
 
-    from jtrain.train import train
+    from jtrain.train import run_from_cli
 
-    result = train(_config_dict(fv), fv.workdir)
+    result = run_from_cli(_config_dict(fv), fv.workdir)  # like train(), with CLI hints
     if jax.process_index() == 0:  # the machine-readable result: one JSON line on stdout
         scalars = {k: v for k, v in result.summary.items()
                    if isinstance(v, (int, float, str, bool)) or v is None}

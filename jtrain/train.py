@@ -13,7 +13,7 @@ import json
 import os
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -33,7 +33,7 @@ from jtrain import precision as precision_lib
 from jtrain import state as state_lib
 from jtrain.observe import console, header as header_lib
 from jtrain.observe import writers as writers_lib
-from jtrain.errors import WorkdirError
+from jtrain.errors import ConfigError, NonFiniteError, RestoreError, WorkdirError
 from jtrain.observe.redact import redact
 from jtrain.build import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, Build, build, model_sample  # noqa: F401
 
@@ -54,19 +54,42 @@ class TrainResult:
 
 def train(config=None, workdir: str | None = None, *, model=None, train_data=None,
           eval_data=None, loss_fn: Callable | None = None,
-          on_eval: Callable[[int, dict], bool] | None = None) -> TrainResult:
+          on_eval: Callable[[int, dict], bool] | None = None,
+          allow_changes: Sequence[str] = ()) -> TrainResult:
     """Train `model` (built-in from config.model if None) on `train_data` (built-in from
-    config.data if None). Resumes from the newest checkpoint in `workdir`.
+    config.data if None). Resumes from the newest checkpoint in `workdir`; a run that
+    already finished is not run again: its stored result comes back.
 
     `loss_fn(outputs, batch)` returns `(loss_sum, weight_sum)` (exact token weighting)
     or a scalar mean; default: cross-entropy for int targets, MSE for float targets.
     `on_eval(step, metrics) -> bool`: called on process 0 after every evaluation with the
     globally reduced metrics; True stops the run there (checkpointed, on every process).
+    `allow_changes`: config keys (fnmatch patterns) that may differ from the checkpoint's
+    when resuming (added to checkpoint.allow_changes).
     """
+    try:
+        return _entry(config, workdir, model, train_data, eval_data, loss_fn, on_eval,
+                      allow_changes)
+    except RestoreError as e:
+        keys = getattr(e, "changed_keys", None)
+        if not keys:
+            raise
+        what = str(e).split("; to resume anyway", 1)[0]
+        raise RestoreError(f"{what}; to resume anyway pass jtrain.train(..., "
+                           f"allow_changes={list(keys)!r}), or use a new workdir") from None
+
+
+def run_from_cli(config, workdir: str) -> TrainResult:
+    """`train` for `python -m jtrain.main`: its messages name command-line flags."""
+    return _entry(config, workdir, None, None, None, None, None, ())
+
+
+def _entry(config, workdir, model, train_data, eval_data, loss_fn, on_eval,
+           allow_changes) -> TrainResult:
     if workdir is None:
         raise ValueError("workdir: required (the run's identity: checkpoints, logs, summary)")
     _check_workdir(os.path.abspath(workdir))
-    cfg = config_lib.resolve(config)
+    cfg, notices = config_lib.resolve_for_run(config, allow_changes=allow_changes)
     redact(cfg)  # its secrets are known to the redactor before any line can echo them
     determinism = precision_lib.set_deterministic(cfg.deterministic)
     # From here on SIGTERM / SIGINT mean: save the current step (if any), stop, return
@@ -90,7 +113,7 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
             process_index=jax.process_index())
         with watchdog:
             return _train(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
-                          determinism, watchdog, stopper)
+                          determinism, watchdog, stopper, notices)
 
 
 def _check_workdir(path: str) -> None:
@@ -114,16 +137,25 @@ def _check_workdir(path: str) -> None:
 
 
 def _train(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval, determinism,
-           watchdog, stopper) -> TrainResult:
+           watchdog, stopper, notices) -> TrainResult:
     run = _setup(cfg, os.path.abspath(workdir), model, train_data, eval_data, loss_fn,
                  on_eval, determinism, watchdog)
+    for line in notices:  # after the header: e.g. a warmup shortened for a short run
+        run.out.progress.message(f"jtrain: note: {line}")
     run.stopper = stopper
     try:
         # Steps trace under the mesh and the logical-axis rules, so models' activation
         # constraints (nn.with_logical_constraint) resolve to this mesh.
         with jax.set_mesh(run.build.mesh), nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
-            state, session = loop_lib.run_loop(cfg, run)
+            try:
+                state, session = loop_lib.run_loop(cfg, run)
+            except NonFiniteError as e:  # exit 4: its line in train.log and summary.json
+                loop_lib.record_halt(run, e)
+                raise
             summary = loop_lib.summarize(cfg, run, state, session)
+        if session.stored is not None:  # finished before: the stored result, unchanged
+            return TrainResult(state=state, history=list(run.ckpt.control.eval_history),
+                               summary=summary, train_history=session.train_history)
         return TrainResult(state=state, history=session.history, summary=summary,
                            train_history=session.train_history)
     finally:
@@ -224,8 +256,8 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
     flops = perf_lib.model_flops_per_example(b.user_model, cfg.model,
                                              jax.tree.map(np.shape, sample))
     peak = perf_lib.peak_flops_per_device(cfg.perf.peak_flops)
-    header = _header(cfg, b, data_info, (train_src, eval_src), workdir, start.step, flops, peak,
-                     determinism)
+    header = _header(cfg, b, data_info, (train_src, eval_src), workdir, start.origin, flops,
+                     peak, determinism)
     progress.message(header)
     writer.write_text(start.step or 0, "run/header", header)  # TensorBoard's text tab
     progress.message(header_lib.parameter_table(b.abstract.params), level=2)
@@ -257,7 +289,7 @@ def _decisions(cfg, workdir, record, start, train_iter, on_eval, say):
                                  batch_of=batch_of, indices_of=indices_of, say=say)
 
 
-def _header(cfg, b: Build, data_info, sources, workdir, resumed_from, flops, peak,
+def _header(cfg, b: Build, data_info, sources, workdir, origin, flops, peak,
             determinism=None) -> str:
     train_src, eval_src = sources
     extra = []
@@ -268,19 +300,18 @@ def _header(cfg, b: Build, data_info, sources, workdir, resumed_from, flops, pea
     mfu = f"MFU vs peak {peak:.3g} FLOP/s/device" if peak else "MFU n/a (set perf.peak_flops)"
     if determinism:
         extra.append(f"jtrain: {determinism}")
-    if b.trainable is not None and b.trainable["frozen"][0]:
-        (tl, tn), (fl, fn) = b.trainable["train"], b.trainable["frozen"]
-        extra.append(f"jtrain: trainable {tn:,} params in {tl} leaves; frozen {fn:,} in "
-                     f"{fl} leaves (optim.trainable / optim.frozen)")
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(b.abstract.params))
+    extra.append(header_lib.optimizer_line(cfg.optim, cfg.total_steps))
+    extra.append(header_lib.trainable_line(n_params, len(jax.tree.leaves(b.abstract.params)),
+                                           b.trainable))
     if b.memory_plan is not None:
         extra.append(f"jtrain: {b.memory_plan.describe()}")
     extra.append(f"jtrain: eval {b.eval_spec.task}: {', '.join(b.eval_spec.names)}; "
                  + (f"{flops:.3g} train FLOPs/example, {mfu}" if flops else "MFU n/a"))
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(b.abstract.params))
     return header_lib.run_header(
         model=f"{b.model_name} ({b.model_fns.kind})", num_params=n_params,
         precision=b.policy.describe(), mesh_shape=dict(b.mesh.shape),
-        data_name=str(data_info.get("name")), train_size=len(train_src),
+        data_name=str(data_info.get("name")), train_size=train_src.known_size,
         eval_size=len(eval_src) if eval_src is not None else 0,
-        global_batch=cfg.data.batch_size, workdir=workdir, resumed_from=resumed_from,
+        global_batch=cfg.data.batch_size, workdir=workdir, origin=origin,
         batches_per_epoch=data_info.get("batches_per_epoch"), extra=tuple(extra))

@@ -4,6 +4,7 @@
     overhead     the real training loop vs a hand-written jax.jit loop
     data         jtrain's data pipeline vs torch's DataLoader
     checkpoint   what async checkpointing costs the loop
+    console      the progress bar on a terminal (rich) vs plain lines, per update
 """
 
 from jtrain.bench.cli import main

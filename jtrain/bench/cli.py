@@ -38,6 +38,12 @@ and Checkpointer: the time an async save blocks the loop vs a synchronous save (
 <= 0.25x), the total save time and the restore time (goal <= 5 s each), and steps/s while
 a save is written vs without (goal >= 0.95x); medians over rounds (details in
 `jtrain.bench.checkpoint`).
+
+    python -m jtrain.bench console                              # a few seconds
+    python -m jtrain.bench console --columns=80 --updates=5000
+
+`console`: the cost of one progress update: rich's bar on a pseudo-terminal vs plain
+lines, interleaved rounds (details in `jtrain.bench.console`).
 """
 
 from __future__ import annotations
@@ -87,6 +93,26 @@ def _checkpoint_flags(fv) -> None:
                          "write (0-19)", flag_values=fv)
     flags.DEFINE_string("workdir", None, "where to write (default: a temp dir)", flag_values=fv)
     flags.DEFINE_string("out", None, "write the results as JSON to this file", flag_values=fv)
+
+
+def _console_flags(fv) -> None:
+    flags.DEFINE_integer("updates", 2000, "progress updates per round and side", flag_values=fv)
+    flags.DEFINE_integer("rounds", 3, "rounds", flag_values=fv)
+    flags.DEFINE_integer("columns", 120, "the pseudo-terminal's width", flag_values=fv)
+    flags.DEFINE_string("out", None, "write the results as JSON to this file", flag_values=fv)
+
+
+def console(args) -> int:
+    if min(args.updates, args.rounds) < 1 or args.columns < 20:
+        return _fail("error: --updates and --rounds must be >= 1, --columns >= 20")
+    from jtrain.bench import console as bcon
+
+    res = bcon.run(updates=args.updates, rounds=args.rounds, columns=args.columns)
+    print(bcon.format_report(res), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=2, sort_keys=True)
+    return 0
 
 
 def _fmt_ms(v: float) -> str:
@@ -168,11 +194,12 @@ def main(argv=None) -> int:
         "overhead": (_overhead_flags, overhead, "jtrain loop vs a hand-written jax.jit loop"),
         "data": (_data_flags, data, "jtrain's data pipeline vs torch's DataLoader"),
         "checkpoint": (_checkpoint_flags, checkpoint, "what async checkpointing costs the loop"),
+        "console": (_console_flags, console, "the progress bar on a terminal vs plain lines"),
     }
     argv = list(sys.argv[1:] if argv is None else argv)
     name = argv[0] if argv and not argv[0].startswith("-") else None
     if name is None:
-        usage = ("usage: python -m jtrain.bench {overhead,data,checkpoint} [flags]\n\n"
+        usage = ("usage: python -m jtrain.bench {overhead,data,checkpoint,console} [flags]\n\n"
                  + "".join(f"  {k:<11} {v[2]}\n" for k, v in commands.items()))
         if any(a in ("--help", "-h") for a in argv):
             sys.stdout.write(usage + "\n" + (__doc__ or "") + "\n")

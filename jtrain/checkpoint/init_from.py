@@ -30,6 +30,8 @@ from jtrain.observe.console import say
 
 
 def init_from(ckpt_cfg, abstract_state, init_fn):
+    """(state, origin): `origin` is the header's start-up line, `initialized from PATH
+    (step S, K leaves, E excluded)`."""
     path = ckpt_cfg.init_from
     if not os.path.exists(path):
         raise ConfigError("checkpoint.init_from", f"{path}: no such file or directory")
@@ -43,10 +45,14 @@ def init_from(ckpt_cfg, abstract_state, init_fn):
             if ckpt_cfg.init_from_step not in ("", "latest"):
                 raise RestoreError(f"checkpoint.init_from={path} is an export (one step); "
                                    "checkpoint.init_from_step applies to a run")
-            loaded = export_lib.load_export(path)
-            source = path
+            file = (path if path.endswith(".safetensors")
+                    else os.path.join(path, export_lib.PARAMS_FILE))
+            tensors, metadata = export_lib.read_safetensors(file)
+            loaded = {f"params/{k}": v for k, v in tensors.items()}
+            source, source_step = path, metadata.get("step", "?")
         else:
             source = export_lib.find_step_dir(path, ckpt_cfg.init_from_step)
+            source_step = os.path.basename(os.path.normpath(source))
             prefixes = ("params", "opt_state") if with_opt else ("params",)
             loaded = export_lib.load_checkpoint_leaves(source, prefixes)
     except ExportError as e:
@@ -102,7 +108,9 @@ def init_from(ckpt_cfg, abstract_state, init_fn):
         + ("; the source's LoRA adapters are not used: export it with --merge_lora"
            if any(lora.is_adapter(p) for p in unused) else "")
         + "; starting at step 0")
-    return state
+    origin = (f"initialized from {path} (step {source_step}, {len(taken)} leaves, "
+              f"{len(excluded)} excluded)")
+    return state, origin
 
 
 def _first(paths: list, n: int = 3) -> str:

@@ -70,6 +70,7 @@ class Start:
     data_state: dict | None  # the iterator position to set, if resuming
     source: str  # "checkpoint", "init_from" or "fresh"
     control: control_lib.RunControl
+    origin: str = "fresh start"  # the header's start-up line: where the weights came from
 
 
 class Checkpointer:
@@ -168,8 +169,8 @@ class Checkpointer:
                 self._restore_step = self._select()
                 self._mngr.reload()
         if self.cfg.init_from:
-            state = init_from_lib.init_from(self.cfg, abstract_state, init_fn)
-            return Start(state, None, None, "init_from", self.control)
+            state, origin = init_from_lib.init_from(self.cfg, abstract_state, init_fn)
+            return Start(state, None, None, "init_from", self.control, origin)
         return Start(init_fn(), None, None, "fresh", self.control)
 
     def _resume(self, step: int, abstract_state) -> Start:
@@ -193,7 +194,8 @@ class Checkpointer:
         if faults.skip_data_restore():
             say("warning: ignoring the saved data position (negative control)")
             data_state = None
-        return Start(out["state"], step, data_state, "checkpoint", self.control)
+        return Start(out["state"], step, data_state, "checkpoint", self.control,
+                     f"resumed from step {step}")
 
     def _accept_config(self, saved: control_lib.RunControl, path: str) -> None:
         """Refuse unallowed config changes; carry the record over into this run."""
@@ -208,10 +210,13 @@ class Checkpointer:
         bad = control_lib.unallowed_changes(changes, tuple(self.cfg.allow_changes),
                                             current.config)
         if bad:
-            raise RestoreError(
+            error = RestoreError(
                 f"the config changed since {path} was saved: "
                 f"{control_lib.describe_changes(changes, bad)}; to resume anyway, allow "
-                f"them: --config.checkpoint.allow_changes={','.join(bad)}")
+                f"them: --config.checkpoint.allow_changes={','.join(bad)} (or use a new "
+                "workdir)")
+            error.changed_keys = bad  # jtrain.train names its own argument instead
+            raise error
         history = list(saved.config_changes)
         if changes:
             say("resuming with config changes: "

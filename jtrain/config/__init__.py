@@ -90,6 +90,35 @@ def resolve(config=None) -> ml_collections.ConfigDict:
     return cfg
 
 
+def resolve_for_run(config=None, allow_changes=()) -> tuple[ml_collections.ConfigDict,
+                                                             list[str]]:
+    """`resolve` for a run, after fitting a warmup that does not end before `total_steps`
+    (a short smoke run of a shipped config, `--config.total_steps=10`) into the run: it
+    becomes a tenth of the run. `allow_changes` (jtrain.train's argument) is added to
+    checkpoint.allow_changes. Returns the new config and one notice line per change made;
+    `config` itself is left as it was."""
+    user = _as_dict(config)  # a copy: nested dicts are new
+    if allow_changes:
+        if isinstance(allow_changes, str):
+            allow_changes = [allow_changes]
+        ckpt = user.get("checkpoint") or {}
+        if not isinstance(ckpt, dict):
+            raise ConfigError("checkpoint", f"must be a section (dict), got {ckpt!r}")
+        user["checkpoint"] = {**ckpt, "allow_changes": tuple(ckpt.get("allow_changes", ()))
+                              + tuple(allow_changes)}
+    total = user.get("total_steps", SCHEMA["total_steps"].default)
+    optim = user.get("optim") or {}
+    warmup = optim.get("warmup_steps", 0) if isinstance(optim, dict) else 0
+    notices = []
+    if (all(isinstance(v, int) and not isinstance(v, bool) for v in (total, warmup))
+            and 0 < total <= warmup):
+        user["optim"] = {**optim, "warmup_steps": total // 10}
+        notices.append(f"optim.warmup_steps={warmup} does not end before total_steps="
+                       f"{total}: using {total // 10} (a tenth of the run) for this run; "
+                       "set optim.warmup_steps below total_steps to choose")
+    return resolve(user), notices
+
+
 def _overlay(base: dict, user: dict, schema: dict, prefix: str) -> None:
     for key, value in user.items():
         dotted = f"{prefix}{key}"
@@ -200,7 +229,14 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
     if optim["warmup_steps"] >= tree["total_steps"] and optim["warmup_steps"] > 0:
         raise ConfigError("optim.warmup_steps",
                           f"{optim['warmup_steps']} >= total_steps={tree['total_steps']}: "
-                          "the run would never leave warmup")
+                          "the run would never leave warmup; set optim.warmup_steps "
+                          "below total_steps")
+    decay_end = optim["decay_steps"] or tree["total_steps"]
+    if optim["schedule"] not in ("constant", "rsqrt") and decay_end <= optim["warmup_steps"]:
+        raise ConfigError("optim.decay_steps",
+                          f"schedule {optim['schedule']!r} decays until step {decay_end} "
+                          f"(0 means total_steps={tree['total_steps']}), which must be > "
+                          f"optim.warmup_steps={optim['warmup_steps']}")
     for beta in ("b1", "b2"):  # (0, 1) inclusive in the schema; 1.0 never forgets
         if optim["name"] in ("adam", "adamw", "lion") and optim[beta] >= 1.0:
             raise ConfigError(f"optim.{beta}", f"must be < 1 for {optim['name']}, got "

@@ -62,7 +62,7 @@ class Decisions:
                            f"({rule}); no update was applied after it; lower optim.lr, set "
                            "optim.clip_norm, or check the data in WORKDIR/"
                            f"{ledger_lib.FILE}")
-            raise NonFiniteError(self.halted)
+            raise _halt(self.halted, step)
 
     def check_spike(self, step: int, loss: float) -> float | None:
         """The z-score of a spike at `step` (the loop rolls back), else None. Raises
@@ -74,7 +74,7 @@ class Decisions:
                            f"{len(self.spike.rollbacks)} rollbacks (spike.max_rollbacks); "
                            "lower optim.lr or check the data in WORKDIR/"
                            f"{ledger_lib.FILE}")
-            raise NonFiniteError(self.halted)
+            raise _halt(self.halted, step)
         return z
 
     def rolled_back(self, spike_step: int, z: float, to_step: int, last_step: int) -> None:
@@ -162,3 +162,10 @@ def check_monitors(cfg, eval_keys: set[str] | None) -> None:
 def _short(xs: list, n: int = 8) -> str:
     head = ", ".join(str(x) for x in xs[:n])
     return f"[{head}{', ...' if len(xs) > n else ''}] ({len(xs)})"
+
+
+def _halt(message: str, step: int) -> NonFiniteError:
+    """The halt error, carrying its step (summary.json records it)."""
+    error = NonFiniteError(message)
+    error.step = step
+    return error

@@ -30,6 +30,11 @@ class DevicePrefetch:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
+    @property
+    def epoch_batches(self) -> int | None:
+        """A stream's batches per epoch once learned (data.streams), else None."""
+        return getattr(self.host, "epoch_batches", None)
+
     def __iter__(self):
         return self
 

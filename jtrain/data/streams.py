@@ -255,6 +255,10 @@ class StreamIterator:
         self.batches, self.num_workers, self.prefetch = batches, num_workers, prefetch
         self.worker_init_fn, self._it = worker_init_fn, None
         self.consumed, self.shards = 0, [None] * max(1, num_workers)
+        # Batches per epoch of this process (all its worker shards), learned when every
+        # shard has ended an epoch; None until then (a stream has no length up front).
+        self.epoch_batches: int | None = None
+        self._epoch_lengths: dict[int, int] = {}
 
     def _start(self):
         ds = self.batches
@@ -272,9 +276,25 @@ class StreamIterator:
         position = batch.pop(POSITION)
         if self.num_workers:
             batch = pipeline.own_memory(batch)
-        self.shards[int(position["worker"])] = _jsonable(position["state"])
+        worker, state = int(position["worker"]), _jsonable(position["state"])
+        if self.epoch_batches is None:
+            self._learn_epoch_length(worker, self.shards[worker], state)
+        self.shards[worker] = state
         self.consumed += 1
         return batch
+
+    def _learn_epoch_length(self, worker: int, old: dict | None, new: dict) -> None:
+        """A shard's epoch ended between its states `old` and `new`: after a padded last
+        batch (`new` counts 0 batches in the next epoch) or before a batch that opened
+        the next epoch (`new` counts 1); `old` holds the ended epoch's count."""
+        if old is None or new["epoch"] != old["epoch"] + 1:
+            return
+        count = {0: old["batches_this_epoch"] + 1, 1: old["batches_this_epoch"]}.get(
+            new["batches_this_epoch"])
+        if count:
+            self._epoch_lengths[worker] = count
+        if len(self._epoch_lengths) == len(self.shards):
+            self.epoch_batches = sum(self._epoch_lengths.values())
 
     def get_state(self) -> dict:
         return {"kind": "stream", "num_workers": self.num_workers,

@@ -3,30 +3,58 @@
 from __future__ import annotations
 
 def run_header(*, model: str, num_params: int, precision: str, mesh_shape: dict,
-               data_name: str, train_size: int, eval_size: int, global_batch: int,
-               workdir: str, resumed_from: int | None, batches_per_epoch: int | None = None,
+               data_name: str, train_size: int | None, eval_size: int, global_batch: int,
+               workdir: str, origin: str, batches_per_epoch: int | None = None,
                extra: tuple[str, ...] = ()) -> str:
-    """The lines printed before training: what, on what, with what data, where."""
+    """The lines printed before training: what, on what, with what data, where, and where
+    the weights came from (`origin`: fresh start / resumed from / initialized from).
+    `train_size` None: a stream of unknown length (its epoch is learned as it runs)."""
     import jax
 
     devices = jax.devices()
     kinds = sorted({d.device_kind for d in devices} - {jax.default_backend()})
     shape = " x ".join(f"{k}={v}" for k, v in mesh_shape.items())
-    per_epoch = (batches_per_epoch if batches_per_epoch is not None
-                 else train_size // global_batch)
+    if train_size is None:
+        size = "a stream of unknown length"
+        per_epoch = batches_per_epoch
+    else:
+        size = f"{train_size:,}"
+        per_epoch = (batches_per_epoch if batches_per_epoch is not None
+                     else train_size // global_batch)
     lines = [
         f"jtrain: model {model}, {num_params:,} params, {precision}",
         f"jtrain: {len(devices)} {jax.default_backend()} device(s)"
         + (f" ({', '.join(kinds)})" if kinds else "") + ", "
         f"{jax.process_count()} process(es), mesh {shape}",
-        f"jtrain: data {data_name}: {train_size:,} train / {eval_size:,} eval examples, "
+        f"jtrain: data {data_name}: {size} train / {eval_size:,} eval examples, "
         f"global batch {global_batch}, "
-        + (f"{per_epoch:,} batches per epoch" if per_epoch else "epoch length unknown"),
+        + (f"{per_epoch:,} batches per epoch" if per_epoch else
+           "epoch length unknown until the first epoch ends"),
         *extra,
-        f"jtrain: workdir {workdir}; " + (f"resumed from step {resumed_from}"
-                                         if resumed_from is not None else "fresh start"),
+        f"jtrain: workdir {workdir}; {origin}",
     ]
     return "\n".join(lines)
+
+
+def optimizer_line(optim, total_steps: int) -> str:
+    """`jtrain: optimizer adamw, peak lr 3e-03, warmup_cosine schedule (100 warmup steps,
+    decay until step 1500), clip_norm 1, weight decay 0.1, 1 microbatch per update`."""
+    decay_end = optim.decay_steps or total_steps
+    schedule = (f"{optim.schedule} schedule ({optim.warmup_steps} warmup steps"
+                + ("" if optim.schedule == "constant" else
+                   f", decay until step {decay_end} to lr x {optim.end_lr_factor:g}") + ")")
+    return (f"jtrain: optimizer {optim.name}, peak lr {optim.lr:.3g}, {schedule}, "
+            + (f"clip_norm {optim.clip_norm:g}" if optim.clip_norm else "no clipping")
+            + (f", weight decay {optim.weight_decay:g}" if optim.weight_decay else "")
+            + f", {optim.grad_accum_steps} microbatch(es) per update (optim.grad_accum_steps)")
+
+
+def trainable_line(num_params: int, num_leaves: int, split: dict | None) -> str:
+    """Trainable and frozen counts (`split`: optim.trainable_split's, None: all train)."""
+    (tl, tn), (fl, fn) = ((split["train"], split["frozen"]) if split
+                          else ((num_leaves, num_params), (0, 0)))
+    return (f"jtrain: trainable {tn:,} params in {tl} leaves; frozen {fn:,} in {fl} leaves"
+            + (" (optim.trainable / optim.frozen)" if fl else ""))
 
 
 def parameter_table(params, max_lines: int = 60) -> str:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from jtrain.observe.console import EMA
+
 # The eval panel shows the first of these the run logged.
 _EVAL_PANEL = ("eval/accuracy", "eval/r2", "eval/bits_per_byte", "eval/perplexity", "eval/mse")
 
@@ -41,12 +43,15 @@ def training_curves(records: list[dict], path: str) -> bool:
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
     ax = axes[0, 0]
     ax.plot(train_steps, train_loss, color="tab:blue", alpha=0.35, lw=1, label="train (raw)")
-    if len(train_loss) >= 5:
-        ema, smooth = train_loss[0], []
-        for v in train_loss:
-            ema = 0.8 * ema + 0.2 * v if np.isfinite(v) else ema
-            smooth.append(ema)
-        ax.plot(train_steps, smooth, color="tab:blue", lw=2, label="train (EMA 0.8)")
+    window_steps, window_loss = _series(records, "train/loss_window")
+    if len(window_steps):  # the mean over each log window: what the progress bar showed
+        ax.plot(window_steps, window_loss, color="tab:blue", lw=2,
+                label="train (mean of each log window)")
+    elif len(train_loss) >= 5:  # older runs: a bias-corrected EMA, not started at step 1's
+        ema = EMA(0.6)  # loss (which made the curve lag far above the eval loss)
+        smooth = [ema.add(v) for v in train_loss]
+        ax.plot(train_steps, [np.nan if v is None else v for v in smooth], color="tab:blue",
+                lw=2, label="train (EMA 0.6, bias-corrected)")
     eval_steps, eval_loss = _series(records, "eval/loss")
     if len(eval_steps):
         ax.plot(eval_steps, eval_loss, "o-", color="tab:orange", lw=2, label="eval")

@@ -33,7 +33,7 @@ def test_help_lists_subcommands(capsys):
         bench.main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for name in ("overhead", "data", "checkpoint"):
+    for name in ("overhead", "data", "checkpoint", "console"):
         assert name in out
 
 
@@ -85,3 +85,18 @@ def test_overhead_tiny_run(tmp_path):
     # Same init, batches and optimizer: both sides trained the same trajectory.
     assert res["jtrain"]["final_loss"][0] == pytest.approx(res["hand"]["final_loss"][0],
                                                            rel=1e-3)
+
+
+def test_console_bench_reports_both_sides(tmp_path, capsys):
+    """`python -m jtrain.bench console`: one row per round, the medians and a positive
+    ratio, the JSON beside it; no timing asserted."""
+    out = tmp_path / "console.json"
+    assert bench.main(["console", "--updates=30", "--rounds=2", "--columns=80",
+                       f"--out={out}"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "console: 2 rounds x 30 updates, terminal 80 columns"
+    assert len(lines) == 5 and re.match(r"console: rich bar \d+ us/update, plain line \d+ "
+                                        r"us/update \(medians\), ratio [\d.]+;", lines[-1])
+    res = json.loads(out.read_text())
+    assert len(res["rich_us"]) == len(res["plain_us"]) == 2 and _positive(res["ratio"])
+    assert bench.main(["console", "--columns=5"]) == 2

@@ -61,6 +61,8 @@ def test_sigterm_during_restore_and_during_compile(tmp_path, fault):
     summary = _train(run)
     assert (summary["stopped_by"], summary["step"], summary["resumed_from"]) == \
         ("SIGTERM", 1, 1)
+    assert summary["message"] == ("jtrain: stopped by SIGTERM at step 1 during start-up; "
+                                  "nothing new to save; rerun the same command to continue")
     assert os.listdir(run / "checkpoints") == ["1"]
     fault(None)
     summary = _train(run)
@@ -89,6 +91,9 @@ def test_cli_sigterm_during_startup_exits_0(tmp_path):
     with open(tmp_path / "runs" / "x" / "summary.json") as f:
         summary = json.load(f)
     assert summary["stopped_by"] == "SIGTERM" and summary["step"] == 0
+    assert err.rstrip().splitlines()[-1] == summary["message"] == (
+        "jtrain: stopped by SIGTERM at step 0 during start-up; nothing new to save; rerun "
+        "the same command to continue")
 
 
 def test_no_clean_stop_within_the_grace_period_exits_5(tmp_path):

@@ -86,13 +86,25 @@ def test_cli_bad_rows_skip_then_halt_and_early_stop(tmp_path):
     assert len(_errors(proc.stderr)) == 1 and "halted at step 2" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert os.listdir(cwd / "runs/halt/checkpoints") == ["1"]
+    # ...and that line in summary.json (with the exit code) and train.log.
+    halt_line = _errors(proc.stderr)[0]
+    summary = json.load(open(cwd / "runs/halt/summary.json"))
+    assert (summary["stopped_by"], summary["step"], summary["exit_code"],
+            summary["message"], summary["checkpoint_step"]) == \
+        ("non-finite", 2, 4, halt_line, 1)
+    assert (cwd / "runs/halt/train.log").read_text().splitlines()[-1].endswith(
+        " " + halt_line)
     # early stopping on a threshold: one line, exit 0, the reason in summary.json.
     proc = _cli(cwd, "--workdir=runs/es", "--config.early_stop.monitor=eval/accuracy",
                 "--config.early_stop.mode=max", "--config.early_stop.stopping_threshold=0.01")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "jtrain: stopped early at step 4:" in proc.stderr
+    last = proc.stderr.rstrip().splitlines()[-1]  # the final line says it stopped early
+    assert last.startswith("jtrain: stopped early at step 4 by early_stop: eval/accuracy ")
+    assert "; checkpoint saved; eval loss " in last and "done" not in proc.stderr
     summary = json.load(open(cwd / "runs/es/summary.json"))
     assert (summary["stopped_by"], summary["step"]) == ("early_stop", 4)
+    assert (summary["message"], summary["exit_code"]) == (last, 0)
+    assert (cwd / "runs/es/train.log").read_text().splitlines()[-1].endswith(" " + last)
     assert summary["best_metric"] == "eval/accuracy" and summary["best_step"] == 4
 
 

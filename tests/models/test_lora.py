@@ -252,8 +252,8 @@ def test_changing_lora_on_resume_is_a_named_config_change(tmp_path):
     cfg["total_steps"] = 3
     cfg["finetune"]["lora"]["alpha"] = 8.0  # same tree, another model: needs allow_changes
     with pytest.raises(RestoreError, match=r"finetune\.lora\.alpha 4\.0 -> 8\.0; to "
-                                           r"resume anyway, allow them: --config\.checkpoint"
-                                           r"\.allow_changes=finetune\.lora\.alpha"):
+                                           r"resume anyway pass jtrain\.train\(\.\.\., "
+                                           r"allow_changes=\['finetune\.lora\.alpha'\]\)"):
         jtrain.train(cfg, run, model=LinenNet(), train_data=_data())
     cfg["finetune"]["lora"]["rank"] = 3  # another tree: the leaf is named (as for d_model)
     with pytest.raises(RestoreError, match="does not fit the model: params/body/kernel_lora_a"):

@@ -337,7 +337,7 @@ def test_verbosity_log_file_and_deduplicated_warnings(tmp_path):
     text = log.read_text()
     lines = [ln.split(" ", 2)[2] for ln in text.splitlines()]
     assert lines[0] == "header"
-    assert lines[1].startswith("step 5/10 [##########----------] 50% | loss 1 (ema) | ")
+    assert lines[1].startswith("step 5/10 [##########----------] 50% | loss 1 | ema 1 | ")
     assert "debug table" not in text
     assert sum("disk almost full" in ln for ln in lines) == 2  # once, plus "repeated 3 times"
     assert "jtrain: warning repeated 3 times: UserWarning: disk almost full" in lines
