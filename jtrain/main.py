@@ -28,6 +28,10 @@ from ml_collections import config_flags
 
 from jtrain import cli as cli_lib
 from jtrain import errors
+from jtrain.multihost import monitor
+
+
+DEBUG_MULTIHOST_EVERY = 10
 
 
 def define_flags(fv: flags.FlagValues, sys_argv=None) -> None:
@@ -49,6 +53,11 @@ def define_flags(fv: flags.FlagValues, sys_argv=None) -> None:
     flags.DEFINE_bool("all_hosts_log", False,
                       "Processes other than 0 print their lines too, prefixed [process i] "
                       "(= --config.log.all_hosts=true); by default they print errors only.",
+                      flag_values=fv)
+    flags.DEFINE_bool("debug_multihost", False,
+                      "Every distributed.debug_every_steps steps (default "
+                      f"{DEBUG_MULTIHOST_EVERY}) all processes check that they are at the "
+                      "same step with the same config hash; else one line, exit 5.",
                       flag_values=fv)
     flags.DEFINE_bool("strict_restore", False,
                       "A damaged checkpoint ends the run (exit 3) instead of falling back "
@@ -80,6 +89,7 @@ def fail(error: errors.JtrainError):
 
 
 def _exit(code: int):
+    monitor.finished(code)  # peers report this status instead of a dead process
     if _multi_process():  # jax.distributed's shutdown at exit waits for peers that may be
         sys.stdout.flush()  # gone: leave at once
         os._exit(code)
@@ -103,6 +113,7 @@ def _peer_failure(e: BaseException) -> errors.PeerError | None:
     first = errors.first_line(e)
     if "RESOURCE_EXHAUSTED" in first:  # out of memory: not a peer's fault
         return None
+    monitor.peer_failed()  # the peer monitor names the peer and exits 5, if it can
     return errors.PeerError(f"a collective with the other processes failed ({first[:200]});"
                             " another process probably stopped: see its output; a "
                             "restart resumes from the newest checkpoint")
@@ -176,15 +187,15 @@ def _run(argv, fv: flags.FlagValues) -> None:
         precision.set_deterministic(True)
     import jax
 
-    if fv.distributed == "auto":
-        jax.distributed.initialize()
-    elif fv.num_processes > 1:
-        if not fv.coordinator_address:
-            raise errors.ConfigError("--coordinator_address",
-                                     "required when --num_processes > 1")
-        jax.distributed.initialize(coordinator_address=fv.coordinator_address,
-                                   num_processes=fv.num_processes,
-                                   process_id=fv.process_id)
+    from jtrain.multihost import start
+    from jtrain.train import check_workdir
+
+    check_workdir(fv.workdir)  # a gs:// workdir: one line before waiting for any peer
+
+    # Timeouts from config.distributed; a missing peer, a busy port or no cluster for
+    # --distributed=auto: one line (jtrain.multihost.start).
+    start.start(fv.config, fv.coordinator_address, fv.num_processes, fv.process_id,
+                auto=fv.distributed == "auto")
     all_hosts = fv.all_hosts_log or bool(getattr(getattr(fv.config, "log", None), "all_hosts",
                                                  False))
     if jax.process_index() != 0 and not all_hosts:
@@ -198,7 +209,10 @@ def _run(argv, fv: flags.FlagValues) -> None:
         config.setdefault("checkpoint", {})["strict_restore"] = True
     if fv.all_hosts_log:
         config.setdefault("log", {})["all_hosts"] = True
+    if fv.debug_multihost and not config.get("distributed", {}).get("debug_every_steps"):
+        config.setdefault("distributed", {})["debug_every_steps"] = DEBUG_MULTIHOST_EVERY
     train(config, fv.workdir)
+    monitor.finished(0)  # peers that are still saving do not take this for a dead peer
 
 
 def _quiet() -> None:

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import time
 from typing import Any, Callable
 
@@ -27,6 +28,7 @@ from jtrain.control import ledger as ledger_lib
 from jtrain.control import watchdog as watchdog_lib
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
+from jtrain import multihost
 from jtrain.observe import perf as perf_lib
 from jtrain import precision as precision_lib
 from jtrain import state as state_lib
@@ -64,7 +66,7 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
     """
     if workdir is None:
         raise ValueError("workdir: required (the run's identity: checkpoints, logs, summary)")
-    _check_workdir(os.path.abspath(workdir))
+    check_workdir(str(workdir))
     cfg = config_lib.resolve(config)
     determinism = precision_lib.set_deterministic(cfg.deterministic)
     # From here on SIGTERM / SIGINT mean: save the current step (if any), stop, return
@@ -79,6 +81,8 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
             cfg = config_lib.resolve({**cfg.to_dict(),
                                       "data": {**cfg.data.to_dict(), **overrides}})
         config_lib.validate(cfg, num_devices=jax.device_count())
+        # Every process: the same config hash, device count and jtrain version.
+        multihost.preflight(cfg, config_lib.config_hash(cfg))
         # A step, eval or save past watchdog.timeout_s ends the process (exit 5) with the
         # stacks in WORKDIR/hang.log; start-up (compile included) gets first_timeout_s.
         watchdog = control_lib.Watchdog(
@@ -91,9 +95,16 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
                           determinism, watchdog, stopper)
 
 
-def _check_workdir(path: str) -> None:
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def check_workdir(path: str) -> None:
     """A ConfigError naming the workdir when it cannot be a run's directory."""
-    parent = path
+    if _URI.match(path):
+        raise ConfigError("workdir", f"{path} is a remote URI; jtrain writes its run "
+                          "directory (logs, metrics, checkpoints) with local file I/O: use "
+                          "a local or mounted path (e.g. a gcsfuse or NFS mount)")
+    path = parent = os.path.abspath(path)
     while not os.path.exists(parent):  # the nearest existing ancestor must be writable
         parent = os.path.dirname(parent)
     if parent == path and not os.path.isdir(path):
