@@ -59,6 +59,11 @@ def define_flags(fv: flags.FlagValues, sys_argv=None) -> None:
                       f"{DEBUG_MULTIHOST_EVERY}) all processes check that they are at the "
                       "same step with the same config hash; else one line, exit 5.",
                       flag_values=fv)
+    flags.DEFINE_integer("stopped_exit_code", 0,
+                         "Exit status after a SIGTERM / SIGINT stopped the run (its step "
+                         "saved); non-zero tells a scheduler that restarts failed tasks to "
+                         "run it again, which resumes (launch/k8s uses 75).",
+                         lower_bound=0, upper_bound=255, flag_values=fv)
     flags.DEFINE_bool("strict_restore", False,
                       "A damaged checkpoint ends the run (exit 3) instead of falling back "
                       "to the previous one (= --config.checkpoint.strict_restore=true).",
@@ -211,8 +216,12 @@ def _run(argv, fv: flags.FlagValues) -> None:
         config.setdefault("log", {})["all_hosts"] = True
     if fv.debug_multihost and not config.get("distributed", {}).get("debug_every_steps"):
         config.setdefault("distributed", {})["debug_every_steps"] = DEBUG_MULTIHOST_EVERY
-    train(config, fv.workdir)
-    monitor.finished(0)  # peers that are still saving do not take this for a dead peer
+    result = train(config, fv.workdir)
+    stopped = result.summary.get("stopped_by") in ("SIGTERM", "SIGINT")
+    code = fv.stopped_exit_code if stopped else 0
+    monitor.finished(code)  # peers that are still saving do not take this for a dead peer
+    if code:
+        _exit(code)
 
 
 def _quiet() -> None:

@@ -21,7 +21,7 @@ grace=${GRACE:-60}
 devices=${DEVICES:-1}
 workdir=$(printf '%s\n' "$@" | sed -n 's/^--workdir=//p' | tail -1)
 [ -n "$workdir" ] || { echo "launch/local.sh: --workdir=DIR is required" >&2; exit 2; }
-port=${PORT:-$("$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')} || exit 2
+port=${PORT:-$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')} || exit 2
 mkdir -p "$workdir/logs" || exit 2
 
 pids=()
