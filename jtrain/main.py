@@ -11,7 +11,8 @@ data or usage error, one line `jtrain: <kind> error: <key>: <why>`, before any t
 3 a checkpoint that cannot be restored (damaged with --strict_restore, another model, a
 changed config) or written; 4 training halted on non-finite values or repeated loss
 spikes; 5 a hang (watchdog.timeout_s), no clean stop within checkpoint.grace_seconds, or a
-failed peer (a collective with another process broke).
+peer missing at start-up, failed or silent (distributed.*; one line, jtrain.multihost).
+`--stopped_exit_code=N`: N instead of 0 after a SIGTERM / SIGINT stop (schedulers rerun it).
 `--verify_resume`: see jtrain.checkpoint.verify (exit 1 on FAIL).
 """
 
@@ -192,21 +193,9 @@ def _run(argv, fv: flags.FlagValues) -> None:
         precision.set_deterministic(True)
     import jax
 
+    from jtrain import config as config_lib
     from jtrain.multihost import start
-    from jtrain.train import check_workdir
-
-    check_workdir(fv.workdir)  # a gs:// workdir: one line before waiting for any peer
-
-    # Timeouts from config.distributed; a missing peer, a busy port or no cluster for
-    # --distributed=auto: one line (jtrain.multihost.start).
-    start.start(fv.config, fv.coordinator_address, fv.num_processes, fv.process_id,
-                auto=fv.distributed == "auto")
-    all_hosts = fv.all_hosts_log or bool(getattr(getattr(fv.config, "log", None), "all_hosts",
-                                                 False))
-    if jax.process_index() != 0 and not all_hosts:
-        _quiet()
-
-    from jtrain.train import train
+    from jtrain.train import check_workdir, train
 
     # Flags that stand for config keys go into a copy; train() resolves and validates it.
     config = fv.config.to_dict() if hasattr(fv.config, "to_dict") else dict(fv.config)
@@ -216,6 +205,17 @@ def _run(argv, fv: flags.FlagValues) -> None:
         config.setdefault("log", {})["all_hosts"] = True
     if fv.debug_multihost and not config.get("distributed", {}).get("debug_every_steps"):
         config.setdefault("distributed", {})["debug_every_steps"] = DEBUG_MULTIHOST_EVERY
+    # A bad key or value, or a gs:// workdir: one line before waiting for any peer.
+    config_lib.resolve(config)
+    check_workdir(fv.workdir)
+    # Timeouts from config.distributed; a missing peer, a busy port or no cluster for
+    # --distributed=auto: one line (jtrain.multihost.start).
+    start.start(config, fv.coordinator_address, fv.num_processes, fv.process_id,
+                auto=fv.distributed == "auto")
+    all_hosts = fv.all_hosts_log or bool(config.get("log", {}).get("all_hosts", False))
+    if jax.process_index() != 0 and not all_hosts:
+        _quiet()
+
     result = train(config, fv.workdir)
     stopped = result.summary.get("stopped_by") in ("SIGTERM", "SIGINT")
     code = fv.stopped_exit_code if stopped else 0

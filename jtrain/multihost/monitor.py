@@ -82,6 +82,16 @@ def peer_failed() -> None:
         time.sleep(0.1)
 
 
+def announce(status: int, wait_s: float = 2.0) -> None:
+    """`finished(status)` for a process about to `os._exit` (the hang watchdog): the
+    store is asked from a thread, for at most `wait_s`, since it may not answer."""
+    if _monitor is None:
+        return
+    t = threading.Thread(target=finished, args=(status,), daemon=True)
+    t.start()
+    t.join(wait_s)
+
+
 def finished(status: int) -> None:
     """This process is ending with `status`: tell the peers, stop watching them."""
     global _monitor

@@ -13,12 +13,25 @@ from __future__ import annotations
 
 import errno
 import socket
+import sys
 import time
 
 from jtrain.errors import PeerError
 
 MAGIC = "jtrain-rollcall"
 RETRY_S = 0.25  # between attempts to reach the coordinator
+
+
+def _interrupted() -> None:
+    """A SIGTERM / SIGINT while waiting for peers (recorded by jtrain/__init__.py for the
+    CLI): stop here, exit 0, as for any signal during start-up (nothing to save)."""
+    import jtrain
+
+    if jtrain._EARLY_SIGNALS:
+        name = jtrain._EARLY_SIGNALS[0]
+        sys.stderr.write(f"jtrain: {name} received during start-up (waiting for the other "
+                         "processes): stopping, nothing to save\n")
+        raise SystemExit(0)
 
 
 def _ids(ids) -> str:
@@ -70,11 +83,12 @@ def _host(address: str, n: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     try:
         while len(joined) < n - 1 and (left := deadline - time.monotonic()) > 0:
-            server.settimeout(left)
+            _interrupted()
+            server.settimeout(min(left, RETRY_S))
             try:
                 conn, _ = server.accept()
             except (TimeoutError, socket.timeout):
-                break
+                continue
             pid = _read_checkin(conn, n, deadline)
             if pid is None or pid in joined:
                 conn.close()
@@ -117,6 +131,7 @@ def _join(address: str, n: int, process_id: int, timeout_s: float) -> None:
     host, port = _port(address)
     deadline = time.monotonic() + timeout_s
     while True:
+        _interrupted()
         left = deadline - time.monotonic()
         if left <= 0:
             raise PeerError(f"start-up: process {process_id} could not reach the coordinator "
@@ -131,8 +146,7 @@ def _join(address: str, n: int, process_id: int, timeout_s: float) -> None:
         with conn:
             try:
                 conn.sendall(f"{MAGIC} {process_id} {n}\n".encode())
-                conn.settimeout(max(deadline - time.monotonic(), 0.1) + 5.0)
-                answer = conn.recv(4096).decode(errors="replace").split()
+                answer = _answer(conn, deadline)
             except OSError:
                 answer = []
         if answer[:1] == ["go"]:
@@ -142,3 +156,15 @@ def _join(address: str, n: int, process_id: int, timeout_s: float) -> None:
             raise PeerError(_missing_line(address, n, joined, timeout_s))
         # Not our coordinator (or it went away mid-answer): try again until the deadline.
         time.sleep(RETRY_S)
+
+
+def _answer(conn: socket.socket, deadline: float) -> list[str]:
+    """Process 0's answer, waited for in short slices so a signal is noticed."""
+    while True:
+        _interrupted()
+        conn.settimeout(RETRY_S)
+        try:
+            return conn.recv(4096).decode(errors="replace").split()
+        except (TimeoutError, socket.timeout):
+            if time.monotonic() > deadline + 5.0:
+                return []
