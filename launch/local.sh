@@ -63,9 +63,15 @@ status=0
 live=("${pids[@]}")
 while [ ${#live[@]} -gt 0 ]; do
   ended=""
-  wait -n -p ended "${live[@]}"
+  wait -n -p ended "${live[@]}" 2>/dev/null
   rc=$?
-  [ -n "${ended:-}" ] || continue  # interrupted by a forwarded signal
+  if [ -z "${ended:-}" ]; then
+    [ $rc -gt 128 ] && continue  # a trapped signal interrupted the wait: wait again
+    # None reported (bash had reaped it already): its status, from bash's record.
+    ended=${live[0]}
+    wait "$ended" 2>/dev/null
+    rc=$?
+  fi
   rest=(); for p in "${live[@]}"; do [ "$p" = "$ended" ] || rest+=("$p"); done
   live=("${rest[@]}")
   if [ $rc -ne 0 ] && [ $status -eq 0 ]; then
