@@ -82,7 +82,7 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
                                       "data": {**cfg.data.to_dict(), **overrides}})
         config_lib.validate(cfg, num_devices=jax.device_count())
         # Every process: the same config hash, device count and jtrain version.
-        multihost.preflight(cfg, config_lib.config_hash(cfg))
+        multihost.preflight.run(cfg, config_lib.config_hash(cfg))
         # A step, eval or save past watchdog.timeout_s ends the process (exit 5) with the
         # stacks in WORKDIR/hang.log; start-up (compile included) gets first_timeout_s.
         watchdog = control_lib.Watchdog(

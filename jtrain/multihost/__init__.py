@@ -13,7 +13,6 @@ Every check goes through the coordination service's key-value store, never throu
 device collective, so a peer that is gone cannot block it.
 """
 
-from jtrain.multihost.monitor import note_checkpoint, note_step, peer_failed
-from jtrain.multihost.preflight import check_step, preflight
+from jtrain.multihost import monitor, preflight
 
-__all__ = ["check_step", "note_checkpoint", "note_step", "peer_failed", "preflight"]
+__all__ = ["monitor", "preflight"]

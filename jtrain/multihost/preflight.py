@@ -2,7 +2,7 @@
 key-value store (never a device collective: a missing peer cannot block them past their
 timeout).
 
-`preflight(cfg)` at start-up: the same config hash, local device count and jtrain
+`run(cfg, config_hash)` at start-up: the same config hash, local device count and jtrain
 version on every process, and no loopback coordinator when the processes are on
 several hosts (the remote ones would dial themselves). `check_step(step, cfg)`
 (`--debug_multihost`): every `distributed.debug_every_steps` steps all processes must
@@ -48,7 +48,7 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def preflight(cfg, config_hash: str) -> None:
+def run(cfg, config_hash: str) -> None:
     import jax
 
     import jtrain

@@ -36,7 +36,8 @@ def timeouts(raw_config) -> tuple[float, float]:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                 not lo <= value <= (hi if hi is not None else float("inf")):
             raise ConfigError(f"distributed.{key}", f"must be a number of seconds in "
-                              f"[{lo:g}, {hi if hi is not None else 'inf'}], got {value!r}")
+                              f"[{lo:g}, {'inf' if hi is None else format(hi, 'g')}], "
+                              f"got {value!r}")
         out.append(float(value))
     return out[0], out[1]
 
