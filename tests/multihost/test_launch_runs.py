@@ -19,7 +19,7 @@ from tests.multihost.launching import (LAUNCH, TINY, checkpoints, finish, free_p
 
 pytestmark = pytest.mark.slow
 
-STEPS = 12
+STEPS = 40  # enough steps left after each interruption for the next signal to land
 RUN = [*TINY, f"--config.total_steps={STEPS}", "--config.checkpoint.every_steps=2",
        "--workdir=run"]
 TWO_DEVICES = "--xla_force_host_platform_device_count=2"

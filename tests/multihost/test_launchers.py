@@ -6,6 +6,7 @@ The training runs through each launcher are in test_launch_runs.py."""
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import time
@@ -114,7 +115,7 @@ def test_start_up_failures_are_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_missing_peer_named_by_process_0_and_auto_outside_a_cluster(tmp_path):
+def test_missing_peer_preflight_mismatch_and_auto_outside_a_cluster(tmp_path):
     cwd = user_dir(tmp_path)
     addr = f"127.0.0.1:{free_port()}"
     procs = [start(["python", "-m", "jtrain.main", *TINY, "--workdir=run",
@@ -122,12 +123,25 @@ def test_missing_peer_named_by_process_0_and_auto_outside_a_cluster(tmp_path):
                    JTRAIN_NUM_PROCESSES="3", JTRAIN_PROCESS_ID=str(i)) for i in (0, 2)]
     auto = start(["python", "-m", "jtrain.main", *TINY, "--workdir=auto",
                   "--distributed=auto"], cwd)
+    # Preflight: two processes started with different configs (another seed).
+    other = f"127.0.0.1:{free_port()}"
+    mixed = [start(["python", "-m", "jtrain.main", *TINY, "--workdir=mixed",
+                    f"--config.seed={i}"], cwd, JTRAIN_COORDINATOR=other,
+                   JTRAIN_NUM_PROCESSES="2", JTRAIN_PROCESS_ID=str(i),
+                   XLA_FLAGS="--xla_force_host_platform_device_count=1") for i in (0, 1)]
     line = (f"jtrain: peer error: start-up: not every process reached the coordinator "
             f"{addr} within 4 s (distributed.init_timeout_s): expected process ids 0, 1, 2, "
             "joined 0, 2")
     for proc in procs:  # both say who is missing; the one that came hears it from 0
         rc, _, err = finish(proc, 300)
         assert (rc, err.strip().splitlines()[-1]) == (5, line), err
+    for proc in mixed:
+        rc, _, err = finish(proc, 300)
+        assert rc == 5, err
+        assert re.fullmatch(r"jtrain: peer error: preflight: process 1 has config_hash "
+                            r"[0-9a-f]{64}, process 0 has [0-9a-f]{64}; every process must "
+                            r"run the same config and jtrain on the same number of devices",
+                            err.strip().splitlines()[-1]), err[-2000:]
     rc, _, err = finish(auto, 300)
     assert rc == 2 and err.strip().splitlines() == [
         "jtrain: usage error: --distributed=auto: no SLURM job or Cloud TPU slice found "
