@@ -79,8 +79,9 @@ def test_kill_term_and_resume_through_every_launcher_match_the_uninterrupted_run
         assert rc == 75, err  # --stopped_exit_code: the Job runs the index again
     assert summary(cwd / "run")["step"] < STEPS
 
-    # 4. local.sh again: resumes and finishes, bitwise equal to the reference.
-    rc, out, err = finish(_local(cwd, *RUN))
+    # 4. local.sh again: resumes and finishes, bitwise equal to the reference; with
+    # --debug_multihost (both processes compare step and config hash every 10 steps).
+    rc, out, err = finish(_local(cwd, *RUN, "--debug_multihost"))
     assert rc == 0, err + out
     assert summary(cwd / "run")["step"] == STEPS
     assert summary(cwd / "run")["state_sha256"] == reference
