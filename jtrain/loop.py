@@ -29,7 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jtrain import config as config_lib
 from jtrain import eval_loop
+from jtrain import multihost
 from jtrain import state as state_lib
 from jtrain.control.faults import fault_point
 from jtrain.observe import jsonl
@@ -113,11 +115,18 @@ def run_loop(cfg, run: Run):
                       stopped_by=session.stopped_by, monitors=run.decisions.state(),
                       skip_ledger=list(run.decisions.ledger.entries))  # a snapshot: saves are async
         session.saved = step
+        multihost.monitor.note_checkpoint(step)  # for a failed peer's line
 
     if run.stopper.signal_name is not None:  # a signal during start-up: nothing new to save
         session.stopped_by = run.stopper.signal_name
     step = start
+    multihost.monitor.note_step(start)
+    multihost.monitor.note_checkpoint(run.ckpt.latest_step())
+    debug_every = cfg.distributed.debug_every_steps
     for step in range(start + 1, total + 1 if not session.stopped_by else start + 1):
+        multihost.monitor.note_step(step)
+        if debug_every and step % debug_every == 0:  # --debug_multihost
+            multihost.preflight.check_step(step, cfg, config_lib.config_hash(cfg))
         # The first step compiles: it is timed with watchdog.first_timeout_s.
         if step == start + 1:
             run.watchdog.beat("first step", allowance=cfg.watchdog.first_timeout_s)

@@ -11,14 +11,15 @@ data or usage error, one line `jtrain: <kind> error: <key>: <why>`, before any t
 3 a checkpoint that cannot be restored (damaged with --strict_restore, another model, a
 changed config) or written; 4 training halted on non-finite values or repeated loss
 spikes; 5 a hang (watchdog.timeout_s), no clean stop within checkpoint.grace_seconds, or a
-failed peer (a collective with another process broke); 6 the disk holding the workdir is
-full (free space, rerun the same command); 1 a bug (`jtrain: internal error: ...`). The
+peer missing at start-up, failed or silent (distributed.*; one line, jtrain.multihost); 6
+the disk holding the workdir is full (free space, rerun the same command); 1 a bug (`jtrain: internal error: ...`). The
 workdir being a file, read-only or not writable is exit 2 (`jtrain: workdir error`).
 Every failure is one line on stderr (jtrain.errors); its traceback, and the logs of
 orbax, absl and grain, go to WORKDIR/train.log (on the console too with --verbosity=2).
 `--print_config` prints every key of the resolved config with its type, default, range
 and description, and exits 0. stdout carries one JSON line, the run's result
 (summary.json's scalars); everything else is on stderr.
+`--stopped_exit_code=N`: N instead of 0 after a SIGTERM / SIGINT stop (schedulers rerun it).
 `--verify_resume`: see jtrain.checkpoint.verify (exit 1 on FAIL).
 """
 
@@ -38,6 +39,10 @@ from jtrain import cli as cli_lib
 from jtrain import errors
 from jtrain.observe import liblogs
 from jtrain.observe.redact import redact_text
+from jtrain.multihost import monitor
+
+
+DEBUG_MULTIHOST_EVERY = 10
 
 
 def define_flags(fv: flags.FlagValues, sys_argv=None) -> None:
@@ -60,6 +65,16 @@ def define_flags(fv: flags.FlagValues, sys_argv=None) -> None:
                       "Processes other than 0 print their lines too, prefixed [process i] "
                       "(= --config.log.all_hosts=true); by default they print errors only.",
                       flag_values=fv)
+    flags.DEFINE_bool("debug_multihost", False,
+                      "Every distributed.debug_every_steps steps (default "
+                      f"{DEBUG_MULTIHOST_EVERY}) all processes check that they are at the "
+                      "same step with the same config hash; else one line, exit 5.",
+                      flag_values=fv)
+    flags.DEFINE_integer("stopped_exit_code", 0,
+                         "Exit status after a SIGTERM / SIGINT stopped the run (its step "
+                         "saved); non-zero tells a scheduler that restarts failed tasks to "
+                         "run it again, which resumes (launch/k8s uses 75).",
+                         lower_bound=0, upper_bound=255, flag_values=fv)
     flags.DEFINE_bool("strict_restore", False,
                       "A damaged checkpoint ends the run (exit 3) instead of falling back "
                       "to the previous one (= --config.checkpoint.strict_restore=true).",
@@ -102,6 +117,7 @@ def fail(error: errors.JtrainError):
 
 
 def _exit(code: int):
+    monitor.finished(code)  # peers report this status instead of a dead process
     if _multi_process():  # jax.distributed's shutdown at exit waits for peers that may be
         sys.stdout.flush()  # gone: leave at once
         os._exit(code)
@@ -125,6 +141,7 @@ def _peer_failure(e: BaseException) -> errors.PeerError | None:
     first = errors.first_line(e)
     if "RESOURCE_EXHAUSTED" in first:  # out of memory: not a peer's fault
         return None
+    monitor.peer_failed()  # the peer monitor names the peer and exits 5, if it can
     return errors.PeerError(f"a collective with the other processes failed ({first[:200]});"
                             " another process probably stopped: see its output; a "
                             "restart resumes from the newest checkpoint")
@@ -243,29 +260,34 @@ def _run(argv, fv: flags.FlagValues) -> None:
         precision.set_deterministic(True)
     import jax
 
-    if fv.distributed == "auto":
-        jax.distributed.initialize()
-    elif fv.num_processes > 1:
-        if not fv.coordinator_address:
-            raise errors.ConfigError("--coordinator_address",
-                                     "required when --num_processes > 1")
-        jax.distributed.initialize(coordinator_address=fv.coordinator_address,
-                                   num_processes=fv.num_processes,
-                                   process_id=fv.process_id)
-    all_hosts = fv.all_hosts_log or bool(getattr(getattr(fv.config, "log", None), "all_hosts",
-                                                 False))
+    from jtrain import config as config_lib
+    from jtrain.multihost import start
+    from jtrain.train import check_workdir, run_from_cli
+
+    config = _config_dict(fv)
+    # A bad key or value, or a gs:// workdir: one line before waiting for any peer.
+    config_lib.resolve_for_run(config)
+    check_workdir(fv.workdir)
+    # Timeouts from config.distributed; a missing peer, a busy port or no cluster for
+    # --distributed=auto: one line (jtrain.multihost.start).
+    start.start(config, fv.coordinator_address, fv.num_processes, fv.process_id,
+                auto=fv.distributed == "auto")
+    all_hosts = fv.all_hosts_log or bool(config.get("log", {}).get("all_hosts", False))
     if jax.process_index() != 0 and not all_hosts:
         _quiet()
 
-    from jtrain.train import run_from_cli
-
-    result = run_from_cli(_config_dict(fv), fv.workdir)  # like train(), with CLI hints
+    result = run_from_cli(config, fv.workdir)  # like train(), with CLI hints
     if jax.process_index() == 0:  # the machine-readable result: one JSON line on stdout
         scalars = {k: v for k, v in result.summary.items()
                    if isinstance(v, (int, float, str, bool)) or v is None}
         sys.stdout.write(redact_text(json.dumps({"workdir": fv.workdir, **scalars},
                                                 default=str)) + "\n")
         sys.stdout.flush()
+    stopped = result.summary.get("stopped_by") in ("SIGTERM", "SIGINT")
+    code = fv.stopped_exit_code if stopped else 0
+    monitor.finished(code)  # peers that are still saving do not take this for a dead peer
+    if code:
+        _exit(code)
 
 
 def _config_dict(fv) -> dict:
@@ -278,6 +300,8 @@ def _config_dict(fv) -> dict:
         config.setdefault("log", {})["all_hosts"] = True
     if fv.verbosity is not None:
         config.setdefault("log", {})["verbosity"] = fv.verbosity
+    if fv.debug_multihost and not config.get("distributed", {}).get("debug_every_steps"):
+        config.setdefault("distributed", {})["debug_every_steps"] = DEBUG_MULTIHOST_EVERY
     return config
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import tempfile
 import time
 from typing import Any, Callable, Sequence
@@ -28,6 +29,7 @@ from jtrain.control import ledger as ledger_lib
 from jtrain.control import watchdog as watchdog_lib
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
+from jtrain import multihost
 from jtrain.observe import perf as perf_lib
 from jtrain import precision as precision_lib
 from jtrain import state as state_lib
@@ -88,7 +90,7 @@ def _entry(config, workdir, model, train_data, eval_data, loss_fn, on_eval,
            allow_changes) -> TrainResult:
     if workdir is None:
         raise ValueError("workdir: required (the run's identity: checkpoints, logs, summary)")
-    _check_workdir(os.path.abspath(workdir))
+    check_workdir(str(workdir))
     cfg, notices = config_lib.resolve_for_run(config, allow_changes=allow_changes)
     redact(cfg)  # its secrets are known to the redactor before any line can echo them
     determinism = precision_lib.set_deterministic(cfg.deterministic)
@@ -104,6 +106,8 @@ def _entry(config, workdir, model, train_data, eval_data, loss_fn, on_eval,
             cfg = config_lib.resolve({**cfg.to_dict(),
                                       "data": {**cfg.data.to_dict(), **overrides}})
         config_lib.validate(cfg, num_devices=jax.device_count())
+        # Every process: the same config hash, device count and jtrain version.
+        multihost.preflight.run(cfg, config_lib.config_hash(cfg))
         # A step, eval or save past watchdog.timeout_s ends the process (exit 5) with the
         # stacks in WORKDIR/hang.log; start-up (compile included) gets first_timeout_s.
         watchdog = control_lib.Watchdog(
@@ -116,12 +120,20 @@ def _entry(config, workdir, model, train_data, eval_data, loss_fn, on_eval,
                           determinism, watchdog, stopper, notices)
 
 
-def _check_workdir(path: str) -> None:
-    """A WorkdirError naming the workdir when it cannot be a run's directory. Writing is
-    tried (a file created and removed in the workdir, or in its nearest existing parent
-    when it does not exist yet), not inferred from permission bits: root passes every
-    os.access check, and a read-only file system fails only the write."""
-    parent = path
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def check_workdir(path: str) -> None:
+    """A WorkdirError naming the workdir when it cannot be a run's directory: a remote
+    URI (jtrain writes with local file I/O), a file, or not writable. Writing is tried (a
+    file created and removed in the workdir, or in its nearest existing parent when it
+    does not exist yet), not inferred from permission bits: root passes every os.access
+    check, and a read-only file system fails only the write."""
+    if _URI.match(path):
+        raise WorkdirError(f"{path} is a remote URI; jtrain writes its run directory (logs, "
+                           "metrics, checkpoints) with local file I/O: use a local or "
+                           "mounted path (e.g. a gcsfuse or NFS mount)")
+    path = parent = os.path.abspath(path)
     while not os.path.exists(parent):  # the nearest existing ancestor must be writable
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):

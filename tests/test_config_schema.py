@@ -29,7 +29,8 @@ def test_resume_rule_is_the_one_that_was_measured():
     """The keys that may differ on resume: they cannot change the trained state."""
     safe_prefixes = ("log.", "eval.", "checkpoint.", "profile.", "perf.", "mesh.",
                      "early_stop.", "nonfinite.", "watchdog.", "memory.",
-                     "tune.")  # read by python -m jtrain.tune only, never by a run
+                     "tune.",  # read by python -m jtrain.tune only, never by a run
+                     "distributed.")  # timeouts and checks between processes
     # (plateau.* changes the learning rate from then on; deterministic and memory.*
     # change only the float reduction order, like mesh.*)
     safe_keys = {"max_steps_in_flight", "data.num_workers", "data.num_threads",

@@ -245,6 +245,17 @@ SCHEMA: dict[str, Any] = {
         "first_timeout_s": F(float, 3600.0, (0.0, INF), "allowance for start-up and the "
                              "first step (compile)"),
     }),
+    "distributed": _resume_safe({  # jtrain/multihost; read before jax.distributed starts
+        "init_timeout_s": F(float, 900.0, (1.0, 86400.0), "start-up: every process must "
+                            "reach the coordinator within this (cold starts: image pulls, "
+                            "queued pods); else one line naming the missing ids, exit 5"),
+        "heartbeat_timeout_s": F(float, 120.0, (1.0, 86400.0), "a peer silent this long "
+                                 "(killed, stopped, host gone) ends every survivor with one "
+                                 "line, exit 5"),
+        "debug_every_steps": F(int, 0, (0, INF), "--debug_multihost: every N steps all "
+                               "processes must be at the same step with the same config "
+                               "hash; 0 = off"),
+    }),
     "memory": _resume_safe({
         "budget_bytes": F(float, 0.0, (-1.0, INF), "per-device bytes the train step may "
                           "use; over it, grad_accum_steps is raised until it fits "

@@ -7,6 +7,8 @@ being written in the background, `restore:1` while the checkpoint is being resto
 instead.
 `hang:N[:SECONDS]` makes the N-th step's fault point sleep SECONDS (default 3600) in the
 calling thread instead, a stuck step for the hang watchdog (control.watchdog) to catch.
+JTRAIN_FAULT_PROCESS=i arms the plan in process i (JTRAIN_PROCESS_ID) only, for
+launch/local.sh runs where every process gets the same environment.
 JTRAIN_SKIP_DATA_RESTORE (the negative control of --verify_resume): restarts ignore the
 saved data position.
 """
@@ -19,6 +21,7 @@ import threading
 import time
 
 FAULT_ENV = "JTRAIN_FAULT"
+FAULT_PROCESS_ENV = "JTRAIN_FAULT_PROCESS"
 SKIP_DATA_RESTORE_ENV = "JTRAIN_SKIP_DATA_RESTORE"
 
 _armed: tuple[str, int, str | None] | None = None  # (plan kind, N, signal or seconds)
@@ -34,6 +37,9 @@ def arm() -> None:
     _skip_data_restore = bool(os.environ.get(SKIP_DATA_RESTORE_ENV))
     _fault_counts.clear()
     _armed = None
+    only = os.environ.get(FAULT_PROCESS_ENV)
+    if only is not None and only != os.environ.get("JTRAIN_PROCESS_ID", "0"):
+        spec = None
     if spec:
         parts = spec.split(":")
         _armed = (parts[0], int((parts[1:2] or ["1"])[0]), (parts[2:3] or [None])[0])

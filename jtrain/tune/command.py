@@ -102,7 +102,7 @@ def _main(fv, args, argv) -> int:
 
     from jtrain import config as config_lib
     from jtrain.config import space as space_lib
-    from jtrain.train import _check_workdir
+    from jtrain.train import check_workdir
 
     absl_logging.set_verbosity(absl_logging.WARNING)
     cfg = config_lib.resolve(config)
@@ -110,7 +110,7 @@ def _main(fv, args, argv) -> int:
         raise ConfigError("tune.space", "empty: nothing to search; e.g. tune.space = "
                           "{'optim': {'lr': ('log_uniform', 1e-4, 1e-1)}}")
     workdir = os.path.abspath(fv.workdir)
-    _check_workdir(workdir)
+    check_workdir(workdir)
     _init_distributed(fv)
     return Worker(cfg, workdir).run()
 

@@ -1,0 +1,95 @@
+"""Checks that every process of a run is running the same thing, through JAX's
+key-value store (never a device collective: a missing peer cannot block them past their
+timeout).
+
+`run(cfg, config_hash)` at start-up: the same config hash, local device count and jtrain
+version on every process, and no loopback coordinator when the processes are on
+several hosts (the remote ones would dial themselves). `check_step(step, cfg)`
+(`--debug_multihost`): every `distributed.debug_every_steps` steps all processes must
+be at that step with the same config hash. A mismatch: one line, exit 5 (PeerError).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import socket
+
+from jtrain.errors import PeerError
+
+PREFLIGHT = "jtrain/preflight/"
+STEP = "jtrain/step/"
+
+
+def _client():
+    from jax._src import distributed  # the client jax.distributed.initialize made
+
+    return distributed.global_state.client
+
+
+def _exchange(client, key: str, me: int, n: int, value: str, timeout_s: float,
+              what: str) -> dict[int, str]:
+    client.key_value_set(f"{key}{me}", value, allow_overwrite=True)
+    out = {}
+    for pid in range(n):
+        try:
+            out[pid] = client.blocking_key_value_get(f"{key}{pid}",
+                                                     max(1, int(timeout_s * 1000)))
+        except Exception:  # noqa: BLE001 - DEADLINE_EXCEEDED: it never wrote it
+            raise PeerError(f"{what}: process {pid} did not report within {timeout_s:g} s "
+                            "(distributed.heartbeat_timeout_s)") from None
+    return out
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def run(cfg, config_hash: str) -> None:
+    import jax
+
+    import jtrain
+
+    client = _client()
+    if jax.process_count() <= 1 or client is None:
+        return
+    me, n = jax.process_index(), jax.process_count()
+    mine = {"config_hash": config_hash, "local_devices": jax.local_device_count(),
+            "jtrain_version": jtrain.__version__, "host": socket.gethostname()}
+    reports = {pid: json.loads(v) for pid, v in _exchange(
+        client, PREFLIGHT, me, n, json.dumps(mine), cfg.distributed.heartbeat_timeout_s,
+        "preflight").items()}
+    for field in ("config_hash", "local_devices", "jtrain_version"):
+        for pid in range(1, n):
+            if reports[pid][field] != reports[0][field]:
+                raise PeerError(f"preflight: process {pid} has {field} "
+                                f"{reports[pid][field]}, process 0 has {reports[0][field]}; "
+                                "every process must run the same config and jtrain on the "
+                                "same number of devices")
+    from jax._src import distributed
+
+    address = distributed.global_state.coordinator_address or ""
+    hosts = {r["host"] for r in reports.values()}
+    if len(hosts) > 1 and _is_loopback(address.rpartition(":")[0].strip("[]")):
+        raise PeerError(f"preflight: the coordinator address {address} is a loopback "
+                        f"address but the processes run on {len(hosts)} hosts; use "
+                        "process 0's network address")
+
+
+def check_step(step: int, cfg, config_hash: str) -> None:
+    """--debug_multihost: all processes at `step` with the same config hash."""
+    import jax
+
+    client = _client()
+    if client is None or jax.process_count() <= 1:
+        return
+    me, n = jax.process_index(), jax.process_count()
+    reports = _exchange(client, f"{STEP}{step}/", me, n, config_hash,
+                        cfg.distributed.heartbeat_timeout_s, f"--debug_multihost at step {step}")
+    for pid, value in reports.items():
+        if value != config_hash:
+            raise PeerError(f"--debug_multihost at step {step}: process {pid} has config "
+                            f"hash {value[:12]}, process {me} has {config_hash[:12]}")
