@@ -36,6 +36,15 @@ from jtrain.errors import NonFiniteError
 
 
 @dataclasses.dataclass
+class Startup:
+    """Start-up timing and the compile record (observe.startup, observe.compiles)."""
+    startup: Any  # observe.startup.Startup
+    recorder: Any  # observe.compiles.Recorder
+    cache_dir: str | None  # the persistent compilation cache, None = off
+    precompile: Any = None  # the thread compiling the train step ahead, if any
+
+
+@dataclasses.dataclass
 class Run:
     """What `train.setup` builds for the loop."""
     workdir: str
@@ -51,6 +60,7 @@ class Run:
     watchdog: Any  # control.Watchdog (a no-op when off)
     determinism: str | None = None
     stopper: Any = None  # control.Stopper: signals -> stop after a step
+    startup: Any = None  # Startup
 
     def close(self):
         self.watchdog.pause()
@@ -77,10 +87,14 @@ def run_loop(cfg, run: Run):
     pending: deque = deque()  # (step, metrics on device): bounded steps in flight
     session = _Session()
     evaluate_now = _evaluator(cfg, run)
-    set_factor = jax.jit(lambda s, f: s.replace(lr_factor=f.astype(jnp.float32)),
-                         donate_argnums=0, out_shardings=run.build.shardings)
-    all_finite = jax.jit(lambda params: jnp.all(jnp.asarray(
-        [jnp.isfinite(x).all() for x in jax.tree.leaves(params)])))
+    def set_lr_factor(s, f):
+        return s.replace(lr_factor=f.astype(jnp.float32))
+
+    def params_finite(params):
+        return jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]))
+
+    set_factor = jax.jit(set_lr_factor, donate_argnums=0, out_shardings=run.build.shardings)
+    all_finite = jax.jit(params_finite)
 
     def drain_all():
         while pending:
@@ -121,9 +135,15 @@ def run_loop(cfg, run: Run):
         t1 = time.perf_counter()
         if step == start + 1:
             fault_point("compile", delay=0.05)  # test-only: a signal while it compiles
-        state, metrics = run.build.train_step(state, batch)
+        if step == start + 1:
+            state, metrics = _first_step(run, state, batch)
+        else:
+            state, metrics = run.build.train_step(state, batch)
         run.out.perf.step_done(step, t1 - t0, time.perf_counter() - t1,
                                metrics if step == start + 1 else None)  # first: compile time
+        if step == start + 1:
+            run.out.perf.set_first(run.startup.startup.breakdown())
+        _report_recompiles(run, step)
         if run.out.profiler.after_step(step, metrics):
             run.out.progress.message(f"jtrain: profile trace written to "
                                      f"{run.out.profiler.directory}")
@@ -138,6 +158,7 @@ def run_loop(cfg, run: Run):
             run.watchdog.beat("eval", allowance=None if session.history else
                               cfg.watchdog.first_timeout_s)
             result = run.stopper.interruptible(evaluate_now, state, step)  # [] if a signal
+            _report_recompiles(run, step)
             if result:
                 session.history += result
                 decided = run.decisions.after_eval(step, result[0],
@@ -169,6 +190,42 @@ def run_loop(cfg, run: Run):
         run.out.progress.message(f"jtrain: stopped early at step {step}: "
                                  f"{session.stop_reason}", level=0)
     return state, session
+
+
+def _first_step(run: Run, state, batch):
+    """The first step, timed as the start-up's compile phase; then the start-up line.
+    Compiles after it are recompiles (observe.compiles)."""
+    su = run.startup
+    with su.startup.phase("compile"):
+        if su.precompile is not None:  # the step compiled beside the state's init:
+            su.precompile.join()  # its call below reuses that executable
+        state, metrics = run.build.train_step(state, batch)
+        jax.block_until_ready(metrics)
+    su.startup.first_step()
+    su.recorder.first_step_done()
+    run.out.progress.message(su.startup.line(su.cache_dir))
+    return state, metrics
+
+
+def _report_recompiles(run: Run, step: int) -> None:
+    """A compile after the first step, said once each: the function and its shapes."""
+    for c in run.startup.recorder.unreported():
+        if c["kind"] == "again":
+            run.out.progress.message(
+                f"jtrain: step {step}: compiled {c['function']} again ({c['sec']:.2f} s) "
+                f"for arguments {_changed(c['before'], c['shapes'])}")
+        else:  # expected once (the eval step at the first eval, a save's check)
+            run.out.progress.message(f"jtrain: step {step}: compiled {c['function']} "
+                                     f"({c['sec']:.2f} s)", level=2)
+
+
+def _changed(before: str, now: str) -> str:
+    """The arguments whose shapes changed, else all of them (shortened)."""
+    old, new = before.split(", "), now.split(", ")
+    diff = [f"#{i}: {a} -> {b}" for i, (a, b) in enumerate(zip(old, new)) if a != b]
+    if len(old) == len(new) and diff:
+        return "; ".join(diff)[:300]
+    return f"{now[:300]} (before: {before[:150]})"
 
 
 def _drain(item, cfg, run: Run, session: _Session) -> None:
@@ -262,6 +319,7 @@ def summarize(cfg, run: Run, state, session: _Session) -> dict:
         **_best(cfg, run),
         **{k: v for k, v in last_eval.items() if k != "step"},
         **run.out.perf.summary(),
+        **run.startup.recorder.summary(),
     }
     baseline = run.data_info.get("unigram_baseline")
     if baseline is not None:

@@ -30,7 +30,8 @@ from jtrain import mesh as mesh_lib
 from jtrain.observe import perf as perf_lib
 from jtrain import precision as precision_lib
 from jtrain import state as state_lib
-from jtrain.observe import console, header as header_lib
+from jtrain.observe import compiles as compiles_lib, console, header as header_lib
+from jtrain.observe import startup as startup_lib
 from jtrain.observe import writers as writers_lib
 from jtrain.errors import ConfigError
 from jtrain.observe.redact import redact
@@ -67,14 +68,19 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
     _check_workdir(os.path.abspath(workdir))
     cfg = config_lib.resolve(config)
     determinism = precision_lib.set_deterministic(cfg.deterministic)
+    # Before this run's first compile (JAX decides at a compile whether the cache is used).
+    cache_dir = compiles_lib.configure_cache(cfg.compile.cache_dir, cfg.compile.cache_max_gb)
+    recorder = compiles_lib.Recorder()
+    startup = startup_lib.Startup(recorder)
     # From here on SIGTERM / SIGINT mean: save the current step (if any), stop, return
     # (jtrain.control.signals); one that came during the CLI's imports is taken over.
-    with control_lib.Stopper(cfg.checkpoint.grace_seconds) as stopper:
+    with control_lib.Stopper(cfg.checkpoint.grace_seconds) as stopper, recorder:
         # data.source factories run, and a torch DataLoader's settings become data.*,
         # before the batch is checked against the devices.
-        train_data, eval_data, overrides = data_lib.load_user_data(
-            cfg.data, train_data, eval_data, process_index=jax.process_index(),
-            process_count=jax.process_count())
+        with startup.phase("data"):
+            train_data, eval_data, overrides = data_lib.load_user_data(
+                cfg.data, train_data, eval_data, process_index=jax.process_index(),
+                process_count=jax.process_count())
         if overrides:  # a new config: a validated one is never changed in place
             cfg = config_lib.resolve({**cfg.to_dict(),
                                       "data": {**cfg.data.to_dict(), **overrides}})
@@ -88,7 +94,8 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
             process_index=jax.process_index())
         with watchdog:
             return _train(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
-                          determinism, watchdog, stopper)
+                          determinism, watchdog, stopper,
+                          loop_lib.Startup(startup, recorder, cache_dir))
 
 
 def _check_workdir(path: str) -> None:
@@ -104,9 +111,9 @@ def _check_workdir(path: str) -> None:
 
 
 def _train(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval, determinism,
-           watchdog, stopper) -> TrainResult:
+           watchdog, stopper, startup) -> TrainResult:
     run = _setup(cfg, os.path.abspath(workdir), model, train_data, eval_data, loss_fn,
-                 on_eval, determinism, watchdog)
+                 on_eval, determinism, watchdog, startup)
     run.stopper = stopper
     try:
         # Steps trace under the mesh and the logical-axis rules, so models' activation
@@ -135,17 +142,48 @@ class _Outputs:
 
 
 def _setup(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
-           determinism, watchdog) -> loop_lib.Run:
+           determinism, watchdog, startup) -> loop_lib.Run:
     t_start = time.perf_counter()
     primary = jax.process_index() == 0
     os.makedirs(workdir, exist_ok=True)
+    phase = startup.startup.phase
 
     # Checked here (DataError before any step); the data's shapes come from a sample batch.
-    train_src, eval_src, data_info = data_lib.make_sources(
-        cfg.data, train_data, eval_data, process_index=jax.process_index(),
-        process_count=jax.process_count(), gather=mesh_lib.process_values)
-    example = (eval_src if eval_src is not None else train_src)[0]
-    sample = model_sample(cfg, train_src[0])  # example 0's inputs as the model sees them
+    with phase("data"):
+        train_src, eval_src, data_info = data_lib.make_sources(
+            cfg.data, train_data, eval_data, process_index=jax.process_index(),
+            process_count=jax.process_count(), gather=mesh_lib.process_values)
+        example = (eval_src if eval_src is not None else train_src)[0]
+        sample = model_sample(cfg, train_src[0])  # example 0's inputs as the model sees
+    with phase("build"):
+        b = _build_and_check(cfg, sample, example, model, loss_fn, data_info, train_src,
+                             eval_src)
+    if cfg.compile.precompile:
+        # The step compiles beside the state's init; its first call finds it in the cache.
+        startup.precompile = compiles_lib.precompile(
+            b.train_step, b.abstract_with_shardings(),
+            compiles_lib.abstract_batch(train_src[0], cfg.data.batch_size,
+                                        mesh_lib.batch_sharding(b.mesh)), mesh=b.mesh)
+
+    # Start-up precedence (jtrain.checkpoint.manager, WORKSPACE.md): (1) the newest intact
+    # checkpoint in workdir/checkpoints; (2) else checkpoint.init_from; (3) else fresh.
+    with phase("state"):
+        ckpt = checkpoint.Checkpointer(workdir, cfg, data_info)
+        start = ckpt.restore_or_init(b.abstract_with_shardings(), b.init)
+    with phase("data"):
+        train_iter = _train_iterator(cfg, train_src, start, b.mesh)
+    with phase("writers"):
+        outputs = _outputs(cfg, b, workdir, model, loss_fn, start, ckpt, data_info,
+                           (train_src, eval_src), sample, determinism, t_start)
+    decisions = _decisions(cfg, workdir, ckpt.control, start, train_iter, on_eval,
+                           outputs.progress.message)
+    return loop_lib.Run(workdir, b, start.state, train_iter, eval_src, data_info, ckpt,
+                        outputs, start.step, decisions, watchdog, determinism,
+                        startup=startup)
+
+
+def _build_and_check(cfg, sample, example, model, loss_fn, data_info, train_src,
+                     eval_src) -> Build:
     b = build(cfg, sample=sample, eval_example=example,
               model=model, loss_fn=loss_fn, byte_level=data_info.get("name") == "pystdlib",
               train_example=train_src[0])
@@ -171,11 +209,10 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
                                                b.sample_inputs),
         {"train_data": train_src, **({"eval_data": eval_src} if eval_src is not None else {})},
         default_loss=b.loss_fn is None)
+    return b
 
-    # Start-up precedence (jtrain.checkpoint.manager, WORKSPACE.md): (1) the newest intact
-    # checkpoint in workdir/checkpoints; (2) else checkpoint.init_from; (3) else fresh.
-    ckpt = checkpoint.Checkpointer(workdir, cfg, data_info)
-    start = ckpt.restore_or_init(b.abstract_with_shardings(), b.init)
+
+def _train_iterator(cfg, train_src, start, mesh):
     train_iter = data_lib.make_train_iterator(
         train_src, local_batch=cfg.data.batch_size // jax.process_count(), seed=cfg.seed,
         shuffle=cfg.data.shuffle, process_index=jax.process_index(),
@@ -186,10 +223,15 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
         train_iter.set_state(start.data_state)
     # The next batches go onto the devices in a background thread (the one transfer,
     # mesh.host_to_device); get_state() stays the position of the step's next batch.
-    train_iter = data_lib.device_prefetch(
-        train_iter, functools.partial(mesh_lib.host_to_device, mesh=b.mesh),
+    return data_lib.device_prefetch(
+        train_iter, functools.partial(mesh_lib.host_to_device, mesh=mesh),
         cfg.data.device_prefetch)
 
+
+def _outputs(cfg, b: Build, workdir, model, loss_fn, start, ckpt, data_info, sources,
+             sample, determinism, t_start) -> _Outputs:
+    """config.json, the metric writers, the progress display and the header."""
+    primary = jax.process_index() == 0
     resolved = cfg.to_dict()
     if primary:
         # A model object passed from Python cannot be rebuilt from the config: say which
@@ -214,7 +256,7 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
     flops = perf_lib.model_flops_per_example(b.user_model, cfg.model,
                                              jax.tree.map(np.shape, sample))
     peak = perf_lib.peak_flops_per_device(cfg.perf.peak_flops)
-    header = _header(cfg, b, data_info, (train_src, eval_src), workdir, start.step, flops, peak,
+    header = _header(cfg, b, data_info, sources, workdir, start.step, flops, peak,
                      determinism)
     progress.message(header)
     writer.write_text(start.step or 0, "run/header", header)  # TensorBoard's text tab
@@ -223,11 +265,7 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
                            flops_per_example=flops, peak_flops=peak,
                            num_devices=jax.device_count(), t_start=t_start)
     profiler = perf_lib.Profiler(cfg.profile, workdir, is_primary=primary)
-    decisions = _decisions(cfg, workdir, ckpt.control, start, train_iter, on_eval,
-                           progress.message)
-    return loop_lib.Run(workdir, b, start.state, train_iter, eval_src, data_info, ckpt,
-                        _Outputs(writer, progress, meter, profiler), start.step, decisions,
-                        watchdog, determinism)
+    return _Outputs(writer, progress, meter, profiler)
 
 
 def _decisions(cfg, workdir, record, start, train_iter, on_eval, say):
