@@ -61,6 +61,14 @@ def define_flags(fv: flags.FlagValues, sys_argv=None) -> None:
                       flag_values=fv)
     flags.DEFINE_integer("verify_kills", 4, "--verify_resume: number of kills.",
                          flag_values=fv)
+    flags.DEFINE_bool("dry_run", False,
+                      "Build the mesh, abstract state and shardings, compile the train and "
+                      "eval steps without running them; print per-device memory and every "
+                      "parameter's sharding; exit 2 naming a parameter the mesh cannot "
+                      "shard as asked (jtrain.dry_run).", flag_values=fv)
+    flags.DEFINE_integer("dry_run_devices", 0,
+                         "--dry_run on this many fake CPU devices (e.g. 64 for a big "
+                         "topology); 0 = the devices this machine has.", flag_values=fv)
     flags.DEFINE_bool("verify_negative_control", False,
                       "--verify_resume with the data position not restored: must FAIL.",
                       flag_values=fv)
@@ -170,6 +178,9 @@ def _run(argv, fv: flags.FlagValues) -> None:
 
         sys.exit(verify.run_from_cli(_RAW_ARGV, fv.workdir, kills=fv.verify_kills,
                                      negative_control=fv.verify_negative_control))
+    if fv.dry_run:
+        _dry_run(fv)
+        return
     if getattr(fv.config, "deterministic", False):  # XLA_FLAGS before the backend starts
         from jtrain import precision
 
@@ -199,6 +210,19 @@ def _run(argv, fv: flags.FlagValues) -> None:
     if fv.all_hosts_log:
         config.setdefault("log", {})["all_hosts"] = True
     train(config, fv.workdir)
+
+
+def _dry_run(fv) -> None:
+    import jax
+
+    if fv.dry_run_devices < 0:
+        raise errors.ConfigError("--dry_run_devices", f"must be >= 0, got {fv.dry_run_devices}")
+    if fv.dry_run_devices:  # fake CPU devices: only before JAX starts its backend
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", fv.dry_run_devices)
+    from jtrain import dry_run
+
+    dry_run.run(fv.config.to_dict() if hasattr(fv.config, "to_dict") else dict(fv.config))
 
 
 def _quiet() -> None:
