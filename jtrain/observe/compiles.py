@@ -124,7 +124,7 @@ class Recorder:
         shapes = next((s for f, s in reversed(self._lowering) if f == fun_name), "?")
         # "again": a function compiled before (new shapes, shardings or a new jit of it);
         # "first": its first compile (e.g. the eval step at the first eval).
-        again = fun_name in self._seen and "<lambda>" not in fun_name
+        again = fun_name in self._seen and not _anonymous_or_eager(fun_name)
         if self._first_step_done:
             self.after_first_step.append({"function": fun_name, "shapes": shapes,
                                           "sec": round(seconds, 4),
@@ -146,6 +146,14 @@ class Recorder:
                 "compile/after_first_step_causes": [
                     {k: v for k, v in c.items() if k != "before"}
                     for c in self.after_first_step[:20]]}
+
+
+def _anonymous_or_eager(fun_name: str) -> bool:
+    """A lambda, or one primitive run outside jit (`jit(slice)`: orbax slicing a
+    replicated array per device at a save, say): compiled per device and shape, not
+    a step compiled again."""
+    name = fun_name[4:-1] if fun_name.startswith("jit(") else fun_name
+    return "<lambda>" in name or hasattr(jax.lax, name)
 
 
 class _LoweringFilter(logging.Filter):
