@@ -4,6 +4,7 @@
     overhead     the real training loop vs a hand-written jax.jit loop
     data         jtrain's data pipeline vs torch's DataLoader
     checkpoint   what async checkpointing costs the loop
+    scaling      examples/s per device at 1-8 fake devices; first step cold vs warm cache
 """
 
 from jtrain.bench.cli import main

@@ -29,6 +29,7 @@ _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _MISS_EVENT = "/jax/compilation_cache/cache_misses"
 _LOWERING_LOGGER = "jax._src.interpreters.pxla"
+_CONFIGURED: tuple | None = None  # (directory, max_gb) of configure_cache's last call
 
 
 def cache_path(cache_dir: str) -> str | None:
@@ -56,9 +57,10 @@ def configure_cache(cache_dir: str, max_gb: float = 0.0) -> str | None:
             logging.warning("jtrain: compile cache off: cannot create %s (%s)", path,
                             e.strerror or e)
             path = None
-    current = jax.config.jax_compilation_cache_dir
-    if path == current and (path is None or cc.is_initialized()):
-        return path
+    global _CONFIGURED
+    if _CONFIGURED == (path, max_gb) and jax.config.jax_compilation_cache_dir == path:
+        return path  # this process set it up already (and JAX may have started it)
+    _CONFIGURED = (path, max_gb)
     jax.config.update("jax_compilation_cache_dir", path)
     if path is not None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
