@@ -248,8 +248,22 @@ def cli(argv) -> None:
     main(parse_flags(argv, fv), fv)
 
 
+def _main_and_exit(argv) -> None:
+    """The CLI's main, then a fast exit: everything the run writes is closed and flushed
+    by then (checkpoints waited for, writers and logs closed), and the interpreter's own
+    teardown of JAX's backend and compiled programs took 1 s here on an idle machine
+    (10 s under load) for nothing."""
+    import logging
+
+    main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)
+
+
 def run():
-    app.run(main, flags_parser=parse_flags)
+    app.run(_main_and_exit, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":
