@@ -95,9 +95,13 @@ class Recorder:
         Recorder._active = self
         self._logger = logging.getLogger(_LOWERING_LOGGER)
         self._old_level = self._logger.level
-        self._filter = _LoweringFilter(self)
+        # Its "Compiling ..." record is DEBUG unless jax_log_compiles: enable DEBUG on
+        # that logger and drop its DEBUG records after reading them, unless the user had
+        # DEBUG on there already.
+        quiet = not self._logger.isEnabledFor(logging.DEBUG)
+        self._filter = _LoweringFilter(self, drop_debug=quiet)
         self._logger.addFilter(self._filter)
-        if not self._logger.isEnabledFor(logging.DEBUG):
+        if quiet:
             self._logger.setLevel(logging.DEBUG)
         return self
 
@@ -162,9 +166,10 @@ class _LoweringFilter(logging.Filter):
     """Keeps the function name and shapes of each lowering; drops DEBUG records that
     only this recorder asked for."""
 
-    def __init__(self, recorder: Recorder):
+    def __init__(self, recorder: Recorder, drop_debug: bool):
         super().__init__()
         self._recorder = recorder
+        self._drop_debug = drop_debug
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.msg.startswith("Compiling ") and record.args:
@@ -172,7 +177,7 @@ class _LoweringFilter(logging.Filter):
             shapes = ", ".join(str(a) for a in avals)
             self._recorder._lowering = self._recorder._lowering[-15:] + [
                 (str(name), shapes[:500])]
-        return record.levelno > logging.DEBUG
+        return record.levelno > logging.DEBUG or not self._drop_debug
 
 
 def _install() -> None:

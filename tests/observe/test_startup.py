@@ -92,3 +92,27 @@ print("SummaryWriter:", SummaryWriter.__name__)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "torch imported: False" in p.stdout and "SummaryWriter: SummaryWriter" in p.stdout
     assert any(n.startswith("events") for n in os.listdir(tmp_path / "run" / "tb"))
+
+
+def test_a_compile_after_the_first_step_is_named_with_its_new_shapes():
+    import jax
+    import numpy as np
+
+    from jtrain.loop import _changed
+    from jtrain.observe import compiles
+
+    def double_it(x):
+        return x * 2
+
+    f = jax.jit(double_it)
+    with compiles.Recorder() as rec:
+        f(np.ones(3, np.float32)).block_until_ready()
+        rec.first_step_done()
+        f(np.ones(3, np.float32)).block_until_ready()  # the same shapes: no compile
+        assert rec.after_first_step == []
+        f(np.ones(5, np.float32)).block_until_ready()
+    (c,) = rec.recompiles
+    assert c["function"] == "jit(double_it)" and c["shapes"] == "float32[5]"
+    assert _changed(c["before"], c["shapes"]) == "#0: float32[3] -> float32[5]"
+    assert rec.summary()["compile/recompiles"] == 1 and rec.unreported() == [c]
+    assert rec.unreported() == []
