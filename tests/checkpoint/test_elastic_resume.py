@@ -1,12 +1,15 @@
 """Elastic resume as a user does it: the same command on 4, then 2, then 1 (fake CPU)
-devices, each resuming the previous checkpoint. The params reshard onto the new mesh and
-the data order goes on: the global example indices the train steps see, in order, are
+devices, and on 2 processes then 1, each resuming the previous checkpoint. The params
+reshard onto the new mesh and the data order goes on: the global example indices the train steps see, in order, are
 those of the uninterrupted 4-device run (none skipped or repeated), and the final loss
 agrees within float tolerance (the reduction order differs across topologies)."""
 
 import json
+import socket
+import subprocess
+import sys
 
-from tests.journey import run_python
+from tests.journey import run_python, user_env
 
 SCRIPT = '''
 import sys
@@ -17,6 +20,8 @@ import flax.linen as nn
 import jtrain
 
 workdir, total = sys.argv[1], int(sys.argv[2])
+if len(sys.argv) > 3:  # address, number of processes, this process's id
+    jax.distributed.initialize(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
 
 
 class Windows:  # a map-style dataset: example i knows its index
@@ -75,6 +80,27 @@ def _seen(cwd, workdir):  # the train batches (set-up checks call the loss on 1 
     return [line.split() for line in lines if len(line.split()) == 8]
 
 
+def _two_processes(cwd, workdir, total):
+    """`total` steps as 2 processes x 1 device over loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    env = user_env(XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    procs = [subprocess.Popen([sys.executable, "elastic.py", workdir, str(total), address,
+                               "2", str(i)], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    return outs[0][0].split("RESULT ", 1)[1].split()
+
+
+def _loss_at(cwd, workdir, step):
+    for line in (cwd / workdir / "metrics.jsonl").open():
+        m = json.loads(line)
+        if m["step"] == step and "train/loss" in m:
+            return m["train/loss"]
+
+
 def test_resume_on_4_then_2_then_1_devices_continues_the_data_order(tmp_path):
     (tmp_path / "elastic.py").write_text(SCRIPT)
     reference = _phase(tmp_path, "ref", 60, 4)  # 60 steps x 8: 2.6 epochs
@@ -93,3 +119,10 @@ def test_resume_on_4_then_2_then_1_devices_continues_the_data_order(tmp_path):
     assert abs(float(last[2]) - float(reference[2])) < 1e-4
     metrics = [json.loads(line) for line in (tmp_path / "el" / "metrics.jsonl").open()]
     assert [m["step"] for m in metrics if "train/loss" in m] == list(range(5, 61, 5))
+
+
+    # 2 processes x 1 device, then 1 process: the same examples as the reference too.
+    assert _two_processes(tmp_path, "mp", 20)[:2] == ["2", "None"]
+    assert _phase(tmp_path, "mp", 40, 1)[:2] == ["1", "20"]
+    assert _seen(tmp_path, "mp") == ref[:40]
+    assert abs(_loss_at(tmp_path, "mp", 40) - _loss_at(tmp_path, "ref", 40)) < 1e-4
