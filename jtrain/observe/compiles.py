@@ -6,9 +6,10 @@ The cache: `compile.cache_dir` ("auto" = `$XDG_CACHE_HOME/jtrain/xla`, else
 `~/.cache/jtrain/xla`; "" = off). JAX decides once per process, at its first compile,
 whether the cache is used, and by default skips compiles under 1 s and small entries:
 `configure_cache` sets the directory, caches every compile (thresholds 0) and resets
-JAX's decision, so it works even after arrays exist. Several processes may share the
-directory: JAX writes each entry whole under its key (last writer wins, same bytes), and
-evicts least-recently used entries past `compile.cache_max_gb` under a file lock.
+JAX's decision, so it works even after arrays exist. Several runs and processes may
+share the directory: in a multi-process run only process 0 writes entries (the others
+read them), and with the size limit `compile.cache_max_gb` JAX takes a file lock around
+every read and write and evicts the least-recently used entries past it.
 
 `Recorder` listens to JAX's monitoring events (one backend compile each, a cache hit or
 miss each) and to the "Compiling <fn> with global shapes ..." record of JAX's lowering
@@ -65,10 +66,20 @@ def configure_cache(cache_dir: str, max_gb: float = 0.0) -> str | None:
     if path is not None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: all
+        # A size limit makes JAX lock the directory (filelock) around every read and
+        # write: what lets several runs and processes share it safely.
         jax.config.update("jax_compilation_cache_max_size",
-                          int(max_gb * 2**30) if max_gb > 0 else -1)
+                          int(max_gb * 2**30) if max_gb > 0 and _has_filelock() else -1)
     cc.reset_cache()  # JAX checks "is the cache used" once, at the first compile
     return path
+
+
+def _has_filelock() -> bool:
+    try:
+        import filelock  # noqa: F401 - a dependency of jtrain; JAX needs it for the limit
+    except ImportError:
+        return False
+    return True
 
 
 class Recorder:
