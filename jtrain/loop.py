@@ -64,6 +64,8 @@ class Run:
 
     def close(self):
         self.watchdog.pause()
+        if self.startup is not None and self.startup.precompile is not None:
+            self.startup.precompile.join()  # stopped before the first step: let it finish
         self.out.close()
         self.ckpt.close()
         if hasattr(self.train_iter, "close"):

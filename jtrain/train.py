@@ -159,22 +159,28 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
         b = _build_and_check(cfg, sample, example, model, loss_fn, data_info, train_src,
                              eval_src)
     if cfg.compile.precompile:
-        # The step compiles beside the state's init; its first call finds it in the cache.
+        # The step compiles beside the state's init; its first call reuses the executable.
         startup.precompile = compiles_lib.precompile(
             b.train_step, b.abstract_with_shardings(),
             compiles_lib.abstract_batch(train_src[0], cfg.data.batch_size,
                                         mesh_lib.batch_sharding(b.mesh)), mesh=b.mesh)
 
-    # Start-up precedence (jtrain.checkpoint.manager, WORKSPACE.md): (1) the newest intact
-    # checkpoint in workdir/checkpoints; (2) else checkpoint.init_from; (3) else fresh.
-    with phase("state"):
-        ckpt = checkpoint.Checkpointer(workdir, cfg, data_info)
-        start = ckpt.restore_or_init(b.abstract_with_shardings(), b.init)
-    with phase("data"):
-        train_iter = _train_iterator(cfg, train_src, start, b.mesh)
-    with phase("writers"):
-        outputs = _outputs(cfg, b, workdir, model, loss_fn, start, ckpt, data_info,
-                           (train_src, eval_src), sample, determinism, t_start)
+    try:
+        # Start-up precedence (jtrain.checkpoint.manager, WORKSPACE.md): (1) the newest
+        # intact checkpoint in workdir/checkpoints; (2) else checkpoint.init_from; (3) else
+        # fresh.
+        with phase("state"):
+            ckpt = checkpoint.Checkpointer(workdir, cfg, data_info)
+            start = ckpt.restore_or_init(b.abstract_with_shardings(), b.init)
+        with phase("data"):
+            train_iter = _train_iterator(cfg, train_src, start, b.mesh)
+        with phase("writers"):
+            outputs = _outputs(cfg, b, workdir, model, loss_fn, start, ckpt, data_info,
+                               (train_src, eval_src), sample, determinism, t_start)
+    except BaseException:
+        if startup.precompile is not None:  # no exit while XLA compiles in a thread
+            startup.precompile.join()
+        raise
     decisions = _decisions(cfg, workdir, ckpt.control, start, train_iter, on_eval,
                            outputs.progress.message)
     return loop_lib.Run(workdir, b, start.state, train_iter, eval_src, data_info, ckpt,
