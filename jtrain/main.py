@@ -256,6 +256,10 @@ def _main_and_exit(argv) -> None:
     import logging
 
     main(argv)
+    if _multi_process():  # the shutdown barrier: process 0's coordination service must
+        import jax  # outlive its peers' disconnect (as at a normal exit)
+
+        jax.distributed.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
