@@ -185,8 +185,11 @@ def _run(argv, fv: flags.FlagValues) -> None:
         from jtrain import precision
 
         precision.set_deterministic(True)
+    import time
+
     import jax
 
+    t_distributed = time.perf_counter()  # observe.startup's "distributed" phase
     if fv.distributed == "auto":
         jax.distributed.initialize()
     elif fv.num_processes > 1:
@@ -200,6 +203,9 @@ def _run(argv, fv: flags.FlagValues) -> None:
                                                  False))
     if jax.process_index() != 0 and not all_hosts:
         _quiet()
+    from jtrain.observe import startup
+
+    startup.mark("distributed", time.perf_counter() - t_distributed)  # + backend start
 
     from jtrain.train import train
 

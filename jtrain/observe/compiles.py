@@ -166,11 +166,12 @@ class Recorder:
 
 
 def _anonymous_or_eager(fun_name: str) -> bool:
-    """A lambda, or one primitive run outside jit (`jit(slice)`: orbax slicing a
-    replicated array per device at a save, say): compiled per device and shape, not
-    a step compiled again."""
+    """A lambda, a private helper (JAX's `_psum`, `_identity_fn` of process_allgather)
+    or one primitive run outside jit (`jit(slice)`: orbax slicing a replicated array per
+    device at a save): compiled per device and shape by design, not a step compiled
+    again."""
     name = fun_name[4:-1] if fun_name.startswith("jit(") else fun_name
-    return "<lambda>" in name or hasattr(jax.lax, name)
+    return "<lambda>" in name or name.startswith("_") or hasattr(jax.lax, name)
 
 
 class _LoweringFilter(logging.Filter):

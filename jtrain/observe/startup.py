@@ -1,7 +1,8 @@
 """Where the time to the first step goes: `time_to_first_step` split into phases.
 
     imports       importing jtrain (jax, flax, optax, orbax, grain with it)
-    distributed   jax.distributed.initialize (the CLI with several processes; else 0)
+    distributed   the CLI's jax.distributed.initialize and the backend's start (0 for
+                  the library, where that happened before train())
     data          the user's data loaded, checked, sources and the train iterator built
     build         model, mesh, optimizer, abstract state, shardings, the config checks
                   that call the model abstractly (traces; no compile)
