@@ -13,6 +13,9 @@ its pieces are public so research code can assemble them one by one:
 """
 
 import sys as _sys
+import time as _time
+
+_IMPORT_T0 = _time.perf_counter()  # observe.startup: the "imports" phase
 
 # `python -m jtrain.main`, `jtrain train` and `python -m jtrain.tune`: SIGTERM / SIGINT
 # during the imports and start-up (before train() installs control.Stopper) are recorded
@@ -44,6 +47,10 @@ from jtrain.step import make_eval_step, make_train_step
 from jtrain.train import Build, TrainResult, build, train
 
 __version__ = "0.1.0"
+
+from jtrain.observe import startup as _startup  # noqa: E402
+
+_startup.mark("imports", _time.perf_counter() - _IMPORT_T0)
 
 __all__ = [
     "Build", "ConfigError", "DataError", "ModelFns", "TrainResult", "TrainState",

@@ -19,8 +19,6 @@ the newest checkpoint before it (`_rollback`) before it evaluates, saves or goes
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import time
 from collections import deque
 from typing import Any
@@ -32,11 +30,18 @@ import numpy as np
 from jtrain import config as config_lib
 from jtrain import eval_loop
 from jtrain import multihost
-from jtrain import state as state_lib
 from jtrain.control.faults import fault_point
-from jtrain.observe import jsonl
-from jtrain import errors
+from jtrain import summary as summary_lib
 from jtrain.errors import NonFiniteError
+
+
+@dataclasses.dataclass
+class Startup:
+    """Start-up timing and the compile record (observe.startup, observe.compiles)."""
+    startup: Any  # observe.startup.Startup
+    recorder: Any  # observe.compiles.Recorder
+    cache_dir: str | None  # the persistent compilation cache, None = off
+    precompile: Any = None  # the thread compiling the train step ahead, if any
 
 
 @dataclasses.dataclass
@@ -55,9 +60,12 @@ class Run:
     watchdog: Any  # control.Watchdog (a no-op when off)
     determinism: str | None = None
     stopper: Any = None  # control.Stopper: signals -> stop after a step
+    startup: Any = None  # Startup
 
     def close(self):
         self.watchdog.pause()
+        if self.startup is not None and self.startup.precompile is not None:
+            self.startup.precompile.join()  # stopped before the first step: let it finish
         self.out.close()
         self.ckpt.close()
         if hasattr(self.train_iter, "close"):
@@ -84,10 +92,14 @@ def run_loop(cfg, run: Run):
     pending: deque = deque()  # (step, metrics on device): bounded steps in flight
     session = _Session()
     evaluate_now = _evaluator(cfg, run)
-    set_factor = jax.jit(lambda s, f: s.replace(lr_factor=f.astype(jnp.float32)),
-                         donate_argnums=0, out_shardings=run.build.shardings)
-    all_finite = jax.jit(lambda params: jnp.all(jnp.asarray(
-        [jnp.isfinite(x).all() for x in jax.tree.leaves(params)])))
+    def set_lr_factor(s, f):
+        return s.replace(lr_factor=f.astype(jnp.float32))
+
+    def params_finite(params):
+        return jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]))
+
+    set_factor = jax.jit(set_lr_factor, donate_argnums=0, out_shardings=run.build.shardings)
+    all_finite = jax.jit(params_finite)
 
     def drain_all():
         while pending:
@@ -138,9 +150,15 @@ def run_loop(cfg, run: Run):
         t1 = time.perf_counter()
         if step == start + 1:
             fault_point("compile", delay=0.05)  # test-only: a signal while it compiles
-        state, metrics = run.build.train_step(state, batch)
+        if step == start + 1:
+            state, metrics = _first_step(run, state, batch)
+        else:
+            state, metrics = run.build.train_step(state, batch)
         run.out.perf.step_done(step, t1 - t0, time.perf_counter() - t1,
                                metrics if step == start + 1 else None)  # first: compile time
+        if step == start + 1:
+            run.out.perf.set_first(run.startup.startup.breakdown())
+        _report_recompiles(run, step)
         if run.out.profiler.after_step(step, metrics):
             run.out.progress.message(f"jtrain: profile trace written to "
                                      f"{run.out.profiler.directory}")
@@ -155,6 +173,7 @@ def run_loop(cfg, run: Run):
             run.watchdog.beat("eval", allowance=None if session.history else
                               cfg.watchdog.first_timeout_s)
             result = run.stopper.interruptible(evaluate_now, state, step)  # [] if a signal
+            _report_recompiles(run, step)
             if result:
                 session.history += result
                 decided = run.decisions.after_eval(step, result[0],
@@ -176,7 +195,7 @@ def run_loop(cfg, run: Run):
     drain_all()
     run.watchdog.beat("final save")
     if step == total == start:  # resumed at the end: its eval is in the checkpoint
-        session.stored = _stored_summary(run.workdir, state)
+        session.stored = summary_lib.stored_summary(run.workdir, state)
         last = [e for e in run.ckpt.control.eval_history if e.get("step") == total]
         session.history += last[-1:] or run.stopper.interruptible(evaluate_now, state, total)
     if run.ckpt.latest_step() != step and not (step == start and session.stopped_by):
@@ -184,6 +203,42 @@ def run_loop(cfg, run: Run):
     run.ckpt.wait()  # a failed write ends the run with an error, before any summary
     run.watchdog.pause()
     return state, session
+
+
+def _first_step(run: Run, state, batch):
+    """The first step, timed as the start-up's compile phase; then the start-up line.
+    Compiles after it are recompiles (observe.compiles)."""
+    su = run.startup
+    with su.startup.phase("compile"):
+        if su.precompile is not None:  # the step compiled beside the state's init:
+            su.precompile.join()  # its call below reuses that executable
+        state, metrics = run.build.train_step(state, batch)
+        jax.block_until_ready(metrics)
+    su.startup.first_step()
+    su.recorder.first_step_done()
+    run.out.progress.message(su.startup.line(su.cache_dir))
+    return state, metrics
+
+
+def _report_recompiles(run: Run, step: int) -> None:
+    """A compile after the first step, said once each: the function and its shapes."""
+    for c in run.startup.recorder.unreported():
+        if c["kind"] == "again":
+            run.out.progress.message(
+                f"jtrain: step {step}: compiled {c['function']} again ({c['sec']:.2f} s) "
+                f"for arguments {_changed(c['before'], c['shapes'])}")
+        else:  # expected once (the eval step at the first eval, a save's check)
+            run.out.progress.message(f"jtrain: step {step}: compiled {c['function']} "
+                                     f"({c['sec']:.2f} s)", level=2)
+
+
+def _changed(before: str, now: str) -> str:
+    """The arguments whose shapes changed, else all of them (shortened)."""
+    old, new = before.split(", "), now.split(", ")
+    diff = [f"#{i}: {a} -> {b}" for i, (a, b) in enumerate(zip(old, new)) if a != b]
+    if len(old) == len(new) and diff:
+        return "; ".join(diff)[:300]
+    return f"{now[:300]} (before: {before[:150]})"
 
 
 def _drain(item, cfg, run: Run, session: _Session) -> None:
@@ -271,108 +326,3 @@ def _evaluator(cfg, run: Run):
         return {"step": step, **result.scalars}
 
     return evaluate_now
-
-
-def _stored_summary(workdir: str, state) -> dict | None:
-    """summary.json when it is the record of exactly this state (a finished run)."""
-    try:
-        with open(os.path.join(workdir, "summary.json")) as f:
-            stored = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(stored, dict) or stored.get("step") != int(jax.device_get(state.step)):
-        return None
-    return stored if stored.get("state_sha256") == state_lib.state_sha256(state) else None
-
-
-def summarize(cfg, run: Run, state, session: _Session) -> dict:
-    step = int(jax.device_get(state.step))
-    if session.stored is not None:  # finished before: say so, return what it recorded
-        run.out.progress.final(f"jtrain: already finished at step {step} (summary.json); "
-                               "nothing to do")
-        session.train_history = [
-            {k: v for k, v in r.items() if k == "step" or k.startswith("train/")}
-            for r in jsonl.read_records(os.path.join(run.workdir, "metrics.jsonl"))
-            if any(k.startswith("train/") for k in r)]
-        return session.stored
-    last_eval = session.history[-1] if session.history else {}
-    # Only an eval of the final step is the run's result; an older one (a stop between
-    # evals) is kept apart, with its step, never presented as final.
-    final_eval = last_eval if last_eval.get("step") == step else {}
-    summary = {
-        "step": step,
-        "state_sha256": state_lib.state_sha256(state),
-        "skipped_steps": int(jax.device_get(state.skipped_steps)),
-        "lr_factor": float(jax.device_get(state.lr_factor)),
-        "resumed_from": run.resumed_from,
-        "stopped_by": session.stopped_by,  # SIGTERM, SIGINT, early_stop, on_eval; None
-        "stop_reason": session.stop_reason,
-        "rollbacks": run.decisions.spike.rollbacks,  # [[spike step, rolled back to]]
-        **_best(cfg, run),
-        **{k: v for k, v in final_eval.items() if k != "step"},
-        **({"last_eval": last_eval} if last_eval and not final_eval else {}),
-        **run.out.perf.summary(),
-    }
-    baseline = run.data_info.get("unigram_baseline")
-    if baseline is not None:
-        summary["unigram_baseline"] = baseline
-        summary["data_fingerprint"] = run.data_info["fingerprint"]
-        if "eval/loss" in summary:
-            run.out.progress.message(f"jtrain: final eval loss {summary['eval/loss']:.4f} "
-                                     f"nats/byte vs unigram baseline {baseline:.4f}")
-    summary["message"] = _final_line(summary, session)
-    summary["exit_code"] = 0
-    run.out.progress.final(summary["message"])
-    if jax.process_index() == 0:
-        with open(os.path.join(run.workdir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2, sort_keys=True)
-    return summary
-
-
-def _best(cfg, run: Run) -> dict:
-    """The best step and value of the monitored metric (early_stop / plateau monitor,
-    else checkpoint.monitor) over the run's recorded evals, resumes included."""
-    out = run.decisions.best()
-    if out:
-        return out
-    key, sign = cfg.checkpoint.monitor, (1.0 if cfg.checkpoint.mode == "min" else -1.0)
-    scored = [(sign * e[key], e["step"]) for e in run.ckpt.control.eval_history
-              if key in e and np.isfinite(e[key])]
-    if not scored:
-        return {}
-    value, step = min(scored, key=lambda vs: (vs[0], -vs[1]))
-    return {"best_metric": key, "best_step": step, "best_value": sign * value}
-
-
-def _final_line(summary: dict, session: _Session) -> str:
-    """The one line printed even at verbosity 0 (also in train.log and summary.json)."""
-    step, by = summary["step"], summary["stopped_by"]
-    rate = summary.get("perf/steps_per_sec")
-    tail = ((f"; {rate:.2f} steps/s" if rate else "")
-            + (f"; {summary['skipped_steps']} skipped steps" if summary["skipped_steps"]
-               else ""))
-    evals = eval_loop.headline(summary)  # only an eval of `step` is in the summary
-    if by in ("SIGINT", "SIGTERM"):
-        if step == (summary["resumed_from"] or 0) and session.saved is None:
-            return (f"jtrain: stopped by {by} at step {step} during start-up; nothing new "
-                    "to save; rerun the same command to continue")
-        return (f"jtrain: stopped by {by} at step {step}; checkpoint saved; rerun the same "
-                "command to continue")
-    if by:
-        return (f"jtrain: stopped early at step {step} by {by}: {session.stop_reason}; "
-                f"checkpoint saved" + (f"; eval {evals}" if evals else "") + tail)
-    return (f"jtrain: done at step {step}" + (f"; eval {evals}" if evals else "") + tail)
-
-
-def record_halt(run: Run, error: Exception) -> None:
-    """A non-finite halt (exit 4): its line into train.log and summary.json; the entry
-    point prints it. Nothing is saved (a halt is never checkpointed)."""
-    line = errors.render(error)
-    run.out.progress.record(line)
-    if jax.process_index() == 0:
-        summary = {"step": getattr(error, "step", None), "stopped_by": "non-finite",
-                   "stop_reason": errors.first_line(error), "message": line,
-                   "exit_code": errors.exit_code(error), "resumed_from": run.resumed_from,
-                   "checkpoint_step": run.ckpt.latest_step()}
-        with open(os.path.join(run.workdir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2, sort_keys=True)

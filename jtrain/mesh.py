@@ -146,6 +146,41 @@ def logical_to_shardings(abstract_tree, mesh: Mesh, rules=LOGICAL_RULES):
     return shardings
 
 
+def sharding_conflicts(annotated_tree, mesh: Mesh, rules=LOGICAL_RULES) -> list[str]:
+    """Where `logical_to_shardings` falls back to replicating a dimension the model
+    asked to shard: ("mesh.<axis>", "<param path> [shape]: <why>"), one per dimension
+    (for the dry run)."""
+    table = dict(rules)
+    out = []
+    leaves = jax.tree_util.tree_flatten_with_path(annotated_tree, is_leaf=_is_annotated)[0]
+    for path, leaf in leaves:
+        names = _spec_of(leaf)
+        shape = getattr(leaf.value if _is_annotated(leaf) else leaf, "shape", ())
+        where = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        used: dict[str, str] = {}
+        for i, name in enumerate(names[:len(shape)]):
+            if name is None:
+                continue
+            if name not in mesh.shape and name not in table:
+                out.append(("mesh", f"{where} {list(shape)}: no logical rule for axis {name!r} "
+                           f"(dim {i}; rules: {', '.join(k for k, _ in rules)})"))
+                continue
+            axis = name if name in mesh.shape else table[name]
+            axes = () if axis is None else (axis if isinstance(axis, tuple) else (axis,))
+            size = math.prod(mesh.shape[a] for a in axes)
+            clash = [a for a in axes if a in used]
+            if clash:
+                out.append((f"mesh.{clash[0]}", f"{where} {list(shape)}: {name!r} (dim {i}) "
+                            f"and {used[clash[0]]!r} both map to mesh axis {clash[0]}"))
+            elif axes and shape[i] % size:
+                out.append((f"mesh.{axes[0]}", f"{where} {list(shape)}: dim {i} ({shape[i]}, "
+                            f"{name!r}) is not divisible by "
+                            f"{'x'.join(f'{a}={mesh.shape[a]}' for a in axes)}"))
+            else:  # applied, as logical_to_shardings does
+                used.update({a: name for a in axes})
+    return out
+
+
 def process_values(value: int) -> list[int]:
     """`value` from every process, in process order (one small all-gather; no
     communication on one process). The data layer is handed this instead of calling

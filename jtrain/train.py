@@ -22,6 +22,7 @@ from flax import linen as nn
 
 from jtrain import checkpoint, eval_loop
 from jtrain import loop as loop_lib
+from jtrain import summary as summary_lib
 from jtrain import config as config_lib
 from jtrain import control as control_lib
 from jtrain.control import decide as decide_lib
@@ -33,9 +34,10 @@ from jtrain import multihost
 from jtrain.observe import perf as perf_lib
 from jtrain import precision as precision_lib
 from jtrain import state as state_lib
-from jtrain.observe import console, header as header_lib
+from jtrain.observe import compiles as compiles_lib, console, header as header_lib
+from jtrain.observe import startup as startup_lib
 from jtrain.observe import writers as writers_lib
-from jtrain.errors import ConfigError, NonFiniteError, RestoreError, WorkdirError
+from jtrain.errors import NonFiniteError, RestoreError, WorkdirError
 from jtrain.observe.redact import redact
 from jtrain.build import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, Build, build, model_sample  # noqa: F401
 
@@ -94,14 +96,19 @@ def _entry(config, workdir, model, train_data, eval_data, loss_fn, on_eval,
     cfg, notices = config_lib.resolve_for_run(config, allow_changes=allow_changes)
     redact(cfg)  # its secrets are known to the redactor before any line can echo them
     determinism = precision_lib.set_deterministic(cfg.deterministic)
+    # Before this run's first compile (JAX decides at a compile whether the cache is used).
+    cache_dir = compiles_lib.configure_cache(cfg.compile.cache_dir, cfg.compile.cache_max_gb)
+    recorder = compiles_lib.Recorder()
+    startup = startup_lib.Startup(recorder)
     # From here on SIGTERM / SIGINT mean: save the current step (if any), stop, return
     # (jtrain.control.signals); one that came during the CLI's imports is taken over.
-    with control_lib.Stopper(cfg.checkpoint.grace_seconds) as stopper:
+    with control_lib.Stopper(cfg.checkpoint.grace_seconds) as stopper, recorder:
         # data.source factories run, and a torch DataLoader's settings become data.*,
         # before the batch is checked against the devices.
-        train_data, eval_data, overrides = data_lib.load_user_data(
-            cfg.data, train_data, eval_data, process_index=jax.process_index(),
-            process_count=jax.process_count())
+        with startup.phase("data"):
+            train_data, eval_data, overrides = data_lib.load_user_data(
+                cfg.data, train_data, eval_data, process_index=jax.process_index(),
+                process_count=jax.process_count())
         if overrides:  # a new config: a validated one is never changed in place
             cfg = config_lib.resolve({**cfg.to_dict(),
                                       "data": {**cfg.data.to_dict(), **overrides}})
@@ -117,7 +124,8 @@ def _entry(config, workdir, model, train_data, eval_data, loss_fn, on_eval,
             process_index=jax.process_index())
         with watchdog:
             return _train(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
-                          determinism, watchdog, stopper, notices)
+                          determinism, watchdog, stopper, notices,
+                          loop_lib.Startup(startup, recorder, cache_dir))
 
 
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -149,9 +157,9 @@ def check_workdir(path: str) -> None:
 
 
 def _train(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval, determinism,
-           watchdog, stopper, notices) -> TrainResult:
+           watchdog, stopper, notices, startup) -> TrainResult:
     run = _setup(cfg, os.path.abspath(workdir), model, train_data, eval_data, loss_fn,
-                 on_eval, determinism, watchdog)
+                 on_eval, determinism, watchdog, startup)
     for line in notices:  # after the header: e.g. a warmup shortened for a short run
         run.out.progress.message(f"jtrain: note: {line}")
     run.stopper = stopper
@@ -162,9 +170,9 @@ def _train(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval, determi
             try:
                 state, session = loop_lib.run_loop(cfg, run)
             except NonFiniteError as e:  # exit 4: its line in train.log and summary.json
-                loop_lib.record_halt(run, e)
+                summary_lib.record_halt(run, e)
                 raise
-            summary = loop_lib.summarize(cfg, run, state, session)
+            summary = summary_lib.summarize(cfg, run, state, session)
         if session.stored is not None:  # finished before: the stored result, unchanged
             return TrainResult(state=state, history=list(run.ckpt.control.eval_history),
                                summary=summary, train_history=session.train_history)
@@ -189,17 +197,53 @@ class _Outputs:
 
 
 def _setup(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
-           determinism, watchdog) -> loop_lib.Run:
+           determinism, watchdog, startup) -> loop_lib.Run:
     t_start = time.perf_counter()
-    primary = jax.process_index() == 0
     os.makedirs(workdir, exist_ok=True)
+    phase = startup.startup.phase
 
     # Checked here (DataError before any step); the data's shapes come from a sample batch.
-    train_src, eval_src, data_info = data_lib.make_sources(
-        cfg.data, train_data, eval_data, process_index=jax.process_index(),
-        process_count=jax.process_count(), gather=mesh_lib.process_values)
-    example = (eval_src if eval_src is not None else train_src)[0]
-    sample = model_sample(cfg, train_src[0])  # example 0's inputs as the model sees them
+    with phase("data"):
+        train_src, eval_src, data_info = data_lib.make_sources(
+            cfg.data, train_data, eval_data, process_index=jax.process_index(),
+            process_count=jax.process_count(), gather=mesh_lib.process_values)
+        example = (eval_src if eval_src is not None else train_src)[0]
+        sample = model_sample(cfg, train_src[0])  # example 0's inputs as the model sees
+    with phase("build"):
+        b = _build_and_check(cfg, sample, example, model, loss_fn, data_info, train_src,
+                             eval_src)
+    if cfg.compile.precompile:
+        # The step compiles beside the state's init; its first call reuses the executable.
+        startup.precompile = compiles_lib.precompile(
+            b.train_step, b.abstract_with_shardings(),
+            compiles_lib.abstract_batch(train_src[0], cfg.data.batch_size,
+                                        mesh_lib.batch_sharding(b.mesh)), mesh=b.mesh)
+
+    try:
+        # Start-up precedence (jtrain.checkpoint.manager, WORKSPACE.md): (1) the newest
+        # intact checkpoint in workdir/checkpoints; (2) else checkpoint.init_from; (3) else
+        # fresh.
+        with phase("state"):
+            ckpt = checkpoint.Checkpointer(workdir, cfg, data_info)
+            start = ckpt.restore_or_init(b.abstract_with_shardings(), b.init)
+        with phase("data"):
+            train_iter = _train_iterator(cfg, train_src, start, b.mesh)
+        with phase("writers"):
+            outputs = _outputs(cfg, b, workdir, model, loss_fn, start, ckpt, data_info,
+                               (train_src, eval_src), sample, determinism, t_start)
+    except BaseException:
+        if startup.precompile is not None:  # no exit while XLA compiles in a thread
+            startup.precompile.join()
+        raise
+    decisions = _decisions(cfg, workdir, ckpt.control, start, train_iter, on_eval,
+                           outputs.progress.message)
+    return loop_lib.Run(workdir, b, start.state, train_iter, eval_src, data_info, ckpt,
+                        outputs, start.step, decisions, watchdog, determinism,
+                        startup=startup)
+
+
+def _build_and_check(cfg, sample, example, model, loss_fn, data_info, train_src,
+                     eval_src) -> Build:
     b = build(cfg, sample=sample, eval_example=example,
               model=model, loss_fn=loss_fn, byte_level=data_info.get("name") == "pystdlib",
               train_example=train_src[0])
@@ -225,11 +269,10 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
                                                b.sample_inputs),
         {"train_data": train_src, **({"eval_data": eval_src} if eval_src is not None else {})},
         default_loss=b.loss_fn is None)
+    return b
 
-    # Start-up precedence (jtrain.checkpoint.manager, WORKSPACE.md): (1) the newest intact
-    # checkpoint in workdir/checkpoints; (2) else checkpoint.init_from; (3) else fresh.
-    ckpt = checkpoint.Checkpointer(workdir, cfg, data_info)
-    start = ckpt.restore_or_init(b.abstract_with_shardings(), b.init)
+
+def _train_iterator(cfg, train_src, start, mesh):
     train_iter = data_lib.make_train_iterator(
         train_src, local_batch=cfg.data.batch_size // jax.process_count(), seed=cfg.seed,
         shuffle=cfg.data.shuffle, process_index=jax.process_index(),
@@ -240,10 +283,15 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
         train_iter.set_state(start.data_state)
     # The next batches go onto the devices in a background thread (the one transfer,
     # mesh.host_to_device); get_state() stays the position of the step's next batch.
-    train_iter = data_lib.device_prefetch(
-        train_iter, functools.partial(mesh_lib.host_to_device, mesh=b.mesh),
+    return data_lib.device_prefetch(
+        train_iter, functools.partial(mesh_lib.host_to_device, mesh=mesh),
         cfg.data.device_prefetch)
 
+
+def _outputs(cfg, b: Build, workdir, model, loss_fn, start, ckpt, data_info, sources,
+             sample, determinism, t_start) -> _Outputs:
+    """config.json, the metric writers, the progress display and the header."""
+    primary = jax.process_index() == 0
     resolved = cfg.to_dict()
     if primary:
         # A model object passed from Python cannot be rebuilt from the config: say which
@@ -268,8 +316,8 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
     flops = perf_lib.model_flops_per_example(b.user_model, cfg.model,
                                              jax.tree.map(np.shape, sample))
     peak = perf_lib.peak_flops_per_device(cfg.perf.peak_flops)
-    header = _header(cfg, b, data_info, (train_src, eval_src), workdir, start.origin, flops,
-                     peak, determinism)
+    header = _header(cfg, b, data_info, sources, workdir, start.origin, flops, peak,
+                     determinism)
     progress.message(header)
     writer.write_text(start.step or 0, "run/header", header)  # TensorBoard's text tab
     progress.message(header_lib.parameter_table(b.abstract.params), level=2)
@@ -277,11 +325,7 @@ def _setup(cfg, workdir, model, train_data, eval_data, loss_fn, on_eval,
                            flops_per_example=flops, peak_flops=peak,
                            num_devices=jax.device_count(), t_start=t_start)
     profiler = perf_lib.Profiler(cfg.profile, workdir, is_primary=primary)
-    decisions = _decisions(cfg, workdir, ckpt.control, start, train_iter, on_eval,
-                           progress.message)
-    return loop_lib.Run(workdir, b, start.state, train_iter, eval_src, data_info, ckpt,
-                        _Outputs(writer, progress, meter, profiler), start.step, decisions,
-                        watchdog, determinism)
+    return _Outputs(writer, progress, meter, profiler)
 
 
 def _decisions(cfg, workdir, record, start, train_iter, on_eval, say):

@@ -27,7 +27,7 @@ def test_every_key_has_a_doc_and_a_resume_rule():
 
 def test_resume_rule_is_the_one_that_was_measured():
     """The keys that may differ on resume: they cannot change the trained state."""
-    safe_prefixes = ("log.", "eval.", "checkpoint.", "profile.", "perf.", "mesh.",
+    safe_prefixes = ("log.", "eval.", "checkpoint.", "profile.", "perf.", "mesh.", "compile.",
                      "early_stop.", "nonfinite.", "watchdog.", "memory.",
                      "tune.",  # read by python -m jtrain.tune only, never by a run
                      "distributed.")  # timeouts and checks between processes

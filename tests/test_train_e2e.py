@@ -101,21 +101,6 @@ def test_same_seed_same_hash_and_resume_is_bitwise(tmp_path):
     assert other["state_sha256"] != a["state_sha256"]
 
 
-def test_fsdp_shards_params_and_optimizer_state(tmp_path):
-    cfg = _lib_config(total_steps=2)
-    cfg.optim.update(warmup_steps=0, decay_steps=0)
-    cfg.mesh.update(data=2, fsdp=4)
-    cfg.model.update(d_model=64, d_ff=128)
-    state = jtrain.train(cfg, str(tmp_path / "fsdp")).state
-    emb = state.params["embed"]["embedding"]  # [V, D], D on fsdp
-    assert emb.sharding.shard_shape(emb.shape) == (256, 16)
-    moments = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
-               if "embedding" in jax.tree_util.keystr(path)]
-    assert len(moments) == 2  # AdamW's mu and nu, laid out like the parameter
-    for m in moments:
-        assert m.sharding.shard_shape(m.shape) == (256, 16)
-
-
 def _readme_examples():
     text = open(os.path.join(REPO, "README.md")).read()
     return [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "jtrain.train(" in b]

@@ -115,6 +115,44 @@ def console(args) -> int:
     return 0
 
 
+def _scaling_flags(fv) -> None:
+    flags.DEFINE_enum("model", "small", ["small", "tiny"], "small: d_model=64, 2 layers, "
+                      "8 heads, batch 32 x 64; tiny: d_model=32, 1 layer, batch 16 x 16",
+                      flag_values=fv)
+    flags.DEFINE_list("devices", ["1", "2", "4", "8"], "fake CPU device counts",
+                      flag_values=fv)
+    flags.DEFINE_list("strategies", ["data", "fsdp", "tensor"], "mesh axes to scale",
+                      flag_values=fv)
+    flags.DEFINE_integer("steps", 20, "timed steps per run (after as many warm-up steps)",
+                         flag_values=fv)
+    flags.DEFINE_bool("first_step", True, "also time the first step: hand-written loop, "
+                      "jtrain cold and warm compile cache", flag_values=fv)
+    flags.DEFINE_string("out", None, "write the results as JSON to this file", flag_values=fv)
+
+
+def scaling(args) -> int:
+    try:
+        devices = [int(d) for d in args.devices]
+    except ValueError:
+        return _fail(f"error: --devices: integers, got {','.join(args.devices)}")
+    bad = [s for s in args.strategies if s not in ("data", "fsdp", "tensor")]
+    if bad or not devices or min(devices) < 1 or args.steps < 1:
+        return _fail("error: --devices >= 1, --strategies from data,fsdp,tensor, --steps >= 1")
+    from jtrain.bench import scaling as bs
+
+    try:
+        res = bs.run_scaling(preset=args.model, devices=devices, steps=args.steps,
+                             strategies=args.strategies, first_step=args.first_step,
+                             progress=lambda s: print(s, file=sys.stderr, flush=True))
+    except RuntimeError as e:
+        return _fail(f"error: {e}")
+    print(bs.format_report(res), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=2, sort_keys=True)
+    return 0
+
+
 def _fmt_ms(v: float) -> str:
     return f"{v:.1f}" if v >= 100 else f"{v:.3g}" if v < 1 else f"{v:.2f}"
 
@@ -195,11 +233,14 @@ def main(argv=None) -> int:
         "data": (_data_flags, data, "jtrain's data pipeline vs torch's DataLoader"),
         "checkpoint": (_checkpoint_flags, checkpoint, "what async checkpointing costs the loop"),
         "console": (_console_flags, console, "the progress bar on a terminal vs plain lines"),
+        "scaling": (_scaling_flags, scaling, "examples/s per device at 1-8 devices; time "
+                    "to first step, cold vs warm compile cache"),
     }
     argv = list(sys.argv[1:] if argv is None else argv)
     name = argv[0] if argv and not argv[0].startswith("-") else None
     if name is None:
-        usage = ("usage: python -m jtrain.bench {overhead,data,checkpoint,console} [flags]\n\n"
+        usage = ("usage: python -m jtrain.bench {overhead,data,checkpoint,console,scaling} "
+                 "[flags]\n\n"
                  + "".join(f"  {k:<11} {v[2]}\n" for k, v in commands.items()))
         if any(a in ("--help", "-h") for a in argv):
             sys.stdout.write(usage + "\n" + (__doc__ or "") + "\n")

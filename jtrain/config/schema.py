@@ -167,6 +167,15 @@ SCHEMA: dict[str, Any] = {
         "wandb_project": F(str, "jtrain", None, "W&B project"),
         "wandb_mode": F(str, "offline", ("offline", "online", "disabled"), "W&B mode"),
     }),
+    "compile": _resume_safe({  # jtrain/observe/compiles.py
+        "cache_dir": F(str, "auto", None, "persistent XLA compilation cache shared by "
+                       "runs and processes; auto = $XDG_CACHE_HOME/jtrain/xla or "
+                       "~/.cache/jtrain/xla; '' = off"),
+        "cache_max_gb": F(float, 8.0, (0.0, INF), "least-recently used cache entries "
+                          "are evicted past this size; 0 = no limit"),
+        "precompile": F(bool, True, None, "compile the train step in a background "
+                        "thread while the state initialises (its first call reuses it)"),
+    }),
     "profile": _resume_safe({
         "start_step": F(int, 0, (0, INF), "first traced step; 0 = no jax.profiler trace"),
         "num_steps": F(int, 5, (1, INF), "steps traced into WORKDIR/profile"),

@@ -59,14 +59,20 @@ class ModelFns:
         """(abstract plain params, their NamedShardings), with no allocation.
 
         Call under `jax.set_mesh(mesh)`."""
+        annotated = self.annotated(rng, inputs)
         if self.kind == "nnx":
-            annotated = self.nnx_graph.template
             shardings = mesh_lib.logical_to_shardings(annotated, mesh).to_pure_dict()
             abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                     annotated.to_pure_dict())
             return abstract, shardings
-        boxed = jax.eval_shape(self.init, rng, inputs)
-        return nn.unbox(boxed), mesh_lib.logical_to_shardings(boxed, mesh)
+        return nn.unbox(annotated), mesh_lib.logical_to_shardings(annotated, mesh)
+
+    def annotated(self, rng, inputs):
+        """The abstract params with their partitioning annotations (Linen boxes, NNX
+        variables): what mesh.logical_to_shardings and mesh.sharding_conflicts read."""
+        if self.kind == "nnx":
+            return self.nnx_graph.template
+        return jax.eval_shape(self.init, rng, inputs)
 
 
 def _mode_kwargs(fn: Callable, train: bool) -> dict:

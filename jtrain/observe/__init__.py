@@ -8,4 +8,7 @@
     jsonl     the metrics.jsonl format; a resumed run's records truncated to its step
     perf      steps/s, tokens/s, MFU, data wait, compile time; the profiler
     plots     PNG plots for `python -m jtrain.evaluate`
+    startup   time to first step split into phases, in the header and summary.json
+    compiles  the persistent compilation cache; every compile counted, recompiles named
+    tbx       tensorboardX's event-file modules without its torch import
 """

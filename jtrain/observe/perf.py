@@ -104,6 +104,11 @@ class Meter:
             self._first["perf/time_to_first_step_sec"] = time.perf_counter() - self._t_start
         self._marks[step] = (time.perf_counter(), self._data, self._excluded)
 
+    def set_first(self, values: dict[str, float]) -> None:
+        """The start-up breakdown (observe.startup): written with the first log step
+        and kept in the summary; its time_to_first_step replaces the Meter's own."""
+        self._first.update(values)
+
     def add(self, component: str, seconds: float) -> None:
         """Time spent outside steps (eval, checkpoint), for the verbosity-2 timings;
         not counted in the step rates."""

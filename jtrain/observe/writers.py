@@ -18,7 +18,7 @@ from pathlib import Path
 
 # Redaction lives beside the console output that needs it most; it is part of this API.
 from jtrain import config as config_lib
-from jtrain.observe import jsonl
+from jtrain.observe import jsonl, tbx
 from jtrain.observe.redact import redact, redact_text
 
 _MLFLOW_PARAM_MAX_LEN = 6000  # MLflow rejects longer parameter values.
@@ -120,6 +120,7 @@ class _TensorBoard(_Backend):
     name = "tensorboard"
 
     def __init__(self, workdir: str):
+        tbx.import_without_torch()
         from tensorboardX.event_file_writer import EventsWriter
         from tensorboardX.proto import event_pb2
         from tensorboardX import summary

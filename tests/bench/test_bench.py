@@ -33,7 +33,7 @@ def test_help_lists_subcommands(capsys):
         bench.main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for name in ("overhead", "data", "checkpoint", "console"):
+    for name in ("overhead", "data", "checkpoint", "console", "scaling"):
         assert name in out
 
 

@@ -37,7 +37,10 @@ def _train(workdir):
     cfg = {"total_steps": 8, "optim": {"name": "sgd", "lr": 0.1, "schedule": "constant"},
            "data": {"batch_size": 8}, "eval": {"every_steps": 0},
            "log": {"writers": ("jsonl",), "verbosity": 0},
-           "checkpoint": {"every_steps": 0}}
+           "checkpoint": {"every_steps": 0},
+           # step 1 compiles in the loop (not beside the state's init), so that a signal
+           # 0.05 s into it arrives while it compiles
+           "compile": {"precompile": False}}
     return jtrain.train(cfg, str(workdir), model=Net(), train_data=_data()).summary
 
 

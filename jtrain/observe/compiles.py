@@ -1,0 +1,249 @@
+"""XLA compiles: the persistent compilation cache (`compile.*`) and a record of every
+compile of the run — how many, how long, persistent-cache hits and misses, and any
+compile after the first step with its cause (the function and its argument shapes).
+
+The cache: `compile.cache_dir` ("auto" = `$XDG_CACHE_HOME/jtrain/xla`, else
+`~/.cache/jtrain/xla`; "" = off). JAX decides once per process, at its first compile,
+whether the cache is used, and by default skips compiles under 1 s and small entries:
+`configure_cache` sets the directory, caches every compile (thresholds 0) and resets
+JAX's decision, so it works even after arrays exist. Several runs and processes may
+share the directory: in a multi-process run only process 0 writes entries (the others
+read them), and with the size limit `compile.cache_max_gb` JAX takes a file lock around
+every read and write and evicts the least-recently used entries past it.
+
+`Recorder` listens to JAX's monitoring events (one backend compile each, a cache hit or
+miss each) and to the "Compiling <fn> with global shapes ..." record of JAX's lowering
+logger, which names the function and its argument shapes; DEBUG records it captures
+are dropped there, so nothing new is printed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import jax
+from jax import monitoring
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_MISS_EVENT = "/jax/compilation_cache/cache_misses"
+_LOWERING_LOGGER = "jax._src.interpreters.pxla"
+_CONFIGURED: tuple | None = None  # (directory, max_gb) of configure_cache's last call
+
+
+def cache_path(cache_dir: str) -> str | None:
+    """The directory `compile.cache_dir` names; None when it is off ("")."""
+    if not cache_dir:
+        return None
+    if cache_dir == "auto":
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                                 ".cache")
+        return os.path.join(base, "jtrain", "xla")
+    return os.path.abspath(os.path.expanduser(cache_dir))
+
+
+def configure_cache(cache_dir: str, max_gb: float = 0.0) -> str | None:
+    """Turn JAX's persistent compilation cache on at `cache_path(cache_dir)` with every
+    compile cached (or off for ""); returns the directory or None. A directory that
+    cannot be created turns the cache off (the run does not depend on it) and says so."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    path = cache_path(cache_dir)
+    if path is not None:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            logging.warning("jtrain: compile cache off: cannot create %s (%s)", path,
+                            e.strerror or e)
+            path = None
+    global _CONFIGURED
+    if _CONFIGURED == (path, max_gb) and jax.config.jax_compilation_cache_dir == path:
+        return path  # this process set it up already (and JAX may have started it)
+    _CONFIGURED = (path, max_gb)
+    jax.config.update("jax_compilation_cache_dir", path)
+    if path is not None:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: all
+        # A size limit makes JAX lock the directory (filelock) around every read and
+        # write: what lets several runs and processes share it safely.
+        jax.config.update("jax_compilation_cache_max_size",
+                          int(max_gb * 2**30) if max_gb > 0 and _has_filelock() else -1)
+    cc.reset_cache()  # JAX checks "is the cache used" once, at the first compile
+    return path
+
+
+def _has_filelock() -> bool:
+    try:
+        import filelock  # noqa: F401 - a dependency of jtrain; JAX needs it for the limit
+    except ImportError:
+        return False
+    return True
+
+
+class Recorder:
+    """Counts the compiles of this process while active; after `first_step_done()`
+    every compile is a recompile, recorded with its cause."""
+
+    _active: "Recorder | None" = None
+    _installed = False
+    _lock = threading.Lock()
+
+    def __init__(self):
+        self.compiles = 0
+        self.compile_sec = 0.0
+        self.hits = 0
+        self.misses = 0
+        self.after_first_step: list[dict] = []  # {"function", "shapes", "sec"}
+        self._first_step_done = False
+        self._reported = 0
+        self._seen: dict[str, str] = {}  # function -> the shapes it was compiled for
+        self._lowering: list[tuple[str, str]] = []  # (function, shapes), newest last
+
+    def __enter__(self) -> "Recorder":
+        _install()
+        Recorder._active = self
+        self._logger = logging.getLogger(_LOWERING_LOGGER)
+        self._old_level = self._logger.level
+        # Its "Compiling ..." record is DEBUG unless jax_log_compiles: enable DEBUG on
+        # that logger and drop its DEBUG records after reading them, unless the user had
+        # DEBUG on there already.
+        quiet = not self._logger.isEnabledFor(logging.DEBUG)
+        self._filter = _LoweringFilter(self, drop_debug=quiet)
+        self._logger.addFilter(self._filter)
+        if quiet:
+            self._logger.setLevel(logging.DEBUG)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if Recorder._active is self:
+            Recorder._active = None
+        self._logger.removeFilter(self._filter)
+        self._logger.setLevel(self._old_level)
+
+    def first_step_done(self) -> None:
+        self._first_step_done = True
+
+    def unreported(self) -> list[dict]:
+        """The compiles after the first step not returned by an earlier call."""
+        new = self.after_first_step[self._reported:]
+        self._reported = len(self.after_first_step)
+        return new
+
+    def snapshot(self) -> tuple[int, int, int, float]:
+        """(compiles, hits, misses, seconds) so far: phases subtract two of them."""
+        return self.compiles, self.hits, self.misses, self.compile_sec
+
+    def _on_compile(self, fun_name: str, seconds: float) -> None:
+        self.compiles += 1
+        self.compile_sec += seconds
+        shapes = next((s for f, s in reversed(self._lowering) if f == fun_name), "?")
+        # "again": a function compiled before (new shapes, shardings or a new jit of it);
+        # "first": its first compile (e.g. the eval step at the first eval).
+        again = fun_name in self._seen and not _anonymous_or_eager(fun_name)
+        if self._first_step_done:
+            self.after_first_step.append({"function": fun_name, "shapes": shapes,
+                                          "sec": round(seconds, 4),
+                                          "kind": "again" if again else "first",
+                                          "before": self._seen.get(fun_name, "")})
+        self._seen[fun_name] = shapes
+
+    @property
+    def recompiles(self) -> list[dict]:
+        """Compiles after the first step of functions compiled before."""
+        return [c for c in self.after_first_step if c["kind"] == "again"]
+
+    def summary(self) -> dict:
+        """The compile figures of summary.json."""
+        return {"compile/count": self.compiles, "compile/sec": round(self.compile_sec, 3),
+                "compile/cache_hits": self.hits, "compile/cache_misses": self.misses,
+                "compile/after_first_step": len(self.after_first_step),
+                "compile/recompiles": len(self.recompiles),
+                "compile/after_first_step_causes": [
+                    {k: v for k, v in c.items() if k != "before"}
+                    for c in self.after_first_step[:20]]}
+
+
+def _anonymous_or_eager(fun_name: str) -> bool:
+    """A lambda, a private helper (JAX's `_psum`, `_identity_fn` of process_allgather)
+    or one primitive run outside jit (`jit(slice)`: orbax slicing a replicated array per
+    device at a save): compiled per device and shape by design, not a step compiled
+    again."""
+    name = fun_name[4:-1] if fun_name.startswith("jit(") else fun_name
+    return "<lambda>" in name or name.startswith("_") or hasattr(jax.lax, name)
+
+
+class _LoweringFilter(logging.Filter):
+    """Keeps the function name and shapes of each lowering; drops DEBUG records that
+    only this recorder asked for."""
+
+    def __init__(self, recorder: Recorder, drop_debug: bool):
+        super().__init__()
+        self._recorder = recorder
+        self._drop_debug = drop_debug
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg.startswith("Compiling ") and record.args:
+            name, avals = record.args[0], record.args[1]
+            shapes = ", ".join(str(a) for a in avals)
+            self._recorder._lowering = self._recorder._lowering[-15:] + [
+                (str(name), shapes[:500])]
+        return record.levelno > logging.DEBUG or not self._drop_debug
+
+
+def _install() -> None:
+    """Registers the monitoring listeners once per process (they cannot be removed);
+    they forward to the active Recorder, if any."""
+    with Recorder._lock:
+        if Recorder._installed:
+            return
+        Recorder._installed = True
+
+    def on_duration(event: str, duration: float, **kwargs) -> None:
+        rec = Recorder._active
+        if rec is not None and event == _COMPILE_EVENT:
+            rec._on_compile(str(kwargs.get("fun_name", "?")), duration)
+
+    def on_event(event: str, **kwargs) -> None:
+        rec = Recorder._active
+        if rec is None:
+            return
+        if event == _HIT_EVENT:
+            rec.hits += 1
+        elif event == _MISS_EVENT:
+            rec.misses += 1
+
+    monitoring.register_event_duration_secs_listener(on_duration)
+    monitoring.register_event_listener(on_event)
+
+
+def abstract_batch(example: dict, global_batch: int, sharding):
+    """ShapeDtypeStructs of the global batch `example` comes in (host_to_device's
+    arrays: numpy dtypes canonicalised as device_put does)."""
+    import numpy as np
+
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        (global_batch,) + np.shape(x), jax.dtypes.canonicalize_dtype(np.asarray(x).dtype),
+        sharding=sharding), example)
+
+
+def precompile(step_fn, abstract_state, batch, *, mesh, rules=None) -> threading.Thread:
+    """Lower and compile `step_fn` for (abstract_state, batch) in a daemon thread, under
+    the mesh and logical-axis rules the loop traces it with. The executable goes into
+    the persistent cache, where the step's first call finds it; a failure here is left
+    to that call to report."""
+    from flax import linen as nn
+
+    from jtrain import mesh as mesh_lib
+
+    def work():
+        try:
+            with jax.set_mesh(mesh), nn.logical_axis_rules(rules or mesh_lib.LOGICAL_RULES):
+                step_fn.lower(abstract_state, batch).compile()
+        except Exception:  # noqa: BLE001 - the real first call raises it properly
+            pass
+
+    thread = threading.Thread(target=work, name="jtrain-precompile", daemon=True)
+    thread.start()
+    return thread

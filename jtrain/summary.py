@@ -1,0 +1,124 @@
+"""The end of a run: summary.json and the one final line (done, stopped by a signal,
+stopped early, already finished), the record of a non-finite halt, and the best step of
+the monitored metric. Called by train.py after jtrain.loop.run_loop returns."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+
+from jtrain import errors
+from jtrain import eval_loop
+from jtrain import state as state_lib
+from jtrain.observe import jsonl
+
+
+def stored_summary(workdir: str, state) -> dict | None:
+    """summary.json when it is the record of exactly this state (a finished run)."""
+    try:
+        with open(os.path.join(workdir, "summary.json")) as f:
+            stored = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(stored, dict) or stored.get("step") != int(jax.device_get(state.step)):
+        return None
+    return stored if stored.get("state_sha256") == state_lib.state_sha256(state) else None
+
+
+def summarize(cfg, run, state, session) -> dict:
+    """summary.json (process 0) and the final line; `run` is a jtrain.loop.Run, `session`
+    the loop's _Session."""
+    step = int(jax.device_get(state.step))
+    if session.stored is not None:  # finished before: say so, return what it recorded
+        run.out.progress.final(f"jtrain: already finished at step {step} (summary.json); "
+                               "nothing to do")
+        session.train_history = [
+            {k: v for k, v in r.items() if k == "step" or k.startswith("train/")}
+            for r in jsonl.read_records(os.path.join(run.workdir, "metrics.jsonl"))
+            if any(k.startswith("train/") for k in r)]
+        return session.stored
+    last_eval = session.history[-1] if session.history else {}
+    # Only an eval of the final step is the run's result; an older one (a stop between
+    # evals) is kept apart, with its step, never presented as final.
+    final_eval = last_eval if last_eval.get("step") == step else {}
+    summary = {
+        "step": step,
+        "state_sha256": state_lib.state_sha256(state),
+        "skipped_steps": int(jax.device_get(state.skipped_steps)),
+        "lr_factor": float(jax.device_get(state.lr_factor)),
+        "resumed_from": run.resumed_from,
+        "stopped_by": session.stopped_by,  # SIGTERM, SIGINT, early_stop, on_eval; None
+        "stop_reason": session.stop_reason,
+        "rollbacks": run.decisions.spike.rollbacks,  # [[spike step, rolled back to]]
+        **_best(cfg, run),
+        **{k: v for k, v in final_eval.items() if k != "step"},
+        **({"last_eval": last_eval} if last_eval and not final_eval else {}),
+        **run.out.perf.summary(),
+        **run.startup.recorder.summary(),
+    }
+    baseline = run.data_info.get("unigram_baseline")
+    if baseline is not None:
+        summary["unigram_baseline"] = baseline
+        summary["data_fingerprint"] = run.data_info["fingerprint"]
+        if "eval/loss" in summary:
+            run.out.progress.message(f"jtrain: final eval loss {summary['eval/loss']:.4f} "
+                                     f"nats/byte vs unigram baseline {baseline:.4f}")
+    summary["message"] = _final_line(summary, session)
+    summary["exit_code"] = 0
+    run.out.progress.final(summary["message"])
+    if jax.process_index() == 0:
+        with open(os.path.join(run.workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2, sort_keys=True)
+    return summary
+
+
+def _best(cfg, run) -> dict:
+    """The best step and value of the monitored metric (early_stop / plateau monitor,
+    else checkpoint.monitor) over the run's recorded evals, resumes included."""
+    out = run.decisions.best()
+    if out:
+        return out
+    key, sign = cfg.checkpoint.monitor, (1.0 if cfg.checkpoint.mode == "min" else -1.0)
+    scored = [(sign * e[key], e["step"]) for e in run.ckpt.control.eval_history
+              if key in e and np.isfinite(e[key])]
+    if not scored:
+        return {}
+    value, step = min(scored, key=lambda vs: (vs[0], -vs[1]))
+    return {"best_metric": key, "best_step": step, "best_value": sign * value}
+
+
+def _final_line(summary: dict, session) -> str:
+    """The one line printed even at verbosity 0 (also in train.log and summary.json)."""
+    step, by = summary["step"], summary["stopped_by"]
+    rate = summary.get("perf/steps_per_sec")
+    tail = ((f"; {rate:.2f} steps/s" if rate else "")
+            + (f"; {summary['skipped_steps']} skipped steps" if summary["skipped_steps"]
+               else ""))
+    evals = eval_loop.headline(summary)  # only an eval of `step` is in the summary
+    if by in ("SIGINT", "SIGTERM"):
+        if step == (summary["resumed_from"] or 0) and session.saved is None:
+            return (f"jtrain: stopped by {by} at step {step} during start-up; nothing new "
+                    "to save; rerun the same command to continue")
+        return (f"jtrain: stopped by {by} at step {step}; checkpoint saved; rerun the same "
+                "command to continue")
+    if by:
+        return (f"jtrain: stopped early at step {step} by {by}: {session.stop_reason}; "
+                f"checkpoint saved" + (f"; eval {evals}" if evals else "") + tail)
+    return (f"jtrain: done at step {step}" + (f"; eval {evals}" if evals else "") + tail)
+
+
+def record_halt(run, error: Exception) -> None:
+    """A non-finite halt (exit 4): its line into train.log and summary.json; the entry
+    point prints it. Nothing is saved (a halt is never checkpointed)."""
+    line = errors.render(error)
+    run.out.progress.record(line)
+    if jax.process_index() == 0:
+        summary = {"step": getattr(error, "step", None), "stopped_by": "non-finite",
+                   "stop_reason": errors.first_line(error), "message": line,
+                   "exit_code": errors.exit_code(error), "resumed_from": run.resumed_from,
+                   "checkpoint_step": run.ckpt.latest_step()}
+        with open(os.path.join(run.workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2, sort_keys=True)

@@ -1,0 +1,27 @@
+"""`python -m jtrain.bench scaling` at a tiny size, as a user runs it: the table, the
+note that fake devices measure overhead, the time-to-first-step lines and the JSON."""
+
+import json
+import math
+
+from tests.journey import run_python
+
+
+def test_scaling_bench_tiny_run(tmp_path):
+    p = run_python(tmp_path, "-m", "jtrain.bench", "scaling", "--model=tiny", "--devices=2",
+                   "--strategies=fsdp,tensor", "--steps=2", "--out=res.json")
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = p.stdout
+    assert "measure the overhead of sharding, not a speed-up" in out
+    assert "time to first step: hand-written jax.jit loop" in out and "x cold" in out
+    res = json.loads((tmp_path / "res.json").read_text())
+    rates = res["rates"]["2"]
+    assert set(rates) == {"fsdp", "tensor"}
+    assert all(math.isfinite(v) and v > 0 for v in rates.values())
+    # The warm run found every compile of the cold run in the cache.
+    assert res["cold"]["compile/cache_hits"] == 0
+    assert res["warm"]["compile/cache_hits"] == res["warm"]["compile/count"] > 0
+    for mode in ("hand", "cold", "warm"):
+        assert res[mode]["time_to_first_step_sec"] > 0
+    bad = run_python(tmp_path, "-m", "jtrain.bench", "scaling", "--devices=0")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1

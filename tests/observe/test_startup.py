@@ -1,0 +1,118 @@
+"""Start-up as a user sees it: the compile cache (cold, warm, off), the time-to-first-step
+breakdown in the header and summary.json, no recompiles on the eval's padded last batch
+or on a resume, and a TensorBoard writer that does not import torch."""
+
+import json
+import os
+import shutil
+
+from tests.journey import run_python
+
+CONFIG = '''
+from jtrain.config import defaults
+
+
+def get_config():
+    c = defaults(model="transformer")
+    c.total_steps = 6
+    c.model.update(d_model=32, num_layers=1, num_heads=2, d_ff=64, max_len=32)
+    c.data.update(seq_len=32, batch_size=8)
+    c.optim.update(warmup_steps=1)
+    # 1853 eval windows in batches of 64: the last batch is padded (61 rows)
+    c.eval.update(every_steps=3, num_batches=0, batch_size=64)
+    c.log.every_steps = 3
+    c.checkpoint.every_steps = 3
+    return c
+'''
+
+PHASES = ("imports", "distributed", "data", "build", "state", "writers", "compile")
+
+
+def _run(cwd, workdir, *extra, cache="xdg"):
+    return run_python(cwd, "-m", "jtrain.main", "--config=cfg.py", f"--workdir={workdir}",
+                      *extra, XDG_CACHE_HOME=str(cwd / cache))
+
+
+def _summary(cwd, workdir):
+    with open(cwd / workdir / "summary.json") as f:
+        return json.load(f)
+
+
+def test_cold_then_warm_cache_and_a_resume_compile_nothing_again(tmp_path):
+    (tmp_path / "cfg.py").write_text(CONFIG)
+    cold = _run(tmp_path, "a")
+    assert cold.returncode == 0, cold.stderr[-2000:]
+    s = _summary(tmp_path, "a")
+    # The breakdown: every phase, and they add up to the time to first step.
+    assert "jtrain: first step after" in cold.stdout + cold.stderr
+    parts = [s[f"startup/{p}_sec"] for p in PHASES] + [s["startup/other_sec"]]
+    assert min(parts) >= 0
+    assert abs(sum(parts) - s["perf/time_to_first_step_sec"]) < 0.05
+    # Cold: everything compiled and written to $XDG_CACHE_HOME/jtrain/xla.
+    assert s["compile/cache_hits"] == 0 and s["compile/cache_misses"] >= 3
+    assert os.listdir(tmp_path / "xdg" / "jtrain" / "xla")
+    # Two evals over the whole eval set (padded last batch) and saves: the eval step
+    # and the save check compile once each, nothing compiles again.
+    assert s["compile/recompiles"] == 0, s["compile/after_first_step_causes"]
+    assert {c["function"] for c in s["compile/after_first_step_causes"]} == {
+        "jit(eval_step)", "jit(params_finite)"}
+    assert "again" not in cold.stderr
+
+    warm = _run(tmp_path, "b")
+    assert warm.returncode == 0, warm.stderr[-2000:]
+    w = _summary(tmp_path, "b")
+    assert w["compile/cache_misses"] == 0
+    assert w["compile/cache_hits"] == s["compile/cache_misses"]
+    assert w["state_sha256"] == s["state_sha256"]  # a cached executable computes the same
+
+    # A resume (from step 3) with the cache off: it compiles what a fresh run does, once.
+    shutil.rmtree(tmp_path / "a" / "checkpoints" / "6")
+    resumed = _run(tmp_path, "a", "--config.compile.cache_dir=")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    r = _summary(tmp_path, "a")
+    assert r["resumed_from"] == 3 and r["state_sha256"] == s["state_sha256"]
+    assert r["compile/cache_hits"] == r["compile/cache_misses"] == 0
+    assert r["compile/recompiles"] == 0, r["compile/after_first_step_causes"]
+    assert "compile cache off" in resumed.stderr
+
+
+def test_tensorboard_writer_does_not_import_torch(tmp_path):
+    script = '''
+import sys
+from jtrain.observe import writers
+w = writers.MetricWriter("run", writers.config_lib.resolve({}).log, is_primary=True)
+w.write_scalars(1, {"train/loss": 1.5})
+w.close()
+print("torch imported:", "torch" in sys.modules)
+from tensorboardX import SummaryWriter  # the user's own use still works
+print("SummaryWriter:", SummaryWriter.__name__)
+'''
+    (tmp_path / "tb.py").write_text(script)
+    p = run_python(tmp_path, "tb.py")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "torch imported: False" in p.stdout and "SummaryWriter: SummaryWriter" in p.stdout
+    assert any(n.startswith("events") for n in os.listdir(tmp_path / "run" / "tb"))
+
+
+def test_a_compile_after_the_first_step_is_named_with_its_new_shapes():
+    import jax
+    import numpy as np
+
+    from jtrain.loop import _changed
+    from jtrain.observe import compiles
+
+    def double_it(x):
+        return x * 2
+
+    f = jax.jit(double_it)
+    with compiles.Recorder() as rec:
+        f(np.ones(3, np.float32)).block_until_ready()
+        rec.first_step_done()
+        f(np.ones(3, np.float32)).block_until_ready()  # the same shapes: no compile
+        assert rec.after_first_step == []
+        f(np.ones(5, np.float32)).block_until_ready()
+    (c,) = rec.recompiles
+    assert c["function"] == "jit(double_it)" and c["shapes"] == "float32[5]"
+    assert _changed(c["before"], c["shapes"]) == "#0: float32[3] -> float32[5]"
+    assert rec.summary()["compile/recompiles"] == 1 and rec.unreported() == [c]
+    assert rec.unreported() == []
