@@ -114,7 +114,8 @@ def to_train_log(workdir: str, verbosity: int):
 
 
 def append_traceback(workdir: str | None, line: str, exc: BaseException) -> bool:
-    """The error line and the traceback behind it, appended to WORKDIR/train.log if the
-    workdir exists (a bad config never creates one). False if nothing was written."""
+    """The traceback behind an error, then its line (the log's last line, as on the
+    console), appended to WORKDIR/train.log if the workdir exists (a bad config never
+    creates one). False if nothing was written."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return _append(workdir or "", f"{_stamp()} {line}\n{text}")
+    return _append(workdir or "", f"{text}{_stamp()} {line}\n")
