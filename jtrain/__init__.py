@@ -19,6 +19,13 @@ import sys as _sys
 # with status 143; the Stopper takes them over: nothing new to save, exit 0. Only for the
 # CLI: importing jtrain from a user's script changes no signal handling.
 _EARLY_SIGNALS: list[str] = []
+# jtrain's own entry points start again once with huge-page malloc (jtrain.hostmem: the
+# XLA:CPU step's scratch buffer is mapped fresh each step); before any heavy import.
+if _sys.argv[:1] == ["-m"] and any(a in ("jtrain.main", "jtrain.bench")
+                                   for a in getattr(_sys, "orig_argv", ())):
+    from jtrain import hostmem as _hostmem
+
+    _hostmem.maybe_reexec()
 if _sys.argv[:1] == ["-m"] and "jtrain.main" in getattr(_sys, "orig_argv", ()):
     import signal as _signal
 
