@@ -77,6 +77,18 @@ def _data_flags(fv) -> None:
     flags.DEFINE_string("out", None, "write the results as JSON to this file", flag_values=fv)
 
 
+def _peers_flags(fv) -> None:
+    flags.DEFINE_list("cases", ["mlp", "lm_debug", "lm_base"], "cases to run: mlp, "
+                      "lm_debug, lm_base, lm_tiny", flag_values=fv)
+    flags.DEFINE_integer("rounds", 3, "whole runs per side and case (sides alternate)",
+                         flag_values=fv)
+    flags.DEFINE_integer("steps", None, "steps per run (default per case; rounded to a "
+                         "multiple of 4 evals)", flag_values=fv)
+    flags.DEFINE_string("workdir", None, "keep the runs' files here (default: a temp dir, "
+                        "removed)", flag_values=fv)
+    flags.DEFINE_string("out", None, "write the results as JSON to this file", flag_values=fv)
+
+
 def _checkpoint_flags(fv) -> None:
     flags.DEFINE_float("params", 100e6, "model size (parameters)", flag_values=fv)
     flags.DEFINE_integer("rounds", 3, "rounds", flag_values=fv)
@@ -163,11 +175,12 @@ def main(argv=None) -> int:
         "overhead": (_overhead_flags, overhead, "jtrain loop vs a hand-written jax.jit loop"),
         "data": (_data_flags, data, "jtrain's data pipeline vs torch's DataLoader"),
         "checkpoint": (_checkpoint_flags, checkpoint, "what async checkpointing costs the loop"),
+        "peers": (_peers_flags, peers, "jtrain vs plain PyTorch and Lightning, same work"),
     }
     argv = list(sys.argv[1:] if argv is None else argv)
     name = argv[0] if argv and not argv[0].startswith("-") else None
     if name is None:
-        usage = ("usage: python -m jtrain.bench {overhead,data,checkpoint} [flags]\n\n"
+        usage = ("usage: python -m jtrain.bench {overhead,data,checkpoint,peers} [flags]\n\n"
                  + "".join(f"  {k:<11} {v[2]}\n" for k, v in commands.items()))
         if any(a in ("--help", "-h") for a in argv):
             sys.stdout.write(usage + "\n" + (__doc__ or "") + "\n")
@@ -219,3 +232,28 @@ def data(args) -> int:
             json.dump(res, f, indent=2, sort_keys=True)
     return 0
 
+
+
+def peers(args) -> int:
+    from jtrain.bench import peers as bp  # no JAX, no torch until a case runs
+
+    missing = bp.missing_peers()
+    if missing:
+        return _fail(f"peers needs {', '.join(missing)} (pip install 'jtrain[bench]')")
+    unknown = [c for c in args.cases if c not in bp.CASES]
+    if unknown or args.rounds < 1 or (args.steps is not None and args.steps < 8):
+        return _fail(f"error: --cases: choose from {', '.join(bp.CASES)} (got "
+                     f"{', '.join(unknown) or 'ok'}); --rounds >= 1; --steps >= 8")
+    print(f"command: {bp.command_line(args.cases, args.rounds, args.steps)}", flush=True)
+    try:
+        res = bp.run(args.cases, args.rounds, args.steps, args.workdir,
+                     progress=lambda s: print(s, file=sys.stderr, flush=True))
+    except bp.PeersError as e:
+        return _fail(f"error: {e}")
+    for case in res["cases"]:
+        print(bp.format_case(case), flush=True)
+    print(res["note"], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=2, sort_keys=True)
+    return 0
