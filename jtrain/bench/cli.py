@@ -33,6 +33,14 @@ first batch; medians over interleaved rounds (details in `jtrain.bench.data`).
     python -m jtrain.bench checkpoint                           # ~1-2 min on 2 CPU cores
     python -m jtrain.bench checkpoint --rounds=5 --writer_nice=0 --out=ckpt.json
 
+    python -m jtrain.bench peers                                # 3 cases x 3 sides x 3 rounds
+    python -m jtrain.bench peers --cases=lm_debug --rounds=2 --steps=80 --out=peers.json
+
+`peers`: the same work in jtrain (its CLI), plain PyTorch and PyTorch Lightning, each run
+a separate process, sides alternating: an MLP on scikit-learn's digits and the
+configs/base.py LM (debug and full size); step time, whole-process wall time, final eval
+metric, time to an eval target, peak RSS, page faults (details in `jtrain.bench.peers`).
+
 `checkpoint`: a ~100 M-parameter model with AdamW state (~1.2 GiB) and the real train step
 and Checkpointer: the time an async save blocks the loop vs a synchronous save (goal
 <= 0.25x), the total save time and the restore time (goal <= 5 s each), and steps/s while

@@ -57,7 +57,7 @@ class Case:
 
 
 CASES = {
-    "mlp": Case("mlp", steps=600, log_every=25),
+    "mlp": Case("mlp", steps=600, log_every=10),
     "lm_tiny": Case("lm_tiny", steps=40, log_every=5, variant="debug", overrides=TINY_LM,
                     eval_batches=4),
     "lm_debug": Case("lm_debug", steps=150, log_every=10, variant="debug"),
@@ -97,7 +97,8 @@ def _fmt(v) -> str:
 
 def run_plan(case: Case, steps: int, workroot: Path) -> dict:
     """The run's settings, the jtrain command line, and the PyTorch sides' spec file."""
-    eval_every = max(case.log_every, (steps // 4) // case.log_every * case.log_every)
+    # 4 evals; at least 2 log intervals apart, so clean (eval-free) intervals remain.
+    eval_every = max(2 * case.log_every, (steps // 4) // case.log_every * case.log_every)
     steps = eval_every * 4
     over = dict(case.overrides)
     over.update({"total_steps": steps, "log.every_steps": case.log_every,

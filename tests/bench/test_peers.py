@@ -31,6 +31,7 @@ def test_peers_tiny_run_trains_all_three_sides_alike(tmp_path):
             assert run["evals"][-1][0] == case["steps"]  # the final eval at the same step
             assert run["last_loss"] < run["first_loss"], (case["case"], side)
             assert s["maxrss_mb"] > 50 and s["faults"] > 0 and s["wall_s"] > 0
+            assert s["step_ms"] > 0 and s["time_to_target_s"] > 0  # numbers, not NaN
     j, t = (lm["sides"][x]["final_metric"] for x in ("jtrain", "torch"))
     assert abs(j - t) < 0.15 * t, (j, t)  # eval loss, same windows, different init draws
     j, t = (mlp["sides"][x]["final_metric"] for x in ("jtrain", "torch"))
