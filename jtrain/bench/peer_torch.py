@@ -202,9 +202,9 @@ def train_loader(train, spec):
 def run_plain(spec: dict, rec: dict) -> None:
     model, train, evalset = build(spec)
     opt, sched = make_optimizer(model, spec)
-    step = 0
+    step, loader = 0, train_loader(train, spec)  # one loader: a new order every epoch
     while step < spec["steps"]:
-        for batch in train_loader(train, spec):
+        for batch in loader:
             loss = loss_fn(model, batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
