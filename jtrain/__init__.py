@@ -21,8 +21,9 @@ import sys as _sys
 _EARLY_SIGNALS: list[str] = []
 # jtrain's own entry points start again once with huge-page malloc (jtrain.hostmem: the
 # XLA:CPU step's scratch buffer is mapped fresh each step); before any heavy import.
-if _sys.argv[:1] == ["-m"] and any(a in ("jtrain.main", "jtrain.bench")
-                                   for a in getattr(_sys, "orig_argv", ())):
+_ENTRY_POINT = _sys.argv[:1] == ["-m"] and any(a in ("jtrain.main", "jtrain.bench")
+                                                for a in getattr(_sys, "orig_argv", ()))
+if _ENTRY_POINT:
     from jtrain import hostmem as _hostmem
 
     _hostmem.maybe_reexec()
@@ -35,6 +36,8 @@ if _sys.argv[:1] == ["-m"] and "jtrain.main" in getattr(_sys, "orig_argv", ()):
 
     for _sig in (_signal.SIGTERM, _signal.SIGINT):
         _signal.signal(_sig, _early)
+if _ENTRY_POINT:  # signals held across the re-exec reach the handlers above now
+    _hostmem.release_signals()
 
 from jtrain.models.adapters import ModelFns, to_model_fns  # noqa: E402
 from jtrain.config import defaults, resolve

@@ -24,11 +24,13 @@ first line. `JTRAIN_HUGETLB=0` turns the re-exec off.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 TUNABLE = "glibc.malloc.hugetlb"
 OFF_ENV = "JTRAIN_HUGETLB"
 DONE_ENV = "JTRAIN_HUGETLB_REEXEC"  # set in the re-executed process: never twice
+HELD = (signal.SIGTERM, signal.SIGINT)
 THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -78,7 +80,17 @@ def maybe_reexec() -> None:
     env = dict(os.environ, GLIBC_TUNABLES=value, **{DONE_ENV: "1"})
     sys.stdout.flush()
     sys.stderr.flush()
+    # exec resets handlers but keeps the signal mask and pending signals: a SIGTERM /
+    # SIGINT that comes while the new image starts waits until `release_signals()`,
+    # after jtrain/__init__.py has installed its start-up handlers.
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
     try:
         os.execve(sys.executable, [sys.executable] + list(argv[1:]), env)
     except OSError:  # cannot exec (a sandbox, a deleted interpreter): run as we are
-        return
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def release_signals() -> None:
+    """In the re-executed process: deliver the signals held across the exec."""
+    if os.environ.get(DONE_ENV):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD)
