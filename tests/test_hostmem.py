@@ -38,3 +38,23 @@ def test_cli_runs_with_huge_page_malloc(tmp_path):
     assert proc.returncode == 2 and "workdir" in proc.stderr, proc.stderr[-2000:]
     seen = (tmp_path / "env.txt").read_text()
     assert seen == ("glibc.malloc.hugetlb=1" if CAN else "-")
+
+
+def test_failed_exec_leaves_signals_as_they_were(monkeypatch):
+    import signal
+
+    if not CAN:
+        pytest.skip("no glibc >= 2.35 with transparent huge pages here")
+    calls = []
+
+    def refuse(*args):
+        calls.append(args)
+        raise OSError("exec not allowed here")
+
+    for key in ("GLIBC_TUNABLES", "JTRAIN_HUGETLB", "JTRAIN_HUGETLB_REEXEC"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(hostmem.os, "execve", refuse)
+    hostmem.maybe_reexec()
+    assert len(calls) == 1 and calls[0][2]["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert signal.SIGTERM not in blocked and signal.SIGINT not in blocked
