@@ -6,6 +6,8 @@
     checkpoint   what async checkpointing costs the loop
     console      the progress bar on a terminal (rich) vs plain lines, per update
     scaling      examples/s per device at 1-8 fake devices; first step cold vs warm cache
+    peers        jtrain vs plain PyTorch vs Lightning on the same work (whole processes)
+    peer_torch   the PyTorch and Lightning side of `peers`, run as a script
 """
 
 from jtrain.bench.cli import main

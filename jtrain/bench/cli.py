@@ -33,6 +33,14 @@ first batch; medians over interleaved rounds (details in `jtrain.bench.data`).
     python -m jtrain.bench checkpoint                           # ~1-2 min on 2 CPU cores
     python -m jtrain.bench checkpoint --rounds=5 --writer_nice=0 --out=ckpt.json
 
+    python -m jtrain.bench peers                                # 3 cases x 3 sides x 3 rounds
+    python -m jtrain.bench peers --cases=lm_debug --rounds=2 --steps=80 --out=peers.json
+
+`peers`: the same work in jtrain (its CLI), plain PyTorch and PyTorch Lightning, each run
+a separate process, sides alternating: an MLP on scikit-learn's digits and the
+configs/base.py LM (debug and full size); step time, whole-process wall time, final eval
+metric, time to an eval target, peak RSS, page faults (details in `jtrain.bench.peers`).
+
 `checkpoint`: a ~100 M-parameter model with AdamW state (~1.2 GiB) and the real train step
 and Checkpointer: the time an async save blocks the loop vs a synchronous save (goal
 <= 0.25x), the total save time and the restore time (goal <= 5 s each), and steps/s while
@@ -82,6 +90,18 @@ def _data_flags(fv) -> None:
     flags.DEFINE_integer("rounds", 5, "rounds", flag_values=fv)
     flags.DEFINE_integer("batches", 30, "timed batches per round (a)", flag_values=fv)
     flags.DEFINE_integer("steps", 20, "timed steps per round and side (b)", flag_values=fv)
+    flags.DEFINE_string("out", None, "write the results as JSON to this file", flag_values=fv)
+
+
+def _peers_flags(fv) -> None:
+    flags.DEFINE_list("cases", ["mlp", "lm_debug", "lm_base"], "cases to run: mlp, "
+                      "lm_debug, lm_base, lm_tiny", flag_values=fv)
+    flags.DEFINE_integer("rounds", 3, "whole runs per side and case (sides alternate)",
+                         flag_values=fv)
+    flags.DEFINE_integer("steps", None, "steps per run (default per case; rounded to a "
+                         "multiple of 4 evals)", flag_values=fv)
+    flags.DEFINE_string("workdir", None, "keep the runs' files here (default: a temp dir, "
+                        "removed)", flag_values=fv)
     flags.DEFINE_string("out", None, "write the results as JSON to this file", flag_values=fv)
 
 
@@ -235,12 +255,13 @@ def main(argv=None) -> int:
         "console": (_console_flags, console, "the progress bar on a terminal vs plain lines"),
         "scaling": (_scaling_flags, scaling, "examples/s per device at 1-8 devices; time "
                     "to first step, cold vs warm compile cache"),
+        "peers": (_peers_flags, peers, "jtrain vs plain PyTorch and Lightning, same work"),
     }
     argv = list(sys.argv[1:] if argv is None else argv)
     name = argv[0] if argv and not argv[0].startswith("-") else None
     if name is None:
-        usage = ("usage: python -m jtrain.bench {overhead,data,checkpoint,console,scaling} "
-                 "[flags]\n\n"
+        usage = ("usage: python -m jtrain.bench {overhead,data,checkpoint,console,scaling,"
+                 "peers} [flags]\n\n"
                  + "".join(f"  {k:<11} {v[2]}\n" for k, v in commands.items()))
         if any(a in ("--help", "-h") for a in argv):
             sys.stdout.write(usage + "\n" + (__doc__ or "") + "\n")
@@ -292,3 +313,28 @@ def data(args) -> int:
             json.dump(res, f, indent=2, sort_keys=True)
     return 0
 
+
+
+def peers(args) -> int:
+    from jtrain.bench import peers as bp  # no JAX, no torch until a case runs
+
+    missing = bp.missing_peers()
+    if missing:
+        return _fail(f"peers needs {', '.join(missing)} (pip install 'jtrain[bench]')")
+    unknown = [c for c in args.cases if c not in bp.CASES]
+    if unknown or args.rounds < 1 or (args.steps is not None and args.steps < 8):
+        return _fail(f"error: --cases: choose from {', '.join(bp.CASES)} (got "
+                     f"{', '.join(unknown) or 'ok'}); --rounds >= 1; --steps >= 8")
+    print(f"command: {bp.command_line(args.cases, args.rounds, args.steps)}", flush=True)
+    try:
+        res = bp.run(args.cases, args.rounds, args.steps, args.workdir,
+                     progress=lambda s: print(s, file=sys.stderr, flush=True))
+    except bp.PeersError as e:
+        return _fail(f"error: {e}")
+    for case in res["cases"]:
+        print(bp.format_case(case), flush=True)
+    print(res["note"], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=2, sort_keys=True)
+    return 0

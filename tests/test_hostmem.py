@@ -1,0 +1,60 @@
+"""jtrain.hostmem: jtrain's entry points restart once with huge-page malloc (the XLA:CPU
+step's scratch buffer is mapped fresh every step); JTRAIN_HUGETLB=0 and a tunable the user
+set already leave the process alone."""
+
+import pytest
+
+from jtrain import hostmem
+from tests.journey import run_python
+
+CAN = hostmem.tunables_with_hugetlb({}) is not None  # glibc >= 2.35 and THP available
+
+# A config file that reports the environment the training process really runs in.
+CONFIG = '''import os
+from jtrain.config import defaults
+
+
+def get_config():
+    with open("env.txt", "w") as f:
+        f.write(os.environ.get("GLIBC_TUNABLES", "-"))
+    return defaults(model="mlp")
+'''
+
+
+def test_tunable_value():
+    if not CAN:
+        pytest.skip("no glibc >= 2.35 with transparent huge pages here")
+    assert hostmem.tunables_with_hugetlb({}) == "glibc.malloc.hugetlb=1"
+    assert hostmem.tunables_with_hugetlb({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) \
+        == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    for env in ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, {"JTRAIN_HUGETLB": "0"},
+                {"JTRAIN_HUGETLB_REEXEC": "1"}):
+        assert hostmem.tunables_with_hugetlb(env) is None, env
+
+
+def test_cli_runs_with_huge_page_malloc(tmp_path):
+    (tmp_path / "cfg.py").write_text(CONFIG)
+    proc = run_python(tmp_path, "-m", "jtrain.main", "--config=cfg.py")  # no --workdir
+    assert proc.returncode == 2 and "workdir" in proc.stderr, proc.stderr[-2000:]
+    seen = (tmp_path / "env.txt").read_text()
+    assert seen == ("glibc.malloc.hugetlb=1" if CAN else "-")
+
+
+def test_failed_exec_leaves_signals_as_they_were(monkeypatch):
+    import signal
+
+    if not CAN:
+        pytest.skip("no glibc >= 2.35 with transparent huge pages here")
+    calls = []
+
+    def refuse(*args):
+        calls.append(args)
+        raise OSError("exec not allowed here")
+
+    for key in ("GLIBC_TUNABLES", "JTRAIN_HUGETLB", "JTRAIN_HUGETLB_REEXEC"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(hostmem.os, "execve", refuse)
+    hostmem.maybe_reexec()
+    assert len(calls) == 1 and calls[0][2]["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert signal.SIGTERM not in blocked and signal.SIGINT not in blocked
