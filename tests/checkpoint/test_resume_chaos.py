@@ -17,8 +17,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 SCRIPT = '''
 import sys
-from absl import flags
-flags.FLAGS.mark_as_parsed()  # grain worker processes read absl flags
 import torch
 import jtrain
 

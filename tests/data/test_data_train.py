@@ -107,9 +107,6 @@ def test_torch_dataset_collate_fn_and_nnx_on_8_devices(tmp_path):
 
 def process_main():
     """One of the 2 processes (run by the test below through `python -c`)."""
-    from absl import flags
-
-    flags.FLAGS.mark_as_parsed()
     jax.distributed.initialize(coordinator_address=os.environ["JTRAIN_COORDINATOR"],
                                num_processes=int(os.environ["JTRAIN_NUM_PROCESSES"]),
                                process_id=int(os.environ["JTRAIN_PROCESS_ID"]))

@@ -443,8 +443,6 @@ out["spearman_first_only"] = M.reduce_across_processes(only_first).compute()
 
 # The eval loop itself: a jitted eval step over global batches (1 device per process), the
 # host-side AUROC fed each process's rows of them and gathered at the end.
-from absl import flags
-flags.FLAGS.mark_as_parsed()
 import jax.numpy as jnp
 from jtrain import config as config_lib, data as data_lib, evaluate, losses
 from jtrain import mesh as mesh_lib, step as step_lib
