@@ -1,0 +1,120 @@
+"""Every public entry point run as its user runs it: a subprocess of the venv's python in
+an empty temp directory, relative paths only, jtrain imported as installed (no
+PYTHONPATH, no conftest, absl flags parsed by nobody), one CPU device. Each test asserts
+what the user sees: the exit code, the one line, the files written.
+
+One small run (`python -m jtrain.main` with the user's own config file) is trained once
+for the module; evaluate, export, init_from and the rerun read it."""
+
+import concurrent.futures
+import json
+import os
+
+import pytest
+
+from journey import run_python
+
+CONFIG = '''
+from jtrain.config import defaults
+
+
+def get_config():
+    c = defaults(model="transformer")
+    c.seed = 0
+    c.total_steps = 6
+    c.model.d_model = 32
+    c.model.num_layers = 1
+    c.model.num_heads = 2
+    c.model.d_ff = 64
+    c.model.max_len = 32
+    c.data.name = "pystdlib"
+    c.data.seq_len = 32
+    c.data.batch_size = 8
+    c.optim.warmup_steps = 1
+    c.eval.every_steps = 3
+    c.eval.num_batches = 2
+    c.log.every_steps = 2
+    c.checkpoint.every_steps = 3
+    return c
+'''
+
+
+def one_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def user_run(tmp_path_factory):
+    """(cwd, the finished process) of `python -m jtrain.main --config=cfg.py
+    --workdir=runs/x` in an empty directory."""
+    cwd = tmp_path_factory.mktemp("user")
+    (cwd / "cfg.py").write_text(CONFIG)
+    proc = run_python(cwd, "-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/x")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return cwd, proc
+
+
+def test_main_trains_from_an_empty_directory_with_relative_paths(user_run):
+    cwd, proc = user_run
+    run = cwd / "runs" / "x"
+    summary = read_json(run / "summary.json")
+    assert summary["step"] == 6 and len(summary["state_sha256"]) == 64
+    assert sorted(os.listdir(run / "checkpoints")) == ["3", "6"]
+    for name in ("config.json", "metrics.jsonl", "train.log"):
+        assert (run / name).is_file(), name
+    steps = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
+    assert 6 in steps
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in cwd.iterdir()) == ["cfg.py", "runs"]  # nothing elsewhere
+
+
+def test_evaluate_export_and_init_from_read_a_relative_run(user_run):
+    """`jtrain.export runs/x` and `checkpoint.init_from=runs/x` crashed on a relative
+    path; they run side by side here (three processes, one read-only source)."""
+    cwd, _ = user_run
+    commands = {
+        "evaluate": ("-m", "jtrain.evaluate", "--workdir=runs/x", "--noplots", "--num_batches=2"),
+        "export": ("-m", "jtrain.export", "runs/x", "--out=exports/x"),
+        "init_from": ("-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/ft",
+                      "--config.total_steps=2", "--config.checkpoint.init_from=runs/x"),
+    }
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        procs = {k: pool.submit(run_python, cwd, *a) for k, a in commands.items()}
+        procs = {k: f.result() for k, f in procs.items()}
+    for name, proc in procs.items():
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+        assert "Traceback" not in proc.stderr, name
+    report = read_json(cwd / "runs" / "x" / "eval_6.json")
+    assert report["step"] == 6 and report["metrics"]["loss"] > 0
+    assert any(f.endswith(".safetensors") for f in os.listdir(cwd / "exports" / "x"))
+    ft = read_json(cwd / "runs" / "ft" / "summary.json")
+    assert ft["step"] == 2
+    said = [ln for ln in procs["init_from"].stdout.splitlines() if "initialized from" in ln]
+    assert len(said) == 1 and "runs/x/checkpoints/6" in said[0], procs["init_from"].stdout
+
+
+def test_same_command_again_resumes_and_changes_nothing(user_run):
+    cwd, _ = user_run
+    before = read_json(cwd / "runs" / "x" / "summary.json")
+    proc = run_python(cwd, "-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/x")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after = read_json(cwd / "runs" / "x" / "summary.json")
+    assert after["state_sha256"] == before["state_sha256"] and after["step"] == 6
+    assert sorted(os.listdir(cwd / "runs" / "x" / "checkpoints")) == ["3", "6"]
+
+
+def test_a_typo_in_an_override_is_one_line_and_writes_nothing(user_run):
+    cwd, _ = user_run
+    proc = run_python(cwd, "-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/typo",
+                      "--config.optim.lrr=0.1")
+    assert proc.returncode == 2
+    line = one_line(proc.stderr)
+    assert "optim.lrr" in line and "optim.lr" in line.replace("optim.lrr", ""), line
+    assert not (cwd / "runs" / "typo").exists()
