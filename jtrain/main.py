@@ -177,7 +177,12 @@ def _run(argv, fv: flags.FlagValues) -> None:
     import jax
 
     if fv.distributed == "auto":
-        jax.distributed.initialize()
+        try:
+            jax.distributed.initialize()
+        except ValueError as e:  # JAX found no cluster environment (SLURM, TPU, ...)
+            raise errors.ConfigError("--distributed=auto", "no cluster detected here ("
+                                     f"{errors.first_line(e)}); pass --coordinator_address, "
+                                     "--num_processes and --process_id instead") from None
     elif fv.num_processes > 1:
         if not fv.coordinator_address:
             raise errors.ConfigError("--coordinator_address",
