@@ -54,6 +54,9 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_runtest_logreport(report):
+    if os.environ.get("JTRAIN_TEST_TIMES"):  # one line per phase as it ends: finding slow tests
+        with open(os.environ["JTRAIN_TEST_TIMES"], "a") as f:
+            f.write(f"{report.duration:8.2f} {report.when} {report.outcome} {report.nodeid}\n")
     if report.skipped and not hasattr(report, "wasxfail"):
         _SKIPPED.append(report.nodeid)
     if CHILD_REPORTS:

@@ -101,6 +101,7 @@ def test_same_seed_same_hash_and_resume_is_bitwise(tmp_path):
     assert other["state_sha256"] != a["state_sha256"]
 
 
+@pytest.mark.multidevice
 def test_fsdp_shards_params_and_optimizer_state(tmp_path):
     cfg = _lib_config(total_steps=2)
     cfg.optim.update(warmup_steps=0, decay_steps=0)

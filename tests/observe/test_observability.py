@@ -216,10 +216,10 @@ def linear_apply(params, x, rng=None, train=False):
     return x @ params["w"] + params["b"]
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize("n,batch", [(203, 32), (64, 64)])
 def test_eval_loop_exact_on_mesh(n, batch):
-    if jax.device_count() < 8:
-        pytest.skip("needs 8 fake devices (conftest)")
+    assert jax.device_count() == 8
     rng = np.random.default_rng(n)
     c = 4
     params = {"w": jnp.asarray(rng.normal(size=(6, c)), jnp.float32), "b": jnp.zeros(c)}
