@@ -198,3 +198,19 @@ def test_external_sigterm_at_startup_and_sigint_inside_an_eval_lose_nothing(user
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
         final = read_json(cwd / "runs" / name / "summary.json")
         assert final["step"] == 6 and final["state_sha256"] == reference, (name, delay, final)
+
+
+def test_verify_resume_from_the_cli_lands_every_kill_it_was_asked_for(user_run):
+    """`--verify_resume --verify_kills=2`: a reference run, two SIGKILLed runs restarted
+    with the same command; PASS only with 2/2 kills landed (a run asked for 2 kills that
+    landed 1 printed PASS once)."""
+    cwd, _ = user_run
+    proc = run_python(cwd, "-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/v",
+                      "--config.total_steps=8", "--config.checkpoint.every_steps=2",
+                      "--config.eval.every_steps=4", "--verify_resume", "--verify_kills=2",
+                      timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("jtrain: verify_resume:")]
+    assert len(lines) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and lines[0].startswith(
+        "jtrain: verify_resume: PASS: bitwise identical after 2/2 kills landed"), lines[0]
+    assert (cwd / "runs" / "v" / "reference" / "summary.json").is_file()

@@ -61,8 +61,7 @@ def assert_no_secrets(texts):
 def two_process_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("mp") / "run"
     env = dict(os.environ, JAX_PLATFORMS="cpu", **SECRETS,
-               XLA_FLAGS="--xla_force_host_platform_device_count=1",
-               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")  # jtrain as installed
     port = free_port()
     cmd = [sys.executable, "-m", "jtrain.main", "--config=configs/base.py:debug",
            f"--workdir={workdir}", "--config.total_steps=20", "--config.eval.every_steps=10",
