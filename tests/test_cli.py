@@ -65,26 +65,3 @@ def test_help_exits_0(tmp_path, module):
     proc = run(tmp_path, module, "--help")
     assert proc.returncode == 0, proc.stderr
     assert "usage:" in proc.stdout
-
-
-def test_train_export_evaluate_init_from_with_relative_paths(tmp_path):
-    """The README's journey from a fresh directory: train, export, evaluate, fine-tune,
-    every path relative (a relative export once crashed inside orbax)."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    config = os.path.join(repo, "configs", "base.py") + ":debug"
-    short = ["--config.total_steps=6", "--config.eval.every_steps=3", "--config.log.every_steps=3",
-             "--config.eval.num_batches=2", "--config.optim.warmup_steps=2"]
-    proc = run(tmp_path, "jtrain.main", f"--config={config}", "--workdir=runs/d", *short)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    proc = run(tmp_path, "jtrain.export", "runs/d", "--out=exports/d", "--dtype=bfloat16")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("jtrain: exported step 6:")
-    assert (tmp_path / "exports" / "d" / "params.safetensors").is_file()
-    proc = run(tmp_path, "jtrain.evaluate", "--workdir=runs/d", "--step=best", "--noplots",
-               "--num_batches=2")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (tmp_path / "runs" / "d" / "eval_6.json").is_file()
-    proc = run(tmp_path, "jtrain.main", f"--config={config}", "--workdir=runs/ft", *short,
-               "--config.checkpoint.init_from=exports/d")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "initialized from exports/d: " in proc.stderr

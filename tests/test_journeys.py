@@ -82,11 +82,13 @@ def test_main_trains_from_an_empty_directory_with_relative_paths(user_run):
 
 def test_evaluate_export_and_init_from_read_a_relative_run(user_run):
     """`jtrain.export runs/x` and `checkpoint.init_from=runs/x` crashed on a relative
-    path; they run side by side here (three processes, one read-only source)."""
+    path; they run side by side here (three processes, one read-only source), then a
+    fine-tune starts from the relative export."""
     cwd, _ = user_run
     commands = {
-        "evaluate": ("-m", "jtrain.evaluate", "--workdir=runs/x", "--noplots", "--num_batches=2"),
-        "export": ("-m", "jtrain.export", "runs/x", "--out=exports/x"),
+        "evaluate": ("-m", "jtrain.evaluate", "--workdir=runs/x", "--step=best", "--noplots",
+                     "--num_batches=2"),
+        "export": ("-m", "jtrain.export", "runs/x", "--out=exports/x", "--dtype=bfloat16"),
         "init_from": ("-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/ft",
                       "--config.total_steps=2", "--config.checkpoint.init_from=runs/x"),
     }
@@ -98,11 +100,17 @@ def test_evaluate_export_and_init_from_read_a_relative_run(user_run):
         assert "Traceback" not in proc.stderr, name
     report = read_json(cwd / "runs" / "x" / "eval_6.json")
     assert report["step"] == 6 and report["metrics"]["eval/loss"] > 0
-    assert any(f.endswith(".safetensors") for f in os.listdir(cwd / "exports" / "x"))
+    assert procs["export"].stdout.startswith("jtrain: exported step 6:")
+    assert (cwd / "exports" / "x" / "params.safetensors").is_file()
     ft = read_json(cwd / "runs" / "ft" / "summary.json")
     assert ft["step"] == 2
     said = [ln for ln in procs["init_from"].stderr.splitlines() if "initialized from" in ln]
     assert len(said) == 1 and "runs/x/checkpoints/6" in said[0], procs["init_from"].stderr
+    # ... and from the export just written (bfloat16, cast back to the model's float32)
+    proc = run_python(cwd, "-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/ft2",
+                      "--config.total_steps=1", "--config.checkpoint.init_from=exports/x")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "jtrain: initialized from exports/x: " in proc.stderr
 
 
 def test_same_command_again_resumes_and_changes_nothing(user_run):

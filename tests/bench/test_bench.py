@@ -4,16 +4,12 @@ assertions: timings on a shared CPU are noise."""
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
+from journey import run_python
 from jtrain.bench import cli as bench
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _positive(x) -> bool:
@@ -56,13 +52,10 @@ def test_steady_state_drops_the_first_interval():
 
 
 def test_overhead_tiny_run(tmp_path):
+    """As a user runs it: from an empty directory, a relative --out, one device."""
     out = tmp_path / "res.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"  # one device, as the bench requires
-    proc = subprocess.run(
-        [sys.executable, "-m", "jtrain.bench", "overhead", "--model=tiny", "--rounds=1",
-         "--steps=20", "--log_every=10", f"--out={out}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
+    proc = run_python(tmp_path, "-m", "jtrain.bench", "overhead", "--model=tiny", "--rounds=1",
+                      "--steps=20", "--log_every=10", "--out=res.json", timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     last = proc.stdout.strip().splitlines()[-1]
     m = re.fullmatch(r"overhead tiny: jtrain (\S+) ms/step, hand (\S+) ms/step, "

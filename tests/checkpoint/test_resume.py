@@ -148,6 +148,7 @@ def test_cli_sigterm_exits_0_then_restore_errors_exit_3(tmp_path, capfd):
     assert sorted(os.listdir(workdir / "checkpoints")) == ["10", "15"]
 
 
+@pytest.mark.multidevice
 def test_resume_on_more_devices_continues_the_data_order(reference, tmp_path):
     """Saved on 2 fake devices (a subprocess stopped by SIGTERM at step 20), resumed here
     on 8: parameters reshard, the batches continue where they stopped."""
