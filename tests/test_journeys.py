@@ -108,7 +108,7 @@ def test_evaluate_export_and_init_from_read_a_relative_run(user_run):
     assert len(said) == 1 and "runs/x/checkpoints/6" in said[0], procs["init_from"].stderr
     # ... and from the export just written (bfloat16, cast back to the model's float32)
     proc = run_python(cwd, "-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/ft2",
-                      "--config.total_steps=1", "--config.checkpoint.init_from=exports/x")
+                      "--config.total_steps=2", "--config.checkpoint.init_from=exports/x")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "jtrain: initialized from exports/x: " in proc.stderr
 

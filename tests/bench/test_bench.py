@@ -16,12 +16,14 @@ def _positive(x) -> bool:
     return isinstance(x, float) and math.isfinite(x) and x > 0
 
 
-@pytest.mark.parametrize("name", bench.NOT_IMPLEMENTED)
-def test_future_subcommands_exit_2_with_one_line(name, capsys):
-    assert bench.main([name]) == 2
-    out, err = capsys.readouterr()
-    assert out == ""
-    assert err == f"jtrain.bench: '{name}' is not implemented yet\n"
+def test_future_subcommands_exit_2_with_one_line(capsys):
+    # A loop, not a parametrize: with no subcommand left unimplemented (today) an empty
+    # parametrize would be a skip, and a skip fails the suite.
+    for name in bench.NOT_IMPLEMENTED:
+        assert bench.main([name]) == 2
+        out, err = capsys.readouterr()
+        assert out == ""
+        assert err == f"jtrain.bench: '{name}' is not implemented yet\n"
 
 
 def test_help_lists_subcommands(capsys):
