@@ -134,7 +134,7 @@ def test_tests_need_no_convenience_a_user_lacks():
     """tests/README.md's rules: no absl flag marking, no `tests.` package imports, no
     sys.path entry for the repository, no module-level device-count override."""
     tests = Path(__file__).resolve().parent
-    banned = {"mark_as_parsed": "marks absl flags parsed (a user's script does not)",
+    banned = {"mark_as_" + "parsed": "marks absl flags parsed (a user's script does not)",
               "from tests.": "imports the tests package (use `from journey import ...`)",
               "import tests.": "imports the tests package",
               "jax_num_cpu_devices": "sets the device count (use @pytest.mark.multidevice)"}
