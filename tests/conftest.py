@@ -1,17 +1,130 @@
-"""Test setup: 8 fake CPU devices for every test (set before JAX starts its backend),
-and absl flags marked parsed (grain worker code reads them)."""
+"""The suite's only set-up, and no convenience a user lacks: absl flags are NOT marked
+parsed, nothing is put on sys.path (jtrain is the installed package), and JAX sees ONE CPU
+device — a laptop user's setup.
 
+Tests that need several devices carry `@pytest.mark.multidevice`. JAX fixes its device
+count once per process, so this session does not run them itself: when it reaches the
+first one it starts ONE child pytest process (`python -m pytest NODEID...`, repo root as
+cwd) with 8 fake CPU devices that runs every marked test it collected, and replays the
+child's reports here, test by test (pass, fail with its traceback, skip). So the one
+command `python -m pytest tests` runs both kinds, and `-k`, `-x`, a single node id all
+work as usual. The child is told by JTRAIN_TEST_REPORTS (the file its reports go to).
+
+A skipped test fails the session (CI must not pass with a test that did not run): see
+pytest_sessionfinish.
+
+Helpers for user-journey tests live in tests/journey.py; import them as a plain module
+(`from journey import run_python`): pytest puts tests/ on sys.path, no `tests.` package.
+"""
+
+import json
 import os
+import subprocess
 import sys
 
 import jax
-from absl import flags
+import pytest
 
-jax.config.update("jax_num_cpu_devices", 8)
+CHILD_REPORTS = os.environ.get("JTRAIN_TEST_REPORTS")  # set in the multidevice child only
+MULTIDEVICE_COUNT = 8
+
 jax.config.update("jax_platforms", "cpu")
-if not flags.FLAGS.is_parsed():
-    flags.FLAGS.mark_as_parsed()
+jax.config.update("jax_num_cpu_devices", MULTIDEVICE_COUNT if CHILD_REPORTS else 1)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+
+_CONFIG = []
+_SKIPPED: list = []
+
+
+def pytest_configure(config):
+    _CONFIG.append(config)
+    config.addinivalue_line(
+        "markers", f"multidevice: needs {MULTIDEVICE_COUNT} fake CPU devices; runs in the "
+        "suite's multidevice child process (see tests/conftest.py)")
+
+
+def _marked(item) -> bool:
+    return item.get_closest_marker("multidevice") is not None
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if CHILD_REPORTS:   # the child runs only what its parent handed it, all marked
+        return
+    config._jtrain_marked = [i.nodeid for i in items if _marked(i)]
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get("JTRAIN_TEST_TIMES"):  # one line per phase as it ends: finding slow tests
+        with open(os.environ["JTRAIN_TEST_TIMES"], "a") as f:
+            f.write(f"{report.duration:8.2f} {report.when} {report.outcome} {report.nodeid}\n")
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _SKIPPED.append(report.nodeid)
+    if CHILD_REPORTS:
+        config = _CONFIG[-1]
+        data = config.hook.pytest_report_to_serializable(config=config, report=report)
+        with open(CHILD_REPORTS, "a") as f:
+            f.write(json.dumps(data) + "\n")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    if CHILD_REPORTS or not _marked(item):
+        return None
+    reports = _child_reports(item.session)
+    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    mine = reports.get(item.nodeid)
+    if not mine:
+        mine = [_missing_report(item, item.session._jtrain_child_output)]
+    for rep in mine:
+        item.ihook.pytest_runtest_logreport(report=rep)
+    # What the skipped protocol's teardown would do: leave the fixtures and collectors
+    # (module, class) that the next test does not share.
+    item.session._setupstate.teardown_exact(nextitem)
+    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    return True
+
+
+def _child_reports(session) -> dict:
+    """Run every marked test of this session in one child process with 8 devices (once)."""
+    if hasattr(session, "_jtrain_child"):
+        return session._jtrain_child
+    config = session.config
+    root = str(config.rootpath)
+    out = os.path.join(str(config._tmp_path_factory.getbasetemp()), "multidevice.jsonl")
+    env = {**os.environ, "JTRAIN_TEST_REPORTS": out}
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+            "--rootdir", root, *config._jtrain_marked]
+    proc = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True)
+    by_id: dict = {}
+    if os.path.exists(out):
+        with open(out) as f:
+            for line in f:
+                rep = config.hook.pytest_report_from_serializable(config=config,
+                                                                  data=json.loads(line))
+                by_id.setdefault(rep.nodeid, []).append(rep)
+    session._jtrain_child = by_id
+    session._jtrain_child_output = (proc.stdout + proc.stderr)[-4000:]
+    return by_id
+
+
+def _missing_report(item, output: str):
+    from _pytest.reports import TestReport
+    return TestReport(item.nodeid, item.location, {}, "failed",
+                      f"the multidevice child process reported nothing for this test; "
+                      f"its output ended:\n{output}", "call")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A skip is a failure: on a machine set up as the README says (`pip install -e
+    '.[test]'`) every test runs. JTRAIN_TEST_ALLOW_SKIP=1 lets a partial setup pass."""
+    if (_SKIPPED and not CHILD_REPORTS and session.exitstatus == 0
+            and os.environ.get("JTRAIN_TEST_ALLOW_SKIP") != "1"):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _SKIPPED and not CHILD_REPORTS:
+        terminalreporter.write_line(
+            f"jtrain: {len(_SKIPPED)} test(s) skipped, which fails the run (a correctly "
+            "set-up machine skips none; JTRAIN_TEST_ALLOW_SKIP=1 allows it): "
+            + ", ".join(_SKIPPED[:5]), red=True)

@@ -4,7 +4,7 @@ model cannot take (one line naming the parameter path, exit 2)."""
 
 import os
 
-from tests.journey import run_python
+from journey import run_python
 
 CONFIG = '''
 from jtrain.config import defaults

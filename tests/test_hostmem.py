@@ -5,7 +5,7 @@ set already leave the process alone."""
 import pytest
 
 from jtrain import hostmem
-from tests.journey import run_python
+from journey import run_python
 
 CAN = hostmem.tunables_with_hugetlb({}) is not None  # glibc >= 2.35 and THP available
 

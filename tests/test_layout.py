@@ -128,3 +128,21 @@ def test_tests_are_laid_out_like_the_package():
     assert folders, "tests for subsystems live in folders named after them"
     for d in folders:
         assert (PACKAGE / d.name / "__init__.py").exists(), f"tests/{d.name}: no jtrain.{d.name}"
+
+
+def test_tests_need_no_convenience_a_user_lacks():
+    """tests/README.md's rules: no absl flag marking, no `tests.` package imports, no
+    sys.path entry for the repository, no module-level device-count override."""
+    tests = Path(__file__).resolve().parent
+    banned = {"mark_as_" + "parsed": "marks absl flags parsed (a user's script does not)",
+              "from tests.": "imports the tests package (use `from journey import ...`)",
+              "import tests.": "imports the tests package",
+              "jax_num_cpu_devices": "sets the device count (use @pytest.mark.multidevice)"}
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        if path.name in ("conftest.py", "test_layout.py"):
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            found += [f"{path.relative_to(tests)}:{n}: {why}" for word, why in banned.items()
+                      if word in line]
+    assert not found, "\n".join(found)

@@ -7,7 +7,7 @@ import json
 import re
 import shlex
 from pathlib import Path
-from tests.journey import run_python
+from journey import run_python
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

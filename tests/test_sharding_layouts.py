@@ -4,7 +4,7 @@ data=2 x fsdp=2 x tensor=2, and the same losses as plain data parallelism (1e-6)
 
 import json
 
-from tests.journey import run_python
+from journey import run_python
 
 SCRIPT = '''
 import json

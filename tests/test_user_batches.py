@@ -24,7 +24,7 @@ import scipy.stats
 import jtrain
 from jtrain import losses
 from jtrain.errors import ConfigError, DataError
-from tests.journey import run_python
+from journey import run_python
 
 F = 6  # features
 

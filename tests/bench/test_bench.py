@@ -4,28 +4,26 @@ assertions: timings on a shared CPU are noise."""
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
+from journey import run_python
 from jtrain.bench import cli as bench
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _positive(x) -> bool:
     return isinstance(x, float) and math.isfinite(x) and x > 0
 
 
-@pytest.mark.parametrize("name", bench.NOT_IMPLEMENTED)
-def test_future_subcommands_exit_2_with_one_line(name, capsys):
-    assert bench.main([name]) == 2
-    out, err = capsys.readouterr()
-    assert out == ""
-    assert err == f"jtrain: usage error: '{name}' is not implemented yet\n"
+def test_future_subcommands_exit_2_with_one_line(capsys):
+    # A loop, not a parametrize: with no subcommand left unimplemented (today) an empty
+    # parametrize would be a skip, and a skip fails the suite.
+    for name in bench.NOT_IMPLEMENTED:
+        assert bench.main([name]) == 2
+        out, err = capsys.readouterr()
+        assert out == ""
+        assert err == f"jtrain: usage error: '{name}' is not implemented yet\n"
 
 
 def test_help_lists_subcommands(capsys):
@@ -56,13 +54,10 @@ def test_steady_state_drops_the_first_interval():
 
 
 def test_overhead_tiny_run(tmp_path):
+    """As a user runs it: from an empty directory, a relative --out, one device."""
     out = tmp_path / "res.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"  # one device, as the bench requires
-    proc = subprocess.run(
-        [sys.executable, "-m", "jtrain.bench", "overhead", "--model=tiny", "--rounds=1",
-         "--steps=20", "--log_every=10", f"--out={out}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
+    proc = run_python(tmp_path, "-m", "jtrain.bench", "overhead", "--model=tiny", "--rounds=1",
+                      "--steps=20", "--log_every=10", "--out=res.json", timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     last = proc.stdout.strip().splitlines()[-1]
     m = re.fullmatch(r"overhead tiny: jtrain (\S+) ms/step, hand (\S+) ms/step, "

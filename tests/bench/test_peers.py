@@ -8,7 +8,7 @@ import pytest
 
 from jtrain.bench import cli as bench
 from jtrain.bench import peers as bp
-from tests.journey import run_python
+from journey import run_python
 
 pytestmark = pytest.mark.skipif(bool(bp.missing_peers()),
                                 reason="the bench extra (lightning, scikit-learn) is missing")

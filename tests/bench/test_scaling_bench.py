@@ -4,7 +4,7 @@ note that fake devices measure overhead, the time-to-first-step lines and the JS
 import json
 import math
 
-from tests.journey import run_python
+from journey import run_python
 
 
 def test_scaling_bench_tiny_run(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 
 from jtrain import checkpoint
 from jtrain.checkpoint import export
-from tests.checkpoint.test_checkpoint import abstract, make_config, make_state, open_run, same
+from test_checkpoint import abstract, make_config, make_state, open_run, same
 
 
 @pytest.fixture(scope="module")

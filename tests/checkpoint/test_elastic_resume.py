@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 
-from tests.journey import run_python, user_env
+from journey import run_python, user_env
 
 SCRIPT = '''
 import sys

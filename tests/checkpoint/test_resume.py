@@ -148,15 +148,16 @@ def test_cli_sigterm_exits_0_then_restore_errors_exit_3(tmp_path, capfd):
     assert sorted(os.listdir(workdir / "checkpoints")) == ["10", "15"]
 
 
+@pytest.mark.multidevice
 def test_resume_on_more_devices_continues_the_data_order(reference, tmp_path):
     """Saved on 2 fake devices (a subprocess stopped by SIGTERM at step 20), resumed here
     on 8: parameters reshard, the batches continue where they stopped."""
     workdir = tmp_path / "run"
     script = (
         "import sys; sys.path.insert(0, %r); import jax\n"
-        "from tests.checkpoint import test_resume as t\n"
+        "import test_resume as t\n"
         "assert jax.device_count() == 2\n"
-        "t.train(sys.argv[1])\n" % REPO)
+        "t.train(sys.argv[1])\n" % os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, JAX_PLATFORMS="cpu", **{faults.FAULT_ENV: "step:20:TERM"},
                XLA_FLAGS="--xla_force_host_platform_device_count=2")
     proc = subprocess.run([sys.executable, "-c", script, str(workdir)], cwd=REPO, env=env,

@@ -13,12 +13,9 @@ import pytest
 
 from jtrain.checkpoint import verify
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = '''
 import sys
-from absl import flags
-flags.FLAGS.mark_as_parsed()  # grain worker processes read absl flags
 import torch
 import jtrain
 
@@ -58,7 +55,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("chaos")
     script = root / "run.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO,
+    env = dict(os.environ, JAX_PLATFORMS="cpu",  # jtrain as installed
                XLA_FLAGS="--xla_force_host_platform_device_count=8",
                # Restarts reuse the reference's compiled programs (same executables).
                JAX_COMPILATION_CACHE_DIR=str(root / "jax_cache"),

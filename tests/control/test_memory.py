@@ -74,6 +74,7 @@ def _cfg(**memory_over):
             "checkpoint": {"every_steps": 0}, "memory": memory_over}
 
 
+@pytest.mark.multidevice  # per device: 256 / 8 devices = 32 rows
 def test_planned_run_matches_the_unplanned_one(tmp_path):
     data = _data()
     # What each count needs, compiled here one by one (per device: 256 / 8 devices = 32).

@@ -119,6 +119,13 @@ def test_accepted_inputs_give_numpy_batches(name):
         assert isinstance(leaf[1], np.ndarray) and leaf[1].shape[0] == 4, (name, leaf)
         assert leaf[1].dtype.itemsize <= 4  # 64-bit leaves become 32-bit, as on device
     assert b[0]["targets"].dtype.kind == "i"
+    # Each input is paired with its own target: every kind above encodes the example's
+    # index in the first input value (2i for the arrays x) and as the target.
+    scale = 2 if name in ("arrays", "arrays+weights", "dict of arrays") else 1
+    for batch in b:
+        first = jtrain.data.items.flatten(batch["inputs"])[0][1].reshape(4, -1)[:, 0]
+        np.testing.assert_array_equal(first, scale * batch["targets"], err_msg=name)
+    assert len({int(t) for batch in b for t in batch["targets"]}) > 1, name  # not constant
 
 
 def test_dataloader_settings_become_data_config():

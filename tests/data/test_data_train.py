@@ -86,6 +86,7 @@ def epochs(reads, per_epoch):
     return [reads[e * per_epoch:(e + 1) * per_epoch] for e in range(STEPS * BATCH // N)]
 
 
+@pytest.mark.multidevice
 def test_torch_dataset_collate_fn_and_nnx_on_8_devices(tmp_path):
     result, reads = train_reads(str(tmp_path / "run"), mesh_data=8)
     summary = result.summary
@@ -107,9 +108,6 @@ def test_torch_dataset_collate_fn_and_nnx_on_8_devices(tmp_path):
 
 def process_main():
     """One of the 2 processes (run by the test below through `python -c`)."""
-    from absl import flags
-
-    flags.FLAGS.mark_as_parsed()
     jax.distributed.initialize(coordinator_address=os.environ["JTRAIN_COORDINATOR"],
                                num_processes=int(os.environ["JTRAIN_NUM_PROCESSES"]),
                                process_id=int(os.environ["JTRAIN_PROCESS_ID"]))
@@ -145,11 +143,11 @@ def test_two_processes_read_disjoint_shards_covering_each_epoch(tmp_path):
         a, b = per_process[0][e], per_process[1][e]
         assert not set(a) & set(b) and sorted(a + b) == list(range(N))
     # The global batches do not depend on the number of processes: the same run as on
-    # one process with 8 devices, up to the order of float sums.
+    # one process on one device, up to the order of float sums.
     summary = got[0]["summary"]
     assert summary["step"] == STEPS and got[1]["summary"]["state_sha256"] == summary["state_sha256"]
     one = tmp_path / "ref"
-    ref, _ = train_reads(str(one), mesh_data=8)
+    ref, _ = train_reads(str(one), mesh_data=1)
     np.testing.assert_allclose(summary["eval/loss"], ref.summary["eval/loss"], rtol=1e-4)
 
 

@@ -19,7 +19,7 @@ import jtrain
 from jtrain.checkpoint import export as export_lib
 from jtrain.errors import ConfigError, RestoreError, UsageError
 from jtrain.models import lora
-from tests.journey import run_python
+from journey import run_python
 
 pytest.importorskip("qwix")
 

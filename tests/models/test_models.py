@@ -2,13 +2,6 @@
 
 import jax
 
-# Ask for 8 fake CPU devices before anything touches the backend; if another test module
-# already initialised it, the sharding test below skips instead.
-try:
-    jax.config.update("jax_num_cpu_devices", 8)
-except (RuntimeError, ValueError):
-    pass
-
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -150,10 +143,8 @@ def test_every_param_is_logically_partitioned(cfg):
         assert set(leaf.names) <= ALLOWED_AXES, leaf.names
 
 
+@pytest.mark.multidevice
 def test_params_shard_over_fsdp_on_fake_mesh():
-    if jax.device_count() < 8:
-        pytest.skip(f"JAX backend was initialised with {jax.device_count()} device(s) before "
-                    "this module could ask for 8 fake CPU devices")
     mesh = jmesh.make_mesh({"data": 2, "fsdp": 4, "tensor": 1})
     model = _build(SMALL)
     tokens = _tokens()
@@ -305,6 +296,7 @@ def test_default_model_config_and_config_dict():
     assert model.num_outputs == 2 and model.hidden == (64, 64)
 
 
+@pytest.mark.multidevice
 def test_nnx_factory_with_partitioned_params_trains_sharded(tmp_path):
     """An NNX factory (rngs -> Module) whose kernels carry nnx.with_partitioning is split
     once, shapes-first, under the run's mesh; its kernels come out sharded over fsdp."""

@@ -13,7 +13,7 @@ import pytest
 import jtrain
 from jtrain import evaluate
 from jtrain.errors import ConfigError, EvaluateError
-from tests.journey import run_python
+from journey import run_python
 
 MODELS = '''
 import jax.numpy as jnp

@@ -14,7 +14,7 @@ import time
 import pytest
 import yaml
 
-from tests.multihost.launching import (LAUNCH, TINY, checkpoints, finish, free_port, start,
+from launching import (LAUNCH, TINY, checkpoints, finish, free_port, start,
                                        summary, user_dir, wait_for_checkpoint_after)
 
 pytestmark = pytest.mark.slow

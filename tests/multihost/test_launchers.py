@@ -14,7 +14,7 @@ import time
 import pytest
 import yaml
 
-from tests.multihost.launching import (FAKE_BIN, LAUNCH, TINY, finish, free_port, start,
+from launching import (FAKE_BIN, LAUNCH, TINY, finish, free_port, start,
                                        user_dir)
 
 FAKE = str(FAKE_BIN / "fake_jtrain")

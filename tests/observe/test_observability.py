@@ -61,8 +61,7 @@ def assert_no_secrets(texts):
 def two_process_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("mp") / "run"
     env = dict(os.environ, JAX_PLATFORMS="cpu", **SECRETS,
-               XLA_FLAGS="--xla_force_host_platform_device_count=1",
-               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")  # jtrain as installed
     port = free_port()
     cmd = [sys.executable, "-m", "jtrain.main", "--config=configs/base.py:debug",
            f"--workdir={workdir}", "--config.total_steps=20", "--config.eval.every_steps=10",
@@ -216,10 +215,10 @@ def linear_apply(params, x, rng=None, train=False):
     return x @ params["w"] + params["b"]
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize("n,batch", [(203, 32), (64, 64)])
 def test_eval_loop_exact_on_mesh(n, batch):
-    if jax.device_count() < 8:
-        pytest.skip("needs 8 fake devices (conftest)")
+    assert jax.device_count() == 8
     rng = np.random.default_rng(n)
     c = 4
     params = {"w": jnp.asarray(rng.normal(size=(6, c)), jnp.float32), "b": jnp.zeros(c)}

@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 
-from tests.journey import run_python
+from journey import run_python
 
 CONFIG = '''
 from jtrain.config import defaults

@@ -288,7 +288,6 @@ def test_secrets_never_written(tmp_path, monkeypatch, capsys):
 
 
 def test_mlflow_params_metrics_and_resume(tmp_path):
-    pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
     wd = str(tmp_path)
     w = MetricWriter(wd, log_cfg("jsonl", "mlflow"), is_primary=True, run_name="r1")
@@ -315,7 +314,6 @@ def test_mlflow_params_metrics_and_resume(tmp_path):
 
 
 def test_wandb_offline_and_resume(tmp_path):
-    pytest.importorskip("wandb")
     wd = str(tmp_path)
     w = MetricWriter(wd, log_cfg("jsonl", "wandb"), is_primary=True, run_name="r1")
     w.write_hparams({"optim": {"lr": 0.1}})

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.journey import run_python, user_env
+from journey import run_python, user_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from tests.journey import run_python, user_env
+from journey import run_python, user_env
 
 MODELS = '''
 import jax.numpy as jnp

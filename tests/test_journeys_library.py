@@ -1,0 +1,172 @@
+"""The library as research code uses it, each from a plain script (`python script.py` in
+an empty temp directory, jtrain imported as installed, absl flags parsed by nobody):
+
+* the public pieces composed into a hand-written loop: make_mesh, make_optimizer,
+  to_model_fns, make_abstract_state / init_state, make_train_step, host_to_device;
+* a pure `(init, apply)` model (no Flax at all) trained end to end by jtrain.train;
+* the wheel: built from this tree, installed with --no-deps into a fresh venv that sees
+  the dependencies through --system-site-packages, then a 5-step training from it, so a
+  module or data file missing from the package fails here."""
+
+import json
+import os
+import shutil
+import site
+import subprocess
+import sys
+
+from journey import run_python
+
+DATA = '''
+import numpy as np
+
+rng = np.random.default_rng(0)
+X = rng.normal(size=(256, 4)).astype(np.float32)
+Y = (X[:, 0] - X[:, 1] > 0).astype(np.int32)  # learnable: a linear boundary
+'''
+
+HAND_LOOP = DATA + '''
+import json
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import linen as nn
+
+import jtrain
+
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+        return nn.Dense(2)(nn.relu(nn.Dense(16)(x)))
+
+
+def loss_fn(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+cfg = jtrain.resolve({"total_steps": 40, "optim": {"name": "sgd", "lr": 0.5,
+                                                   "schedule": "constant"}})
+mesh = jtrain.make_mesh(cfg.mesh)
+tx, schedule = jtrain.make_optimizer(cfg.optim, cfg.total_steps)
+fns = jtrain.to_model_fns(Net())
+policy = jtrain.make_policy(cfg.model)
+sample = jax.ShapeDtypeStruct((32, 4), jnp.float32)
+abstract, shardings = jtrain.make_abstract_state(fns, tx, policy, sample, mesh, cfg.seed)
+state = jtrain.init_state(fns, tx, policy, sample, mesh, cfg.seed, shardings)
+assert jax.tree.map(lambda a: a.shape, state.params) == \\
+    jax.tree.map(lambda a: a.shape, abstract.params)
+step = jax.jit(jtrain.make_train_step(fns.apply, loss_fn, tx, schedule),
+               in_shardings=(shardings, jtrain.batch_sharding(mesh)),
+               out_shardings=(shardings, None), donate_argnums=0)
+losses = []
+for i in range(cfg.total_steps):
+    rows = slice((i * 32) % 256, (i * 32) % 256 + 32)
+    batch = jtrain.host_to_device({"inputs": X[rows], "targets": Y[rows]}, mesh)
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["train/loss"]))
+accuracy = float((fns.apply(state.params, X).argmax(-1) == Y).mean())
+print(json.dumps({"step": int(state.step), "first": losses[0], "last": losses[-1],
+                  "accuracy": accuracy, "sha": jtrain.state_sha256(state)}))
+'''
+
+PURE = DATA + '''
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import jtrain
+
+
+def init(rng, x):  # no Flax: a dict of arrays
+    k1, k2 = jax.random.split(rng)
+    return {"w1": jax.random.normal(k1, (x.shape[-1], 16)) * 0.5, "b1": jnp.zeros(16),
+            "w2": jax.random.normal(k2, (16, 2)) * 0.5, "b2": jnp.zeros(2)}
+
+
+def apply(p, x):
+    return jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+
+cfg = {"total_steps": int(sys.argv[2]), "data": {"batch_size": 32},
+       "optim": {"name": "sgd", "lr": 0.5, "schedule": "constant"},
+       "eval": {"every_steps": 0}, "checkpoint": {"every_steps": 0},
+       "log": {"writers": ["jsonl"], "every_steps": 5}}
+n = 224
+result = jtrain.train(cfg, sys.argv[1], model=(init, apply),
+                      train_data={"inputs": X[:n], "targets": Y[:n]},
+                      eval_data={"inputs": X[n:], "targets": Y[n:]})
+print(json.dumps({"summary": result.summary, "jtrain": jtrain.__file__}))
+'''
+
+
+def last_json(proc) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_hand_written_loop_from_the_public_pieces(tmp_path):
+    (tmp_path / "loop.py").write_text(HAND_LOOP)
+    out = last_json(run_python(tmp_path, "loop.py"))
+    assert out["step"] == 40
+    assert out["last"] < 0.5 * out["first"], out
+    assert out["accuracy"] > 0.9, out
+    assert sorted(os.listdir(tmp_path)) == ["loop.py"]  # a library call writes nothing
+
+
+def test_pure_init_apply_model_trains_end_to_end(tmp_path):
+    (tmp_path / "pure.py").write_text(PURE)
+    out = last_json(run_python(tmp_path, "pure.py", "runs/pure", 30))
+    s = out["summary"]
+    assert s["step"] == 30 and s["eval/accuracy"] > 0.85, s
+    assert (tmp_path / "runs" / "pure" / "summary.json").is_file()
+    records = [json.loads(ln) for ln in
+               (tmp_path / "runs" / "pure" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train/loss" in r] == [5, 10, 15, 20, 25, 30]
+
+
+def test_the_built_wheel_installs_and_trains(tmp_path):
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src, wheels = tmp_path / "src", tmp_path / "wheels"
+    shutil.copytree(os.path.join(repo, "jtrain"), src / "jtrain",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):  # what the build reads, nothing else
+        shutil.copy(os.path.join(repo, name), src / name)
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                            "--no-build-isolation", "-q", "-w", str(wheels), str(src)],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-3000:]
+    (wheel,) = wheels.glob("jtrain-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
+                    str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    # The dependencies live in this test's venv, not in the system's: point the new venv
+    # at them with a .pth file. Its own site-packages (holding the wheel) comes first,
+    # and the editable install's finder only answers after the path search.
+    (new_site,) = (venv / "lib").glob("python3*/site-packages")
+    deps = [p for p in site.getsitepackages() if p.endswith("site-packages")]
+    (new_site / "zz_deps.pth").write_text("\n".join(deps) + "\n")
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                              "--target", str(new_site), str(wheel)],
+                             capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr[-3000:]
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "pure.py").write_text(PURE)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
+    proc = subprocess.run([str(py), "pure.py", "runs/w", "5"], cwd=user,
+                          env={**env, "JAX_PLATFORMS": "cpu"},
+                          capture_output=True, text=True, timeout=300)
+    out = last_json(proc)
+    assert out["jtrain"].startswith(str(new_site)), out["jtrain"]  # the wheel, not the tree
+    assert out["summary"]["step"] == 5
+    def modules(root):
+        return {os.path.relpath(os.path.join(d, f), root)
+                for d, _, fs in os.walk(os.path.join(root, "jtrain")) for f in fs
+                if f.endswith(".py")}
+
+    assert modules(repo) <= modules(str(new_site)), sorted(modules(repo) - modules(new_site))
