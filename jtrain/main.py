@@ -43,6 +43,7 @@ from jtrain.multihost import monitor
 
 
 DEBUG_MULTIHOST_EVERY = 10
+EXIT_LINGER_S = 5.0  # process 0, failing: how long it waits for its peers to leave first
 
 
 def define_flags(fv: flags.FlagValues, sys_argv=None) -> None:
@@ -125,7 +126,8 @@ def fail(error: errors.JtrainError):
 
 
 def _exit(code: int):
-    monitor.finished(code)  # peers report this status instead of a dead process
+    # Peers report this status instead of a dead process; process 0 leaves last.
+    monitor.finished(code, linger_s=EXIT_LINGER_S if code else 0.0)
     if _multi_process():  # jax.distributed's shutdown at exit waits for peers that may be
         sys.stdout.flush()  # gone: leave at once
         os._exit(code)
@@ -302,7 +304,10 @@ def _run(argv, fv: flags.FlagValues) -> None:
         sys.stdout.flush()
     stopped = result.summary.get("stopped_by") in ("SIGTERM", "SIGINT")
     code = fv.stopped_exit_code if stopped else 0
-    monitor.finished(code)  # peers that are still saving do not take this for a dead peer
+    # Peers that are still saving do not take this for a dead peer: a stop is no failure
+    # (every process stops at the same step), so the store says 0 whatever the exit code;
+    # process 0 leaves last when it exits at once (os._exit) instead of at the barrier.
+    monitor.finished(0, linger_s=EXIT_LINGER_S if code else 0.0)
     if code:
         _exit(code)
 

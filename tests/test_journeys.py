@@ -105,7 +105,9 @@ def test_evaluate_export_and_init_from_read_a_relative_run(user_run):
     ft = read_json(cwd / "runs" / "ft" / "summary.json")
     assert ft["step"] == 2
     said = [ln for ln in procs["init_from"].stderr.splitlines() if "initialized from" in ln]
-    assert len(said) == 1 and "runs/x/checkpoints/6" in said[0], procs["init_from"].stderr
+    # the init_from report (the checkpoint read, relative as typed) and the header's origin
+    assert len(said) == 2 and "runs/x/checkpoints/6" in said[0], procs["init_from"].stderr
+    assert said[1].endswith("; initialized from runs/x (step 6, 10 leaves, 0 excluded)")
     # ... and from the export just written (bfloat16, cast back to the model's float32)
     proc = run_python(cwd, "-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/ft2",
                       "--config.total_steps=2", "--config.checkpoint.init_from=exports/x")

@@ -82,22 +82,37 @@ def peer_failed() -> None:
         time.sleep(0.1)
 
 
-def announce(status: int, wait_s: float = 2.0) -> None:
-    """`finished(status)` for a process about to `os._exit` (the hang watchdog): the
-    store is asked from a thread, for at most `wait_s`, since it may not answer."""
+def announce(status: int, wait_s: float = 2.0, linger_s: float = 5.0) -> None:
+    """`finished(status, linger_s)` for a process about to `os._exit` (the hang watchdog):
+    the store is asked from a thread, for at most `wait_s` + `linger_s`, since it may not
+    answer."""
     if _monitor is None:
         return
-    t = threading.Thread(target=finished, args=(status,), daemon=True)
+    t = threading.Thread(target=finished, args=(status, linger_s), daemon=True)
     t.start()
-    t.join(wait_s)
+    t.join(wait_s + linger_s)
 
 
-def finished(status: int) -> None:
-    """This process is ending with `status`: tell the peers, stop watching them."""
+def finished(status: int, linger_s: float = 0.0) -> None:
+    """This process is ending with `status`: tell the peers, stop watching them.
+    `linger_s` > 0 on process 0: wait (at most that long) until every peer has recorded
+    its own exit. Process 0 hosts JAX's coordination service; when it leaves first, a peer
+    that is itself about to print its line and exit gets a C++ fatal from JAX's client
+    (lines after its own, sometimes an abort) instead of a clean exit."""
     global _monitor
     mon, _monitor = _monitor, None
-    if mon is not None:
-        mon.stop(status)
+    if mon is None:
+        return
+    mon.stop(status)
+    deadline = time.monotonic() + linger_s
+    while mon.me == 0 and time.monotonic() < deadline:
+        try:
+            ended = {_id(k) for k, _ in mon.client.key_value_dir_get(EXIT)}
+        except Exception:  # noqa: BLE001 - the store is gone: nothing to wait for
+            return
+        if len(ended - {None, 0}) >= mon.n - 1:
+            return
+        time.sleep(0.05)
 
 
 class PeerMonitor:

@@ -46,7 +46,7 @@ def test_missing_peers_is_one_line_exit_2(monkeypatch, capsys):
     assert bench.main(["peers"]) == 2
     out, err = capsys.readouterr()
     assert out == ""
-    assert err == "jtrain.bench: peers needs lightning (pip install 'jtrain[bench]')\n"
+    assert err == "jtrain: usage error: peers needs lightning (pip install 'jtrain[bench]')\n"
 
 
 def test_bad_case_is_one_line_exit_2(capsys):

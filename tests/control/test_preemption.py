@@ -111,3 +111,26 @@ def test_no_clean_stop_within_the_grace_period_exits_5(tmp_path):
     assert proc.returncode == 5, proc.stderr[-2000:]
     assert proc.stderr.splitlines()[-1].startswith(
         "jtrain: hang error: no clean stop within the 0.5 s grace period")
+
+
+def test_a_stop_that_jax_rewraps_inside_an_eval_is_still_a_stop():
+    """SIGINT inside a jitted eval call: JAX's traceback filtering can fail on the
+    interrupted frame and raise a TypeError in place of StopRequested (seen from an
+    external os.kill in tests/test_journeys.py). The eval is still abandoned, no error."""
+    from jtrain.control.signals import StopRequested, Stopper
+
+    def eval_rewrapped_by_jax():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except StopRequested:
+            raise TypeError("'NoneType' object cannot be interpreted as an integer")
+
+    def a_real_bug():
+        raise TypeError("a bug in the eval")
+
+    with Stopper(grace_seconds=600) as stopper:
+        with pytest.raises(TypeError, match="a bug"):
+            stopper.interruptible(a_real_bug)  # no signal: a bug stays a bug
+        assert stopper.interruptible(eval_rewrapped_by_jax) == []
+        assert stopper.signal_name == "SIGINT"

@@ -130,14 +130,14 @@ def test_the_command_says_what_is_wrong_in_one_line(tmp_path, monkeypatch, capsy
 
 
 def test_failed_trials_are_recorded_and_the_study_goes_on(tmp_path, monkeypatch, capsys):
-    # Every sampled warmup is >= total_steps: each trial is a config error at start-up.
-    path = _config_file(tmp_path, monkeypatch, '{"optim": {"warmup_steps": ("int", 5, 9)}}')
+    # Every sampled FSDP size needs more devices than the one there is: each trial is a
+    # config error at start-up.
+    path = _config_file(tmp_path, monkeypatch, '{"mesh": {"fsdp": ("int", 3, 5)}}')
     assert tune.main([f"--config={path}", f"--workdir={tmp_path}/runs"]) == 1
     recs = [json.loads(x) for x in open(tmp_path / "runs/trials.jsonl")]
     assert [r["state"] for r in recs] == ["failed", "failed"]
     for r in recs:
-        assert r["reason"].startswith("jtrain: config error: optim.warmup_steps: "
-                                      f"{r['params']['optim.warmup_steps']} >= total_steps=4")
+        assert r["reason"].startswith("jtrain: config error: mesh.fsdp: "), r["reason"]
     assert "no trial completed" in capsys.readouterr().out
 
 
