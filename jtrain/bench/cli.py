@@ -129,10 +129,7 @@ def console(args) -> int:
 
     res = bcon.run(updates=args.updates, rounds=args.rounds, columns=args.columns)
     print(bcon.format_report(res), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2, sort_keys=True)
-    return 0
+    return _write_out(args.out, res)
 
 
 def _scaling_flags(fv) -> None:
@@ -167,10 +164,7 @@ def scaling(args) -> int:
     except RuntimeError as e:
         return _fail(f"error: {e}")
     print(bs.format_report(res), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2, sort_keys=True)
-    return 0
+    return _write_out(args.out, res)
 
 
 def _fmt_ms(v: float) -> str:
@@ -215,6 +209,14 @@ def format_report(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _write_out(path: str | None, res: dict) -> int:
+    """--out: the results as JSON (every benchmark's flag); exit status 0."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=2, sort_keys=True)
+    return 0
+
+
 def _fail(message: str) -> int:
     """`jtrain: usage error: <message>` on stderr (the one-line form of jtrain.errors)."""
     message = message[len("error: "):] if message.startswith("error: ") else message
@@ -240,10 +242,7 @@ def overhead(args) -> int:
     print(format_report(res), flush=True)
     if not (math.isfinite(res["ratio"]) and res["ratio"] > 0):
         return _fail(f"error: ratio {res['ratio']} is not a positive number")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2, sort_keys=True)
-    return 0
+    return _write_out(args.out, res)
 
 
 def main(argv=None) -> int:
@@ -288,10 +287,7 @@ def checkpoint(args) -> int:
                                   writer_nice=args.writer_nice, workdir=args.workdir,
                                   progress=lambda s: print(s, file=sys.stderr, flush=True))
     print(bc.format_report(res), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2, sort_keys=True)
-    return 0
+    return _write_out(args.out, res)
 
 
 def data(args) -> int:
@@ -308,10 +304,7 @@ def data(args) -> int:
     except ImportError as e:
         return _fail(f"error: {e} (the data bench needs torch: pip install 'jtrain[torch]')")
     print(bd.format_report(res), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2, sort_keys=True)
-    return 0
+    return _write_out(args.out, res)
 
 
 
@@ -334,7 +327,4 @@ def peers(args) -> int:
     for case in res["cases"]:
         print(bp.format_case(case), flush=True)
     print(res["note"], flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2, sort_keys=True)
-    return 0
+    return _write_out(args.out, res)
