@@ -135,10 +135,11 @@ def run_loop(cfg, run: Run):
     multihost.monitor.note_step(start)
     multihost.monitor.note_checkpoint(run.ckpt.latest_step())
     debug_every = cfg.distributed.debug_every_steps
+    debug_hash = config_lib.config_hash(cfg) if debug_every else ""  # the config is fixed
     for step in range(start + 1, total + 1 if not session.stopped_by else start + 1):
         multihost.monitor.note_step(step)
         if debug_every and step % debug_every == 0:  # --debug_multihost
-            multihost.preflight.check_step(step, cfg, config_lib.config_hash(cfg))
+            multihost.preflight.check_step(step, cfg, debug_hash)
         # The first step compiles: it is timed with watchdog.first_timeout_s.
         if step == start + 1:
             run.watchdog.beat("first step", allowance=cfg.watchdog.first_timeout_s)
