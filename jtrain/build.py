@@ -94,11 +94,8 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
             from e
     split = None
     if cfg.optim.trainable or cfg.optim.frozen or cfg.optim.lr_mults:
-        try:  # regexes that match no parameter are typos: said before the first step
-            split = optim_lib.trainable_split(abstract.params, cfg.optim)
-        except ValueError as e:
-            key, why = str(e).split(": ", 1)
-            raise ConfigError(key, why) from None
+        # regexes that match no parameter are typos: a ConfigError before the first step
+        split = optim_lib.trainable_split(abstract.params, cfg.optim)
 
     batch_sharding, repl = mesh_lib.batch_sharding(mesh), mesh_lib.replicated(mesh)
     valid_fn = data_lib.load_named(cfg.data.valid_fn, "data.valid_fn") \

@@ -60,7 +60,7 @@ def parse(prog: str, define_flags: Callable, argv, description: str = ""
     try:
         rest = fv([prog, *argv])
     except flags.Error as e:
-        raise errors.UsageError(describe_flag_error(e, argv)) from None
+        raise errors.UsageError(*describe_flag_error(e, argv)) from None
     return fv, rest[1:]
 
 
@@ -89,8 +89,8 @@ def run(prog: str, define_flags: Callable, main: Callable, argv=None,
 # every case.
 
 
-def describe_flag_error(error: Exception, argv) -> str:
-    """`<dotted.key or file>: <why>` for what absl / config_flags raised."""
+def describe_flag_error(error: Exception, argv) -> tuple[str, str]:
+    """`(dotted.key or --flag or file, why)` for what absl / config_flags raised."""
     if isinstance(error, AttributeError) and error.args and isinstance(error.args[0], KeyError):
         error = error.args[0]  # config_flags wraps a typo below the top level: optim.lrr
     if _raised_in_file(error, config_file(argv)):  # get_config() itself raised
@@ -100,33 +100,50 @@ def describe_flag_error(error: Exception, argv) -> str:
     text = str(error)
     if not isinstance(error, flags.Error):  # raised while loading the config file
         return _describe_file_error(error, config_file(argv))
+    # absl's flag errors are text only: their parts are matched here, once.
     m = re.match(r"flag --config\.([\w.]+)=(.*?): (.*)", text, re.DOTALL)
     if m:
-        return f"{m.group(1)}: {_plain_why(m.group(3).strip().splitlines()[-1])}"
+        return m.group(1), _plain_why(m.group(3).strip().splitlines()[-1])
     m = re.match(r"flag --(\w+)=(.*?): (.*)", text, re.DOTALL)  # a plain flag's bad value
     if m and m.group(1) != "config":
-        return f"--{m.group(1)}: {_plain_why(m.group(3).strip().splitlines()[-1])}"
+        return f"--{m.group(1)}", _plain_why(m.group(3).strip().splitlines()[-1])
     m = re.match(r"Missing value for flag --config\.([\w.]+)", text)
     if m:
-        return f"{m.group(1)}: missing value"
+        return m.group(1), "missing value"
     m = re.match(r"Found --?config\.([\w.]+)\S* in argv before a value for --config", text)
     if m:
-        return f"{m.group(1)}: override given before --config=...; put --config first"
+        return m.group(1), "override given before --config=...; put --config first"
     m = re.match(r"Flag --config\.([\w.]+) is provided after --config\.([\w.]+)", text)
     if m:
-        return f"{m.group(1)}: given after --config.{m.group(2)}, and would overwrite it"
+        return m.group(1), f"given after --config.{m.group(2)}, and would overwrite it"
     m = re.match(r"flag --config=([^:]*)(:\S*)?: Error whilst parsing config file", text)
-    if m:  # get_config raised: its own message is the last line of the traceback
-        last = [ln for ln in text.strip().splitlines() if ln.strip()][-1]
-        why = last.split(": ", 1)[-1]
-        return why if why.startswith(f"{m.group(1)}:") else f"{m.group(1)}: {why}"
+    if m:  # get_config raised: config_flags kept only its traceback's text
+        return _get_config_error(error, m.group(1), text)
     if isinstance(error, flags.UnrecognizedFlagError):
-        return f"--{error.flagname}: unknown flag"
-    return errors.first_line(error)
+        return f"--{error.flagname}", "unknown flag"
+    return errors.first_line(error), ""  # nothing matched: the line as it is
 
 
-def _describe_unknown_key(error: KeyError, argv) -> str:
-    """`<override key>: unknown key[; did you mean "x"?]`, from the overrides in argv
+def _get_config_error(error: Exception, path: str, text: str) -> tuple[str, str]:
+    """(path, why) for an exception get_config() raised, which config_flags re-raised as
+    the text of its traceback: a jtrain error's fields when it is still in the chain,
+    else the traceback's last line less the exception's type name."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, errors.JtrainError) and error.key is not None:
+            return (path, error.why) if error.key == path else (path, errors.message(
+                error.key, error.why))
+        error = error.__cause__ or error.__context__
+    last = [ln for ln in text.strip().splitlines() if ln.strip()][-1]
+    m = re.match(r"(?:[\w.]+: )?(.*)", last)  # `ValueError: why` -> why
+    why = m.group(1)
+    prefix = f"{path}: "
+    return (path, why[len(prefix):]) if why.startswith(prefix) else (path, why)
+
+
+def _describe_unknown_key(error: KeyError, argv) -> tuple[str, str]:
+    """(override key, `unknown key[; did you mean "x"?]`), from the overrides in argv
     walked against jtrain's schema (every model family's keys allowed)."""
     from jtrain.config.schema import MODEL_FAMILIES, SCHEMA, Field
 
@@ -140,17 +157,16 @@ def _describe_unknown_key(error: KeyError, argv) -> str:
         node, parts = schema, key.split(".")
         for i, part in enumerate(parts):
             if isinstance(node, Field):  # --config.optim.lr.x=1: below a plain value
-                return (f"{key}: unknown key; {'.'.join(parts[:i])} is a value, "
-                        "not a section")
+                return key, f"unknown key; {'.'.join(parts[:i])} is a value, not a section"
             if part not in node:
                 close = difflib.get_close_matches(part, list(node), n=1, cutoff=0.6)
-                return f"{key}: unknown key" + (f'; did you mean "{close[0]}"?' if close else "")
+                return key, "unknown key" + (f'; did you mean "{close[0]}"?' if close else "")
             node = node[part]
     # Every override is a schema key: one the config file leaves out (its KeyError's
     # argument is the missing name).
     bad = errors.first_line(error).strip("'\"")
     key = next((k for k in keys if bad in k.split(".")), bad)
-    return f"{key}: unknown key"
+    return key, "unknown key"
 
 
 def _raised_in_file(error: BaseException, path: str) -> bool:
@@ -175,22 +191,22 @@ def config_file(argv) -> str:
     return "--config"
 
 
-def _describe_file_error(error: Exception, path: str) -> str:
+def _describe_file_error(error: Exception, path: str) -> tuple[str, str]:
     inner = error.__cause__ or error  # a deferred load error is re-raised as its cause
     if isinstance(inner, SyntaxError):
-        return f"{path}: syntax error at line {inner.lineno}: {inner.msg}"
+        return path, f"syntax error at line {inner.lineno}: {inner.msg}"
     if isinstance(inner, OSError):
         if inner.strerror:  # permission denied, is a directory, ...
-            return f"{path}: cannot read: {inner.strerror.lower()}"
+            return path, f"cannot read: {inner.strerror.lower()}"
         if "Attempted" in str(inner):  # config_flags' file-not-found report
-            return f"{path}: no such file"
-        return f"{path}: cannot read: {errors.first_line(inner)}"
+            return path, "no such file"
+        return path, f"cannot read: {errors.first_line(inner)}"
     if isinstance(inner, AttributeError) and "get_config" in str(inner):
-        return f"{path}: has no get_config() function"
+        return path, "has no get_config() function"
     if isinstance(inner, TypeError) and str(inner).startswith("get_config() returned"):
-        return f"{path}: {inner}"
+        return path, str(inner)
     first = errors.first_line(inner) if str(inner).strip() else ""
-    return f"{path}: {type(inner).__name__}" + (f": {first}" if first else "")
+    return path, type(inner).__name__ + (f": {first}" if first else "")
 
 
 def _plain_why(why: str) -> str:

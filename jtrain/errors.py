@@ -1,54 +1,80 @@
 """Every error a user can cause, each with its exit code, and the one function that
 renders any exception as the one line a person sees.
 
-    ConfigError    2  a bad config key or value: `<dotted.key>: <why>`
-    DataError      2  bad input data: names the dataset and the item or field
-    UsageError     2  a bad command line (an unknown flag, a missing argument)
-    EvaluateError  2  an evaluation that cannot be done as asked (no such step, no split)
-    RestoreError   3  a checkpoint that cannot be used as asked (damaged with
-                      strict_restore, another model, a changed config)
-    ExportError    3  an export that cannot be written or read
-    CheckpointError 3 a checkpoint write that failed (possibly in the background)
-    NonFiniteError 4  training halted on non-finite values (nonfinite.policy)
-    HangError      5  a step, eval or save past watchdog.timeout_s (control.watchdog)
-    PeerError      5  a collective with another process failed (a peer died or hung)
-    WorkdirError   2  the workdir (or an output directory) cannot be written: a file, a
-                      read-only file system, no permission
-    DiskFullError  6  no space left on the device holding the workdir (ENOSPC), at any
-                      moment of the run: free space, rerun the same command to continue
-    any other      1  a bug in jtrain or in user code: `jtrain: internal error: ...`, the
-                      traceback in WORKDIR/train.log
+An error that names a key (a config key, a flag, a file, a dataset) is built from its
+parts, `ConfigError(key, why)`, and keeps them as fields: `e.key`, `e.why`; the one
+line is `jtrain: <kind> error: <key>: <why>`. One that names nothing is built from a
+message, `DataError(message)` (`e.key` is None, `e.why` the message). Code that needs
+the key reads `e.key`; no one parses an error's text.
 
-Entry points print `render(e)` on stderr and exit with `exit_code(e)`; no traceback for
-any of these. `classify(e)` turns what libraries raise (OSError, orbax's wrapped I/O
-errors) into the error above that says what to change. Every rendered line passes
-through the redactor (jtrain.observe.redact).
+`EXIT_CODES` says what each exit code means; docs/exit_codes.md is written from it and
+from the classes below (`python -m jtrain.exit_codes --markdown`). Entry points print
+`render(e)` on stderr and exit with `exit_code(e)`; no traceback for any of these.
+`classify(e)` turns what libraries raise (OSError, orbax's wrapped I/O errors) into the
+error that says what to change. Every rendered line passes through the redactor.
 """
 
 from __future__ import annotations
 
 import errno
 
+# What each exit code means, for every command (docs/exit_codes.md).
+EXIT_CODES = {
+    0: "done, stopped early (early stopping, `on_eval`), or stopped by SIGTERM / SIGINT "
+       "with the current step saved (a signal during start-up: nothing new to save); "
+       "`--stopped_exit_code=N` makes a signal's stop exit N (e.g. 75 for Kubernetes)",
+    1: "a bug in jtrain or in user code: `jtrain: internal error: ...`, its traceback in "
+       "`WORKDIR/train.log`; `--verify_resume` exits 1 on FAIL",
+    2: "a bad config, data, command line or workdir: one line naming the key, file or "
+       "field, before any training",
+    3: "a checkpoint that cannot be restored (a changed config, another model, damaged "
+       "with `--strict_restore`) or written; an export that cannot be written or read",
+    4: "halted: non-finite loss or gradients (`nonfinite.*`) or repeated loss spikes "
+       "(`spike.max_rollbacks`)",
+    5: "a hang (`watchdog.timeout_s`), no clean stop within `checkpoint.grace_seconds`, "
+       "or a peer process missing at start-up, failed, silent or running another config "
+       "(one line; the process leaves at once instead of waiting for the dead peer)",
+    6: "disk full: no space left on the device holding the workdir, at any moment of the "
+       "run (free space, rerun the same command to continue)",
+}
+
 
 class JtrainError(Exception):
-    """Base of jtrain's user-facing errors: `kind` names it in the one line."""
+    """Base of jtrain's user-facing errors: `kind` names it in the one line.
+
+    `JtrainError(key, why)` names what to change (`e.key`, `e.why`);
+    `JtrainError(message)` names nothing (`e.key` is None, `e.why` is the message).
+    str(e) is `<key>: <why>` or the message."""
 
     kind = "jtrain"
     exit_code = 1
 
+    def __init__(self, key_or_message: str = "", why: str | None = None):
+        key = key_or_message if why is not None else None
+        self.key: str | None = key
+        self.why: str = key_or_message if why is None else why
+        super().__init__(message(key, self.why))
+
+
+def message(key: str | None, why: str) -> str:
+    """The message of an error with these fields: `<key>: <why>`, or either alone."""
+    if key is None:
+        return why
+    return f"{key}: {why}" if why else key
+
 
 class ConfigError(JtrainError, ValueError):
-    """A bad config value; str(e) is `<dotted.key>: <why>`."""
+    """A bad config key or value (`ConfigError(dotted.key, why)`), found before any
+    training."""
 
     kind, exit_code = "config", 2
 
     def __init__(self, key: str, why: str = ""):
-        super().__init__(f"{key}: {why}" if why else key)
-        self.key = key
+        super().__init__(key, why)
 
 
 class DataError(JtrainError, ValueError):
-    """Bad input data; str(e) is one line naming the dataset and the item or field."""
+    """Bad input data: names the dataset and the item or field."""
 
     kind, exit_code = "data", 2
 
@@ -60,13 +86,21 @@ class UsageError(JtrainError, ValueError):
 
 
 class EvaluateError(JtrainError, ValueError):
-    """`python -m jtrain.evaluate` cannot do what was asked (no such step, no eval split)."""
+    """An evaluation that cannot be done as asked (no such step, no eval split)."""
 
     kind, exit_code = "evaluate", 2
 
 
+class WorkdirError(JtrainError):
+    """The workdir (or an output directory) cannot hold a run: a file, a read-only file
+    system, no permission; found before anything is written."""
+
+    kind, exit_code = "workdir", 2
+
+
 class RestoreError(JtrainError):
-    """A checkpoint that cannot be used as asked: exit code 3, one line."""
+    """A checkpoint that cannot be used as asked: damaged with `--strict_restore`,
+    another model, a changed config."""
 
     kind, exit_code = "restore", 3
 
@@ -78,29 +112,23 @@ class ExportError(JtrainError):
 
 
 class CheckpointError(JtrainError):
-    """A save that failed (possibly in the background): exit code 3, one line."""
+    """A checkpoint write that failed (possibly in the background)."""
 
     kind, exit_code = "checkpoint", 3
 
 
 class NonFiniteError(JtrainError):
     """Training halted on a non-finite loss or gradient (`nonfinite.policy=halt`, or
-    `nonfinite.max_consecutive` skips in a row): exit code 4."""
+    `nonfinite.max_consecutive` skips in a row)."""
 
     kind, exit_code = "non-finite", 4
 
 
 class HangError(JtrainError):
-    """A step, eval or save took longer than `watchdog.timeout_s`: exit code 5. The
-    watchdog renders it and exits the process itself (a stuck thread cannot raise)."""
+    """A step, eval or save took longer than `watchdog.timeout_s`. The watchdog renders
+    it and exits the process itself (a stuck thread cannot raise)."""
 
     kind, exit_code = "hang", 5
-
-
-def first_line(e: BaseException) -> str:
-    """The first non-empty line of an exception's message, or its type's name."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 class PeerError(JtrainError):
@@ -109,16 +137,22 @@ class PeerError(JtrainError):
     kind, exit_code = "peer", 5
 
 
-class WorkdirError(JtrainError):
-    """The workdir (or --out) cannot hold a run: a file, read-only, no permission."""
-
-    kind, exit_code = "workdir", 2
-
-
 class DiskFullError(JtrainError):
-    """No space left on the device (ENOSPC) while writing the run's files: exit code 6."""
+    """No space left on the device (ENOSPC) while writing the run's files: free space,
+    rerun the same command to continue from the newest checkpoint."""
 
     kind, exit_code = "disk", 6
+
+
+# Every error class above, in the order docs/exit_codes.md lists them.
+ERRORS = (ConfigError, DataError, UsageError, EvaluateError, WorkdirError, RestoreError,
+          ExportError, CheckpointError, NonFiniteError, HangError, PeerError, DiskFullError)
+
+
+def first_line(e: BaseException) -> str:
+    """The first non-empty line of an exception's message, or its type's name."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 # What a write that failed for lack of space says, wherever it was raised: Python's
@@ -133,14 +167,14 @@ def classify(e: BaseException, where: str = "", flag: str = "--workdir") -> Base
     """The JtrainError a person should see for `e` (`e` itself when nothing fits).
 
     ENOSPC anywhere (an OSError, or orbax's error around tensorstore's) is a
-    DiskFullError; a write refused by the file system is a WorkdirError naming the path."""
+    DiskFullError naming what was being written (a CheckpointError's `what`); a write
+    refused by the file system is a WorkdirError naming the path."""
     chain = [e, e.__cause__, e.__context__]
-    text = " ".join(str(c) for c in chain if c is not None)
+    said = " ".join(str(c) for c in chain if c is not None)
     no_space = any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in chain)
-    if no_space or any(m in text for m in _NO_SPACE):
+    if no_space or any(m in said for m in _NO_SPACE):
         place = getattr(e, "filename", None) or where or "the workdir"
-        what = first_line(e) if isinstance(e, JtrainError) else ""
-        what = what.split(" failed:", 1)[0] if " failed:" in what else ""
+        what = getattr(e, "what", "") if isinstance(e, JtrainError) else ""
         return DiskFullError(f"no space left on the device holding {place}"
                              + (f" ({what})" if what else "")
                              + f"; free space (or use another {flag}) and rerun the same "
@@ -150,7 +184,7 @@ def classify(e: BaseException, where: str = "", flag: str = "--workdir") -> Base
         return e
     if isinstance(e, OSError) and e.errno in _NOT_WRITABLE:
         place = e.filename or where or "the workdir"
-        return WorkdirError(f"{place}: {_NOT_WRITABLE[e.errno]}; choose another {flag}")
+        return WorkdirError(place, f"{_NOT_WRITABLE[e.errno]}; choose another {flag}")
     return e
 
 
@@ -159,9 +193,15 @@ def exit_code(e: BaseException) -> int:
 
 
 def render(e: BaseException, kind: str | None = None) -> str:
-    """`jtrain: <kind> error: <first line>`: what a person sees for any exception,
+    """`jtrain: <kind> error: <key>: <why>` (a jtrain error, from its fields) or
+    `jtrain: <kind> error: <first line>` (any other exception): what a person sees,
     secrets masked."""
     from jtrain.observe.redact import redact_text
 
+    if isinstance(e, JtrainError):
+        said = message(e.key, e.why).strip()
+        line = said.splitlines()[0] if said else type(e).__name__
+    else:
+        line = first_line(e)
     kind = kind or (e.kind if isinstance(e, JtrainError) else "internal")
-    return redact_text(f"jtrain: {kind} error: {first_line(e)}")
+    return redact_text(f"jtrain: {kind} error: {line}")

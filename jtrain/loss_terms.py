@@ -77,12 +77,9 @@ def from_config(loss_cfg) -> tuple[Callable | None, bool]:
     if loss_cfg.fn and terms:
         raise ConfigError("loss.fn", "set loss.fn or loss.terms, not both")
     if loss_cfg.fn:
-        from jtrain.data.load import DataError, load_named
+        from jtrain.data.load import load_named
 
-        try:
-            return load_named(loss_cfg.fn, "loss.fn"), False
-        except DataError as e:
-            raise ConfigError("loss.fn", str(e).split(": ", 1)[1]) from None
+        return load_named(loss_cfg.fn, "loss.fn", ConfigError), False
     if not terms:
         return None, False
     return make_multi_loss({name: _parse(name, spec) for name, spec in terms.items()}), True
@@ -103,12 +100,9 @@ def _parse(name: str, spec) -> dict:
     if fn_name in TERM_FNS:
         fn = TERM_FNS[fn_name]
     elif ":" in fn_name:
-        from jtrain.data.load import DataError, load_named
+        from jtrain.data.load import load_named
 
-        try:
-            fn = load_named(fn_name, f"{key}.fn")
-        except DataError as e:
-            raise ConfigError(f"{key}.fn", str(e).split(": ", 1)[1]) from None
+        fn = load_named(fn_name, f"{key}.fn", ConfigError)
     else:
         raise ConfigError(f"{key}.fn", f"unknown loss {fn_name!r}; one of "
                                        f"{', '.join(TERM_FNS)} or 'package.module:function'")

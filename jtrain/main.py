@@ -194,9 +194,9 @@ def parse_flags(argv, fv: flags.FlagValues):
         fail(errors.ConfigError(cli_lib.config_file(argv), "get_config() called sys.exit("
                                 f"{e.code!r}) while the config was loading"))
     except Exception as e:  # noqa: BLE001 - flags.Error, and what config_flags raises loading
-        key, _, why = cli_lib.describe_flag_error(e, argv).partition(": ")
+        key, why = cli_lib.describe_flag_error(e, argv)
         if key.startswith("--") and not key.startswith("--config"):  # not a config key
-            fail(errors.UsageError(f"{key}: {why}"))
+            fail(errors.UsageError(key, why))
         fail(errors.ConfigError(key, why))
     finally:
         absl_logging.get_absl_logger().removeFilter(quiet)

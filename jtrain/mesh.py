@@ -18,6 +18,9 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from jtrain.config import sections
+from jtrain.errors import ConfigError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
@@ -40,38 +43,39 @@ LOGICAL_RULES = (
 def resolve_axis_sizes(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
     """Returns (data, fsdp, tensor) sizes; a single -1 takes the remaining devices.
 
-    Raises ValueError("mesh.<axis>: ...") when the sizes cannot cover num_devices.
+    Raises ConfigError("mesh.<axis>", why) when the sizes cannot cover num_devices.
     """
     sizes = {a: int(mesh_cfg[a]) for a in MESH_AXES}
     free = [a for a, s in sizes.items() if s == -1]
     if len(free) > 1:
-        raise ValueError(f"mesh.{free[1]}: only one axis may be -1, got -1 for {', '.join(free)}")
+        raise ConfigError(f"mesh.{free[1]}", f"only one axis may be -1, got -1 for {', '.join(free)}")
     fixed = math.prod(s for s in sizes.values() if s != -1)
     # The key to change: a set axis that does not divide the devices, else any set axis.
     set_axes = [a for a, s in sizes.items() if s not in (-1, 1)]
     bad = [a for a in set_axes if num_devices % sizes[a]] or set_axes or ["data"]
     if free:
         if num_devices % fixed:
-            raise ValueError(
-                f"mesh.{bad[-1]}: the axes other than mesh.{free[0]}=-1 multiply to {fixed}, "
-                f"which does not divide the {num_devices} devices")
+            raise ConfigError(
+                f"mesh.{bad[-1]}", f"the axes other than mesh.{free[0]}=-1 multiply to "
+                f"{fixed}, which does not divide the {num_devices} devices")
         sizes[free[0]] = num_devices // fixed
     elif fixed != num_devices:
-        raise ValueError(
-            f"mesh.{bad[-1]}: data*fsdp*tensor = {sizes['data']}*{sizes['fsdp']}*"
+        raise ConfigError(
+            f"mesh.{bad[-1]}", f"data*fsdp*tensor = {sizes['data']}*{sizes['fsdp']}*"
             f"{sizes['tensor']} = {fixed}, but there are {num_devices} devices (-1 on one "
             "axis takes the rest)")
     return sizes["data"], sizes["fsdp"], sizes["tensor"]
 
 
-def make_mesh(mesh_cfg, devices=None) -> Mesh:
-    """A Mesh over `devices` (default: all) with Auto axis types.
+def make_mesh(mesh_cfg=None, devices=None) -> Mesh:
+    """A Mesh over `devices` (default: all) with Auto axis types. `mesh_cfg`: the `mesh`
+    section, whole or partial (`{"fsdp": 2}`; None: the defaults, all devices on `data`).
 
     Auto, not jax.make_mesh's default Explicit: FSDP-style parameter sharding with
     sharding constraints fails under Explicit axes (see PITFALLS).
     """
     devices = list(jax.devices() if devices is None else devices)
-    shape = resolve_axis_sizes(mesh_cfg, len(devices))
+    shape = resolve_axis_sizes(sections.section("mesh", mesh_cfg), len(devices))
     try:
         # Topology-aware device order where the platform knows one (GPU/TPU).
         dev_array = jax.experimental.mesh_utils.create_device_mesh(shape, devices=devices)

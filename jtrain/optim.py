@@ -50,6 +50,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jtrain.config import sections
+from jtrain.errors import ConfigError
+
 # Schedules. Each builder returns the schedule *after* the warmup, as a function of
 # the steps since the warmup ended; `make_schedule` prepends the warmup.
 def _constant(lr, end_lr, warmup, decay_steps):
@@ -93,19 +96,17 @@ def make_schedule(optim_cfg, total_steps):
     """The learning rate as a function of the number of updates applied so far."""
     name = optim_cfg["schedule"]
     if name not in _SCHEDULES:
-        raise ValueError(
-            f"optim.schedule: unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)}"
-        )
+        raise ConfigError("optim.schedule",
+                          f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)}")
     builder, decays = _SCHEDULES[name]
     lr = float(optim_cfg["lr"])
     end_lr = lr * float(optim_cfg["end_lr_factor"])
     warmup = int(optim_cfg["warmup_steps"])
     decay_steps = int(optim_cfg["decay_steps"]) or int(total_steps)
     if decays and decay_steps <= warmup:
-        raise ValueError(
-            f"optim.decay_steps: schedule {name!r} decays until step {decay_steps} "
-            f"(0 means total_steps={total_steps}), which must be > optim.warmup_steps={warmup}"
-        )
+        raise ConfigError(
+            "optim.decay_steps", f"schedule {name!r} decays until step {decay_steps} "
+            f"(0 means total_steps={total_steps}), which must be > optim.warmup_steps={warmup}")
     after_warmup = builder(lr, end_lr, warmup, decay_steps)
     if warmup <= 0:
         return after_warmup
@@ -150,9 +151,7 @@ def _adamw(cfg, schedule, wd, mask):
 def _adam(cfg, schedule, wd, mask):
     del mask
     if wd > 0:
-        raise ValueError(
-            f"optim.weight_decay: adam has no weight decay (got {wd}); use adamw"
-        )
+        raise ConfigError("optim.weight_decay", f"adam has no weight decay (got {wd}); use adamw")
     return optax.adam(schedule, b1=cfg["b1"], b2=cfg["b2"], eps=cfg["eps"])
 
 
@@ -209,14 +208,14 @@ def trainable_labels(params, trainable=(), frozen=()):
 
 def trainable_split(params, optim_cfg) -> dict:
     """{"train": (leaves, values), "frozen": (leaves, values)} for the header; raises
-    ValueError naming a regex that matches no leaf, or when nothing would train."""
+    ConfigError naming a regex that matches no leaf, or when nothing would train."""
     flat = [(leaf_path(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]]
     for key in ("trainable", "frozen", "lr_mults"):
         for pattern in optim_cfg[key]:
             if not any(re.search(pattern, name) for name, _ in flat):
                 example = ", ".join(repr(name) for name, _ in flat[:3])
-                raise ValueError(f"optim.{key}: {pattern!r} matches no parameter path; "
-                                 f"paths look like {example}")
+                raise ConfigError(f"optim.{key}", f"{pattern!r} matches no parameter path; "
+                                                  f"paths look like {example}")
     labels = jax.tree.leaves(trainable_labels(params, optim_cfg["trainable"],
                                               optim_cfg["frozen"]))
     out = {"train": [0, 0], "frozen": [0, 0]}
@@ -224,8 +223,8 @@ def trainable_split(params, optim_cfg) -> dict:
         out[label][0] += 1
         out[label][1] += int(math.prod(leaf.shape))
     if not out["train"][0]:
-        raise ValueError("optim.trainable: no parameter is left to train (every leaf is "
-                         "frozen by optim.trainable / optim.frozen)")
+        raise ConfigError("optim.trainable", "no parameter is left to train (every leaf is "
+                                             "frozen by optim.trainable / optim.frozen)")
     return {k: tuple(v) for k, v in out.items()}
 
 
@@ -247,13 +246,27 @@ def _scale_by_path(mults: dict) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
+def _check_names(optim_cfg) -> None:
+    """optim.name / optim.schedule against what this module builds (before the schema's
+    checks, so the message lists the optimizers and schedules that exist here)."""
+    get = getattr(optim_cfg, "get", lambda key, default=None: default)
+    for key, known in (("name", _OPTIMIZERS), ("schedule", _SCHEDULES)):
+        value = get(key, None)
+        if value is not None and value not in known:
+            what = "optimizer" if key == "name" else "schedule"
+            raise ConfigError(f"optim.{key}", f"unknown {what} {value!r}; choose one of: "
+                                              f"{', '.join(known)}")
+
+
 def make_optimizer(optim_cfg, total_steps):
-    """Returns `(tx, schedule)`; `schedule` is the one inside `tx` (log `schedule(step)`)."""
+    """Returns `(tx, schedule)`; `schedule` is the one inside `tx` (log `schedule(step)`).
+
+    `optim_cfg`: the `optim` section, whole or partial (`{"name": "sgd", "lr": 0.1}`):
+    the schema's defaults fill the rest; a ConfigError names an unknown key or a bad
+    value."""
+    _check_names(optim_cfg)
+    optim_cfg = sections.section("optim", optim_cfg, total_steps=total_steps)
     name = optim_cfg["name"]
-    if name not in _OPTIMIZERS:
-        raise ValueError(
-            f"optim.name: unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZERS)}"
-        )
     schedule = make_schedule(optim_cfg, total_steps)
     wd = float(optim_cfg["weight_decay"])
     mask = functools.partial(weight_decay_mask, decay_embeddings=bool(optim_cfg["decay_embeddings"]))

@@ -18,6 +18,8 @@ import re
 import jax
 import jax.numpy as jnp
 
+from jtrain.config import sections
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 # Dynamic loss scaling: halve on overflow, double after this many finite steps in a row.
@@ -37,8 +39,10 @@ class Policy:
                 f"{jnp.dtype(self.compute_dtype).name}{scale}")
 
 
-def make_policy(model_cfg, platform: str | None = None) -> Policy:
-    """`model.dtype="auto"` means bfloat16 compute on GPU/TPU and float32 on CPU."""
+def make_policy(model_cfg=None, platform: str | None = None) -> Policy:
+    """`model.dtype="auto"` means bfloat16 compute on GPU/TPU and float32 on CPU.
+    `model_cfg`: the `model` section, whole or partial (`{"dtype": "bfloat16"}`)."""
+    model_cfg = sections.section("model", model_cfg)
     platform = platform or jax.default_backend()
     name = model_cfg.dtype
     if name == "auto":

@@ -78,8 +78,7 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
         keys = getattr(e, "changed_keys", None)
         if not keys:
             raise
-        what = str(e).split("; to resume anyway", 1)[0]
-        raise RestoreError(f"{what}; to resume anyway pass jtrain.train(..., "
+        raise RestoreError(f"{e.what}; to resume anyway pass jtrain.train(..., "
                            f"allow_changes={list(keys)!r}), or use a new workdir") from None
 
 

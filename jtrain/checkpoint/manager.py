@@ -210,12 +210,12 @@ class Checkpointer:
         bad = control_lib.unallowed_changes(changes, tuple(self.cfg.allow_changes),
                                             current.config)
         if bad:
+            what = (f"the config changed since {path} was saved: "
+                    f"{control_lib.describe_changes(changes, bad)}")
             error = RestoreError(
-                f"the config changed since {path} was saved: "
-                f"{control_lib.describe_changes(changes, bad)}; to resume anyway, allow "
-                f"them: --config.checkpoint.allow_changes={','.join(bad)} (or use a new "
-                "workdir)")
-            error.changed_keys = bad  # jtrain.train names its own argument instead
+                f"{what}; to resume anyway, allow them: --config.checkpoint.allow_changes="
+                f"{','.join(bad)} (or use a new workdir)")
+            error.changed_keys, error.what = bad, what  # jtrain.train names its argument
             raise error
         history = list(saved.config_changes)
         if changes:
@@ -303,8 +303,10 @@ class Checkpointer:
         except Exception as e:
             step = self._inflight[0] if self._inflight else "?"
             first = first_line(e)[:300]
-            raise CheckpointError(f"saving checkpoint step {step} in {self.directory} "
-                                  f"failed: {type(e).__name__}: {first}") from e
+            what = f"saving checkpoint step {step} in {self.directory}"
+            error = CheckpointError(f"{what} failed: {type(e).__name__}: {first}")
+            error.what = what  # errors.classify names it in a disk-full line
+            raise error from e
 
     def wait(self) -> None:
         """Block until the last save is finished; raise CheckpointError if it failed."""

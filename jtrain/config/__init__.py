@@ -222,25 +222,9 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
     _check_checkpoint(tree["checkpoint"])
     _check_data(tree["data"])
     mesh = tree["mesh"]
-    for axis in ("data", "fsdp", "tensor"):
-        if mesh[axis] == 0:
-            raise ConfigError(f"mesh.{axis}", "must be a positive size or -1, got 0")
+    check_mesh(mesh)
     optim = tree["optim"]
-    if optim["warmup_steps"] >= tree["total_steps"] and optim["warmup_steps"] > 0:
-        raise ConfigError("optim.warmup_steps",
-                          f"{optim['warmup_steps']} >= total_steps={tree['total_steps']}: "
-                          "the run would never leave warmup; set optim.warmup_steps "
-                          "below total_steps")
-    decay_end = optim["decay_steps"] or tree["total_steps"]
-    if optim["schedule"] not in ("constant", "rsqrt") and decay_end <= optim["warmup_steps"]:
-        raise ConfigError("optim.decay_steps",
-                          f"schedule {optim['schedule']!r} decays until step {decay_end} "
-                          f"(0 means total_steps={tree['total_steps']}), which must be > "
-                          f"optim.warmup_steps={optim['warmup_steps']}")
-    for beta in ("b1", "b2"):  # (0, 1) inclusive in the schema; 1.0 never forgets
-        if optim["name"] in ("adam", "adamw", "lion") and optim[beta] >= 1.0:
-            raise ConfigError(f"optim.{beta}", f"must be < 1 for {optim['name']}, got "
-                              f"{optim[beta]!r} (the moment estimate would never update)")
+    check_optim(optim, tree["total_steps"])
     if not 0.0 < tree["plateau"]["factor"] < 1.0:
         raise ConfigError("plateau.factor", f"must be in (0, 1), got "
                           f"{tree['plateau']['factor']!r}")
@@ -256,14 +240,6 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
                           f"planning) or a number of bytes, got "
                           f"{tree['memory']['budget_bytes']!r}")
     _check_regexes("model.keep_fp32", tree["model"]["keep_fp32"])
-    for key in ("trainable", "frozen", "lr_mults"):
-        _check_regexes(f"optim.{key}", optim[key])
-    for pattern, factor in optim["lr_mults"].items():
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 0:
-            raise ConfigError("optim.lr_mults", f"{pattern!r}: the factor must be a "
-                              f"number >= 0, got {factor!r}")
-    if optim["name"] == "adam" and optim["weight_decay"] > 0:
-        raise ConfigError("optim.weight_decay", "adam has no weight decay; use optim.name=adamw")
     batch = tree["data"]["batch_size"]
     accum = optim["grad_accum_steps"]
     if batch % accum:
@@ -279,11 +255,7 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
         return
     from jtrain import mesh as mesh_lib  # only the device check needs it
 
-    try:
-        data, fsdp, tensor = mesh_lib.resolve_axis_sizes(mesh, num_devices)
-    except ValueError as e:
-        key, why = str(e).split(": ", 1)
-        raise ConfigError(key, why) from None
+    data, fsdp, tensor = mesh_lib.resolve_axis_sizes(mesh, num_devices)  # ConfigError
     dp = data * fsdp
     if batch % dp:
         raise ConfigError("data.batch_size",
@@ -297,6 +269,41 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
     if eval_batch % dp:
         raise ConfigError("eval.batch_size",
                           f"{eval_batch} is not divisible by the data-parallel size {dp}")
+
+
+def check_mesh(mesh: dict) -> None:
+    """The `mesh` section's rules beyond one key's type and range."""
+    for axis in ("data", "fsdp", "tensor"):
+        if mesh[axis] == 0:
+            raise ConfigError(f"mesh.{axis}", "must be a positive size or -1, got 0")
+
+
+def check_optim(optim: dict, total_steps: int) -> None:
+    """The `optim` section's rules beyond one key's type and range (with the run's
+    `total_steps`)."""
+    if optim["warmup_steps"] >= total_steps and optim["warmup_steps"] > 0:
+        raise ConfigError("optim.warmup_steps",
+                          f"{optim['warmup_steps']} >= total_steps={total_steps}: "
+                          "the run would never leave warmup; set optim.warmup_steps "
+                          "below total_steps")
+    decay_end = optim["decay_steps"] or total_steps
+    if optim["schedule"] not in ("constant", "rsqrt") and decay_end <= optim["warmup_steps"]:
+        raise ConfigError("optim.decay_steps",
+                          f"schedule {optim['schedule']!r} decays until step {decay_end} "
+                          f"(0 means total_steps={total_steps}), which must be > "
+                          f"optim.warmup_steps={optim['warmup_steps']}")
+    for beta in ("b1", "b2"):  # (0, 1) inclusive in the schema; 1.0 never forgets
+        if optim["name"] in ("adam", "adamw", "lion") and optim[beta] >= 1.0:
+            raise ConfigError(f"optim.{beta}", f"must be < 1 for {optim['name']}, got "
+                              f"{optim[beta]!r} (the moment estimate would never update)")
+    for key in ("trainable", "frozen", "lr_mults"):
+        _check_regexes(f"optim.{key}", optim[key])
+    for pattern, factor in optim["lr_mults"].items():
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 0:
+            raise ConfigError("optim.lr_mults", f"{pattern!r}: the factor must be a "
+                              f"number >= 0, got {factor!r}")
+    if optim["name"] == "adam" and optim["weight_decay"] > 0:
+        raise ConfigError("optim.weight_decay", "adam has no weight decay; use optim.name=adamw")
 
 
 def _check_family(model: dict) -> None:

@@ -26,22 +26,23 @@ from jtrain.data.sources import (ArraySource, MapSource, WithTransform, is_array
 from jtrain.data.streams import IterableStream
 
 
-def load_named(path: str, key: str):
-    """The object at "package.module:attribute" (a DataError naming `key` otherwise)."""
+def load_named(path: str, key: str, error: type = DataError):
+    """The object at "package.module:attribute"; otherwise `error(key, why)`: a DataError
+    for data.* keys, ConfigError for the others (loss.fn, model.factory)."""
     if not isinstance(path, str) or ":" not in path or path.startswith(":"):
-        raise DataError(f"{key}: expected 'package.module:function', got {path!r}")
+        raise error(key, f"expected 'package.module:function', got {path!r}")
     module_name, attr = path.split(":", 1)
     try:
         obj = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        raise DataError(f"{key}: cannot import {module_name!r} ({e}); is it on PYTHONPATH?") \
+        raise error(key, f"cannot import {module_name!r} ({e}); is it on PYTHONPATH?") \
             from None
     except Exception as e:
-        raise DataError(f"{key}: importing {module_name!r} raised {type(e).__name__}: "
-                        f"{first_line(e)}") from e
+        raise error(key, f"importing {module_name!r} raised {type(e).__name__}: "
+                         f"{first_line(e)}") from e
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise DataError(f"{key}: {module_name!r} has no attribute {attr!r}")
+            raise error(key, f"{module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     return obj
 
@@ -50,12 +51,12 @@ def from_factory(data_cfg) -> tuple[Any, Any]:
     """(train, eval or None) from the factory named by data.source."""
     factory = load_named(data_cfg.source, "data.source")
     if not callable(factory):
-        raise DataError(f"data.source: {data_cfg.source} is a {type(factory).__name__}, "
-                        "not a function")
+        raise DataError("data.source", f"{data_cfg.source} is a {type(factory).__name__}, "
+                                       "not a function")
     kwargs = dict(data_cfg.kwargs)
     out = call_item(lambda: factory(**kwargs), f"data.source: {data_cfg.source}(**data.kwargs)")
     if out is None:
-        raise DataError(f"data.source: {data_cfg.source} returned None")
+        raise DataError("data.source", f"{data_cfg.source} returned None")
     if isinstance(out, dict) and "train" in out and set(out) <= {"train", "eval"}:
         return out["train"], out.get("eval")
     return out, None
@@ -87,8 +88,8 @@ def as_data(obj, name: str) -> Data:
     if torch_adapters.is_dataloader(obj):
         return as_data(torch_adapters.read_dataloader(obj, name, 0, 1), name)
     if isinstance(obj, np.ndarray):
-        raise DataError(f"{name}: a bare array has no targets; pass (inputs, targets) or a "
-                        "dict with 'inputs' and 'targets'")
+        raise DataError(name, "a bare array has no targets; pass (inputs, targets) or a "
+                              "dict with 'inputs' and 'targets'")
     if isinstance(obj, tuple) and len(obj) in (2, 3) and all(hasattr(a, "shape") for a in obj):
         obj = dict(zip(items_lib.TUPLE_KEYS, obj))
     if isinstance(obj, dict) and obj and all(is_array_tree(v) for v in obj.values()):
@@ -108,15 +109,15 @@ def as_data(obj, name: str) -> Data:
                      _is_torch(obj) else "") + kind)
     if hasattr(obj, "__iter__") and not isinstance(obj, (str, bytes, dict)):
         return _stream(obj, name, f"{kind} (stream)")
-    raise DataError(f"{name}: unsupported data of type {kind}; pass arrays, a dict of arrays, "
-                    "a map-style dataset (len + getitem), a torch IterableDataset or "
-                    "DataLoader, or a grain dataset")
+    raise DataError(name, f"unsupported data of type {kind}; pass arrays, a dict of arrays, "
+                          "a map-style dataset (len + getitem), a torch IterableDataset or "
+                          "DataLoader, or a grain dataset")
 
 
 def add_transform(data: Data, fn: Callable) -> Data:
     """`fn(item, rng)` on every item read, rng from (seed, epoch, index)."""
     if not callable(fn):
-        raise DataError(f"{data.name}: a transform must be callable, got {type(fn).__name__}")
+        raise DataError(data.name, f"a transform must be callable, got {type(fn).__name__}")
     return data.with_transform(fn)
 
 

@@ -17,12 +17,9 @@ from jtrain.errors import ConfigError
 
 
 def build(model_cfg, *, dtype, param_dtype):
-    from jtrain.data.load import DataError, load_named
+    from jtrain.data.load import load_named
 
-    try:
-        factory = load_named(model_cfg.factory, "model.factory")
-    except DataError as e:
-        raise ConfigError("model.factory", str(e).split(": ", 1)[1]) from None
+    factory = load_named(model_cfg.factory, "model.factory", ConfigError)
     kwargs = dict(model_cfg.kwargs)
     try:
         accepted = inspect.signature(factory).parameters

@@ -49,7 +49,7 @@ def _config(fv, argv) -> dict:
         config = fv.config
         getattr(config, "lock", None)  # config_flags defers loading errors until here
     except Exception as e:  # noqa: BLE001 - what loading the file raised
-        key, _, why = cli.describe_flag_error(e, argv).partition(": ")
+        key, why = cli.describe_flag_error(e, argv)
         raise ConfigError(key, why) from None
     return config.to_dict() if hasattr(config, "to_dict") else dict(config)
 
@@ -312,6 +312,6 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001 - config_flags' override errors at parse time
         if isinstance(e, (errors.JtrainError, SystemExit)):
             raise
-        key, _, why = cli.describe_flag_error(e, argv).partition(": ")
+        key, why = cli.describe_flag_error(e, argv)
         sys.stderr.write(errors.render(ConfigError(key, why)) + "\n")
         return 2
