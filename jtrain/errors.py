@@ -44,15 +44,17 @@ class JtrainError(Exception):
 
     `JtrainError(key, why)` names what to change (`e.key`, `e.why`);
     `JtrainError(message)` names nothing (`e.key` is None, `e.why` is the message).
-    str(e) is `<key>: <why>` or the message."""
+    str(e) is `<key>: <why>` or the message. Keyword arguments are further fields for
+    the code that catches it (`RestoreError(..., changed_keys=[...], what=...)`)."""
 
     kind = "jtrain"
     exit_code = 1
 
-    def __init__(self, key_or_message: str = "", why: str | None = None):
+    def __init__(self, key_or_message: str = "", why: str | None = None, **fields):
         key = key_or_message if why is not None else None
         self.key: str | None = key
         self.why: str = key_or_message if why is None else why
+        vars(self).update(fields)
         super().__init__(message(key, self.why))
 
 
@@ -69,8 +71,8 @@ class ConfigError(JtrainError, ValueError):
 
     kind, exit_code = "config", 2
 
-    def __init__(self, key: str, why: str = ""):
-        super().__init__(key, why)
+    def __init__(self, key: str, why: str = "", **fields):
+        super().__init__(key, why, **fields)
 
 
 class DataError(JtrainError, ValueError):
@@ -167,7 +169,7 @@ def classify(e: BaseException, where: str = "", flag: str = "--workdir") -> Base
     """The JtrainError a person should see for `e` (`e` itself when nothing fits).
 
     ENOSPC anywhere (an OSError, or orbax's error around tensorstore's) is a
-    DiskFullError naming what was being written (a CheckpointError's `what`); a write
+    DiskFullError naming what was being written (a CheckpointError's field `what`); a write
     refused by the file system is a WorkdirError naming the path."""
     chain = [e, e.__cause__, e.__context__]
     said = " ".join(str(c) for c in chain if c is not None)

@@ -149,9 +149,7 @@ def _adamw(cfg, schedule, wd, mask):
 
 
 def _adam(cfg, schedule, wd, mask):
-    del mask
-    if wd > 0:
-        raise ConfigError("optim.weight_decay", f"adam has no weight decay (got {wd}); use adamw")
+    del wd, mask  # weight decay with adam is a ConfigError (jtrain.config.check_optim)
     return optax.adam(schedule, b1=cfg["b1"], b2=cfg["b2"], eps=cfg["eps"])
 
 

@@ -212,11 +212,9 @@ class Checkpointer:
         if bad:
             what = (f"the config changed since {path} was saved: "
                     f"{control_lib.describe_changes(changes, bad)}")
-            error = RestoreError(
+            raise RestoreError(  # changed_keys: jtrain.train names its own argument
                 f"{what}; to resume anyway, allow them: --config.checkpoint.allow_changes="
-                f"{','.join(bad)} (or use a new workdir)")
-            error.changed_keys, error.what = bad, what  # jtrain.train names its argument
-            raise error
+                f"{','.join(bad)} (or use a new workdir)", changed_keys=bad, what=what)
         history = list(saved.config_changes)
         if changes:
             say("resuming with config changes: "
@@ -303,10 +301,9 @@ class Checkpointer:
         except Exception as e:
             step = self._inflight[0] if self._inflight else "?"
             first = first_line(e)[:300]
-            what = f"saving checkpoint step {step} in {self.directory}"
-            error = CheckpointError(f"{what} failed: {type(e).__name__}: {first}")
-            error.what = what  # errors.classify names it in a disk-full line
-            raise error from e
+            what = f"saving checkpoint step {step} in {self.directory}"  # disk full: named
+            raise CheckpointError(f"{what} failed: {type(e).__name__}: {first}", what=what) \
+                from e
 
     def wait(self) -> None:
         """Block until the last save is finished; raise CheckpointError if it failed."""

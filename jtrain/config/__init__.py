@@ -17,6 +17,8 @@ partial dict; `resolve` fills in the defaults and returns a new validated Config
     reference  `--print_config`'s text and docs/config.md, written from the schema
                (`python -m jtrain.config --markdown`, in `__main__`)
     space    `tune.space` (the keys a hyperparameter search samples): nesting and checks
+    sections one section alone, for the public pieces (`jtrain.make_optimizer({"lr":
+             0.1}, 10)`): defaults filled in, the section's own rules checked
 """
 
 from __future__ import annotations
@@ -303,7 +305,8 @@ def check_optim(optim: dict, total_steps: int) -> None:
             raise ConfigError("optim.lr_mults", f"{pattern!r}: the factor must be a "
                               f"number >= 0, got {factor!r}")
     if optim["name"] == "adam" and optim["weight_decay"] > 0:
-        raise ConfigError("optim.weight_decay", "adam has no weight decay; use optim.name=adamw")
+        raise ConfigError("optim.weight_decay", f"adam has no weight decay (got "
+                                                f"{optim['weight_decay']!r}); use adamw")
 
 
 def _check_family(model: dict) -> None:
