@@ -12,7 +12,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jtrain import checkpoint, eval_loop, loss_terms, losses
+from jtrain import checkpoint, evaluator, loss_terms, losses, model_checks
 from jtrain.control import memory as memory_lib
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
@@ -90,7 +90,7 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
     except JtrainError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's model: one line, no traceback
-        raise eval_loop.model_call_error(e, sample_inputs, model=name.removeprefix("user ")) \
+        raise model_checks.model_call_error(e, sample_inputs, model=name.removeprefix("user ")) \
             from e
     split = None
     if cfg.optim.trainable or cfg.optim.frozen or cfg.optim.lr_mults:
@@ -121,7 +121,7 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
     memory_plan = _plan_memory(cfg, mesh, make_train_step, abstract, train_example)
     train_step = make_train_step(memory_plan.accum if memory_plan
                                  else cfg.optim.grad_accum_steps)
-    eval_spec = eval_loop.make_spec(cfg.eval, model_fns.apply, abstract.params, sample_inputs,
+    eval_spec = evaluator.make_spec(cfg.eval, model_fns.apply, abstract.params, sample_inputs,
                                     eval_example, byte_level=byte_level,
                                     with_defaults=eval_defaults, predict_fn=predict_fn,
                                     model_inputs=model_inputs)

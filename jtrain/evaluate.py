@@ -1,5 +1,5 @@
 """`python -m jtrain.evaluate`: evaluate a checkpoint, write a report. The eval loop
-itself is `jtrain.eval_loop` (shared with training; its names are re-exported here, e.g.
+itself is `jtrain.evaluator` (shared with training; its names are re-exported here, e.g.
 `jtrain.evaluate.run_eval` for runs of your own model).
 
     python -m jtrain.evaluate --workdir=runs/base [--step=N|best|latest]
@@ -33,7 +33,7 @@ from jtrain.metrics.classification import classification_report
 from jtrain.checkpoint import policy
 from jtrain.observe import jsonl
 from jtrain.errors import EvaluateError, JtrainError, UsageError, first_line
-from jtrain.eval_loop import (MAX_IN_FLIGHT, Evaluation, format_line, headline,  # noqa: F401
+from jtrain.evaluator import (MAX_IN_FLIGHT, Evaluation, format_line, headline,  # noqa: F401
                               local_rows, make_spec, run_eval)
 
 def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data="eval",

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtrain import config as config_lib
-from jtrain import eval_loop
+from jtrain import evaluator
 from jtrain import multihost
 from jtrain.control.faults import fault_point
 from jtrain import summary as summary_lib
@@ -318,12 +318,12 @@ def _evaluator(cfg, run: Run):
         if run.eval_source is None:
             return {"step": step}
         t0 = time.perf_counter()
-        result = eval_loop.run_eval(run.build.eval_step, state.params, run.eval_source,
+        result = evaluator.run_eval(run.build.eval_step, state.params, run.eval_source,
                                     mesh=run.build.mesh, local_batch=eval_batch,
                                     max_batches=cfg.eval.num_batches, spec=run.build.eval_spec)
         run.out.perf.add("eval", time.perf_counter() - t0)
         run.out.writer.write_scalars(step, result.scalars)
-        run.out.progress.message(eval_loop.format_line(step, result), emphasis=True)
+        run.out.progress.message(evaluator.format_line(step, result), emphasis=True)
         return {"step": step, **result.scalars}
 
     return evaluate_now

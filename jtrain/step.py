@@ -1,6 +1,11 @@
 """The pure train and eval steps. No config reads, no I/O: everything static is bound
 with functools.partial / closures by `make_*` before `jax.jit`.
 
+`train_step` writes the update out (value_and_grad -> tx.update -> optax.apply_updates);
+accumulation over microbatches is `accumulated`, and everything that may hold an update
+back (invalid rows, non-finite values, the skip / halt counters, the fp16 loss scale)
+is `guarded_update`.
+
 Gradient accumulation happens here, not in optax.MultiSteps: one call of train_step is
 one optimizer update, and microbatch losses are summed token-weighted, so k
 microbatches give the same update as the full batch (MultiSteps averages per-microbatch
@@ -53,7 +58,7 @@ def inputs_of(batch, model_inputs: tuple = ()):
     return {k: v for k, v in batch.items() if k not in ENGINE_KEYS}
 
 
-# Bits of the per-step `train/status` the host reads (jtrain.control.nonfinite).
+# Bits of the per-step `train/status` the host reads (jtrain.control.decide, .ledger).
 BAD_LOSS, BAD_GRADS, INVALID_BATCH, HALTED = 1, 2, 4, 8
 
 
@@ -91,93 +96,42 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
                     model_inputs: tuple = ()) -> Callable:
     """Returns train_step(state, batch) -> (state, metrics). Jit it with shardings.
 
-    An update is applied only when the loss and the gradient norm are finite (global
-    values: the same decision on every device and process) and every row of the batch
-    is valid (`row_validity`). Otherwise params, optimizer state and the schedule's
-    position are untouched, `skipped_steps` counts it, and `train/status` says why.
-    Non-finite skips in a row are counted; at `max_consecutive` (or at the first one with
-    `halt_on_nonfinite`) the state records `halted_at` and no later update is applied,
-    so the host can stop with the params of the last good step (fp16 loss-scale
-    overflows are expected and never count). `state.lr_factor` (ReduceLROnPlateau)
-    scales the whole update, i.e. the learning rate, without a recompile."""
+    The update is applied through `guarded_update`: only when the loss and the gradient
+    norm are finite and every row of the batch is valid (`row_validity`); it also keeps
+    the skip / halt counters and the fp16 loss scale. `state.lr_factor`
+    (ReduceLROnPlateau) scales the whole update, i.e. the learning rate, without a
+    recompile."""
 
     def loss_and_aux(params, batch, key, scale):
         outputs = apply_fn(params, inputs_of(batch, model_inputs), rng=key, train=True)
         (loss_sum, weight), terms = losses.split_loss(loss_fn(outputs, batch))
         return loss_sum * scale, (loss_sum, weight, terms)
 
-    grad_fn = jax.grad(loss_and_aux, has_aux=True)
-
-    def gradients(params, batch, key, scale):
-        if grad_accum_steps == 1:
-            return grad_fn(params, batch, key, scale)
-
-        def body(carry, xs):
-            micro, j = xs
-            g, aux = grad_fn(params, micro, jax.random.fold_in(key, j), scale)
-            acc_g, acc_aux = carry  # loss, weight and the named terms: sums
-            return (jax.tree.map(jnp.add, acc_g, g), jax.tree.map(jnp.add, acc_aux, aux)), None
-
-        splits = _split_microbatches(batch, grad_accum_steps)
-        first = jax.tree.map(lambda x: x[0], splits)
-        aux_shape = jax.eval_shape(lambda: grad_fn(params, first, key, scale)[1])
-        init = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
-                jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shape))
-        (g, aux), _ = jax.lax.scan(body, init, (splits, jnp.arange(grad_accum_steps)))
-        g = jax.tree.map(lambda a, p: a.astype(p.dtype), g, params)
-        return g, aux
+    value_and_grad = accumulated(jax.value_and_grad(loss_and_aux, has_aux=True),
+                                 grad_accum_steps)
 
     def train_step(state: TrainState, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        scale = state.loss_scale["scale"]
-        rows_ok = row_validity(batch, valid_fn)
-        grads, (loss_sum, weight, terms) = gradients(state.params, batch, key, scale)
-        denom = jnp.maximum(weight, 1e-12) * scale
+        scale = state.loss_scale["scale"]  # 1 unless fp16 dynamic loss scaling
+        (loss_sum, weight, terms), grads = value_and_grad(state.params, batch, key, scale)
+        denom = jnp.maximum(weight, 1e-12) * scale  # sums -> the token-weighted mean
         grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / denom).astype(g.dtype), grads)
-        grad_norm = optax.tree.norm(grads)
         loss = loss_sum / jnp.maximum(weight, 1e-12)
-        valid = rows_ok.all()
-        bad_loss = valid & ~jnp.isfinite(loss)
-        bad_grads = valid & jnp.isfinite(loss) & ~jnp.isfinite(grad_norm)
-        running = state.halted_at == 0
-        apply_update = running & valid & jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
-        def apply(_):
+        def update():
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             updates = jax.tree.map(lambda u: (u * state.lr_factor).astype(u.dtype), updates)
             return optax.apply_updates(state.params, updates), opt_state
 
-        def skip(_):
-            return state.params, state.opt_state
-
-        params, opt_state = jax.lax.cond(apply_update, apply, skip, None)
-        # fp16: an overflow in the scaled gradients is the loss scale's business.
-        counted = bad_loss | (bad_grads & (not dynamic_loss_scale))
-        consecutive = jnp.where(counted, state.consecutive_skips + 1,
-                                jnp.where(apply_update, 0, state.consecutive_skips))
-        halt_now = running & counted & ((consecutive >= max_consecutive)
-                                        | halt_on_nonfinite)
-        halted_at = jnp.where(halt_now, state.step + 1, state.halted_at)
-        skipped = state.skipped_steps + (running & ~apply_update).astype(jnp.int32)
-        new_state = state.replace(
-            step=state.step + 1,  # batches consumed; skipped updates are counted below
-            params=params, opt_state=opt_state,
-            loss_scale=precision.update_loss_scale(
-                state.loss_scale, jnp.isfinite(grad_norm) | ~valid, dynamic_loss_scale),
-            skipped_steps=skipped, consecutive_skips=consecutive, halted_at=halted_at)
-        status = (bad_loss * BAD_LOSS + bad_grads * BAD_GRADS + (~valid) * INVALID_BATCH
-                  + (halted_at > 0) * HALTED).astype(jnp.int32)
+        grad_norm = optax.tree.norm(grads)
+        new_state, guard = guarded_update(
+            state, update, loss, grad_norm, row_validity(batch, valid_fn),
+            dynamic_loss_scale=dynamic_loss_scale, halt_on_nonfinite=halt_on_nonfinite,
+            max_consecutive=max_consecutive)
         applied = state.step - state.skipped_steps  # the schedule's position (optax count)
-        metrics = {
-            "train/loss": loss,
-            "train/grad_norm": grad_norm,
-            "train/lr": jnp.asarray(schedule(applied), jnp.float32) * state.lr_factor,
-            "train/tokens": weight,
-            "train/skipped_steps": new_state.skipped_steps,
-            "train/consecutive_skips": consecutive,
-            "train/status": status,
-            "train/rows_ok": rows_ok,
-        }
+        metrics = {"train/loss": loss, "train/grad_norm": grad_norm,
+                   "train/lr": jnp.asarray(schedule(applied), jnp.float32) * state.lr_factor,
+                   "train/tokens": weight, **guard}
         for name, (term_sum, term_weight) in terms.items():  # the loss's named terms
             metrics[f"train/{name}"] = term_sum / jnp.maximum(term_weight, 1e-12)
         if dynamic_loss_scale:
@@ -185,6 +139,76 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
         return new_state, metrics
 
     return train_step
+
+
+def accumulated(value_and_grad: Callable, k: int) -> Callable:
+    """`value_and_grad(params, batch, key, scale) -> ((value, aux), grads)` summed over k
+    microbatches (`_split_microbatches`), as (aux, grads): the loss sum, the weight and
+    the named terms' (sum, weight) are sums, so dividing by the summed weight gives the
+    full batch's token-weighted mean whatever each microbatch weighs. Microbatch j draws
+    its randomness from fold_in(key, j)."""
+
+    def one(params, batch, key, scale):
+        (_, aux), grads = value_and_grad(params, batch, key, scale)
+        return aux, grads
+
+    if k == 1:
+        return one
+
+    def summed(params, batch, key, scale):
+        def body(carry, xs):
+            micro, j = xs
+            aux, g = one(params, micro, jax.random.fold_in(key, j), scale)
+            acc_aux, acc_g = carry
+            return (jax.tree.map(jnp.add, acc_aux, aux), jax.tree.map(jnp.add, acc_g, g)), None
+
+        splits = _split_microbatches(batch, k)
+        first = jax.tree.map(lambda x: x[0], splits)
+        aux_shape = jax.eval_shape(lambda: one(params, first, key, scale)[0])
+        init = (jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shape),
+                jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+        (aux, g), _ = jax.lax.scan(body, init, (splits, jnp.arange(k)))
+        return aux, jax.tree.map(lambda a, p: a.astype(p.dtype), g, params)
+
+    return summed
+
+
+def guarded_update(state: TrainState, update: Callable, loss, grad_norm, rows_ok, *,
+                   dynamic_loss_scale: bool, halt_on_nonfinite: bool, max_consecutive: int):
+    """The guard around `update() -> (params, opt_state)`: (the next state, its metrics).
+
+    The update is applied only when the loss and the gradient norm are finite (global
+    values: the same decision on every device and process) and every row of the batch is
+    valid (`rows_ok` [B]). Otherwise params, optimizer state and the schedule's position
+    are untouched, `skipped_steps` counts it, and `train/status` says why. Non-finite
+    skips in a row are counted; at `max_consecutive` (or at the first one with
+    `halt_on_nonfinite`) the state records `halted_at` and no later update is applied,
+    so the host can stop with the params of the last good step (fp16 loss-scale
+    overflows are expected and never count; the loss scale moves here)."""
+    valid = rows_ok.all()
+    bad_loss = valid & ~jnp.isfinite(loss)
+    bad_grads = valid & jnp.isfinite(loss) & ~jnp.isfinite(grad_norm)
+    running = state.halted_at == 0
+    apply_update = running & valid & jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    params, opt_state = jax.lax.cond(apply_update, lambda _: update(),
+                                     lambda _: (state.params, state.opt_state), None)
+    # fp16: an overflow in the scaled gradients is the loss scale's business.
+    counted = bad_loss | (bad_grads & (not dynamic_loss_scale))
+    consecutive = jnp.where(counted, state.consecutive_skips + 1,
+                            jnp.where(apply_update, 0, state.consecutive_skips))
+    halt_now = running & counted & ((consecutive >= max_consecutive) | halt_on_nonfinite)
+    halted_at = jnp.where(halt_now, state.step + 1, state.halted_at)
+    skipped = state.skipped_steps + (running & ~apply_update).astype(jnp.int32)
+    new_state = state.replace(
+        step=state.step + 1,  # batches consumed; skipped updates are counted below
+        params=params, opt_state=opt_state,
+        loss_scale=precision.update_loss_scale(
+            state.loss_scale, jnp.isfinite(grad_norm) | ~valid, dynamic_loss_scale),
+        skipped_steps=skipped, consecutive_skips=consecutive, halted_at=halted_at)
+    status = (bad_loss * BAD_LOSS + bad_grads * BAD_GRADS + (~valid) * INVALID_BATCH
+              + (halted_at > 0) * HALTED).astype(jnp.int32)
+    return new_state, {"train/skipped_steps": skipped, "train/consecutive_skips": consecutive,
+                       "train/status": status, "train/rows_ok": rows_ok}
 
 
 def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool,

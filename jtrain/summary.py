@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from jtrain import errors
-from jtrain import eval_loop
+from jtrain import evaluator
 from jtrain import state as state_lib
 from jtrain.observe import jsonl
 
@@ -97,7 +97,7 @@ def _final_line(summary: dict, session) -> str:
     tail = ((f"; {rate:.2f} steps/s" if rate else "")
             + (f"; {summary['skipped_steps']} skipped steps" if summary["skipped_steps"]
                else ""))
-    evals = eval_loop.headline(summary)  # only an eval of `step` is in the summary
+    evals = evaluator.headline(summary)  # only an eval of `step` is in the summary
     if by in ("SIGINT", "SIGTERM"):
         if step == (summary["resumed_from"] or 0) and session.saved is None:
             return (f"jtrain: stopped by {by} at step {step} during start-up; nothing new "

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from flax import linen as nn
 
-from jtrain import checkpoint, eval_loop
+from jtrain import checkpoint, evaluator, model_checks
 from jtrain import loop as loop_lib
 from jtrain import summary as summary_lib
 from jtrain import config as config_lib
@@ -247,7 +247,7 @@ def _build_and_check(cfg, sample, example, model, loss_fn, data_info, train_src,
               model=model, loss_fn=loss_fn, byte_level=data_info.get("name") == "pystdlib",
               train_example=train_src[0])
     # Config values that would make the run wrong, found before the first step.
-    eval_loop.check_model_and_loss(
+    model_checks.check_model_and_loss(
         b.model_fns.apply, b.loss_fn, b.abstract.params,
         {"train_data": train_src[0], **({"eval_data": eval_src[0]} if eval_src is not None
                                         else {})},
@@ -257,14 +257,14 @@ def _build_and_check(cfg, sample, example, model, loss_fn, data_info, train_src,
             f"{'eval_data' if eval_src is not None else 'train_data'}[0]: no 'targets' field "
             f"(fields: {', '.join(sorted(map(str, example)))}); the default loss needs one: "
             "pass loss_fn(outputs, batch), or set loss.fn or loss.terms")
-    terms = eval_loop.loss_term_names(b.model_fns.apply, b.loss_fn, b.abstract.params,
+    terms = model_checks.loss_term_names(b.model_fns.apply, b.loss_fn, b.abstract.params,
                                       example, tuple(cfg.data.model_inputs))
     decide_lib.check_monitors(cfg, None if eval_src is None
-                               else eval_loop.metric_keys(b.eval_spec, terms))
+                               else evaluator.metric_keys(b.eval_spec, terms))
     if b.user_model is None:
         data_lib.check_vocab(cfg.model, train_src)
-    eval_loop.check_targets(
-        b.eval_spec, eval_loop.output_shape_of(b.model_fns.apply, b.abstract.params,
+    model_checks.check_targets(
+        b.eval_spec, model_checks.output_shape_of(b.model_fns.apply, b.abstract.params,
                                                b.sample_inputs),
         {"train_data": train_src, **({"eval_data": eval_src} if eval_src is not None else {})},
         default_loss=b.loss_fn is None)

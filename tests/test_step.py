@@ -121,3 +121,88 @@ def test_eval_step_ignores_padding_and_user_mean_loss():
         np.testing.assert_allclose(a["loss_sum"] / a["weight"], b["loss_sum"] / b["weight"],
                                    rtol=1e-6)
         np.testing.assert_allclose(a["correct"], b["correct"])
+
+
+def _adamw_run(batches, **kw):
+    """Params after the train steps on `batches` (adamw: its moments see every update)."""
+    params = {"w": jnp.asarray(np.random.default_rng(5).normal(size=(4, 7)), jnp.float32),
+              "b": jnp.zeros(7)}
+    tx = optax.adamw(1e-2, weight_decay=0.1)
+    step = jax.jit(step_lib.make_train_step(_linear_apply, losses.default_loss, tx,
+                                            lambda s: 1e-2, **kw))
+    state, out = _state(params, tx), []
+    for batch in batches:
+        state, m = step(state, batch)
+        out.append(m)
+    return params, state, out
+
+
+@pytest.mark.parametrize("how", ["valid_field", "valid_fn"])
+def test_invalid_rows_do_not_move_the_params(how):
+    """A batch whose rows are all invalid (`valid` 0, or data.valid_fn False) leaves
+    params and optimizer state as they were; so does one where only the invalid rows
+    carry a huge (finite) loss: the next good step is the one a run without it takes."""
+    clean, clean2 = _masked_lm_batch(10), _masked_lm_batch(11)
+    all_bad = dict(clean, inputs=clean["inputs"] * 1e4)
+    some_bad = dict(clean, inputs=clean["inputs"].copy())
+    some_bad["inputs"][[2, 5]] = 1e4  # a huge loss in rows 2 and 5 only
+    rows = np.ones(8, np.int32)
+    rows[[2, 5]] = 0
+    if how == "valid_field":
+        all_bad["valid"] = np.zeros(8, np.int32)
+        some_bad["valid"] = rows
+        ones = np.ones(8, np.int32)
+        clean, clean2 = dict(clean, valid=ones), dict(clean2, valid=ones)
+        kw = {}
+    else:  # rows whose inputs exceed 1e3 are invalid to the user's check
+        kw = {"valid_fn": lambda b: (jnp.abs(b["inputs"]) < 1e3).reshape(
+            b["inputs"].shape[0], -1).all(axis=1)}
+    params, _, _ = _adamw_run([], **kw)
+    for bad in (all_bad, some_bad):
+        _, state, (m,) = _adamw_run([bad], **kw)
+        for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)):
+            np.testing.assert_array_equal(a, b)
+        assert int(state.skipped_steps) == 1 and int(state.step) == 1
+        assert int(m["train/status"]) & step_lib.INVALID_BATCH
+        expected_rows = np.zeros(8, bool) if bad is all_bad else rows.astype(bool)
+        np.testing.assert_array_equal(m["train/rows_ok"], expected_rows)
+        # optimizer state untouched too: the next good batches give the run without `bad`
+        _, with_bad, _ = _adamw_run([clean, bad, clean2], **kw)
+        _, without, _ = _adamw_run([clean, clean2], **kw)
+        for a, b in zip(jax.tree.leaves(with_bad.params), jax.tree.leaves(without.params)):
+            np.testing.assert_array_equal(a, b)
+        assert int(with_bad.step) == 3 and int(without.step) == 2
+
+
+def test_loss_terms_are_summed_exactly_across_microbatches():
+    """train/<term> of a multi-term loss with grad_accum_steps=2 equals the full batch's
+    weighted value when the microbatches weigh differently (not the mean of the
+    per-microbatch means)."""
+    batch = _masked_lm_batch(12, b=8)
+    batch["weights"][0::2] = 1.0  # microbatch 0 (rows 0, 2, ...): every token
+    batch["weights"][1::2] = 0.0  # microbatch 1: one token per row
+    batch["weights"][1::2, 0] = 1.0
+    batch["scale"] = np.arange(8, dtype=np.float32)[:, None] * np.ones((8, 5), np.float32)
+
+    def two_terms(out, b):
+        ce, w = losses.default_loss(out, b)
+        sq = ((out ** 2).mean(-1) * b["scale"] * b["weights"]).sum()
+        return (ce, w), {"ce": (ce, w), "sq": (sq, b["weights"].sum())}
+
+    params = {"w": jnp.asarray(np.random.default_rng(3).normal(size=(4, 7)), jnp.float32),
+              "b": jnp.zeros(7)}
+    tx = optax.sgd(0.1)
+    got = {}
+    for k in (1, 2):
+        step = jax.jit(step_lib.make_train_step(_linear_apply, two_terms, tx, lambda s: 0.1,
+                                                grad_accum_steps=k))
+        got[k] = step(_state(params, tx), batch)[1]
+    out = _linear_apply(params, batch["inputs"])
+    for name in ("ce", "sq"):
+        (s, w), = [two_terms(out, batch)[1][name]]
+        np.testing.assert_allclose(got[2][f"train/{name}"], s / w, rtol=1e-6)
+        np.testing.assert_allclose(got[2][f"train/{name}"], got[1][f"train/{name}"], rtol=1e-6)
+        micro = [jax.tree.map(lambda x: x[j::2], batch) for j in range(2)]
+        means = [float(np.divide(*two_terms(_linear_apply(params, mb["inputs"]), mb)[1][name]))
+                 for mb in micro]
+        assert abs(np.mean(means) - float(s / w)) > 1e-3  # the test can tell them apart

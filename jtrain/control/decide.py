@@ -15,7 +15,7 @@ from typing import Callable
 
 from jtrain import step as step_lib
 from jtrain.control import ledger as ledger_lib
-from jtrain.control import monitor
+from jtrain.control import monitors
 from jtrain.errors import ConfigError, NonFiniteError
 
 
@@ -33,9 +33,9 @@ class Decisions:
         self.cfg, self.ledger, self.on_eval, self.say = cfg, ledger, on_eval, say
         self.batch_of, self.indices_of = batch_of, indices_of
         saved = dict(record.monitors or {})
-        self.early = monitor.EarlyStopping(cfg.early_stop, saved.get("early_stop"))
-        self.plateau = monitor.Plateau(cfg.plateau, cfg.optim.lr, saved.get("plateau"))
-        self.spike = monitor.Spike(cfg.spike, saved.get("spike"))
+        self.early = monitors.EarlyStopping(cfg.early_stop, saved.get("early_stop"))
+        self.plateau = monitors.Plateau(cfg.plateau, cfg.optim.lr, saved.get("plateau"))
+        self.spike = monitors.Spike(cfg.spike, saved.get("spike"))
         self.halted: str | None = None
 
     # -- after a step ---------------------------------------------------------------------
@@ -114,10 +114,10 @@ class Decisions:
             out.stopped_by = "early_stop"
         if self.on_eval is not None and not out.stop:
             wants = bool(self.on_eval(step, dict(metrics))) if primary else False
-            stop, _ = monitor.agree(wants, None)
+            stop, _ = monitors.agree(wants, None)
             if stop:
                 out.stop, out.stopped_by = "the on_eval hook asked to stop", "on_eval"
-        stop, factor = monitor.agree(bool(out.stop), out.factor)
+        stop, factor = monitors.agree(bool(out.stop), out.factor)
         if stop and not out.stop:  # process 0 decided; say the same here
             out.stop, out.stopped_by = "process 0 decided to stop", "early_stop"
         out.factor = None if factor is None else factor * self.spike.scale

@@ -23,7 +23,7 @@ class RunControl:
     config_changes: list = dataclasses.field(default_factory=list)  # accepted on resume
     stopped_by: str | None = None  # SIGTERM, SIGINT, early_stop, on_eval
     # Early stopping and plateau state ({"early_stop": ..., "plateau": ...}, see
-    # jtrain.control.monitor) and the skip ledger (jtrain.control.ledger).
+    # jtrain.control.monitors) and the skip ledger (jtrain.control.ledger).
     monitors: dict = dataclasses.field(default_factory=dict)
     skip_ledger: list = dataclasses.field(default_factory=list)
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from jtrain.data import checks, evalsets, items as items_lib, load, pipeline, text
 from jtrain.data import torch_adapters
-from jtrain.data.items import DataError, x64_enabled
+from jtrain.data.items import DataError
 from jtrain.data.dataset import Data, MapData
 from jtrain.data.prefetch import DevicePrefetch
 from jtrain.data.sources import MapSource, item_rng, with_transform
@@ -155,11 +155,7 @@ def make_train_iterator(source, *, local_batch: int, seed: int, shuffle: bool,
     if data.ref is None:
         data = checks.check(data, global_batch=local_batch * process_count, drop_last=drop_last,
                      process_index=process_index, process_count=process_count, train=True)
-    reader = pipeline.BatchReader(data.source, name=data.name, seed=seed,
-                                  collate_fn=data.collate_fn, ref=data.ref,
-                                  mask=not drop_last, keep_64bit=x64_enabled(),
-                                  stream=process_index)
-    return data.train_iterator(reader, local_batch=local_batch, seed=seed, shuffle=shuffle,
+    return data.train_iterator(local_batch=local_batch, seed=seed, shuffle=shuffle,
                                process_index=process_index, process_count=process_count,
                                num_workers=num_workers, drop_last=drop_last,
                                prefetch=prefetch, num_threads=num_threads)
@@ -185,6 +181,8 @@ def eval_batches(source, *, local_batch: int, process_index: int, process_count:
     """Every example exactly once, in order, in padded batches with a `mask` [b]; the
     same number of batches on every process, so the eval step compiles once."""
     data = source if isinstance(source, Data) else load.as_data(source, "eval_data")
+    data = checks.check(data, global_batch=local_batch * process_count, train=False,
+                        process_index=process_index, process_count=process_count)
     return evalsets.eval_batches(data, local_batch=local_batch, process_index=process_index,
                                  process_count=process_count, max_batches=max_batches)
 

@@ -9,7 +9,7 @@ within the first batch. With a collate_fn, its output on the first and the last 
 must agree. `check` returns a checked copy of the `Data` carrying `ref` (the signature
 every batch must match) and `sample` (a batch, for shapes); the input is left as it was.
 
-Once the model's output shape is known (`jtrain.eval_loop.check_targets`), the first
+Once the model's output shape is known (`jtrain.model_checks.check_targets`), the first
 batches of each split against it: targets the default loss would score wrong or fail
 on, class labels out of range (every example of in-memory arrays, else the first
 LABEL_SCAN), and NaN / inf (`check_finite` gives the policy).
@@ -21,7 +21,7 @@ import dataclasses
 
 import numpy as np
 
-from jtrain.data import grain_sources, items as items_lib, pipeline, streams
+from jtrain.data import items as items_lib, pipeline
 from jtrain.data.items import DataError
 from jtrain.data.dataset import Data, ListData, LoaderData, MapData, StreamData
 from jtrain.data.sources import ArraySource, Subset
@@ -93,8 +93,7 @@ def _read(src, i: int, n: int, name: str):
 def _check_stream(data: Data, *, local_batch: int, p: int, num: int, need_full: bool,
                   **_) -> tuple:
     name = data.name
-    raws = streams.read_shard(data.source, shard=p, num_shards=num, seed=0,
-                              holdout=data.holdout, limit=local_batch)
+    raws = data.local_rows(p, num, workers=1, limit=local_batch)  # shard p of num
     where = f" for process {p} of {num}" if num > 1 else ""
     if not raws:
         raise DataError(f"{name}: the stream is empty{where}")
@@ -117,11 +116,8 @@ def _check_stream(data: Data, *, local_batch: int, p: int, num: int, need_full: 
 
 def _check_loader(data: Data, *, local_batch: int, p: int, num: int, **_) -> tuple:
     name = data.name
-    grain_sources.check_loader_sharding(data.source, name, p, num)
-    it = grain_sources.LoaderIterator(data.source, name=name, local_batch=local_batch,
-                                      keep_64bit=items_lib.x64_enabled())
     try:
-        batch = next(it)
+        batch = data.first_batch(local_batch, p, num)
     except DataError as e:
         if "leading dim" in str(e):
             raise DataError(f"{name}: the grain DataLoader's batches do not have "
@@ -144,7 +140,7 @@ def batches_per_epoch(data: Data, global_batch: int, drop_last: bool) -> int | N
 
 
 # ---------------------------------------------------------------------------------------
-# The first batches against the model and the loss (called by jtrain.eval_loop.
+# The first batches against the model and the loss (called by jtrain.model_checks.
 # check_targets once the model's output shape is known; numpy only).
 
 LABEL_SCAN = 256  # examples whose labels are read one by one (arrays: every example)

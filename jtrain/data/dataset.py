@@ -69,9 +69,19 @@ class Data:
         data.split_seed (independent of the run's seed: every run holds out the same)."""
         raise NotImplementedError
 
-    def train_iterator(self, reader, **kw):
+    def train_iterator(self, *, local_batch: int, seed: int, shuffle: bool, process_index: int,
+                       process_count: int, num_workers: int, drop_last: bool, prefetch: int,
+                       num_threads: int):
         """Endless per-process batches with get_state() / set_state()."""
         raise NotImplementedError
+
+    def batch_reader(self, *, seed: int, mask: bool, stream: int) -> pipeline.BatchReader:
+        """(epoch, indices, valid) -> a checked numpy batch of this data's items, `mask`
+        [b] added when `mask`; `stream` (the process index) seeds global RNGs per process.
+        Used by the kinds jtrain batches itself (not a grain DataLoader)."""
+        return pipeline.BatchReader(self.source, name=self.name, seed=seed,
+                                    collate_fn=self.collate_fn, ref=self.ref, mask=mask,
+                                    keep_64bit=items_lib.x64_enabled(), stream=stream)
 
 
 @dataclasses.dataclass
@@ -106,8 +116,9 @@ class MapData(Data):
                                 f"(data.val_fraction={fraction})"])
         return train, ev
 
-    def train_iterator(self, reader, *, local_batch, seed, shuffle, process_index,
-                       process_count, num_workers, drop_last, prefetch, num_threads):
+    def train_iterator(self, *, local_batch, seed, shuffle, process_index, process_count,
+                       num_workers, drop_last, prefetch, num_threads):
+        reader = self.batch_reader(seed=seed, mask=not drop_last, stream=process_index)
         plan = pipeline.BatchPlan(len(self.source), local_batch * process_count, local_batch,
                                   process_index, seed, shuffle, drop_last)
         return pipeline.MapIterator(plan, reader, num_workers=num_workers,
@@ -148,8 +159,9 @@ class StreamData(Data):
                                 "(data.val_fraction)"])
         return train, ev
 
-    def train_iterator(self, reader, *, local_batch, seed, shuffle, process_index,
-                       process_count, num_workers, drop_last, prefetch, num_threads):
+    def train_iterator(self, *, local_batch, seed, shuffle, process_index, process_count,
+                       num_workers, drop_last, prefetch, num_threads):
+        reader = self.batch_reader(seed=seed, mask=not drop_last, stream=process_index)
         batches = streams.StreamBatches(
             self.source, process_index=process_index, process_count=process_count,
             local_batch=local_batch, seed=seed, drop_last=drop_last, reader=reader,
@@ -184,10 +196,21 @@ class LoaderData(Data):
         return dataclasses.replace(
             self, notes=self.notes + ["no eval split of a grain DataLoader (pass eval_data)"]), None
 
-    def train_iterator(self, reader, *, local_batch, **kw):
+    def train_iterator(self, *, local_batch, **_):
+        """The DataLoader's own batches (its sampler, workers and state): jtrain reads no
+        items of it, so no batch reader."""
         return grain_sources.LoaderIterator(self.source, name=self.name,
                                             local_batch=local_batch,
                                             keep_64bit=items_lib.x64_enabled())
+
+    def first_batch(self, local_batch: int, process_index: int, process_count: int) -> dict:
+        """The DataLoader's first batch (numpy), once it is known to read this
+        process's shard."""
+        grain_sources.check_loader_sharding(self.source, self.name, process_index,
+                                            process_count)
+        return next(grain_sources.LoaderIterator(self.source, name=self.name,
+                                                 local_batch=local_batch,
+                                                 keep_64bit=items_lib.x64_enabled()))
 
     def local_rows(self, process_index: int, process_count: int, workers: int,
                    limit: int | None) -> list:

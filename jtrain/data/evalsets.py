@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import grain
 
-from jtrain.data import checks, items as items_lib, pipeline
+from jtrain.data import pipeline
 from jtrain.data.dataset import Data, ListData
-from jtrain.data.items import DataError
+from jtrain.errors import DataError
 
 
 MAX_EVAL_STREAM = 1_000_000  # examples per process read into memory from an eval stream
@@ -71,14 +71,11 @@ def read_eval_set(data: Data, *, process_index: int, process_count: int,
 
 def eval_batches(data: Data, *, local_batch: int, process_index: int, process_count: int,
                  max_batches: int = 0, num_threads: int = 1, prefetch: int = 2):
-    data = checks.check(data, global_batch=local_batch * process_count, train=False,
-                        process_index=process_index, process_count=process_count)
+    """Batches of `data` (checked: `jtrain.data.checks.check`) for `data.eval_plan`."""
     if not data.in_memory:
         raise DataError(f"{data.name}: eval data of kind {data.kind} must be read with "
                         "jtrain.data.make_sources first")
-    reader = pipeline.BatchReader(data.source, name=data.name, seed=0,
-                                  collate_fn=data.collate_fn, ref=data.ref, mask=True,
-                                  keep_64bit=items_lib.x64_enabled(), stream=process_index)
+    reader = data.batch_reader(seed=0, mask=True, stream=process_index)
     num, plan = data.eval_plan(local_batch, process_index, process_count)
     if max_batches:
         num = min(num, max_batches)

@@ -203,14 +203,3 @@ def check_batch(batch: dict, ref: dict, rows: int, where: str) -> None:
     if why:
         raise DataError(f"{where}{why}; jtrain compiles the step once, so every batch "
                         "needs the same shapes (pad to a fixed length in collate_fn)")
-
-
-def call_item(fn: Callable, where: str):
-    """fn() with a user's exception turned into a one-line DataError (traceback kept as
-    the cause for library users)."""
-    try:
-        return fn()
-    except DataError:
-        raise
-    except Exception as e:
-        raise DataError(f"{where}: {type(e).__name__}: {first_line(e)}") from e

@@ -21,8 +21,8 @@ import numpy as np
 
 from jtrain.data import grain_sources, items as items_lib, torch_adapters
 from jtrain.data.dataset import Data, LoaderData, MapData, StreamData
-from jtrain.data.items import DataError, call_item, first_line
-from jtrain.data.sources import (ArraySource, MapSource, WithTransform, is_array_tree)
+from jtrain.data.items import DataError, first_line
+from jtrain.data.sources import ArraySource, MapSource, WithTransform, call_item, is_array_tree
 from jtrain.data.streams import IterableStream
 
 

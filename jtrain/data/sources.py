@@ -22,12 +22,23 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jtrain.data.items import DataError, call_item
+from jtrain.errors import DataError, first_line
 
 log = logging.getLogger("jtrain")
 _MASK63 = (1 << 63) - 1
 _WARNED: set[str] = set()
 _GLOBAL_RNG_LOCK = threading.RLock()
+
+
+def call_item(fn: Callable, where: str):
+    """fn() with a user's exception turned into a one-line DataError (traceback kept as
+    the cause for library users)."""
+    try:
+        return fn()
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"{where}: {type(e).__name__}: {first_line(e)}") from e
 
 
 # Seed domains: what a seed is for. A domain and a shard are separate inputs, so no

@@ -24,9 +24,9 @@ import grain
 import numpy as np
 
 from jtrain.data import pipeline
-from jtrain.data.items import DataError, call_item, first_line
 from jtrain.data.sources import (DOMAIN_HOLDOUT, DOMAIN_STREAM, DOMAIN_WORKER, GlobalRng,
-                                 item_seed)
+                                 call_item, item_seed)
+from jtrain.errors import DataError, first_line
 
 
 class EpochEnd(Exception):

@@ -11,7 +11,7 @@ import dataclasses
 import sys
 from typing import Any, Callable
 
-from jtrain.data.items import DataError
+from jtrain.errors import DataError
 
 
 def _torch():

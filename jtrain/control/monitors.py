@@ -1,7 +1,7 @@
 """Decisions taken on eval metrics: early stopping and ReduceLROnPlateau.
 
 Both are plain host-side state machines fed one evaluation at a time with the globally
-reduced eval metrics (`jtrain.eval_loop` reduces over all processes), so every process
+reduced eval metrics (`jtrain.evaluator` reduces over all processes), so every process
 would decide the same; the loop still broadcasts process 0's decision (`agree`) so that
 float noise or a user hook can never split them. Their state is JSON and lives in the
 checkpoint's run-control record (`RunControl.monitors`): a run killed between evals and

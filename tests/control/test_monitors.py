@@ -9,7 +9,7 @@ import ml_collections
 import pytest
 
 from jtrain import config as config_lib
-from jtrain.control import monitor
+from jtrain.control import monitors
 
 
 def section(name, **kw):
@@ -19,11 +19,11 @@ def section(name, **kw):
 
 
 def run_early(cfg, values, resume_at=None):
-    es = monitor.EarlyStopping(cfg)
+    es = monitors.EarlyStopping(cfg)
     for i, v in enumerate(values):
         step = 10 * (i + 1)
         if resume_at == i:  # a kill between evals: the checkpointed state comes back
-            es = monitor.EarlyStopping(cfg, json.loads(json.dumps(es.to_json())))
+            es = monitors.EarlyStopping(cfg, json.loads(json.dumps(es.to_json())))
         reason = es.update(step, {"eval/loss": v})
         if reason:
             return step, reason, es
@@ -53,23 +53,23 @@ def test_early_stop_thresholds_and_non_finite():
     cfg = section("early_stop", monitor="eval/loss", patience=99, check_finite=False)
     assert run_early(cfg, [0.5, math.nan, 0.1])[0] is None
     cfg = section("early_stop", monitor="eval/f1", mode="max", patience=2)
-    es = monitor.EarlyStopping(cfg)
+    es = monitors.EarlyStopping(cfg)
     assert [es.update(s, {"eval/f1": v}) is not None
             for s, v in ((1, 0.5), (2, 0.6), (3, 0.6), (4, 0.59))] == [False] * 3 + [True]
 
 
 def test_unknown_metric_names_what_the_eval_has():
-    es = monitor.EarlyStopping(section("early_stop", monitor="eval/nope"))
+    es = monitors.EarlyStopping(section("early_stop", monitor="eval/nope"))
     with pytest.raises(KeyError, match="eval/nope .*eval/loss"):
         es.update(1, {"step": 1, "eval/loss": 1.0})
 
 
 def run_plateau(cfg, values, resume_at=None, peak_lr=1.0):
-    p = monitor.Plateau(cfg, peak_lr)
+    p = monitors.Plateau(cfg, peak_lr)
     factors = []
     for i, v in enumerate(values):
         if resume_at == i:
-            p = monitor.Plateau(cfg, peak_lr, json.loads(json.dumps(p.to_json())))
+            p = monitors.Plateau(cfg, peak_lr, json.loads(json.dumps(p.to_json())))
         p.update(i + 1, {"eval/loss": v})
         factors.append(p.factor)
     return factors, p
