@@ -207,9 +207,10 @@ def trainable_labels(params, trainable=(), frozen=()):
     return jax.tree_util.tree_map_with_path(label, params)
 
 
-def trainable_split(params, optim_cfg) -> dict:
+def trainable_split(params, optim_cfg, extra_trainable=()) -> dict:
     """{"train": (leaves, values), "frozen": (leaves, values)} for the header; raises
-    ValueError naming a regex that matches no leaf, or when nothing would train."""
+    ValueError naming a regex that matches no leaf, or when nothing would train.
+    `extra_trainable`: patterns added to optim.trainable by the run (LoRA's adapters)."""
     flat = [(leaf_path(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]]
     for key in ("trainable", "frozen", "lr_mults"):
         for pattern in optim_cfg[key]:
@@ -217,8 +218,8 @@ def trainable_split(params, optim_cfg) -> dict:
                 example = ", ".join(repr(name) for name, _ in flat[:3])
                 raise ValueError(f"optim.{key}: {pattern!r} matches no parameter path; "
                                  f"paths look like {example}")
-    labels = jax.tree.leaves(trainable_labels(params, optim_cfg["trainable"],
-                                              optim_cfg["frozen"]))
+    labels = jax.tree.leaves(trainable_labels(
+        params, (*optim_cfg["trainable"], *extra_trainable), optim_cfg["frozen"]))
     out = {"train": [0, 0], "frozen": [0, 0]}
     for label, (_, leaf) in zip(labels, flat):
         out[label][0] += 1
@@ -247,8 +248,9 @@ def _scale_by_path(mults: dict) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def make_optimizer(optim_cfg, total_steps):
-    """Returns `(tx, schedule)`; `schedule` is the one inside `tx` (log `schedule(step)`)."""
+def make_optimizer(optim_cfg, total_steps, *, extra_trainable=()):
+    """Returns `(tx, schedule)`; `schedule` is the one inside `tx` (log `schedule(step)`).
+    `extra_trainable`: patterns added to optim.trainable by the run (LoRA's adapters)."""
     name = optim_cfg["name"]
     if name not in _OPTIMIZERS:
         raise ValueError(
@@ -263,9 +265,10 @@ def make_optimizer(optim_cfg, total_steps):
     clip_norm = float(optim_cfg["clip_norm"])
     if clip_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)
-    if optim_cfg["trainable"] or optim_cfg["frozen"]:
+    trainable = (*optim_cfg["trainable"], *extra_trainable)
+    if trainable or optim_cfg["frozen"]:
         tx = optax.multi_transform(
             {"train": tx, "frozen": optax.set_to_zero()},
-            functools.partial(trainable_labels, trainable=tuple(optim_cfg["trainable"]),
+            functools.partial(trainable_labels, trainable=trainable,
                               frozen=tuple(optim_cfg["frozen"])))
     return tx, schedule
