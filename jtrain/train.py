@@ -9,6 +9,7 @@ Each piece lives in the module that owns it; this file only connects them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -104,8 +105,8 @@ def _train(config, workdir, given: _Given, on_eval, allow_changes) -> TrainResul
     check_workdir(str(workdir))
     workdir, t_start = os.path.abspath(workdir), time.perf_counter()
     startup = startup_lib.Startup(compiles_lib.Recorder())
-    # The config is resolved once; a data.source factory runs and a torch DataLoader's
-    # settings become data.* inside that resolution (recorded in run.json as decided).
+    # Resolved once: a data.source factory runs and a torch DataLoader's settings become
+    # data.* inside that resolution (run.json records them as decided).
     user_data = data_lib.UserData(given.train_data, given.eval_data, processes=_processes)
     with startup.phase("data"):
         cfg, notices = config_lib.resolve_for_run(config, allow_changes,
@@ -121,51 +122,53 @@ def _train(config, workdir, given: _Given, on_eval, allow_changes) -> TrainResul
         config_lib.validate(cfg, num_devices=jax.device_count())
         # Every process: the same config hash, device count and jtrain version.
         multihost.preflight.run(cfg, config_lib.config_hash(cfg))
-        with _watchdog(cfg, workdir) as watchdog:
-            try:
-                with startup.phase("data"):  # checked: a DataError before any step
-                    data = data_lib.prepare(
-                        cfg.data, user_data, seed=cfg.seed, eval_batch_size=cfg.eval.batch_size,
-                        model_cfg=cfg.model if given.model is None and cfg.model.name != "user"
-                        else None, gather=mesh_lib.process_values)
-                with startup.phase("build"):
-                    b = build(cfg, sample=model_sample(cfg, data.train_example),
-                              eval_example=data.example, model=given.model,
-                              loss_fn=given.loss_fn, byte_level=data.byte_level,
-                              train_example=data.train_example)
-                    check_run(cfg, b, data)
-                _precompile(cfg, b, data, startup)
-                # Start-up precedence (checkpoint.manager, WORKSPACE.md): (1) the newest
-                # intact checkpoint in workdir/checkpoints; (2) else checkpoint.init_from;
-                # (3) else fresh.
-                with startup.phase("state"):
-                    ckpt = checkpoint.Checkpointer(workdir, cfg, data.info)
-                    start = ckpt.restore_or_init(b.abstract_with_shardings(), b.init)
-                with startup.phase("data"):
-                    train_iter = data.train_iterator(start.data_state, functools.partial(
-                        mesh_lib.host_to_device, mesh=b.mesh))
-                record = outputs_lib.run_record(
-                    model_name=None if given.model is None else b.model_name,
-                    loss_fn=given.loss_fn, decided={**data.decided, **b.decided(cfg)})
-                with startup.phase("writers"):
-                    out = outputs_lib.open_outputs(
-                        cfg, workdir, build=b, data=data, start=start, record=record,
-                        run_ids=control_lib.writer_run_ids(start.control),
-                        determinism=determinism, t_start=t_start)
-                ckpt.control.writer_run_ids = out.writer.run_ids()  # reused on resume
-            except BaseException:
-                if startup.precompile is not None:  # no exit while XLA compiles in a thread
-                    startup.precompile.join()
-                raise
+        with _watchdog(cfg, workdir) as watchdog, _joins_precompile(startup):
+            with startup.phase("data"):  # checked: a DataError before any step
+                data = data_lib.prepare(
+                    cfg.data, user_data, seed=cfg.seed, eval_batch_size=cfg.eval.batch_size,
+                    model_cfg=cfg.model if given.model is None and cfg.model.name != "user"
+                    else None, gather=mesh_lib.process_values)
+            with startup.phase("build"):
+                b = build(cfg, sample=model_sample(cfg, data.train_example),
+                          eval_example=data.example, model=given.model,
+                          loss_fn=given.loss_fn, byte_level=data.byte_level,
+                          train_example=data.train_example)
+                check_run(cfg, b, data)
+            _precompile(cfg, b, data, startup)
+            with startup.phase("state"):  # newest checkpoint, else init_from, else fresh
+                ckpt = checkpoint.Checkpointer(workdir, cfg, data.info)
+                start = ckpt.restore_or_init(b.abstract_with_shardings(), b.init)
+            with startup.phase("data"):
+                train_iter = data.train_iterator(start.data_state, functools.partial(
+                    mesh_lib.host_to_device, mesh=b.mesh))
+            with startup.phase("writers"):  # config.json, run.json, writers, header
+                out = outputs_lib.open_outputs(cfg, workdir, build=b, data=data, start=start,
+                    record=outputs_lib.run_record(
+                        model_name=None if given.model is None else b.model_name,
+                        loss_fn=given.loss_fn, decided={**data.decided, **b.decided(cfg)}),
+                    run_ids=control_lib.writer_run_ids(start.control),
+                    determinism=determinism, t_start=t_start)
+            ckpt.control.writer_run_ids = out.writer.run_ids()  # reused on resume
             run = loop_lib.Run(
                 workdir=workdir, build=b, state=start.state, data=data, train_iter=train_iter,
                 ckpt=ckpt, out=out, resumed_from=start.step, watchdog=watchdog,
                 decisions=_decisions(cfg, workdir, ckpt.control, start, data, train_iter,
                                      on_eval, out.progress.message),
-                stopper=stopper, startup=startup, record=record)
+                stopper=stopper, startup=startup, record=out.record)
             for line in notices:  # after the header: e.g. a warmup shortened for a short run
                 out.progress.message(f"jtrain: note: {line}")
             return _loop_and_summary(cfg, run)
+
+
+@contextlib.contextmanager
+def _joins_precompile(startup: startup_lib.Startup):
+    """No exit while XLA compiles the step in a thread (compile.precompile)."""
+    try:
+        yield
+    except BaseException:
+        if startup.precompile is not None:
+            startup.precompile.join()
+        raise
 
 
 def _processes() -> tuple[int, int]:

@@ -40,6 +40,7 @@ class Outputs:
     progress: console.Progress
     perf: perf_lib.Meter
     profiler: perf_lib.Profiler
+    record: dict  # run.json's content
 
     def close(self):
         self.profiler.close()
@@ -106,4 +107,4 @@ def open_outputs(cfg, workdir: str, *, build, data, start, record: dict,
                            flops_per_example=build.flops_per_example, peak_flops=peak,
                            num_devices=jax.device_count(), t_start=t_start)
     profiler = perf_lib.Profiler(cfg.profile, workdir, is_primary=primary)
-    return Outputs(writer, progress, meter, profiler)
+    return Outputs(writer, progress, meter, profiler, record)
