@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from jtrain import checkpoint, evaluator, loss_terms, losses, model_checks
-from jtrain.control import memory as memory_lib
+from jtrain.control import decide as decide_lib, memory as memory_lib
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
 from jtrain import models as models_lib
@@ -22,11 +22,10 @@ from jtrain import precision as precision_lib
 from jtrain import state as state_lib
 from jtrain import step as step_lib
 from jtrain.models import adapters, lora as lora_lib
+from jtrain.observe.outputs import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY  # noqa: F401
 from jtrain.errors import ConfigError, JtrainError
 
 
-MODEL_SOURCE_KEY = "model_source"  # in config.json only: how the run got its model
-LOSS_SOURCE_KEY = "loss_source"  # ... and its loss_fn, when one was passed from Python
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +49,23 @@ class Build:
     memory_plan: Any = None  # control.memory.Plan when a budget was given, else None
     trainable: dict | None = None  # optim.trainable_split: {"train"|"frozen": (leaves, n)}
     loss_fn: Callable | None = None  # the user's / the config's loss; None = default
+    grad_accum_steps: int = 1  # what the train step uses (the memory plan's, if any)
+    extra_trainable: tuple[str, ...] = ()  # added to optim.trainable (LoRA's adapters)
+    flops_per_example: float | None = None  # training FLOPs of one example, if known
+
+    def decided(self, cfg) -> dict:
+        """What the set-up decided beyond the config, as run.json records it:
+        {"optim.grad_accum_steps": {"value": 2, "from": "memory plan"}, ...}."""
+        out = {}
+        if self.memory_plan is not None:
+            out["optim.grad_accum_steps"] = {"value": self.grad_accum_steps,
+                                             "from": "memory plan",
+                                             "configured": cfg.optim.grad_accum_steps}
+        if self.extra_trainable:
+            out["optim.trainable"] = {
+                "value": [*cfg.optim.trainable, *self.extra_trainable],
+                "from": "finetune.lora", "configured": list(cfg.optim.trainable)}
+        return out
 
     def init(self) -> state_lib.TrainState:
         return state_lib.init_state(self.model_fns, self.tx, self.policy, self.sample_inputs,
@@ -76,12 +92,14 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
                                       param_dtype=policy.param_dtype)
     module = model if model is not None else models_lib.make_model(
         cfg.model, dtype=policy.compute_dtype, param_dtype=policy.param_dtype)
-    model_fns, cfg = lora_lib.to_model_fns(module, cfg, sample, mesh)  # finetune.lora
+    # finetune.lora: adapters on the model, and the patterns that make only them train.
+    model_fns, extra_trainable = lora_lib.to_model_fns(module, cfg, sample, mesh)
     name = cfg.model.name if model is None else f"user {_model_name(model, model_fns)}"
     if model is not None:  # your model computes in the policy's dtype (precision.py)
         model_fns = dataclasses.replace(model_fns, apply=precision_lib.cast_apply(
             model_fns.apply, policy, tuple(cfg.model.keep_fp32)))
-    tx, schedule = optim_lib.make_optimizer(cfg.optim, cfg.total_steps)
+    tx, schedule = optim_lib.make_optimizer(cfg.optim, cfg.total_steps,
+                                            extra_trainable=extra_trainable)
     sample_inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), sample)
     try:  # Linen's init calls the model: the first time it meets the data's inputs
@@ -93,9 +111,9 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
         raise model_checks.model_call_error(e, sample_inputs, model=name.removeprefix("user ")) \
             from e
     split = None
-    if cfg.optim.trainable or cfg.optim.frozen or cfg.optim.lr_mults:
+    if cfg.optim.trainable or cfg.optim.frozen or cfg.optim.lr_mults or extra_trainable:
         # regexes that match no parameter are typos: a ConfigError before the first step
-        split = optim_lib.trainable_split(abstract.params, cfg.optim)
+        split = optim_lib.trainable_split(abstract.params, cfg.optim, extra_trainable)
 
     batch_sharding, repl = mesh_lib.batch_sharding(mesh), mesh_lib.replicated(mesh)
     valid_fn = data_lib.load_named(cfg.data.valid_fn, "data.valid_fn") \
@@ -119,8 +137,8 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
             donate_argnums=0)
 
     memory_plan = _plan_memory(cfg, mesh, make_train_step, abstract, train_example)
-    train_step = make_train_step(memory_plan.accum if memory_plan
-                                 else cfg.optim.grad_accum_steps)
+    accum = memory_plan.accum if memory_plan else cfg.optim.grad_accum_steps
+    train_step = make_train_step(accum)
     eval_spec = evaluator.make_spec(cfg.eval, model_fns.apply, abstract.params, sample_inputs,
                                     eval_example, byte_level=byte_level,
                                     with_defaults=eval_defaults, predict_fn=predict_fn,
@@ -131,9 +149,54 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
         batch_loss=batch_loss),
                         in_shardings=(shardings.params, batch_sharding),
                         out_shardings=(repl, batch_sharding, repl))
-    return Build(mesh, policy, model_fns, name, model, tx, schedule, sample_inputs, abstract,
-                 shardings, eval_spec, train_step, eval_step, cfg.seed, memory_plan, split,
-                 loss_fn)
+    return Build(mesh=mesh, policy=policy, model_fns=model_fns, model_name=name,
+                 user_model=model, tx=tx, schedule=schedule, sample_inputs=sample_inputs,
+                 abstract=abstract, shardings=shardings, eval_spec=eval_spec,
+                 train_step=train_step, eval_step=eval_step, seed=cfg.seed,
+                 memory_plan=memory_plan, trainable=split, loss_fn=loss_fn,
+                 grad_accum_steps=accum, extra_trainable=extra_trainable,
+                 flops_per_example=model_flops_per_example(
+                     model, cfg.model, jax.tree.map(np.shape, sample)))
+
+
+def model_flops_per_example(model, model_cfg, input_shape) -> float | None:
+    """Training FLOPs per example (observe.perf's MFU): from a user model's
+    `flops_per_example` attribute (a number, or a function of one example's input
+    shape), or the built-in family's formula when `model` is None; None when unknown."""
+    if model is None:
+        return models_lib.flops_per_example(model_cfg, input_shape)
+    declared = getattr(model, "flops_per_example", None)
+    if callable(declared):
+        declared = declared(input_shape)
+    return float(declared) if declared else None
+
+
+def check_run(cfg, b: Build, data) -> None:
+    """Config values, data and models that would make the run wrong, found before the
+    first step (`data`: a jtrain.data.RunData): the model and loss called on example 0,
+    a default loss without targets, monitors of metrics the eval lacks, targets that do
+    not fit the model's output."""
+    named = {"train_data": data.train_example,
+             **({"eval_data": data.example} if data.eval is not None else {})}
+    model_inputs = tuple(cfg.data.model_inputs)
+    model_checks.check_model_and_loss(b.model_fns.apply, b.loss_fn, b.abstract.params, named,
+                                   model_inputs=model_inputs,
+                                   model=b.model_name.removeprefix("user "))
+    if b.loss_fn is None and "targets" not in data.example:
+        raise data_lib.DataError(
+            f"{'eval_data' if data.eval is not None else 'train_data'}[0]: no 'targets' "
+            f"field (fields: {', '.join(sorted(map(str, data.example)))}); the default "
+            "loss needs one: pass loss_fn(outputs, batch), or set loss.fn or loss.terms")
+    terms = model_checks.loss_term_names(b.model_fns.apply, b.loss_fn, b.abstract.params,
+                                      data.example, model_inputs)
+    decide_lib.check_monitors(cfg, None if data.eval is None
+                              else evaluator.metric_keys(b.eval_spec, terms))
+    model_checks.check_targets(
+        b.eval_spec, model_checks.output_shape_of(b.model_fns.apply, b.abstract.params,
+                                               b.sample_inputs),
+        {"train_data": data.train, **({"eval_data": data.eval} if data.eval is not None
+                                      else {})},
+        default_loss=b.loss_fn is None)
 
 
 def model_sample(cfg, example: dict):

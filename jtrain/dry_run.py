@@ -36,13 +36,11 @@ def run(config, *, say=print) -> dict:
     """The dry run of `config` on the devices JAX has; returns the report as a dict
     (printed through `say`). Raises ConfigError for a configuration that cannot run."""
     t0 = time.perf_counter()
-    cfg = config_lib.resolve(config)
+    user_data = data_lib.UserData()  # a DataLoader's settings: in the one resolution
+    cfg = config_lib.resolve(config, data_settings=user_data.settings)
     compiles_lib.configure_cache(cfg.compile.cache_dir, cfg.compile.cache_max_gb)
-    train_data, eval_data, overrides = data_lib.load_user_data(cfg.data)
-    if overrides:
-        cfg = config_lib.resolve({**cfg.to_dict(), "data": {**cfg.data.to_dict(), **overrides}})
     config_lib.validate(cfg, num_devices=jax.device_count())
-    train_src, eval_src, _ = data_lib.make_sources(cfg.data, train_data, eval_data)
+    train_src, eval_src, _ = data_lib.make_sources(cfg.data, user_data.train, user_data.eval)
     example = (eval_src if eval_src is not None else train_src)[0]
     sample = model_sample(cfg, train_src[0])
     b = build(cfg, sample=sample, eval_example=example, train_example=train_src[0])

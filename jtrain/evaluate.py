@@ -29,6 +29,7 @@ from jtrain import config as config_lib
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
 from jtrain.build import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, build, model_sample
+from jtrain.observe.outputs import read_run_record
 from jtrain.metrics.classification import classification_report
 from jtrain.checkpoint import policy
 from jtrain.observe import jsonl
@@ -54,14 +55,15 @@ def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data="eval"
         raise FileNotFoundError(f"--workdir: {workdir} has no config.json (not a jtrain run)")
     with open(cfg_path) as f:
         recorded = json.load(f)
-    source = recorded.pop(MODEL_SOURCE_KEY, None)
+    sources = read_run_record(workdir)  # run.json (older runs: config.json)
+    source = sources.get(MODEL_SOURCE_KEY)
     if source is not None and model is None:
         raise EvaluateError(
             f"--workdir: {workdir} was trained with a model passed from Python "
             f"({source.split(': ', 1)[-1]}); the CLI cannot rebuild it: call "
             "jtrain.evaluate.evaluate_checkpoint(workdir, model=...) from Python, or train "
             "with model.name='user' and model.factory='package.module:function'")
-    loss_source = recorded.pop(LOSS_SOURCE_KEY, None)
+    loss_source = sources.get(LOSS_SOURCE_KEY)
     if loss_source is not None and loss_fn is None:
         raise EvaluateError(
             f"--workdir: {workdir} was trained with a loss_fn passed from Python "

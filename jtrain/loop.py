@@ -21,55 +21,50 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jtrain import checkpoint, control as control_lib
 from jtrain import config as config_lib
 from jtrain import evaluator
 from jtrain import multihost
+from jtrain import state as state_lib
+from jtrain.build import Build
+from jtrain.control import decide as decide_lib
 from jtrain.control.faults import fault_point
 from jtrain import summary as summary_lib
+from jtrain.data import RunData
+from jtrain.data.prefetch import DevicePrefetch
 from jtrain.errors import NonFiniteError
+from jtrain.observe import startup as startup_lib
+from jtrain.observe.outputs import Outputs
 
 
-@dataclasses.dataclass
-class Startup:
-    """Start-up timing and the compile record (observe.startup, observe.compiles)."""
-    startup: Any  # observe.startup.Startup
-    recorder: Any  # observe.compiles.Recorder
-    cache_dir: str | None  # the persistent compilation cache, None = off
-    precompile: Any = None  # the thread compiling the train step ahead, if any
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Run:
-    """What `train.setup` builds for the loop."""
+    """What `train()` sets up for the loop."""
     workdir: str
-    build: Any  # train.Build
-    state: Any
-    train_iter: Any
-    eval_source: Any
-    data_info: dict
-    ckpt: Any  # checkpoint.Checkpointer
-    out: Any  # train.Outputs
-    resumed_from: int | None
-    decisions: Any  # control.decide.Decisions
-    watchdog: Any  # control.Watchdog (a no-op when off)
-    determinism: str | None = None
-    stopper: Any = None  # control.Stopper: signals -> stop after a step
-    startup: Any = None  # Startup
+    build: Build
+    state: state_lib.TrainState  # restored or fresh
+    data: RunData  # sources, eval plan
+    train_iter: DevicePrefetch  # the next batches, on the devices
+    ckpt: checkpoint.Checkpointer
+    out: Outputs
+    resumed_from: int | None  # the restored step; None: a fresh start or init_from
+    decisions: decide_lib.Decisions
+    watchdog: control_lib.Watchdog  # a no-op when off
+    stopper: control_lib.Stopper  # signals -> stop after a step
+    startup: startup_lib.Startup  # phase timings, compile record, the precompile thread
+    record: dict = dataclasses.field(default_factory=dict)  # run.json (its "decided")
 
     def close(self):
         self.watchdog.pause()
-        if self.startup is not None and self.startup.precompile is not None:
+        if self.startup.precompile is not None:
             self.startup.precompile.join()  # stopped before the first step: let it finish
         self.out.close()
         self.ckpt.close()
-        if hasattr(self.train_iter, "close"):
-            self.train_iter.close()
+        self.train_iter.close()
 
 
 @dataclasses.dataclass
@@ -140,25 +135,16 @@ def run_loop(cfg, run: Run):
         multihost.monitor.note_step(step)
         if debug_every and step % debug_every == 0:  # --debug_multihost
             multihost.preflight.check_step(step, cfg, debug_hash)
-        # The first step compiles: it is timed with watchdog.first_timeout_s.
-        if step == start + 1:
-            run.watchdog.beat("first step", allowance=cfg.watchdog.first_timeout_s)
+        run.out.profiler.before_step(step)
+        if step == start + 1:  # the first step compiles: timed, with its own allowance
+            state, metrics = _first_step(cfg, run, state, step)
         else:
             run.watchdog.beat("step")
-        run.out.profiler.before_step(step)
-        t0 = time.perf_counter()
-        batch = next(run.train_iter)  # on the devices already (data.device_prefetch)
-        t1 = time.perf_counter()
-        if step == start + 1:
-            fault_point("compile", delay=0.05)  # test-only: a signal while it compiles
-        if step == start + 1:
-            state, metrics = _first_step(run, state, batch)
-        else:
+            t0 = time.perf_counter()
+            batch = next(run.train_iter)  # on the devices already (data.device_prefetch)
+            t1 = time.perf_counter()
             state, metrics = run.build.train_step(state, batch)
-        run.out.perf.step_done(step, t1 - t0, time.perf_counter() - t1,
-                               metrics if step == start + 1 else None)  # first: compile time
-        if step == start + 1:
-            run.out.perf.set_first(run.startup.startup.breakdown())
+            run.out.perf.step_done(step, t1 - t0, time.perf_counter() - t1)
         _report_recompiles(run, step)
         if run.out.profiler.after_step(step, metrics):
             run.out.progress.message(f"jtrain: profile trace written to "
@@ -206,18 +192,26 @@ def run_loop(cfg, run: Run):
     return state, session
 
 
-def _first_step(run: Run, state, batch):
-    """The first step, timed as the start-up's compile phase; then the start-up line.
+def _first_step(cfg, run: Run, state, step: int):
+    """The first step of this session: watchdog.first_timeout_s for it, timed as the
+    start-up's compile phase, then the start-up line and perf's first-step record.
     Compiles after it are recompiles (observe.compiles)."""
     su = run.startup
-    with su.startup.phase("compile"):
+    run.watchdog.beat("first step", allowance=cfg.watchdog.first_timeout_s)
+    t0 = time.perf_counter()
+    batch = next(run.train_iter)  # on the devices already (data.device_prefetch)
+    t1 = time.perf_counter()
+    fault_point("compile", delay=0.05)  # test-only: a signal while it compiles
+    with su.phase("compile"):
         if su.precompile is not None:  # the step compiled beside the state's init:
             su.precompile.join()  # its call below reuses that executable
         state, metrics = run.build.train_step(state, batch)
         jax.block_until_ready(metrics)
-    su.startup.first_step()
+    su.first_step()
     su.recorder.first_step_done()
-    run.out.progress.message(su.startup.line(su.cache_dir))
+    run.out.progress.message(su.line(su.cache_dir))
+    run.out.perf.step_done(step, t1 - t0, time.perf_counter() - t1, metrics)  # compile time
+    run.out.perf.set_first(su.breakdown())
     return state, metrics
 
 
@@ -312,14 +306,12 @@ def _rollback(cfg, run: Run, state, spike_step: int, z: float):
 
 
 def _evaluator(cfg, run: Run):
-    eval_batch = (cfg.eval.batch_size or cfg.data.batch_size) // jax.process_count()
-
     def evaluate_now(state, step: int) -> dict:
-        if run.eval_source is None:
+        if run.data.eval is None:
             return {"step": step}
         t0 = time.perf_counter()
-        result = evaluator.run_eval(run.build.eval_step, state.params, run.eval_source,
-                                    mesh=run.build.mesh, local_batch=eval_batch,
+        result = evaluator.run_eval(run.build.eval_step, state.params, run.data.eval,
+                                    mesh=run.build.mesh, local_batch=run.data.eval_batch,
                                     max_batches=cfg.eval.num_batches, spec=run.build.eval_spec)
         run.out.perf.add("eval", time.perf_counter() - t0)
         run.out.writer.write_scalars(step, result.scalars)

@@ -204,9 +204,10 @@ def trainable_labels(params, trainable=(), frozen=()):
     return jax.tree_util.tree_map_with_path(label, params)
 
 
-def trainable_split(params, optim_cfg) -> dict:
+def trainable_split(params, optim_cfg, extra_trainable=()) -> dict:
     """{"train": (leaves, values), "frozen": (leaves, values)} for the header; raises
-    ConfigError naming a regex that matches no leaf, or when nothing would train."""
+    ConfigError naming a regex that matches no leaf, or when nothing would train.
+    `extra_trainable`: patterns added to optim.trainable by the run (LoRA's adapters)."""
     flat = [(leaf_path(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]]
     for key in ("trainable", "frozen", "lr_mults"):
         for pattern in optim_cfg[key]:
@@ -214,8 +215,8 @@ def trainable_split(params, optim_cfg) -> dict:
                 example = ", ".join(repr(name) for name, _ in flat[:3])
                 raise ConfigError(f"optim.{key}", f"{pattern!r} matches no parameter path; "
                                                   f"paths look like {example}")
-    labels = jax.tree.leaves(trainable_labels(params, optim_cfg["trainable"],
-                                              optim_cfg["frozen"]))
+    labels = jax.tree.leaves(trainable_labels(
+        params, (*optim_cfg["trainable"], *extra_trainable), optim_cfg["frozen"]))
     out = {"train": [0, 0], "frozen": [0, 0]}
     for label, (_, leaf) in zip(labels, flat):
         out[label][0] += 1
@@ -256,12 +257,13 @@ def _check_names(optim_cfg) -> None:
                                               f"{', '.join(known)}")
 
 
-def make_optimizer(optim_cfg, total_steps):
+def make_optimizer(optim_cfg, total_steps, *, extra_trainable=()):
     """Returns `(tx, schedule)`; `schedule` is the one inside `tx` (log `schedule(step)`).
 
     `optim_cfg`: the `optim` section, whole or partial (`{"name": "sgd", "lr": 0.1}`):
     the schema's defaults fill the rest; a ConfigError names an unknown key or a bad
-    value."""
+    value.
+    `extra_trainable`: patterns added to optim.trainable by the run (LoRA's adapters)."""
     _check_names(optim_cfg)
     optim_cfg = sections.section("optim", optim_cfg, total_steps=total_steps)
     name = optim_cfg["name"]
@@ -274,9 +276,10 @@ def make_optimizer(optim_cfg, total_steps):
     clip_norm = float(optim_cfg["clip_norm"])
     if clip_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)
-    if optim_cfg["trainable"] or optim_cfg["frozen"]:
+    trainable = (*optim_cfg["trainable"], *extra_trainable)
+    if trainable or optim_cfg["frozen"]:
         tx = optax.multi_transform(
             {"train": tx, "frozen": optax.set_to_zero()},
-            functools.partial(trainable_labels, trainable=tuple(optim_cfg["trainable"]),
+            functools.partial(trainable_labels, trainable=trainable,
                               frozen=tuple(optim_cfg["frozen"])))
     return tx, schedule

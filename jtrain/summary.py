@@ -59,10 +59,12 @@ def summarize(cfg, run, state, session) -> dict:
         **run.out.perf.summary(),
         **run.startup.recorder.summary(),
     }
-    baseline = run.data_info.get("unigram_baseline")
+    # What the set-up decided beyond config.json, as run.json records it.
+    summary["decided"] = run.record.get("decided", {})
+    baseline = run.data.info.get("unigram_baseline")
     if baseline is not None:
         summary["unigram_baseline"] = baseline
-        summary["data_fingerprint"] = run.data_info["fingerprint"]
+        summary["data_fingerprint"] = run.data.info["fingerprint"]
         if "eval/loss" in summary:
             run.out.progress.message(f"jtrain: final eval loss {summary['eval/loss']:.4f} "
                                      f"nats/byte vs unigram baseline {baseline:.4f}")

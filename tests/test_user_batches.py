@@ -92,7 +92,7 @@ def test_whole_batch_model_with_predict_fn_metrics(tmp_path, monkeypatch):
     from jtrain import evaluate
     from jtrain.errors import EvaluateError
 
-    assert json.load(open(tmp_path / "r" / "config.json"))["loss_source"] == "python: nb_loss"
+    assert json.load(open(tmp_path / "r" / "run.json"))["loss_source"] == "python: nb_loss"
     with pytest.raises(EvaluateError, match="loss_fn passed from Python"):
         evaluate.evaluate_checkpoint(str(tmp_path / "r"), model=NBNet(), data=ev, plots=False)
     report = evaluate.evaluate_checkpoint(str(tmp_path / "r"), model=NBNet(), data=ev,

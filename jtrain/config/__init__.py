@@ -80,25 +80,43 @@ def _as_dict(config) -> dict:
     raise ConfigError("config", f"expected a dict or ConfigDict, got {type(config).__name__}")
 
 
-def resolve(config=None) -> ml_collections.ConfigDict:
-    """Defaults overlaid with `config` (partial dicts allowed), validated."""
+# What older runs wrote into config.json beside the config (now in run.json): accepted
+# and ignored, so that a run's config.json of any version feeds back into `resolve`.
+RUN_RECORD_KEYS = ("model_source", "loss_source")
+
+
+def resolve(config=None, *, data_settings=None) -> ml_collections.ConfigDict:
+    """Defaults overlaid with `config` (partial dicts allowed), validated.
+
+    `data_settings(data_cfg) -> {key: value}`: called once with the validated `data`
+    section; what it returns overrides `data.*` in this same resolution (a torch
+    DataLoader's batch size, shuffle, ... read by jtrain.data before anything else reads
+    the config)."""
     user = space_lib.nest_dotted(_as_dict(config))
+    for key in RUN_RECORD_KEYS:
+        user.pop(key, None)
     model_name = (user.get("model") or {}).get("name", "transformer")
     _check_value("model.name", str, tuple(MODEL_FAMILIES), model_name)
+    schema = schema_for(model_name)
     merged = defaults(model_name).to_dict()
-    _overlay(merged, user, schema_for(model_name), prefix="")
+    _overlay(merged, user, schema, prefix="")
     cfg = ml_collections.ConfigDict(merged)
     validate(cfg)
+    overrides = data_settings(cfg.data) if data_settings is not None else None
+    if overrides:
+        _overlay(merged["data"], overrides, schema["data"], prefix="data.")
+        cfg = ml_collections.ConfigDict(merged)
+        validate(cfg)
     return cfg
 
 
-def resolve_for_run(config=None, allow_changes=()) -> tuple[ml_collections.ConfigDict,
-                                                             list[str]]:
+def resolve_for_run(config=None, allow_changes=(), *, data_settings=None
+                    ) -> tuple[ml_collections.ConfigDict, list[str]]:
     """`resolve` for a run, after fitting a warmup that does not end before `total_steps`
     (a short smoke run of a shipped config, `--config.total_steps=10`) into the run: it
     becomes a tenth of the run. `allow_changes` (jtrain.train's argument) is added to
-    checkpoint.allow_changes. Returns the new config and one notice line per change made;
-    `config` itself is left as it was."""
+    checkpoint.allow_changes; `data_settings` as in `resolve`. Returns the new config and
+    one notice line per change made; `config` itself is left as it was."""
     user = _as_dict(config)  # a copy: nested dicts are new
     if allow_changes:
         if isinstance(allow_changes, str):
@@ -118,7 +136,7 @@ def resolve_for_run(config=None, allow_changes=()) -> tuple[ml_collections.Confi
         notices.append(f"optim.warmup_steps={warmup} does not end before total_steps="
                        f"{total}: using {total // 10} (a tenth of the run) for this run; "
                        "set optim.warmup_steps below total_steps to choose")
-    return resolve(user), notices
+    return resolve(user, data_settings=data_settings), notices
 
 
 def _overlay(base: dict, user: dict, schema: dict, prefix: str) -> None:

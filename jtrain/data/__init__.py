@@ -1,5 +1,10 @@
 """Everything between a user's dataset and per-process numpy batches. Reads `config.data`.
 
+A run hands its data over once (prepare.py): `UserData` opens what the user passed
+before the config is resolved (a DataLoader's settings become data.* in that one
+resolution), `prepare(...)` returns the `RunData` that owns the checked sources, example
+0, the vocab check, the train iterator at its restored position and the eval plan.
+
 Yields numpy only, knows nothing about devices and calls no collective (the one
 cross-process count it needs comes through the `gather` the caller passes).
 `jtrain.mesh.host_to_device` turns a per-process batch into a global sharded array, in
@@ -35,9 +40,9 @@ from jtrain.data.dataset import Data, MapData
 from jtrain.data.prefetch import DevicePrefetch
 from jtrain.data.sources import MapSource, item_rng, with_transform
 
-__all__ = ["BUILTIN", "Data", "DataError", "as_data", "device_prefetch", "eval_batches",
-           "item_rng", "load_user_data", "make_sources", "make_train_iterator",
-           "num_eval_examples", "with_transform"]
+__all__ = ["BUILTIN", "Data", "DataError", "RunData", "UserData", "as_data",
+           "device_prefetch", "eval_batches", "item_rng", "load_user_data", "make_sources",
+           "make_train_iterator", "num_eval_examples", "prepare", "with_transform"]
 
 BUILTIN = {"pystdlib": text.make_pystdlib}
 VOCAB_SCAN = 1024  # examples check_vocab reads (all of them for smaller datasets)
@@ -190,3 +195,7 @@ def eval_batches(source, *, local_batch: int, process_index: int, process_count:
 def num_eval_examples(source, max_batches: int, global_batch: int) -> int:
     n = len(source)
     return min(n, max_batches * global_batch) if max_batches else n
+
+
+# Last: prepare.py is built from the functions above.
+from jtrain.data.prepare import RunData, UserData, prepare  # noqa: E402

@@ -7,9 +7,11 @@ gets two adapters beside it, `<name>_lora_a` [in..., r] (he-uniform) and `<name>
 [r, out...] (zeros), and the matmul computes `x W + alpha/r * (x A) B` (qwix's names,
 shapes and scale). B starts at zero, so step 0 is the base model exactly.
 
-Only the adapters train: `to_model_fns` hands back a config whose `optim.trainable` adds
-`ADAPTERS`, so the base weights go through optim.py's freezing (multi_transform with
-set_to_zero: bitwise unchanged, no optimizer state) and the header shows the split.
+Only the adapters train: `to_model_fns` hands back `ADAPTERS` as the trainable patterns
+the run adds to `optim.trainable` (build.py passes them to the optimizer explicitly and
+the run records them in run.json; the config stays as resolved), so the base weights go
+through optim.py's freezing (multi_transform with set_to_zero: bitwise unchanged, no
+optimizer state) and the header shows the split.
 `checkpoint.init_from` of a plain run or export loads the base weights and keeps the
 adapters' fresh init (`is_adapter`); `python -m jtrain.export --merge_lora` writes
 `W + alpha/r * A @ B` (`merge`), which the plain model loads.
@@ -41,7 +43,6 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
-from jtrain import config as config_lib
 from jtrain.errors import ConfigError
 from jtrain.models import adapters
 
@@ -58,14 +59,15 @@ def is_adapter(path: str) -> bool:
 
 
 def to_model_fns(module, cfg, sample, mesh):
-    """(ModelFns, config): `adapters.to_model_fns(module, mesh)` and `cfg` as they are
+    """(ModelFns, extra trainable patterns): `adapters.to_model_fns(module, mesh)` and ()
     when `finetune.lora.rank` is 0; else the model with adapters on the targeted weights
-    and a config whose optimizer trains only them. `sample`: one example's model inputs.
+    and (ADAPTERS,), the patterns the optimizer adds to optim.trainable so that only
+    they train. `sample`: one example's model inputs.
     Raises ConfigError for a target regex that adapts nothing, a weight that could not
     be merged, or a rank above every adapted weight's dimensions."""
     lora = cfg.finetune.lora
     if lora.rank == 0:
-        return adapters.to_model_fns(module, mesh), cfg
+        return adapters.to_model_fns(module, mesh), ()
     if not lora.alpha > 0:
         raise ConfigError("finetune.lora.alpha", f"must be > 0, got {lora.alpha!r}")
     try:
@@ -81,9 +83,7 @@ def to_model_fns(module, cfg, sample, mesh):
                                                 "'jtrain[lora]'") from None
     fns = adapters.to_model_fns(_wrap(module, provider, sample, cfg.seed), mesh)
     _check(provider, fns, sample, mesh, lora, cfg.data.batch_size)
-    optim = cfg.optim.to_dict()
-    optim["trainable"] = (*optim["trainable"], ADAPTERS)
-    return fns, config_lib.resolve({**cfg.to_dict(), "optim": optim})
+    return fns, (ADAPTERS,)
 
 
 def _wrap(module, provider, sample, seed):

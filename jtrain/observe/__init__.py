@@ -1,6 +1,8 @@
 """What a run shows and records; process 0 only.
 
     console   the progress bar / plain lines, train.log, warnings once (Progress, say)
+    outputs   opened once per run: config.json, run.json (model/loss source, what the
+              set-up decided), writers, progress, header, perf meter, profiler
     header    the run header and the parameter table printed before training
     redact    secrets masked from everything jtrain prints or writes
     liblogs   library logs (orbax, absl, grain) and error tracebacks into train.log

@@ -2,6 +2,41 @@
 
 from __future__ import annotations
 
+
+def describe_run(cfg, build, data, *, workdir: str, origin: str, peak: float | None,
+                 determinism: str | None = None) -> str:
+    """The run's header from its pieces: `build` (a jtrain.build.Build: model, params,
+    precision, mesh, optimizer split, memory plan, eval spec, FLOPs) and `data` (a
+    jtrain.data.RunData: sources and their info)."""
+    import jax
+    import numpy as np
+
+    info, flops = data.info, build.flops_per_example
+    extra = []
+    if "fingerprint" in info:
+        extra.append(f"jtrain: corpus sha256 {info['fingerprint'][:16]}..., "
+                     f"{info['num_bytes']:,} bytes from {info['num_files']} files")
+    extra += [f"jtrain: data: {note}" for note in info.get("notes", ())]
+    mfu = f"MFU vs peak {peak:.3g} FLOP/s/device" if peak else "MFU n/a (set perf.peak_flops)"
+    if determinism:
+        extra.append(f"jtrain: {determinism}")
+    leaves = jax.tree.leaves(build.abstract.params)
+    n_params = sum(int(np.prod(x.shape)) for x in leaves)
+    extra.append(optimizer_line(cfg.optim, cfg.total_steps, build.grad_accum_steps))
+    extra.append(trainable_line(n_params, len(leaves), build.trainable))
+    if build.memory_plan is not None:
+        extra.append(f"jtrain: {build.memory_plan.describe()}")
+    extra.append(f"jtrain: eval {build.eval_spec.task}: {', '.join(build.eval_spec.names)}; "
+                 + (f"{flops:.3g} train FLOPs/example, {mfu}" if flops else "MFU n/a"))
+    return run_header(
+        model=f"{build.model_name} ({build.model_fns.kind})", num_params=n_params,
+        precision=build.policy.describe(), mesh_shape=dict(build.mesh.shape),
+        data_name=str(info.get("name")), train_size=data.train.known_size,
+        eval_size=len(data.eval) if data.eval is not None else 0,
+        global_batch=cfg.data.batch_size, workdir=workdir, origin=origin,
+        batches_per_epoch=info.get("batches_per_epoch"), extra=tuple(extra))
+
+
 def run_header(*, model: str, num_params: int, precision: str, mesh_shape: dict,
                data_name: str, train_size: int | None, eval_size: int, global_batch: int,
                workdir: str, origin: str, batches_per_epoch: int | None = None,
@@ -36,9 +71,10 @@ def run_header(*, model: str, num_params: int, precision: str, mesh_shape: dict,
     return "\n".join(lines)
 
 
-def optimizer_line(optim, total_steps: int) -> str:
+def optimizer_line(optim, total_steps: int, grad_accum_steps: int | None = None) -> str:
     """`jtrain: optimizer adamw, peak lr 3e-03, warmup_cosine schedule (100 warmup steps,
-    decay until step 1500), clip_norm 1, weight decay 0.1, 1 microbatch per update`."""
+    decay until step 1500), clip_norm 1, weight decay 0.1, 1 microbatch per update`.
+    `grad_accum_steps`: what the step uses when the memory plan chose it."""
     decay_end = optim.decay_steps or total_steps
     schedule = (f"{optim.schedule} schedule ({optim.warmup_steps} warmup steps"
                 + ("" if optim.schedule == "constant" else
@@ -46,7 +82,10 @@ def optimizer_line(optim, total_steps: int) -> str:
     return (f"jtrain: optimizer {optim.name}, peak lr {optim.lr:.3g}, {schedule}, "
             + (f"clip_norm {optim.clip_norm:g}" if optim.clip_norm else "no clipping")
             + (f", weight decay {optim.weight_decay:g}" if optim.weight_decay else "")
-            + f", {optim.grad_accum_steps} microbatch(es) per update (optim.grad_accum_steps)")
+            + (f", {optim.grad_accum_steps} microbatch(es) per update (optim.grad_accum_steps)"
+               if grad_accum_steps in (None, optim.grad_accum_steps) else
+               f", {grad_accum_steps} microbatch(es) per update (the memory plan; "
+               f"optim.grad_accum_steps={optim.grad_accum_steps})"))
 
 
 def trainable_line(num_params: int, num_leaves: int, split: dict | None) -> str:

@@ -11,9 +11,10 @@
   perf/compile_sec     once: the first train_step call (trace + compile + dispatch)
   perf/time_to_first_step_sec  once: from `train()` to the first step's result
 
-FLOPs per example come from the model (`jtrain.models.flops_per_example` for built-ins;
-the transformer uses (6N + 12*L*d*T)*T, Kaplan et al. 2020; a user model may define a
-`flops_per_example` attribute: a number or a function of one example's input shape).
+FLOPs per example are a number `build()` hands in (`Build.flops_per_example`: the
+built-in family's formula, the transformer's (6N + 12*L*d*T)*T after Kaplan et al. 2020,
+or a user model's `flops_per_example` attribute: a number or a function of one example's
+input shape).
 The peak is `perf.peak_flops` if set, else the dense bf16 tensor-core peak of the device
 from `PEAK_FLOPS` (vendor datasheets; MFU is quoted against it whatever the compute
 dtype); unknown devices and CPUs get no MFU unless `perf.peak_flops` is set.
@@ -52,19 +53,6 @@ def peak_flops_per_device(configured: float = 0.0, device=None) -> float | None:
         if name.lower() in kind.lower():
             return flops
     return None
-
-
-def model_flops_per_example(model, model_cfg, input_shape) -> float | None:
-    """Training FLOPs per example: from a user model's `flops_per_example` attribute, or
-    the built-in family's formula when `model` is None; None when unknown."""
-    if model is None:
-        from jtrain import models as models_lib
-
-        return models_lib.flops_per_example(model_cfg, input_shape)
-    declared = getattr(model, "flops_per_example", None)
-    if callable(declared):
-        declared = declared(input_shape)
-    return float(declared) if declared else None
 
 
 class Meter:

@@ -33,10 +33,15 @@ def mark(phase: str, seconds: float) -> None:
 
 
 class Startup:
-    """Phase timings of this process's start-up; `recorder` adds compile counts."""
+    """Phase timings of this process's start-up; `recorder` (observe.compiles.Recorder)
+    adds compile counts. Also what the first step needs from the start-up: `cache_dir`
+    (the persistent compilation cache, None = off) and `precompile` (the thread that
+    compiles the train step ahead, if any)."""
 
     def __init__(self, recorder=None):
-        self._recorder = recorder
+        self._recorder = self.recorder = recorder
+        self.cache_dir: str | None = None
+        self.precompile = None  # threading.Thread
         self.seconds: dict[str, float] = {p: _BEFORE.get(p, 0.0) for p in PHASES}
         self.compiles: dict[str, tuple[int, int]] = {}  # phase -> (compiles, cache hits)
         self._t0 = time.perf_counter()

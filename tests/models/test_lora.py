@@ -128,6 +128,13 @@ def test_only_the_adapters_train(tmp_path, model):
     masked = jax.tree.leaves(res.state.opt_state,
                              is_leaf=lambda x: isinstance(x, optax.MaskedNode))
     assert sum(isinstance(x, optax.MaskedNode) for x in masked) == 8  # mu, nu x 4 leaves
+    # The config stays as resolved; the adapters' patterns are the run's record.
+    workdir = tmp_path / "run"
+    assert json.loads((workdir / "config.json").read_text())["optim"]["trainable"] == []
+    decided = json.loads((workdir / "run.json").read_text())["decided"]
+    assert decided["optim.trainable"] == {"value": [lora.ADAPTERS], "from": "finetune.lora",
+                                          "configured": []}
+    assert res.summary["decided"] == decided
 
 
 def _random(abstract, seed=1):

@@ -155,7 +155,7 @@ def test_python_model_run_evaluates_from_python_and_the_cli_says_how(user_dir, m
            "eval": {"every_steps": 0}}
     jtrain.train(cfg, "runs/py", model=mymodels.LinenNet(), train_data=data["train"],
                  eval_data=data["eval"])
-    assert json.load(open("runs/py/config.json"))["model_source"] == "python: user LinenNet"
+    assert json.load(open("runs/py/run.json"))["model_source"] == "python: user LinenNet"
     proc = _run(user_dir, "jtrain.evaluate", "--workdir=runs/py")
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.splitlines() if " error: " in ln]

@@ -411,10 +411,12 @@ def test_model_flops_declared_by_user_model():
     class Model:
         def flops_per_example(self, shape):
             return 6.0 * shape[0]
-    assert perf.model_flops_per_example(Model(), None, (4,)) == 24.0
-    assert perf.model_flops_per_example(object(), None, (4,)) is None
+    from jtrain.build import model_flops_per_example
+
+    assert model_flops_per_example(Model(), None, (4,)) == 24.0
+    assert model_flops_per_example(object(), None, (4,)) is None
     cfg = config_lib.defaults("transformer").model
-    assert perf.model_flops_per_example(None, cfg, (cfg.max_len,)) > 0
+    assert model_flops_per_example(None, cfg, (cfg.max_len,)) > 0
 
 
 def test_profiler_writes_a_trace(tmp_path):

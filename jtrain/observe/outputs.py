@@ -1,0 +1,110 @@
+"""What a run shows and records, opened once before the first step: config.json (exactly
+the resolved config), run.json (the run's records: where its model and loss came from,
+and what the set-up decided beyond the config), the metric writers, the progress display
+with the header, the perf meter and the profiler. Process 0 writes; the others mostly
+stay quiet.
+
+run.json:
+
+    {"model_source": "python: user Net",    # a model passed from Python (not rebuildable
+     "loss_source": "python: my_loss",      #   from the config; jtrain.evaluate says so)
+     "decided": {"optim.grad_accum_steps": {"value": 2, "from": "memory plan", ...},
+                 "data.batch_size": {"value": 32, "from": "DataLoader"}, ...}}
+
+summary.json repeats "decided".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Callable
+
+import jax
+
+from jtrain.observe import console, header as header_lib, perf as perf_lib
+from jtrain.observe import writers as writers_lib
+from jtrain.observe.redact import redact
+
+CONFIG_FILE = "config.json"
+RUN_FILE = "run.json"
+MODEL_SOURCE_KEY = "model_source"  # run.json: how the run got its model
+LOSS_SOURCE_KEY = "loss_source"  # ... and its loss_fn, when one was passed from Python
+
+
+@dataclasses.dataclass
+class Outputs:
+    """The run's writers and displays (the loop writes through them)."""
+    writer: writers_lib.MetricWriter
+    progress: console.Progress
+    perf: perf_lib.Meter
+    profiler: perf_lib.Profiler
+    record: dict  # run.json's content
+
+    def close(self):
+        self.profiler.close()
+        self.progress.close()
+        self.writer.close()
+
+
+def run_record(*, model_name: str | None, loss_fn: Callable | None, decided: dict) -> dict:
+    """run.json's content: `model_name` of a model passed from Python (None: built from
+    the config), `loss_fn` passed from Python, the set-up's decisions."""
+    record: dict[str, Any] = {}
+    if model_name is not None:
+        record[MODEL_SOURCE_KEY] = f"python: {model_name}"
+    if loss_fn is not None:
+        record[LOSS_SOURCE_KEY] = f"python: {getattr(loss_fn, '__name__', 'loss_fn')}"
+    record["decided"] = decided
+    return record
+
+
+def read_run_record(workdir: str) -> dict:
+    """A workdir's run.json; older runs kept model_source / loss_source in config.json.
+    {} when neither says anything."""
+    for name in (RUN_FILE, CONFIG_FILE):
+        try:
+            with open(os.path.join(workdir, name)) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if name == RUN_FILE:
+            return data if isinstance(data, dict) else {}
+        if isinstance(data, dict):
+            return {k: data[k] for k in (MODEL_SOURCE_KEY, LOSS_SOURCE_KEY) if k in data}
+    return {}
+
+
+def open_outputs(cfg, workdir: str, *, build, data, start, record: dict,
+                 run_ids: dict | None, determinism: str | None,
+                 t_start: float) -> Outputs:
+    """Writes config.json and run.json, opens the writers, prints the header. `build`: a
+    jtrain.build.Build, `data`: a jtrain.data.RunData, `start`: the restore-or-init
+    result (its step, origin)."""
+    primary = jax.process_index() == 0
+    resolved = cfg.to_dict()
+    if primary:
+        for name, content in ((CONFIG_FILE, resolved), (RUN_FILE, record)):
+            with open(os.path.join(workdir, name), "w") as f:
+                json.dump(redact(content), f, indent=2, sort_keys=True, default=str)
+    writer = writers_lib.MetricWriter(workdir, cfg.log, is_primary=primary, run_ids=run_ids,
+                                      resumed_step=start.step)
+    if start.step is None:
+        writer.write_hparams(resolved)
+    progress = console.Progress(
+        cfg.total_steps, start_step=start.step or 0, is_primary=primary,
+        every_steps=cfg.log.every_steps, batches_per_epoch=data.info["batches_per_epoch"],
+        verbosity=cfg.log.verbosity, log_path=os.path.join(workdir, console.LOG_FILE),
+        all_hosts=cfg.log.all_hosts, process_index=jax.process_index())
+    peak = perf_lib.peak_flops_per_device(cfg.perf.peak_flops)
+    header = header_lib.describe_run(cfg, build, data, workdir=workdir, origin=start.origin,
+                                     peak=peak, determinism=determinism)
+    progress.message(header)
+    writer.write_text(start.step or 0, "run/header", header)  # TensorBoard's text tab
+    progress.message(header_lib.parameter_table(build.abstract.params), level=2)
+    meter = perf_lib.Meter(start_step=start.step or 0, global_batch=cfg.data.batch_size,
+                           flops_per_example=build.flops_per_example, peak_flops=peak,
+                           num_devices=jax.device_count(), t_start=t_start)
+    profiler = perf_lib.Profiler(cfg.profile, workdir, is_primary=primary)
+    return Outputs(writer, progress, meter, profiler, record)
