@@ -35,3 +35,16 @@ def imported_jtrain(root) -> str | None:
         f"cannot import jtrain ({(proc.stderr.strip().splitlines() or ['?'])[-1]})"
     return (f"{sys.executable} run as the journey tests run it {found}, not this "
             f"checkout's {expected}: run `pip install -e '.[test]'` from {root}")
+
+
+PROJECTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "projects")
+
+
+def copy_project(cwd, *names) -> None:
+    """Copy the shared user modules `names` (tests/projects/<name>.py: nnx_mlp,
+    linen_classifier) into `cwd`, where the user's script imports them as its own
+    (`from nnx_mlp import Model`)."""
+    import shutil
+
+    for name in names:
+        shutil.copy(os.path.join(PROJECTS, f"{name}.py"), os.path.join(str(cwd), f"{name}.py"))
