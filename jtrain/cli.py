@@ -85,8 +85,8 @@ def run(prog: str, define_flags: Callable, main: Callable, argv=None,
 # `--config=FILE[:variant]` and `--config.a.b=value` are ml_collections' config_flags; what
 # they raise is rewritten here as `<dotted.key or file>: <why>`. An unknown override key is
 # found by walking argv's overrides against jtrain's schema; the rest (config_flags gives
-# no structured error for them) match its messages. tests/test_config_errors.py holds
-# every case.
+# no structured error for them) match its messages. tests/bad_input/test_config_errors.py
+# holds every case.
 
 
 def describe_flag_error(error: Exception, argv) -> tuple[str, str]:

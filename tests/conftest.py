@@ -13,6 +13,10 @@ work as usual. The child is told by JTRAIN_TEST_REPORTS (the file its reports go
 A skipped test fails the session (CI must not pass with a test that did not run): see
 pytest_sessionfinish.
 
+Before any test, the session checks that Python started as the journey tests start it
+(temp cwd, no PYTHONPATH) imports this checkout's jtrain, and stops with one line if it
+imports another copy (installed from elsewhere) or none.
+
 Helpers for user-journey tests live in tests/journey.py; import them as a plain module
 (`from journey import run_python`): pytest puts tests/ on sys.path, no `tests.` package.
 """
@@ -34,6 +38,18 @@ jax.config.update("jax_num_cpu_devices", MULTIDEVICE_COUNT if CHILD_REPORTS else
 
 _CONFIG = []
 _SKIPPED: list = []
+
+
+def pytest_sessionstart(session):
+    """Every subprocess a test starts must import the jtrain under test: checked once,
+    the way the journey tests start Python (a temp cwd, no PYTHONPATH)."""
+    if CHILD_REPORTS or hasattr(session.config, "workerinput"):  # the parent checked
+        return
+    from journey import imported_jtrain
+
+    problem = imported_jtrain(session.config.rootpath)
+    if problem:
+        pytest.exit(f"jtrain: {problem}", returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 def pytest_configure(config):

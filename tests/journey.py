@@ -7,6 +7,7 @@ so the user's own modules import as they would for them."""
 import os
 import subprocess
 import sys
+import tempfile
 
 
 def user_env(**extra) -> dict:
@@ -18,3 +19,32 @@ def run_python(cwd, *args, timeout: int = 300, **extra_env) -> subprocess.Comple
     """`python *args` in `cwd` (e.g. "-m", "jtrain.main", "--config=cfg.py", ...)."""
     return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=user_env(**extra_env),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def imported_jtrain(root) -> str | None:
+    """None when a journey's `import jtrain` (a temp cwd, `user_env()`) gets the jtrain of
+    the checkout at `root`, else the one line saying which copy it got instead: with jtrain
+    installed from elsewhere the subprocess tests would exercise that other copy."""
+    expected = os.path.realpath(os.path.join(root, "jtrain", "__init__.py"))
+    with tempfile.TemporaryDirectory() as cwd:
+        proc = run_python(cwd, "-c", "import jtrain; print(jtrain.__file__)", timeout=120)
+    got = proc.stdout.strip().splitlines()[-1:] if proc.returncode == 0 else []
+    if got and os.path.realpath(got[0]) == expected:
+        return None
+    found = f"imports {got[0]}" if got else \
+        f"cannot import jtrain ({(proc.stderr.strip().splitlines() or ['?'])[-1]})"
+    return (f"{sys.executable} run as the journey tests run it {found}, not this "
+            f"checkout's {expected}: run `pip install -e '.[test]'` from {root}")
+
+
+PROJECTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "projects")
+
+
+def copy_project(cwd, *names) -> None:
+    """Copy the shared user modules `names` (tests/projects/<name>.py: nnx_mlp,
+    linen_classifier) into `cwd`, where the user's script imports them as its own
+    (`from nnx_mlp import Model`)."""
+    import shutil
+
+    for name in names:
+        shutil.copy(os.path.join(PROJECTS, f"{name}.py"), os.path.join(str(cwd), f"{name}.py"))

@@ -122,12 +122,24 @@ def test_workspace_module_map_matches_the_tree():
     assert sorted(named - tree) == [], "WORKSPACE.md names modules that do not exist"
 
 
+# tests/ folders that are not a subsystem's: grouped by what they prove, or shared files
+BY_WHAT = {"journeys": "user journeys: jtrain run as its user runs it, in a subprocess",
+           "bad_input": "tables of bad input: one line and an exit code per row",
+           "projects": "shared user projects that tests copy into their temp dir"}
+
+
 def test_tests_are_laid_out_like_the_package():
     tests = Path(__file__).resolve().parent
     folders = [d for d in tests.iterdir() if d.is_dir() and not d.name.startswith((".", "_"))]
     assert folders, "tests for subsystems live in folders named after them"
     for d in folders:
-        assert (PACKAGE / d.name / "__init__.py").exists(), f"tests/{d.name}: no jtrain.{d.name}"
+        assert d.name in BY_WHAT or (PACKAGE / d.name / "__init__.py").exists(), \
+            f"tests/{d.name}: no jtrain.{d.name}, and not one of {sorted(BY_WHAT)}"
+    assert not list((tests / "projects").glob("test_*.py")), "projects/ holds no tests"
+    journeys = {p.name for p in (tests / "journeys").glob("test_*.py")}
+    assert {"test_journeys.py", "test_journeys_library.py"} <= journeys
+    names = [p.name for p in tests.rglob("test_*.py")]  # rootdir-based imports: one module
+    assert len(names) == len(set(names)), "two test files share a name"  # per name
 
 
 def test_tests_need_no_convenience_a_user_lacks():

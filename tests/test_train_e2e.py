@@ -103,7 +103,7 @@ def test_same_seed_same_hash_and_resume_is_bitwise(tmp_path):
 
 def _readme_examples():
     """The python blocks of README's "Library examples" section (other sections' examples
-    have tests of their own, e.g. tests/recipes, tests/test_readme_user_model.py)."""
+    have tests of their own, e.g. tests/recipes, tests/journeys/test_readme_user_model.py)."""
     text = open(os.path.join(REPO, "README.md")).read()
     section = text.split("\n## Library examples\n", 1)[1].split("\n## ", 1)[0]
     return [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "jtrain.train(" in b]

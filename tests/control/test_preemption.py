@@ -116,7 +116,7 @@ def test_no_clean_stop_within_the_grace_period_exits_5(tmp_path):
 def test_a_stop_that_jax_rewraps_inside_an_eval_is_still_a_stop():
     """SIGINT inside a jitted eval call: JAX's traceback filtering can fail on the
     interrupted frame and raise a TypeError in place of StopRequested (seen from an
-    external os.kill in tests/test_journeys.py). The eval is still abandoned, no error."""
+    external os.kill in tests/journeys/test_journeys.py). The eval is still abandoned, no error."""
     from jtrain.control.signals import StopRequested, Stopper
 
     def eval_rewrapped_by_jax():

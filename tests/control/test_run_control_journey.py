@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 
+from journey import copy_project
+
 DATA_MODULE = '''
 import numpy as np
 
@@ -144,14 +146,7 @@ SCRIPT = '''
 import numpy as np
 from flax import nnx
 import jtrain
-
-class Model(nnx.Module):
-    def __init__(self, rngs):
-        self.hidden = nnx.Linear(4, 16, rngs=rngs)
-        self.out = nnx.Linear(16, 2, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(nnx.relu(self.hidden(x)))
+from nnx_mlp import Model  # the user's own module
 
 r = np.random.default_rng(0)
 x = r.normal(size=(96, 4)).astype(np.float32)
@@ -174,6 +169,7 @@ print("evals", seen, "stopped_by", result.summary["stopped_by"],
 
 
 def test_script_nnx_model_on_eval_stop_and_plateau(tmp_path):
+    copy_project(tmp_path, "nnx_mlp")
     (tmp_path / "train_nnx.py").write_text(SCRIPT)
     proc = subprocess.run([sys.executable, "train_nnx.py"], cwd=tmp_path, env=_env(),
                           capture_output=True, text=True, timeout=300)

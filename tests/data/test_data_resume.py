@@ -6,6 +6,7 @@ background device prefetch (the saved position is the step's, not the read-ahead
 
 import copy
 import json
+import threading
 
 import grain
 import jax
@@ -167,14 +168,48 @@ def test_padded_last_batch_keeps_every_example_with_a_mask():
     assert "mask" in next(it)  # every batch has the same fields
 
 
+class Reads:
+    """A host iterator that counts the batches read from it (by the prefetch thread)."""
+
+    def __init__(self, host):
+        self.host, self.reads, self.cond = host, 0, threading.Condition()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.host)
+        with self.cond:
+            self.reads += 1
+            self.cond.notify_all()
+        return batch
+
+    def wait_for(self, n, timeout=60.0) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: self.reads >= n, timeout)
+
+    def get_state(self):
+        return self.host.get_state()
+
+    def set_state(self, state):
+        self.host.set_state(state)
+
+    def close(self):
+        self.host.close()
+
+
 def test_device_prefetch_saves_the_steps_position_not_the_read_ahead():
     mesh = mesh_lib.make_mesh(config_lib.resolve(None).mesh)
     put = lambda b: mesh_lib.host_to_device(b, mesh)  # noqa: E731
     ref = [jax.device_get(put(b)) for b in take(iterator("arrays", batch=8), 20)]
-    it = data_lib.device_prefetch(iterator("arrays", batch=8), put, depth=3)
+    host = Reads(iterator("arrays", batch=8))
+    it = data_lib.device_prefetch(host, put, depth=3)
     got = [jax.device_get(next(it)) for _ in range(7)]
+    # The thread refills its queue: 7 consumed + 3 queued have been read from the host.
+    assert host.wait_for(7 + 3), f"the prefetch thread read only {host.reads} batches"
+    assert host.get_state()["position"] >= 10  # the host iterator is ahead of the step
     state = json.loads(json.dumps(it.get_state()))
-    assert state["position"] == 7  # the thread has read further ahead
+    assert state["position"] == 7  # the step's position, not the read-ahead's
     it.close()
     resumed = data_lib.device_prefetch(iterator("arrays", batch=8), put, depth=3)
     resumed.set_state(state)

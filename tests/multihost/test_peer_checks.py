@@ -170,3 +170,33 @@ def test_timeouts_come_from_config_with_defaults():
     with pytest.raises(ConfigError, match=r"^distributed.heartbeat_timeout_s: must be a "
                                           r"number of seconds in \[1, 86400\], got 0"):
         start.timeouts({"distributed": {"heartbeat_timeout_s": 0}})
+
+
+@pytest.mark.parametrize("heartbeat", [3, 7.5])
+def test_start_hands_the_configured_heartbeat_to_the_monitor_and_to_jax(monkeypatch,
+                                                                       heartbeat):
+    """distributed.heartbeat_timeout_s is the silence after which jtrain's peer monitor
+    names a dead peer; JAX's own heartbeat is set longer (2x + a margin) so that line comes
+    first. A dead-peer run cannot tell (its collective fails first), so this checks the
+    wiring: the values start() hands on, from a config with a non-default timeout."""
+    import jax
+
+    seen = {}
+    peers = next(m for m in vars(start).values() if hasattr(m, "PeerMonitor"))
+
+    class Monitor:
+        def __init__(self, client, process_id, num_processes, timeout_s):
+            seen["monitor"] = (process_id, num_processes, timeout_s)
+
+        def start(self):
+            return self
+
+    monkeypatch.setattr(peers, "PeerMonitor", Monitor)
+    monkeypatch.setattr(start.rollcall, "gather", lambda *a: seen.setdefault("gather", a))
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.update(jax=kw))
+    start.start({"distributed": {"heartbeat_timeout_s": heartbeat, "init_timeout_s": 40}},
+                "127.0.0.1:1234", 2, 1)
+    assert seen["monitor"] == (1, 2, heartbeat)
+    assert seen["jax"]["heartbeat_timeout_seconds"] == int(2 * heartbeat) + 10
+    assert seen["jax"]["initialization_timeout"] == 41
+    assert seen["gather"] == ("127.0.0.1:1234", 2, 1, 40.0)

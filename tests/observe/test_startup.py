@@ -116,3 +116,16 @@ def test_a_compile_after_the_first_step_is_named_with_its_new_shapes():
     assert _changed(c["before"], c["shapes"]) == "#0: float32[3] -> float32[5]"
     assert rec.summary()["compile/recompiles"] == 1 and rec.unreported() == [c]
     assert rec.unreported() == []
+
+
+def test_an_explicit_compile_cache_dir_is_where_the_cache_goes(tmp_path):
+    """compile.cache_dir=PATH (relative to the cwd) holds the cache; the default place
+    ($XDG_CACHE_HOME/jtrain/xla) stays untouched."""
+    (tmp_path / "cfg.py").write_text(CONFIG)
+    p = _run(tmp_path, "a", "--config.compile.cache_dir=mine/xla", "--config.total_steps=1",
+             "--config.eval.every_steps=0", "--config.checkpoint.every_steps=0")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert os.listdir(tmp_path / "mine" / "xla")
+    assert not os.path.exists(tmp_path / "xdg" / "jtrain" / "xla")
+    s = _summary(tmp_path, "a")
+    assert s["compile/cache_misses"] >= 1 and s["compile/cache_hits"] == 0

@@ -1,7 +1,7 @@
 """Every entry point as a user runs it: `python -m ...` in a subprocess from a fresh
 directory with relative paths, no conftest help. One line and an exit code for every
 mistake; `--help` exits 0. The table of mistakes per command (missing runs, missing
---out, unknown benchmarks, ...) is tests/test_failure_table.py."""
+--out, unknown benchmarks, ...) is tests/bad_input/test_failure_table.py."""
 
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ def test_help_exits_0(tmp_path, module):
 def test_jtrain_console_script(tmp_path):
     """The installed `jtrain` script: its usage (exit 0 on --help) and a subcommand's
     --help (exit 0: the `python -m` form's flags behind it). Every subcommand's errors:
-    tests/test_failure_table.py; the whole journey (train, Ctrl-C, resume, evaluate, export, init_from) is
-    tests/test_readme_commands.py."""
+    tests/bad_input/test_failure_table.py; the whole journey (train, Ctrl-C, resume, evaluate, export, init_from) is
+    tests/journeys/test_readme_commands.py."""
     jtrain = os.path.join(os.path.dirname(sys.executable), "jtrain")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from journey import user_env
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOTAL = 24
 SHORT = [f"--config.total_steps={TOTAL}", "--config.optim.warmup_steps=2",
          "--config.log.every_steps=1", "--config.eval.every_steps=12",

@@ -1,7 +1,7 @@
 """`--config.total_steps=10` works on every shipped config: a warmup that would not end
 before the run does is fitted into it (a tenth of the run) with a one-line notice, in a
 new config (the given one is unchanged). The run itself on an 80-column terminal:
-tests/test_console_journey.py."""
+tests/journeys/test_console_journey.py."""
 
 import importlib.util
 from pathlib import Path
@@ -11,7 +11,7 @@ import pytest
 from jtrain import config as config_lib
 from jtrain import optim
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.py"))
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.py"))
 
 
 def _load(path: Path):

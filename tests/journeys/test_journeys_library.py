@@ -129,7 +129,7 @@ def test_pure_init_apply_model_trains_end_to_end(tmp_path):
 
 
 def test_the_built_wheel_installs_and_trains(tmp_path):
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     src, wheels = tmp_path / "src", tmp_path / "wheels"
     shutil.copytree(os.path.join(repo, "jtrain"), src / "jtrain",
                     ignore=shutil.ignore_patterns("__pycache__"))

@@ -19,7 +19,7 @@ from jtrain import config as config_lib
 from jtrain import main as main_lib
 from jtrain import loop as loop_lib
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEBUG = "--config=configs/base.py:debug"
 PREFIX = "jtrain: config error: "
 

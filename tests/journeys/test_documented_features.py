@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 from absl import flags
 
-from journey import run_python
+from journey import copy_project, run_python
 from jtrain import config as config_lib, main as main_lib, precision
 
 SCRIPT = '''
@@ -24,15 +24,9 @@ import os
 import sys
 
 import numpy as np
-from flax import linen as nn
 
 import jtrain
-
-
-class Net(nn.Module):
-    @nn.compact
-    def __call__(self, x, train=False):
-        return nn.Dense(2)(nn.relu(nn.Dense(8)(x)))
+from linen_classifier import Net  # the user's own module
 
 
 rng = np.random.default_rng(0)
@@ -58,6 +52,7 @@ print(json.dumps({"summary": result.summary, "nices": nices}))
 @pytest.fixture(scope="module")
 def feature_run(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("features")
+    copy_project(cwd, "linen_classifier")
     (cwd / "run.py").write_text(SCRIPT)
     proc = run_python(cwd, "run.py", WANDB_MODE="offline", WANDB_SILENT="true")
     assert proc.returncode == 0, proc.stderr[-3000:]

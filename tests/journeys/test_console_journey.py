@@ -21,9 +21,9 @@ import termios
 import time
 from pathlib import Path
 
-from journey import run_python, user_env
+from journey import copy_project, run_python, user_env
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = '''
 import json
@@ -31,15 +31,7 @@ import numpy as np
 from flax import nnx
 import jtrain
 from jtrain.errors import RestoreError
-
-
-class Model(nnx.Module):
-    def __init__(self, rngs):
-        self.hidden = nnx.Linear(4, 16, rngs=rngs)
-        self.out = nnx.Linear(16, 2, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(nnx.relu(self.hidden(x)))
+from nnx_mlp import Model  # the user's own module
 
 
 class Stream:
@@ -84,6 +76,7 @@ print("INIT", fine.summary["step"], flush=True)
 
 
 def test_library_reruns_stream_epoch_and_init_from(tmp_path):
+    copy_project(tmp_path, "nnx_mlp")
     (tmp_path / "script.py").write_text(SCRIPT)
     proc = run_python(tmp_path, "script.py")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -36,7 +36,7 @@ import pytest
 
 from journey import user_env
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEBUG = "--config=configs/base.py:debug"
 
 CONFIG_FILES = {

@@ -9,7 +9,7 @@ import shlex
 from pathlib import Path
 from journey import run_python
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def walkthrough():

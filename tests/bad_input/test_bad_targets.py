@@ -125,7 +125,7 @@ def test_workdir_that_is_a_file_or_read_only_is_one_line(tmp_path):
             with pytest.raises(jtrain.errors.WorkdirError, match=why):
                 jtrain.train(CFG, str(workdir), model=Classifier(), train_data=data)
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         proc = subprocess.run([sys.executable, "-m", "jtrain.main",
                                f"--config={repo}/configs/base.py:debug", "--workdir=afile"],
                               cwd=tmp_path, capture_output=True, text=True, timeout=300,
