@@ -34,6 +34,8 @@ from jtrain.config.schema import (ACTIVATIONS, DTYPES, INT_MAX, METRIC_NAMES,  #
                                   MODEL_FAMILIES, OPTIMIZERS, SCHEDULES, SCHEMA, WRITERS,
                                   Field, describe, resume_safe, schema_for)
 from jtrain.config import space as space_lib
+from jtrain.config.rules import (  # noqa: F401  (config.check_mesh, config.check_optim)
+    _check_checkpoint, _check_early_stop, _check_regexes, check_mesh, check_optim)
 from jtrain.errors import ConfigError  # noqa: F401  (jtrain.config.ConfigError)
 
 
@@ -291,40 +293,8 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
                           f"{eval_batch} is not divisible by the data-parallel size {dp}")
 
 
-def check_mesh(mesh: dict) -> None:
-    """The `mesh` section's rules beyond one key's type and range."""
-    for axis in ("data", "fsdp", "tensor"):
-        if mesh[axis] == 0:
-            raise ConfigError(f"mesh.{axis}", "must be a positive size or -1, got 0")
 
 
-def check_optim(optim: dict, total_steps: int) -> None:
-    """The `optim` section's rules beyond one key's type and range (with the run's
-    `total_steps`)."""
-    if optim["warmup_steps"] >= total_steps and optim["warmup_steps"] > 0:
-        raise ConfigError("optim.warmup_steps",
-                          f"{optim['warmup_steps']} >= total_steps={total_steps}: "
-                          "the run would never leave warmup; set optim.warmup_steps "
-                          "below total_steps")
-    decay_end = optim["decay_steps"] or total_steps
-    if optim["schedule"] not in ("constant", "rsqrt") and decay_end <= optim["warmup_steps"]:
-        raise ConfigError("optim.decay_steps",
-                          f"schedule {optim['schedule']!r} decays until step {decay_end} "
-                          f"(0 means total_steps={total_steps}), which must be > "
-                          f"optim.warmup_steps={optim['warmup_steps']}")
-    for beta in ("b1", "b2"):  # (0, 1) inclusive in the schema; 1.0 never forgets
-        if optim["name"] in ("adam", "adamw", "lion") and optim[beta] >= 1.0:
-            raise ConfigError(f"optim.{beta}", f"must be < 1 for {optim['name']}, got "
-                              f"{optim[beta]!r} (the moment estimate would never update)")
-    for key in ("trainable", "frozen", "lr_mults"):
-        _check_regexes(f"optim.{key}", optim[key])
-    for pattern, factor in optim["lr_mults"].items():
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 0:
-            raise ConfigError("optim.lr_mults", f"{pattern!r}: the factor must be a "
-                              f"number >= 0, got {factor!r}")
-    if optim["name"] == "adam" and optim["weight_decay"] > 0:
-        raise ConfigError("optim.weight_decay", f"adam has no weight decay (got "
-                                                f"{optim['weight_decay']!r}); use adamw")
 
 
 def _check_family(model: dict) -> None:
@@ -371,32 +341,10 @@ def _check_data(data: dict) -> None:
                               f"expected 'package.module:function', got {path!r}")
 
 
-def _check_early_stop(es: dict) -> None:
-    stop, diverge = es["stopping_threshold"], es["divergence_threshold"]
-    if stop is None or diverge is None:
-        return
-    better = stop < diverge if es["mode"] == "min" else stop > diverge
-    if not better:
-        raise ConfigError("early_stop.divergence_threshold",
-                          f"{diverge!r} is better than stopping_threshold={stop!r} for "
-                          f"mode={es['mode']}")
 
 
-def _check_regexes(key: str, patterns) -> None:
-    """ConfigError naming `key` for the first pattern that is not a regex."""
-    for pattern in patterns:
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            raise ConfigError(key, f"bad regex {pattern!r}: {e}") from None
 
 
-def _check_checkpoint(ckpt: dict) -> None:
-    _check_regexes("checkpoint.init_exclude", ckpt["init_exclude"])
-    if ckpt["keep_top_k"] and not ckpt["monitor"]:
-        raise ConfigError("checkpoint.monitor", "required when checkpoint.keep_top_k > 0")
-    if ckpt["init_from_opt"] and not ckpt["init_from"]:
-        raise ConfigError("checkpoint.init_from_opt", "set checkpoint.init_from too")
 
 
 def config_hash(config) -> str:
