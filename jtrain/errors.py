@@ -22,7 +22,7 @@ renders any exception as the one line a person sees.
 Entry points print `render(e)` on stderr and exit with `exit_code(e)`; no traceback for
 any of these. `classify(e)` turns what libraries raise (OSError, orbax's wrapped I/O
 errors) into the error above that says what to change. Every rendered line passes
-through the redactor (jtrain.observe.redact).
+through the redactor (jtrain.redact).
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def exit_code(e: BaseException) -> int:
 def render(e: BaseException, kind: str | None = None) -> str:
     """`jtrain: <kind> error: <first line>`: what a person sees for any exception,
     secrets masked."""
-    from jtrain.observe.redact import redact_text
+    from jtrain.redact import redact_text
 
     kind = kind or (e.kind if isinstance(e, JtrainError) else "internal")
     return redact_text(f"jtrain: {kind} error: {first_line(e)}")

@@ -38,7 +38,7 @@ from jtrain.observe import compiles as compiles_lib, console, header as header_l
 from jtrain.observe import startup as startup_lib
 from jtrain.observe import writers as writers_lib
 from jtrain.errors import NonFiniteError, RestoreError, WorkdirError
-from jtrain.observe.redact import redact
+from jtrain.redact import redact
 from jtrain.build import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, Build, build, model_sample  # noqa: F401
 
 

@@ -48,17 +48,26 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _version() -> str:
+    """jtrain's installed version (as control.record reads it; not the package root,
+    which this floor does not import)."""
+    import importlib.metadata as md
+
+    try:
+        return md.version("jtrain")
+    except md.PackageNotFoundError:  # run from a source tree without an install
+        return "unknown"
+
+
 def run(cfg, config_hash: str) -> None:
     import jax
-
-    import jtrain
 
     client = _client()
     if jax.process_count() <= 1 or client is None:
         return
     me, n = jax.process_index(), jax.process_count()
     mine = {"config_hash": config_hash, "local_devices": jax.local_device_count(),
-            "jtrain_version": jtrain.__version__, "host": socket.gethostname()}
+            "jtrain_version": _version(), "host": socket.gethostname()}
     reports = {pid: json.loads(v) for pid, v in _exchange(
         client, PREFLIGHT, me, n, json.dumps(mine), cfg.distributed.heartbeat_timeout_s,
         "preflight").items()}

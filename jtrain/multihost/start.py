@@ -8,14 +8,14 @@
    does not come within `distributed.init_timeout_s` -> one line, exit 5.
 3. `jax.distributed.initialize` with that init timeout, and JAX's heartbeat timeout at
    twice `distributed.heartbeat_timeout_s` plus a margin, so that jtrain's own peer
-   monitor (monitor.py, at heartbeat_timeout_s) reports a dead peer before JAX aborts.
+   monitor (heartbeat.py, at heartbeat_timeout_s) reports a dead peer before JAX aborts.
 """
 
 from __future__ import annotations
 
 from jtrain.config.schema import SCHEMA
 from jtrain.errors import ConfigError, UsageError
-from jtrain.multihost import monitor, rollcall
+from jtrain.multihost import heartbeat, rollcall
 
 JAX_HEARTBEAT_MARGIN_S = 10
 
@@ -81,5 +81,5 @@ def start(raw_config, coordinator_address, num_processes: int, process_id: int,
         heartbeat_timeout_seconds=int(2 * heartbeat) + JAX_HEARTBEAT_MARGIN_S)
     from jax._src import distributed
 
-    monitor.PeerMonitor(distributed.global_state.client, process_id, num_processes,
+    heartbeat.PeerMonitor(distributed.global_state.client, process_id, num_processes,
                         heartbeat).start()

@@ -2,7 +2,6 @@
 
     console   the progress bar / plain lines, train.log, warnings once (Progress, say)
     header    the run header and the parameter table printed before training
-    redact    secrets masked from everything jtrain prints or writes
     liblogs   library logs (orbax, absl, grain) and error tracebacks into train.log
     writers   metric writers: JSONL, TensorBoard, MLflow, W&B (background thread)
     jsonl     the metrics.jsonl format; a resumed run's records truncated to its step

@@ -13,6 +13,7 @@ import numpy as np
 import jtrain
 from jtrain import evaluate
 from jtrain.checkpoint import export
+from jtrain import export as export_command
 
 
 class Net(nn.Module):
@@ -47,5 +48,5 @@ def test_export_and_init_from_best(tmp_path, monkeypatch):
         "init_from": "runs/a", "init_from_step": "best"}}, "runs/ft", model=Net(),
         train_data=_data())
     assert res.summary["step"] == 1
-    bad = export.main(["runs/a/checkpoints/2", "--step=best", "--out=exports/x"])
+    bad = export_command.main(["runs/a/checkpoints/2", "--step=best", "--out=exports/x"])
     assert bad == 3  # a step directory has no metrics.jsonl to rank by: one line, exit 3
