@@ -19,6 +19,8 @@ set-up of the command-line entry points is `jtrain.boot`.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 
 __version__ = "0.1.0"
 
@@ -58,3 +60,19 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
+
+
+class _Package(types.ModuleType):
+    """Importing a submodule sets it as an attribute of its package: `import
+    jtrain.train` would make `jtrain.train` the module, not the function. The public
+    names win (`jtrain.train`, `jtrain.build` are the functions, as when the package
+    imported them eagerly); the modules stay in sys.modules, where `from jtrain.train
+    import x` finds them."""
+
+    def __setattr__(self, name, value):
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -88,10 +88,13 @@ def _main(fv, args, argv) -> int:
                          "pip install 'jtrain[tune]'") from None
     from absl import logging as absl_logging
 
+    from jtrain import boot
     from jtrain import config as config_lib
     from jtrain.config import space as space_lib
+    from jtrain.observe import startup
     from jtrain.train import check_workdir
 
+    startup.mark("imports", boot.since_start())  # flags, config file and imports
     absl_logging.set_verbosity(absl_logging.WARNING)
     cfg = config_lib.resolve(config)
     if not space_lib.flatten(cfg.tune.space):
@@ -135,6 +138,7 @@ class Worker:
 
     def _loop(self) -> int:
         from jtrain import boot
+        from jtrain.multihost import preflight
         from jtrain.tune import trial as trial_lib
 
         while True:
@@ -162,6 +166,9 @@ class Worker:
                 outcome = trial_lib.run(self.base, job.params,
                                         os.path.join(self.workdir, job.workdir),
                                         self.tune.monitor, report)
+            # Before the next job is shared: the next trial's start-up checks must not
+            # read this trial's reports (jtrain.multihost.preflight).
+            preflight.forget()
             if self.primary:
                 self._finish(trial, outcome)
             else:  # in this process's log: the same trial, stopped at the same step
