@@ -1,14 +1,22 @@
 """The one command-line framework of jtrain's entry points (`jtrain.main`, `jtrain.evaluate`,
-`jtrain.export`, `jtrain.bench`): absl flags, so `--flag=value`, `--flag value`,
-`--flag/--noflag` and positional arguments between flags behave the same everywhere.
+`jtrain.export`, `jtrain.tune`, `jtrain.bench`): absl flags, so `--flag=value`,
+`--flag value`, `--flag/--noflag` and positional arguments between flags behave the same
+everywhere, and ONE error and exit path for every command.
 
-    run(prog, define_flags, main, argv) -> exit code
+    run(prog, define_flags, main, argv, run_log=None) -> exit code
 
 parses `argv` on a fresh `flags.FlagValues` (in-process calls never collide), answers
-`--help`, and calls `main(flag_values, positional_args)`. Every jtrain error
-(`jtrain.errors.JtrainError`), and every OSError `errors.classify` names (a full disk, a
-read-only or unwritable directory), becomes its one line on stderr and its exit code; a
-bad flag is a `UsageError` (exit 2). No traceback for anything a user can cause.
+`--help`, and calls `main(flag_values, positional_args)`. A command with a config file
+flag (`--config=FILE[:variant]`, ml_collections' config_flags) gets `--config.a.b=value`
+overrides, free-form `data.kwargs` / `model.kwargs` keys, and its loading errors as one
+`config error` line. Every jtrain error (`jtrain.errors.JtrainError`), every OSError
+`errors.classify` names (a full disk, a read-only or unwritable directory) and, in a
+multi-process run, a failed collective (a peer error) becomes its one line on stderr and
+its exit code; a bad flag is a `UsageError` (exit 2). Anything else is a bug: its
+traceback, then `jtrain: internal error: ...`, exit 1. `run_log(fv) -> (workdir,
+verbosity) | None` (the train command): library logs go to WORKDIR/train.log (below
+verbosity 2), and so does the traceback behind an error line. How a command ends (its
+peers told, a multi-process run leaving at once) is jtrain.exits.
 """
 
 from __future__ import annotations
@@ -22,15 +30,7 @@ from collections.abc import Callable
 
 from absl import flags
 
-from jtrain import errors
-
-
-def mark_absl_parsed() -> None:
-    """grain (and orbax) read absl's global flags; outside `absl.app.run` nobody parsed
-    them, and reading one raises UnparsedFlagAccessError (see PITFALLS). The one place
-    jtrain's entry points mark them parsed."""
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
+from jtrain import boot, errors, exits
 
 
 def wants_help(argv) -> bool:
@@ -51,34 +51,83 @@ def print_help(prog: str, fv: flags.FlagValues, description: str = ""):
 def parse(prog: str, define_flags: Callable, argv, description: str = ""
           ) -> tuple[flags.FlagValues, list[str]]:
     """(flag values, positional args); `--help` prints the flags and exits 0; a bad
-    flag raises UsageError."""
+    flag raises UsageError, a bad config file or override ConfigError."""
     fv = flags.FlagValues()
     define_flags(fv)
+    return fv, parse_into(fv, prog, argv, description)
+
+
+def parse_into(fv: flags.FlagValues, prog: str, argv, description: str = "") -> list[str]:
+    """`parse` on flags already defined in `fv`; returns the positional args. With a
+    `--config` file flag, define it with `sys_argv=[prog, *split_free_form(argv)[0]]`:
+    config_flags reads the overrides from there."""
+    from absl import logging as absl_logging
+
     argv = list(argv)
     if wants_help(argv):
         print_help(prog, fv, description)
+    if "config" not in fv:  # no config file: absl's errors are the only ones
+        try:
+            return fv([prog, *argv])[1:]
+        except flags.Error as e:
+            key, why = describe_flag_error(e, argv)
+            raise errors.UsageError(key, why) from None
+    # config_flags loads every file as module "config_config" and reuses a loaded one:
+    # a file without get_config() would borrow the previous file's (in-process runs)...
+    sys.modules.pop("config_config", None)
+
+    def quiet(record):  # ...and logs a warning for get_config() -> None (our one line)
+        return "get_config() returned None" not in record.getMessage()
+
+    absl_logging.get_absl_logger().addFilter(quiet)
+    argv, free_form = split_free_form(argv)
     try:
-        rest = fv([prog, *argv])
-    except flags.Error as e:
-        raise errors.UsageError(*describe_flag_error(e, argv)) from None
-    return fv, rest[1:]
+        rest = fv([prog, *argv])[1:]
+        if fv["config"].present:
+            config = fv.config
+            # config_flags defers a missing or unreadable file until the config is touched.
+            getattr(config, "lock", None)
+            if not isinstance(config, dict) and not hasattr(config, "to_dict"):
+                raise TypeError(f"get_config() returned {type(config).__name__}, "
+                                "expected a ConfigDict")
+            apply_free_form(config, free_form)
+        elif free_form:
+            raise errors.ConfigError(free_form[0][0], "override given without --config")
+        return rest
+    except errors.JtrainError:
+        raise
+    except SystemExit as e:  # get_config() called sys.exit: it is the file's error
+        raise errors.ConfigError(config_file(argv), "get_config() called sys.exit("
+                                 f"{e.code!r}) while the config was loading") from None
+    except Exception as e:  # noqa: BLE001 - flags.Error, and what config_flags raises loading
+        key, why = describe_flag_error(e, argv)
+        if key.startswith("--") and not key.startswith("--config"):  # not a config key
+            raise errors.UsageError(key, why) from None
+        raise errors.ConfigError(key, why) from None
+    finally:
+        absl_logging.get_absl_logger().removeFilter(quiet)
 
 
 def run(prog: str, define_flags: Callable, main: Callable, argv=None,
-        description: str = "") -> int:
-    """Parse, run `main(fv, args)`, and turn jtrain errors into one line + exit code."""
+        description: str = "", run_log: Callable | None = None) -> int:
+    """Parse, run `main(fv, args)`; every failure is one line and an exit code."""
     argv = sys.argv[1:] if argv is None else argv
+    workdir, undo = "", None
     try:
         fv, args = parse(prog, define_flags, argv, description)
-        mark_absl_parsed()
-        return int(main(fv, args) or 0)
-    except Exception as e:  # noqa: BLE001 - jtrain's errors, and OSErrors it can name
-        known = errors.classify(e)  # a full disk, a read-only or unwritable directory
-        if not isinstance(known, errors.JtrainError):
-            raise  # a bug: its traceback
-        sys.stderr.write(errors.render(known) + "\n")
-        sys.stderr.flush()
-        return errors.exit_code(known)
+        boot.mark_absl_parsed()
+        target = run_log(fv) if run_log is not None else None
+        if target is not None:
+            from jtrain.observe import liblogs
+
+            workdir, undo = target[0], liblogs.to_train_log(*target)
+        code = int(main(fv, args) or 0)
+    except Exception as e:  # noqa: BLE001 - every failure is one line (jtrain.errors)
+        return exits.fail(e, workdir)
+    finally:
+        if undo is not None:
+            undo()
+    return exits.done(code)
 
 
 # -- config-file flags -----------------------------------------------------------------

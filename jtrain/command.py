@@ -7,7 +7,8 @@
     jtrain bench    overhead | data | checkpoint                    (= python -m jtrain.bench)
 
 Each subcommand runs its module's entry point with the rest of the command line, so the
-flags, exit codes and one-line errors are the module's own (jtrain.errors). The same
+start-up (jtrain.boot), flags, exit codes and one-line errors are the module's own
+(jtrain.cli, jtrain.errors). The same
 names mean the same things everywhere: `--workdir` is the run's directory in every
 command. Logs and errors go to stderr; results (the final line, JSON) to stdout.
 """
@@ -23,7 +24,7 @@ from jtrain import errors
 COMMANDS = {
     "train": ("jtrain.main", "train (or resume) a run: --config=FILE --workdir=DIR"),
     "evaluate": ("jtrain.evaluate", "evaluate a checkpoint: --workdir=DIR [--step=N|best]"),
-    "export": ("jtrain.checkpoint.export", "export parameters (safetensors): --workdir=DIR "
+    "export": ("jtrain.export", "export parameters (safetensors): --workdir=DIR "
                                            "--out=DIR"),
     "tune": ("jtrain.tune", "hyperparameter search over runs: --config=FILE --workdir=DIR"),
     "bench": ("jtrain.bench.cli", "benchmarks: overhead, data, checkpoint"),
@@ -71,5 +72,15 @@ def main(argv=None) -> int:
 
 
 def run() -> None:
-    """The console script."""
-    sys.exit(main())
+    """The console script: process start-up first, as `python -m` does for the same
+    command (jtrain.boot), and a finished `jtrain train` leaves by the same fast exit."""
+    from jtrain import boot
+
+    name = sys.argv[1] if len(sys.argv) > 1 else ""
+    boot.start(name)
+    code = main()
+    if name == "train":
+        from jtrain import exits
+
+        exits.exit_now(code)
+    sys.exit(code)

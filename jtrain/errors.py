@@ -11,7 +11,7 @@ the key reads `e.key`; no one parses an error's text.
 from the classes below (`python -m jtrain.exit_codes --markdown`). Entry points print
 `render(e)` on stderr and exit with `exit_code(e)`; no traceback for any of these.
 `classify(e)` turns what libraries raise (OSError, orbax's wrapped I/O errors) into the
-error that says what to change. Every rendered line passes through the redactor.
+error that says what to change. Every rendered line passes through the redactor (jtrain.redact).
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def render(e: BaseException, kind: str | None = None) -> str:
     """`jtrain: <kind> error: <key>: <why>` (a jtrain error, from its fields) or
     `jtrain: <kind> error: <first line>` (any other exception): what a person sees,
     secrets masked."""
-    from jtrain.observe.redact import redact_text
+    from jtrain.redact import redact_text
 
     if isinstance(e, JtrainError):
         said = message(e.key, e.why).strip()

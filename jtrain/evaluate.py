@@ -14,7 +14,12 @@ checkpoint retention uses: jtrain.checkpoint.policy.best_steps).
 
 from __future__ import annotations
 
-import json
+if __name__ == "__main__":  # process start-up before JAX is imported (jtrain.boot)
+    from jtrain import boot
+
+    boot.start("evaluate")
+
+import json  # noqa: E402
 import math
 import os
 import sys

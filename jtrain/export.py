@@ -1,8 +1,73 @@
-"""`python -m jtrain.export WORKDIR --out=DIR`: the command lives in jtrain.checkpoint.export."""
+"""`python -m jtrain.export --workdir=WORKDIR --out=DIR [--step=N|latest|best]
+[--dtype=bfloat16] [--merge_lora]` (or WORKDIR as the one positional argument): the
+export command; what it writes is jtrain.checkpoint.export's."""
 
-import sys
+from __future__ import annotations
 
-from jtrain.checkpoint.export import main
+if __name__ == "__main__":  # process start-up before the command's imports (jtrain.boot)
+    from jtrain import boot
+
+    boot.start("export")
+
+import os  # noqa: E402
+import sys  # noqa: E402
+
+from absl import flags  # noqa: E402
+
+from jtrain import cli  # noqa: E402
+from jtrain.checkpoint import export as export_lib  # noqa: E402
+from jtrain.errors import ExportError, UsageError, classify, first_line  # noqa: E402
+
+
+def _define_flags(fv) -> None:
+    flags.DEFINE_string("workdir", None, "The run to export: its workdir, its checkpoints/ "
+                        "dir, or a step dir (the positional WORKDIR works too).",
+                        flag_values=fv)
+    flags.DEFINE_string("step", None, "Checkpoint step: N, latest (default: the newest "
+                        "intact step) or best (by checkpoint.monitor in metrics.jsonl).",
+                        flag_values=fv)
+    flags.DEFINE_string("out", None, "Output directory (required).", flag_values=fv)
+    flags.DEFINE_enum("dtype", None, ["bfloat16", "float16", "float32"],
+                      "Cast floating parameters (default: keep the saved dtype).",
+                      flag_values=fv)
+    flags.DEFINE_bool("merge_lora", False, "Fold LoRA adapters into their weights "
+                      "(W + alpha/rank * A @ B): the export loads into the plain model.",
+                      flag_values=fv)
+
+
+def _main(fv, args) -> int:
+    if fv.workdir and args and args != [fv.workdir]:
+        raise UsageError(f"--workdir={fv.workdir} and the positional {' '.join(args)}: give "
+                         "the run once")
+    args = args or ([fv.workdir] if fv.workdir else [])
+    if len(args) != 1:
+        raise UsageError("--workdir: required (a run's workdir, its checkpoints/ dir, or a "
+                         f"step dir), got {len(args)} arguments")
+    if not fv.out:
+        raise UsageError("--out: required (the export directory)")
+    try:
+        record = export_lib.export(args[0], fv.out, step=fv.step, dtype=fv.dtype,
+                                   merge_lora=fv.merge_lora)
+    except OSError as e:
+        known = classify(e, fv.out, flag="--out")  # --out on a full or read-only disk
+        if known is not e:
+            raise known from None
+        raise ExportError(f"{args[0]}: {e.strerror or first_line(e)}") from None
+    merged = record.get("merged_lora")
+    print(f"jtrain: exported step {record['step']}: {record['num_params']:,} params in "
+          f"{record['num_tensors']} tensors ({record['dtype']}) to "
+          f"{os.path.join(fv.out, export_lib.PARAMS_FILE)}"
+          + (f"; LoRA merged into {merged['merged']} weights (rank {merged['rank']}, alpha "
+             f"{merged['alpha']:g})" if merged else ""))
+    return 0
+
+
+def main(argv=None) -> int:
+    """`python -m jtrain.export --workdir=WORKDIR --out=DIR [--step=N|latest|best]
+    [--dtype=bfloat16] [--merge_lora]` (or WORKDIR as the one positional argument)."""
+    return cli.run("python -m jtrain.export", _define_flags, _main, argv,
+                   description="Export a checkpoint's parameters (safetensors).")
+
 
 if __name__ == "__main__":
     sys.exit(main())

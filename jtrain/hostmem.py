@@ -14,11 +14,11 @@ glibc >= 2.35 has the tunable `glibc.malloc.hugetlb=1`: malloc then asks for tra
 huge pages (`madvise(MADV_HUGEPAGE)`) on what it maps, and the same 344 MB arrive in
 2 MiB pages: 630 faults per step instead of 84 k, ~8 % less CPU time per step, the same
 peak RSS. Tunables are read once when the process starts, so jtrain's own entry points
-(`python -m jtrain.main`, `python -m jtrain.bench ...`) re-execute themselves once with it
-added to `GLIBC_TUNABLES` before anything heavy is imported (`maybe_reexec`, called by
-`jtrain/__init__.py`). A script that calls `jtrain.train()` can get the same by starting
-Python with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, or by calling `maybe_reexec()` as its
-first line. `JTRAIN_HUGETLB=0` turns the re-exec off.
+(`python -m jtrain.main|evaluate|export|tune|bench`, the `jtrain` command) re-execute
+themselves once with it added to `GLIBC_TUNABLES` before anything heavy is imported
+(`maybe_reexec`, called by `jtrain.boot.start`). A script that calls `jtrain.train()`
+can get the same by starting Python with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, or by
+calling `maybe_reexec()` as its first line. `JTRAIN_HUGETLB=0` turns the re-exec off.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def maybe_reexec() -> None:
     sys.stderr.flush()
     # exec resets handlers but keeps the signal mask and pending signals: a SIGTERM /
     # SIGINT that comes while the new image starts waits until `release_signals()`,
-    # after jtrain/__init__.py has installed its start-up handlers.
+    # after jtrain.boot has installed its start-up handlers.
     old = signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
     try:
         os.execve(sys.executable, [sys.executable] + list(argv[1:]), env)

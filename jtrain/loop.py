@@ -122,17 +122,17 @@ def run_loop(cfg, run: Run):
                       stopped_by=session.stopped_by, monitors=run.decisions.state(),
                       skip_ledger=list(run.decisions.ledger.entries))  # a snapshot: saves are async
         session.saved = step
-        multihost.monitor.note_checkpoint(step)  # for a failed peer's line
+        multihost.heartbeat.note_checkpoint(step)  # for a failed peer's line
 
     if run.stopper.signal_name is not None:  # a signal during start-up: nothing new to save
         session.stopped_by = run.stopper.signal_name
     step = start
-    multihost.monitor.note_step(start)
-    multihost.monitor.note_checkpoint(run.ckpt.latest_step())
+    multihost.heartbeat.note_step(start)
+    multihost.heartbeat.note_checkpoint(run.ckpt.latest_step())
     debug_every = cfg.distributed.debug_every_steps
     debug_hash = config_lib.config_hash(cfg) if debug_every else ""  # the config is fixed
     for step in range(start + 1, total + 1 if not session.stopped_by else start + 1):
-        multihost.monitor.note_step(step)
+        multihost.heartbeat.note_step(step)
         if debug_every and step % debug_every == 0:  # --debug_multihost
             multihost.preflight.check_step(step, cfg, debug_hash)
         run.out.profiler.before_step(step)

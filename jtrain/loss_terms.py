@@ -77,7 +77,7 @@ def from_config(loss_cfg) -> tuple[Callable | None, bool]:
     if loss_cfg.fn and terms:
         raise ConfigError("loss.fn", "set loss.fn or loss.terms, not both")
     if loss_cfg.fn:
-        from jtrain.data.load import load_named
+        from jtrain.config.named import load_named
 
         return load_named(loss_cfg.fn, "loss.fn", ConfigError), False
     if not terms:
@@ -100,7 +100,7 @@ def _parse(name: str, spec) -> dict:
     if fn_name in TERM_FNS:
         fn = TERM_FNS[fn_name]
     elif ":" in fn_name:
-        from jtrain.data.load import load_named
+        from jtrain.config.named import load_named
 
         fn = load_named(fn_name, f"{key}.fn", ConfigError)
     else:

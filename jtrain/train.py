@@ -37,7 +37,7 @@ from jtrain import state as state_lib
 from jtrain.observe import compiles as compiles_lib, outputs as outputs_lib
 from jtrain.observe import startup as startup_lib
 from jtrain.errors import NonFiniteError, RestoreError, WorkdirError
-from jtrain.observe.redact import redact
+from jtrain.redact import redact
 from jtrain.build import (LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, Build, build,  # noqa: F401
                           check_run, model_sample)
 
@@ -82,10 +82,12 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
                            f"allow_changes={list(keys)!r}), or use a new workdir") from None
 
 
-def run_from_cli(config, workdir: str) -> TrainResult:
-    """`train` for `python -m jtrain.main` (the config as flags and the config file give
-    it, resolved here, once): its messages name command-line flags."""
-    return _train(config, workdir, _Given(), None, ())
+def run_from_cli(config, workdir: str, *, resolved=None) -> TrainResult:
+    """`train` for `python -m jtrain.main`: its messages name command-line flags.
+    `resolved`: `(cfg, notices)` from `config.resolve_for_run(config)`, when the command
+    resolved the config already (to report a bad key before waiting for its peers); the
+    run then uses that object instead of resolving again."""
+    return _train(config, workdir, _Given(), None, (), resolved=resolved)
 
 
 @dataclasses.dataclass
@@ -97,7 +99,8 @@ class _Given:
     loss_fn: Callable | None = None
 
 
-def _train(config, workdir, given: _Given, on_eval, allow_changes) -> TrainResult:
+def _train(config, workdir, given: _Given, on_eval, allow_changes, *,
+           resolved=None) -> TrainResult:
     """The run: resolve once, data, build, restore, loop, summary."""
     if workdir is None:
         raise ValueError("workdir: required (the run's identity: checkpoints, logs, summary)")
@@ -108,8 +111,7 @@ def _train(config, workdir, given: _Given, on_eval, allow_changes) -> TrainResul
     # data.* inside that resolution (run.json records them as decided).
     user_data = data_lib.UserData(given.train_data, given.eval_data, processes=_processes)
     with startup.phase("data"):
-        cfg, notices = config_lib.resolve_for_run(config, allow_changes,
-                                                  data_settings=user_data.settings)
+        cfg, notices = _resolve_once(config, allow_changes, user_data, resolved)
     redact(cfg)  # its secrets are known to the redactor before any line can echo them
     determinism = precision_lib.set_deterministic(cfg.deterministic)
     # Before this run's first compile (JAX decides at a compile whether the cache is used).
@@ -157,6 +159,20 @@ def _train(config, workdir, given: _Given, on_eval, allow_changes) -> TrainResul
             for line in notices:  # after the header: e.g. a warmup shortened for a short run
                 out.progress.message(f"jtrain: note: {line}")
             return _loop_and_summary(cfg, run)
+
+
+def _resolve_once(config, allow_changes, user_data, resolved):
+    """(cfg, notices): the config resolved, with a DataLoader's settings in it. Given the
+    command's resolution, that object is the run's; only a data.source factory that
+    returns a torch DataLoader adds its settings to it (a second resolution, on top)."""
+    if resolved is None:
+        return config_lib.resolve_for_run(config, allow_changes,
+                                          data_settings=user_data.settings)
+    cfg, notices = resolved
+    overrides = user_data.settings(cfg.data)
+    if overrides:
+        cfg = config_lib.resolve(cfg, data_settings=lambda _: overrides)
+    return cfg, notices
 
 
 @contextlib.contextmanager

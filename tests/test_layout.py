@@ -158,3 +158,77 @@ def test_tests_need_no_convenience_a_user_lacks():
             found += [f"{path.relative_to(tests)}:{n}: {why}" for word, why in banned.items()
                       if word in line]
     assert not found, "\n".join(found)
+
+
+# Floors, lowest first: a module imports only its own floor or lower ones. The longest
+# matching prefix names a module's floor; the package root `jtrain` itself (its lazy
+# public names) is an entry point. Both names of the eval loop and of the early-stopping
+# monitors are listed, so the table holds across their renames.
+FLOORS = {
+    0: ("jtrain.boot", "jtrain.errors", "jtrain.redact", "jtrain.hostmem"),
+    1: ("jtrain.config", "jtrain.step", "jtrain.state", "jtrain.optim", "jtrain.precision",
+        "jtrain.mesh", "jtrain.losses", "jtrain.loss_terms", "jtrain.metrics"),
+    2: ("jtrain.multihost",),
+    3: ("jtrain.data", "jtrain.models", "jtrain.control", "jtrain.checkpoint",
+        "jtrain.observe", "jtrain.recipes"),
+    4: ("jtrain.train", "jtrain.build", "jtrain.loop", "jtrain.summary", "jtrain.eval_loop",
+        "jtrain.evaluator", "jtrain.model_checks", "jtrain.preflight"),
+    5: ("jtrain", "jtrain.main", "jtrain.cli", "jtrain.exits", "jtrain.command",
+        "jtrain.train_command", "jtrain.evaluate", "jtrain.export", "jtrain.dry_run",
+        "jtrain.tune", "jtrain.bench"),
+}
+# (importer, imported) pairs allowed to go up, each with why.
+UPWARD_EXCEPTIONS: set[tuple[str, str]] = set()
+
+
+def floor(module: str) -> int:
+    prefixes = {p: f for f, names in FLOORS.items() for p in names}
+    best = max((p for p in prefixes if module == p or module.startswith(p + ".")), key=len)
+    return prefixes[best]
+
+
+def layered_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """import_graph plus the edges to the package root itself (`import jtrain`, `from
+    jtrain import X` with X not a module), which import_graph leaves out."""
+    graph = import_graph(modules)
+    for name, path in modules.items():
+        if name == "jtrain":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "jtrain":
+                if any(f"jtrain.{a.name}" not in modules for a in node.names):
+                    graph[name].add("jtrain")
+            elif isinstance(node, ast.Import) and any(a.name == "jtrain" for a in node.names):
+                graph[name].add("jtrain")
+    return graph
+
+
+def upward_edges(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((a, d) for a, deps in graph.items() for d in deps
+                  if floor(d) > floor(a) and (a, d) not in UPWARD_EXCEPTIONS)
+
+
+def test_floor_table_and_checker():
+    assert floor("jtrain") == 5 and floor("jtrain.tune.trial") == 5
+    assert floor("jtrain.redact") == 0 and floor("jtrain.control.monitors") == 3
+    assert floor("jtrain.multihost.heartbeat") == 2 and floor("jtrain.evaluator") == 4
+    planted = {"jtrain.errors": {"jtrain.cli"}, "jtrain.cli": {"jtrain.errors"},
+               "jtrain.data.load": {"jtrain"}}
+    assert upward_edges(planted) == [("jtrain.data.load", "jtrain"),
+                                     ("jtrain.errors", "jtrain.cli")]
+    graph = layered_graph(_modules())
+    signals = graph["jtrain.control.signals"]  # `from jtrain import boot`: a module
+    assert "jtrain.boot" in signals and "jtrain" not in signals
+    assert "jtrain" in graph["jtrain.tune.trial"]  # `import jtrain`: the root
+
+
+def test_no_module_imports_a_higher_floor():
+    """Entry points on top, then the run's wiring, subsystems, multihost, the core, the
+    ground floor (process start-up, errors, redaction); no import goes up, and no module
+    below the entry points imports the package root."""
+    modules = _modules()
+    graph = layered_graph(modules)
+    up = upward_edges(graph)
+    assert not up, "imports of a higher floor: " + "; ".join(f"{a} -> {d}" for a, d in up)
+    stale = [e for e in UPWARD_EXCEPTIONS if e[1] not in graph.get(e[0], ())]
+    assert not stale, f"exceptions no longer needed, remove them: {stale}"

@@ -135,3 +135,36 @@ def test_a_memory_plan_s_grad_accum_steps_is_recorded(tmp_path):
     assert result["summary"]["optim.grad_accum_steps"] == used
     assert (f"{result['expected']} microbatch(es) per update (the memory plan; "
             "optim.grad_accum_steps=1)") in result["log"]
+
+
+def test_the_command_line_resolves_the_config_once(tmp_path):
+    """`python -m jtrain.main` resolves before it waits for peers and hands that object
+    to the run: one resolution per process, as from Python."""
+    (tmp_path / "cfg.py").write_text(textwrap.dedent("""
+        def get_config():
+            return {"model": {"name": "mlp", "hidden": (8,), "num_outputs": 3},
+                    "data": {"source": "blobs:make", "batch_size": 16},
+                    "total_steps": 2, "eval": {"every_steps": 0}}
+    """))
+    (tmp_path / "blobs.py").write_text(textwrap.dedent(MODEL) + textwrap.dedent("""
+        def make():
+            return data
+    """))
+    (tmp_path / "counted_main.py").write_text(textwrap.dedent("""
+        import sys
+        import jtrain.config as config_lib
+
+        resolve = config_lib.resolve
+
+        def counted(*args, **kwargs):
+            sys.stderr.write("RESOLVED\\n")
+            return resolve(*args, **kwargs)
+
+        config_lib.resolve = counted
+        from jtrain import main
+        main.run()
+    """))
+    proc = run_python(tmp_path, "counted_main.py", "--config=cfg.py", "--workdir=run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("RESOLVED") == 1, proc.stderr[-3000:]
+    assert json.load(open(tmp_path / "run" / "config.json"))["total_steps"] == 2

@@ -1,7 +1,11 @@
 """`python -m jtrain.bench NAME`: see jtrain.bench.cli."""
 
-import sys
+from jtrain import boot
 
-from jtrain.bench.cli import main
+boot.start("bench")  # before the command's imports (jtrain.boot)
+
+import sys  # noqa: E402
+
+from jtrain.bench.cli import main  # noqa: E402
 
 sys.exit(main())

@@ -1,5 +1,6 @@
-"""Export a checkpoint's parameters: `python -m jtrain.export --workdir=WORKDIR --out=DIR`
-(`jtrain export ...`; WORKDIR may also be given as the one positional argument).
+"""Export a checkpoint's parameters: `export(workdir, out, ...)`; the command is
+`python -m jtrain.export --workdir=WORKDIR --out=DIR` (jtrain.export; `jtrain export ...`;
+WORKDIR may also be given as the one positional argument).
 
     python -m jtrain.export --workdir=runs/base --out=exports/base    # newest intact step
     python -m jtrain.export --workdir=runs/base --step=1000 --out=exports/b16 --dtype=bfloat16
@@ -31,11 +32,8 @@ import struct
 
 import numpy as np
 
-from absl import flags
-
-from jtrain import cli
 from jtrain.checkpoint import integrity, policy
-from jtrain.errors import ExportError, UsageError, classify, first_line
+from jtrain.errors import ExportError, UsageError
 
 PARAMS_FILE = "params.safetensors"
 INFO_FILE = "export.json"
@@ -253,53 +251,3 @@ def _merge_lora(leaves: dict, config: dict, workdir: str) -> dict:
     leaves.clear()
     leaves.update(merged)
     return {"rank": rank, "alpha": alpha, "merged": len(names)}
-
-
-def _define_flags(fv) -> None:
-    flags.DEFINE_string("workdir", None, "The run to export: its workdir, its checkpoints/ "
-                        "dir, or a step dir (the positional WORKDIR works too).",
-                        flag_values=fv)
-    flags.DEFINE_string("step", None, "Checkpoint step: N, latest (default: the newest "
-                        "intact step) or best (by checkpoint.monitor in metrics.jsonl).",
-                        flag_values=fv)
-    flags.DEFINE_string("out", None, "Output directory (required).", flag_values=fv)
-    flags.DEFINE_enum("dtype", None, ["bfloat16", "float16", "float32"],
-                      "Cast floating parameters (default: keep the saved dtype).",
-                      flag_values=fv)
-    flags.DEFINE_bool("merge_lora", False, "Fold LoRA adapters into their weights "
-                      "(W + alpha/rank * A @ B): the export loads into the plain model.",
-                      flag_values=fv)
-
-
-def _main(fv, args) -> int:
-    if fv.workdir and args and args != [fv.workdir]:
-        raise UsageError(f"--workdir={fv.workdir} and the positional {' '.join(args)}: give "
-                         "the run once")
-    args = args or ([fv.workdir] if fv.workdir else [])
-    if len(args) != 1:
-        raise UsageError("--workdir: required (a run's workdir, its checkpoints/ dir, or a "
-                         f"step dir), got {len(args)} arguments")
-    if not fv.out:
-        raise UsageError("--out: required (the export directory)")
-    try:
-        record = export(args[0], fv.out, step=fv.step, dtype=fv.dtype,
-                        merge_lora=fv.merge_lora)
-    except OSError as e:
-        known = classify(e, fv.out, flag="--out")  # --out on a full or read-only disk
-        if known is not e:
-            raise known from None
-        raise ExportError(f"{args[0]}: {e.strerror or first_line(e)}") from None
-    merged = record.get("merged_lora")
-    print(f"jtrain: exported step {record['step']}: {record['num_params']:,} params in "
-          f"{record['num_tensors']} tensors ({record['dtype']}) to "
-          f"{os.path.join(fv.out, PARAMS_FILE)}"
-          + (f"; LoRA merged into {merged['merged']} weights (rank {merged['rank']}, alpha "
-             f"{merged['alpha']:g})" if merged else ""))
-    return 0
-
-
-def main(argv=None) -> int:
-    """`python -m jtrain.export --workdir=WORKDIR --out=DIR [--step=N|latest|best]
-    [--dtype=bfloat16] [--merge_lora]` (or WORKDIR as the one positional argument)."""
-    return cli.run("python -m jtrain.export", _define_flags, _main, argv,
-                   description="Export a checkpoint's parameters (safetensors).")

@@ -19,6 +19,8 @@ partial dict; `resolve` fills in the defaults and returns a new validated Config
     space    `tune.space` (the keys a hyperparameter search samples): nesting and checks
     sections one section alone, for the public pieces (`jtrain.make_optimizer({"lr":
              0.1}, 10)`): defaults filled in, the section's own rules checked
+    rules    the rules of single sections (mesh, optim, early_stop, checkpoint)
+    named    `load_named("pkg.mod:fn", key)`: the object a config key names
 """
 
 from __future__ import annotations

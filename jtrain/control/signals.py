@@ -51,10 +51,11 @@ class Stopper:
             sigs = (signal.SIGINT,) if self._multi else (signal.SIGTERM, signal.SIGINT)
             for sig in sigs:
                 self._previous[sig] = signal.signal(sig, self._handle)
-        import jtrain
+        from jtrain import boot
 
-        if jtrain._EARLY_SIGNALS:  # arrived during the CLI's start-up (jtrain/__init__.py)
-            self._announce(jtrain._EARLY_SIGNALS.pop(), during="start-up")
+        early = boot.take_early_signal()  # arrived during the CLI's start-up (jtrain.boot)
+        if early:
+            self._announce(early, during="start-up")
         return self
 
     def __exit__(self, *exc):

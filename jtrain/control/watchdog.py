@@ -135,7 +135,7 @@ class Watchdog:
             except OSError as e:
                 os.write(2, f"jtrain: could not write the stacks to {self.log_path}: "
                             f"{e}\n".encode())
-        from jtrain.multihost import monitor
+        from jtrain.multihost import heartbeat
 
-        monitor.announce(EXIT_CODE)  # peers name this process and its status at once
+        heartbeat.announce(EXIT_CODE)  # peers name this process and its status at once
         os._exit(EXIT_CODE)

@@ -13,7 +13,6 @@ above, or {"train": ..., "eval": ...}.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any, Callable
 
 import grain
@@ -24,27 +23,7 @@ from jtrain.data.dataset import Data, LoaderData, MapData, StreamData
 from jtrain.data.items import DataError, first_line
 from jtrain.data.sources import ArraySource, MapSource, WithTransform, call_item, is_array_tree
 from jtrain.data.streams import IterableStream
-
-
-def load_named(path: str, key: str, error: type = DataError):
-    """The object at "package.module:attribute"; otherwise `error(key, why)`: a DataError
-    for data.* keys, ConfigError for the others (loss.fn, model.factory)."""
-    if not isinstance(path, str) or ":" not in path or path.startswith(":"):
-        raise error(key, f"expected 'package.module:function', got {path!r}")
-    module_name, attr = path.split(":", 1)
-    try:
-        obj = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        raise error(key, f"cannot import {module_name!r} ({e}); is it on PYTHONPATH?") \
-            from None
-    except Exception as e:
-        raise error(key, f"importing {module_name!r} raised {type(e).__name__}: "
-                         f"{first_line(e)}") from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise error(key, f"{module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
+from jtrain.config.named import load_named  # noqa: F401  (data.load_named)
 
 
 def from_factory(data_cfg) -> tuple[Any, Any]:

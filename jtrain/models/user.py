@@ -17,7 +17,7 @@ from jtrain.errors import ConfigError
 
 
 def build(model_cfg, *, dtype, param_dtype):
-    from jtrain.data.load import load_named
+    from jtrain.config.named import load_named
 
     factory = load_named(model_cfg.factory, "model.factory", ConfigError)
     kwargs = dict(model_cfg.kwargs)

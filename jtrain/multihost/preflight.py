@@ -7,6 +7,8 @@ version on every process, and no loopback coordinator when the processes are on
 several hosts (the remote ones would dial themselves). `check_step(step, cfg)`
 (`--debug_multihost`): every `distributed.debug_every_steps` steps all processes must
 be at that step with the same config hash. A mismatch: one line, exit 5 (PeerError).
+`forget()` after a run removes this process's reports, so the next run in the same
+processes (the tune worker's next trial) cannot read the previous run's.
 """
 
 from __future__ import annotations
@@ -48,17 +50,26 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _version() -> str:
+    """jtrain's installed version (as control.record reads it; not the package root,
+    which this floor does not import)."""
+    import importlib.metadata as md
+
+    try:
+        return md.version("jtrain")
+    except md.PackageNotFoundError:  # run from a source tree without an install
+        return "unknown"
+
+
 def run(cfg, config_hash: str) -> None:
     import jax
-
-    import jtrain
 
     client = _client()
     if jax.process_count() <= 1 or client is None:
         return
     me, n = jax.process_index(), jax.process_count()
     mine = {"config_hash": config_hash, "local_devices": jax.local_device_count(),
-            "jtrain_version": jtrain.__version__, "host": socket.gethostname()}
+            "jtrain_version": _version(), "host": socket.gethostname()}
     reports = {pid: json.loads(v) for pid, v in _exchange(
         client, PREFLIGHT, me, n, json.dumps(mine), cfg.distributed.heartbeat_timeout_s,
         "preflight").items()}
@@ -93,3 +104,18 @@ def check_step(step: int, cfg, config_hash: str) -> None:
         if value != config_hash:
             raise PeerError(f"--debug_multihost at step {step}: process {pid} has config "
                             f"hash {value[:12]}, process {me} has {config_hash[:12]}")
+
+
+def forget() -> None:
+    """Removes this process's reports (start-up and --debug_multihost steps). Call it
+    once the run is over on every process (each has read the others' reports)."""
+    import jax
+
+    client = _client()
+    if client is None or jax.process_count() <= 1:
+        return
+    me = jax.process_index()
+    mine = [f"{PREFLIGHT}{me}"] + [key for key, _ in client.key_value_dir_get(STEP)
+                                   if key.rsplit("/", 1)[-1] == str(me)]
+    for key in mine:
+        client.key_value_delete(key)

@@ -23,12 +23,12 @@ RETRY_S = 0.25  # between attempts to reach the coordinator
 
 
 def _interrupted() -> None:
-    """A SIGTERM / SIGINT while waiting for peers (recorded by jtrain/__init__.py for the
-    CLI): stop here, exit 0, as for any signal during start-up (nothing to save)."""
-    import jtrain
+    """A SIGTERM / SIGINT while waiting for peers (recorded by jtrain.boot for the CLI):
+    stop here, exit 0, as for any signal during start-up (nothing to save)."""
+    from jtrain import boot
 
-    if jtrain._EARLY_SIGNALS:
-        name = jtrain._EARLY_SIGNALS[0]
+    name = boot.early_signal()
+    if name:
         sys.stderr.write(f"jtrain: {name} received during start-up (waiting for the other "
                          "processes): stopping, nothing to save\n")
         raise SystemExit(0)

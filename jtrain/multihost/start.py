@@ -8,14 +8,14 @@
    does not come within `distributed.init_timeout_s` -> one line, exit 5.
 3. `jax.distributed.initialize` with that init timeout, and JAX's heartbeat timeout at
    twice `distributed.heartbeat_timeout_s` plus a margin, so that jtrain's own peer
-   monitor (monitor.py, at heartbeat_timeout_s) reports a dead peer before JAX aborts.
+   monitor (heartbeat.py, at heartbeat_timeout_s) reports a dead peer before JAX aborts.
 """
 
 from __future__ import annotations
 
 from jtrain.config.schema import SCHEMA
 from jtrain.errors import ConfigError, UsageError
-from jtrain.multihost import monitor, rollcall
+from jtrain.multihost import heartbeat, rollcall
 
 JAX_HEARTBEAT_MARGIN_S = 10
 
@@ -60,7 +60,7 @@ def _detect(init_timeout: float):
 
 def start(raw_config, coordinator_address, num_processes: int, process_id: int,
           auto: bool = False) -> None:
-    init_timeout, heartbeat = timeouts(raw_config)
+    init_timeout, silent_after = timeouts(raw_config)
     if auto:
         coordinator_address, num_processes, process_id = _detect(init_timeout)
     elif num_processes <= 1:
@@ -78,8 +78,8 @@ def start(raw_config, coordinator_address, num_processes: int, process_id: int,
     jax.distributed.initialize(
         coordinator_address=coordinator_address, num_processes=num_processes,
         process_id=process_id, initialization_timeout=int(init_timeout) + 1,
-        heartbeat_timeout_seconds=int(2 * heartbeat) + JAX_HEARTBEAT_MARGIN_S)
+        heartbeat_timeout_seconds=int(2 * silent_after) + JAX_HEARTBEAT_MARGIN_S)
     from jax._src import distributed
 
-    monitor.PeerMonitor(distributed.global_state.client, process_id, num_processes,
-                        heartbeat).start()
+    heartbeat.PeerMonitor(distributed.global_state.client, process_id, num_processes,
+                          silent_after).start()

@@ -1,8 +1,11 @@
 """`python -m jtrain.tune`: see jtrain.tune."""
 
-import sys
+from jtrain import boot
 
-from jtrain.tune import main
+boot.start("tune")  # before the command's imports (jtrain.boot)
 
-if __name__ == "__main__":
-    sys.exit(main())
+import sys  # noqa: E402
+
+from jtrain.tune import main  # noqa: E402
+
+sys.exit(main())

@@ -19,7 +19,6 @@ from absl import flags
 from ml_collections import config_flags
 
 from jtrain import cli
-from jtrain import errors
 from jtrain.errors import ConfigError, UsageError
 
 PROG = "python -m jtrain.tune"
@@ -52,17 +51,6 @@ def _config(fv, argv) -> dict:
         key, why = cli.describe_flag_error(e, argv)
         raise ConfigError(key, why) from None
     return config.to_dict() if hasattr(config, "to_dict") else dict(config)
-
-
-def _init_distributed(fv) -> None:
-    if fv.num_processes <= 1:
-        return
-    if not fv.coordinator_address:
-        raise ConfigError("--coordinator_address", "required when --num_processes > 1")
-    import jax
-
-    jax.distributed.initialize(coordinator_address=fv.coordinator_address,
-                               num_processes=fv.num_processes, process_id=fv.process_id)
 
 
 def _share(job):
@@ -100,10 +88,13 @@ def _main(fv, args, argv) -> int:
                          "pip install 'jtrain[tune]'") from None
     from absl import logging as absl_logging
 
+    from jtrain import boot
     from jtrain import config as config_lib
     from jtrain.config import space as space_lib
+    from jtrain.observe import startup
     from jtrain.train import check_workdir
 
+    startup.mark("imports", boot.since_start())  # flags, config file and imports
     absl_logging.set_verbosity(absl_logging.WARNING)
     cfg = config_lib.resolve(config)
     if not space_lib.flatten(cfg.tune.space):
@@ -111,7 +102,11 @@ def _main(fv, args, argv) -> int:
                           "{'optim': {'lr': ('log_uniform', 1e-4, 1e-1)}}")
     workdir = os.path.abspath(fv.workdir)
     check_workdir(workdir)
-    _init_distributed(fv)
+    # As for a run: the roll call, distributed.* timeouts, the peer heartbeat; a missing
+    # peer or a busy port is one line (jtrain.multihost.start).
+    from jtrain.multihost import start
+
+    start.start(config, fv.coordinator_address, fv.num_processes, fv.process_id)
     return Worker(cfg, workdir).run()
 
 
@@ -142,13 +137,15 @@ class Worker:
             return self._loop()
 
     def _loop(self) -> int:
-        import jtrain
+        from jtrain import boot
+        from jtrain.multihost import preflight
         from jtrain.tune import trial as trial_lib
 
         while True:
-            if jtrain._EARLY_SIGNALS:  # between trials: nothing running to save
-                self.say(f"jtrain: tune: {jtrain._EARLY_SIGNALS.pop()} received: stopped "
-                         "before the next trial; rerun the same command to continue")
+            name = boot.take_early_signal()
+            if name:  # between trials: nothing running to save
+                self.say(f"jtrain: tune: {name} received: stopped before the next trial; "
+                         "rerun the same command to continue")
                 return 0
             trial, job = self._next() if self.primary else (None, None)
             job = _share(job)
@@ -169,6 +166,9 @@ class Worker:
                 outcome = trial_lib.run(self.base, job.params,
                                         os.path.join(self.workdir, job.workdir),
                                         self.tune.monitor, report)
+            # Before the next job is shared: the next trial's start-up checks must not
+            # read this trial's reports (jtrain.multihost.preflight).
+            preflight.forget()
             if self.primary:
                 self._finish(trial, outcome)
             else:  # in this process's log: the same trial, stopped at the same step
@@ -197,19 +197,14 @@ class Worker:
         import threading
 
         import jax
-        import jtrain
+
+        from jtrain import boot
 
         if jax.process_count() > 1 or threading.current_thread() is not \
                 threading.main_thread():
             yield
             return
-
-        def early(signum, frame):
-            if not jtrain._EARLY_SIGNALS:
-                jtrain._EARLY_SIGNALS.append(signal.Signals(signum).name)
-
-        sigs = (signal.SIGTERM, signal.SIGINT)
-        previous = {sig: signal.signal(sig, early) for sig in sigs}
+        previous = boot.record_signals_until_taken_over()
         try:
             yield
         finally:
@@ -304,14 +299,6 @@ def _flat(space) -> dict:
 def main(argv=None) -> int:
     """`python -m jtrain.tune --config=FILE --workdir=DIR [--tune.storage=URL]`."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    sys.modules.pop("config_config", None)  # config_flags reuses a loaded config module
-    try:
-        return cli.run(PROG, lambda fv: _define_flags(fv, [PROG, *argv]),
-                       lambda fv, args: _main(fv, args, argv), argv,
-                       description=__doc__.split("\n\n", 1)[0])
-    except Exception as e:  # noqa: BLE001 - config_flags' override errors at parse time
-        if isinstance(e, (errors.JtrainError, SystemExit)):
-            raise
-        key, why = cli.describe_flag_error(e, argv)
-        sys.stderr.write(errors.render(ConfigError(key, why)) + "\n")
-        return 2
+    return cli.run(PROG, lambda fv: _define_flags(fv, [PROG, *cli.split_free_form(argv)[0]]),
+                   lambda fv, args: _main(fv, args, argv), argv,
+                   description=__doc__.split("\n\n", 1)[0])

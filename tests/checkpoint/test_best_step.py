@@ -16,6 +16,7 @@ from journey import run_python
 import jtrain
 from jtrain import evaluate
 from jtrain.checkpoint import export, policy
+from jtrain import export as export_command
 
 
 class Net(nn.Module):
@@ -83,7 +84,7 @@ def test_export_and_init_from_best(home, monkeypatch):
         "init_from": "runs/a", "init_from_step": "best"}}, "runs/ft", model=Net(),
         train_data=_data())
     assert res.summary["step"] == 1
-    bad = export.main(["runs/a/checkpoints/2", "--step=best", "--out=exports/x"])
+    bad = export_command.main(["runs/a/checkpoints/2", "--step=best", "--out=exports/x"])
     assert bad == 3  # a step directory has no metrics.jsonl to rank by: one line, exit 3
 
 
@@ -98,5 +99,5 @@ def test_export_best_follows_the_runs_checkpoint_mode(home, tmp_path, monkeypatc
     config["checkpoint"]["mode"] = mode
     with open("run/config.json", "w") as f:
         json.dump(config, f)
-    assert export.main(["run", "--step=best", "--out=out"]) == 0
+    assert export_command.main(["run", "--step=best", "--out=out"]) == 0
     assert json.load(open("out/export.json"))["step"] == expected

@@ -12,6 +12,7 @@ import pytest
 
 from jtrain import checkpoint
 from jtrain.checkpoint import export
+from jtrain import export as export_command
 from test_checkpoint import abstract, make_config, make_state, open_run, same
 
 
@@ -47,23 +48,23 @@ def test_safetensors_round_trip_and_plain_format(tmp_path):
 
 def test_export_cli_params_only_and_bf16(run_dir, tmp_path, capsys):
     out = tmp_path / "exp"
-    assert export.main([str(run_dir), "--step=3", f"--out={out}"]) == 0
+    assert export_command.main([str(run_dir), "--step=3", f"--out={out}"]) == 0
     tensors, _ = export.read_safetensors(str(out / export.PARAMS_FILE))
     assert sorted(tensors) == ["dense/bias", "dense/kernel"]  # params only
     np.testing.assert_array_equal(tensors["dense/kernel"], np.full((8, 16), 3.0, np.float32))
     info = json.load(open(out / export.INFO_FILE))
     assert info["step"] == 3 and info["num_params"] == 8 * 16 + 16
-    assert export.main([str(run_dir), f"--out={tmp_path / 'b16'}", "--dtype=bfloat16"]) == 0
+    assert export_command.main([str(run_dir), f"--out={tmp_path / 'b16'}", "--dtype=bfloat16"]) == 0
     t16, _ = export.read_safetensors(str(tmp_path / "b16" / export.PARAMS_FILE))
     assert t16["dense/bias"].dtype == ml_dtypes.bfloat16  # newest step: 7
     assert float(t16["dense/bias"][1]) == 7.0
-    assert export.main([str(run_dir), "--step=5", f"--out={tmp_path / 'no'}"]) == 3
+    assert export_command.main([str(run_dir), "--step=5", f"--out={tmp_path / 'no'}"]) == 3
     assert "jtrain: export error:" in capsys.readouterr().err
 
 
 def test_init_from_export_casts_and_excludes(run_dir, tmp_path, capfd):
     out = tmp_path / "exp"
-    export.main([str(run_dir), f"--out={out}", "--dtype=bfloat16"])
+    export_command.main([str(run_dir), f"--out={out}", "--dtype=bfloat16"])
     cfg = make_config(init_from=str(out), init_exclude=("bias$",))
     ck, start = open_run(tmp_path / "new", cfg)
     ck.close()

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from jtrain.errors import ConfigError, PeerError
-from jtrain.multihost import monitor, preflight, start
+from jtrain.multihost import heartbeat as monitor, preflight, start
 
 
 class Store:
