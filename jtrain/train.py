@@ -165,6 +165,8 @@ def _resolve_once(config, allow_changes, user_data, resolved):
     """(cfg, notices): the config resolved, with a DataLoader's settings in it. Given the
     command's resolution, that object is the run's; only a data.source factory that
     returns a torch DataLoader adds its settings to it (a second resolution, on top)."""
+    if isinstance(config, dict) or hasattr(config, "to_dict"):
+        redact(config)  # its secrets known before a data.source factory can echo them
     if resolved is None:
         return config_lib.resolve_for_run(config, allow_changes,
                                           data_settings=user_data.settings)
