@@ -288,6 +288,7 @@ class Checkpointer:
         """orbax's post-finalization callback (background thread, process 0): all files
         are written, the directory is not yet renamed into place: add the manifest."""
         policy.lower_writer_priority(self.cfg.writer_nice, threading.get_native_id())
+        policy.lower_writer_priority(self.cfg.writer_nice)  # pool threads the write added
         step, spec = self._inflight
         tmp = glob.glob(os.path.join(glob.escape(self.directory),
                                      f"{step}{integrity.TMP_MARK}*"))
