@@ -102,17 +102,13 @@ class _Given:
 def _train(config, workdir, given: _Given, on_eval, allow_changes, *,
            resolved=None) -> TrainResult:
     """The run: resolve once, data, build, restore, loop, summary."""
-    if workdir is None:
-        raise ValueError("workdir: required (the run's identity: checkpoints, logs, summary)")
-    check_workdir(str(workdir))
-    workdir, t_start = os.path.abspath(workdir), time.perf_counter()
+    workdir, t_start = _checked_workdir(workdir), time.perf_counter()
     startup = startup_lib.Startup(compiles_lib.Recorder())
     # Resolved once: a data.source factory runs and a torch DataLoader's settings become
     # data.* inside that resolution (run.json records them as decided).
     user_data = data_lib.UserData(given.train_data, given.eval_data, processes=_processes)
     with startup.phase("data"):
         cfg, notices = _resolve_once(config, allow_changes, user_data, resolved)
-    redact(cfg)  # its secrets are known to the redactor before any line can echo them
     determinism = precision_lib.set_deterministic(cfg.deterministic)
     # Before this run's first compile (JAX decides at a compile whether the cache is used).
     startup.cache_dir = compiles_lib.configure_cache(cfg.compile.cache_dir,
@@ -161,6 +157,13 @@ def _train(config, workdir, given: _Given, on_eval, allow_changes, *,
             return _loop_and_summary(cfg, run)
 
 
+def _checked_workdir(workdir) -> str:
+    if workdir is None:
+        raise ValueError("workdir: required (the run's identity: checkpoints, logs, summary)")
+    check_workdir(str(workdir))
+    return os.path.abspath(workdir)
+
+
 def _resolve_once(config, allow_changes, user_data, resolved):
     """(cfg, notices): the config resolved, with a DataLoader's settings in it. Given the
     command's resolution, that object is the run's; only a data.source factory that
@@ -168,12 +171,14 @@ def _resolve_once(config, allow_changes, user_data, resolved):
     if isinstance(config, dict) or hasattr(config, "to_dict"):
         redact(config)  # its secrets known before a data.source factory can echo them
     if resolved is None:
-        return config_lib.resolve_for_run(config, allow_changes,
-                                          data_settings=user_data.settings)
-    cfg, notices = resolved
-    overrides = user_data.settings(cfg.data)
-    if overrides:
-        cfg = config_lib.resolve(cfg, data_settings=lambda _: overrides)
+        cfg, notices = config_lib.resolve_for_run(config, allow_changes,
+                                                  data_settings=user_data.settings)
+    else:
+        cfg, notices = resolved
+        overrides = user_data.settings(cfg.data)
+        if overrides:
+            cfg = config_lib.resolve(cfg, data_settings=lambda _: overrides)
+    redact(cfg)  # its secrets are known to the redactor before any line can echo them
     return cfg, notices
 
 

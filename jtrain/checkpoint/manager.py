@@ -288,7 +288,6 @@ class Checkpointer:
         """orbax's post-finalization callback (background thread, process 0): all files
         are written, the directory is not yet renamed into place: add the manifest."""
         policy.lower_writer_priority(self.cfg.writer_nice, threading.get_native_id())
-        policy.lower_writer_priority(self.cfg.writer_nice)  # pool threads the write added
         step, spec = self._inflight
         tmp = glob.glob(os.path.join(glob.escape(self.directory),
                                      f"{step}{integrity.TMP_MARK}*"))
@@ -307,8 +306,10 @@ class Checkpointer:
                 from e
 
     def wait(self) -> None:
-        """Block until the last save is finished; raise CheckpointError if it failed."""
+        """Block until the last save is finished (every pool thread it started reniced);
+        raise CheckpointError if it failed."""
         self._raise_background_error(self._mngr.wait_until_finished)
+        policy.lower_writer_priority(self.cfg.writer_nice)
 
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
