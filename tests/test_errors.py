@@ -71,7 +71,7 @@ def test_exit_code_table_lists_every_error_under_its_code():
 def test_readme_and_workspace_link_the_table_instead_of_copying_it():
     for doc in ("README.md", "WORKSPACE.md"):
         text = (REPO / doc).read_text()
-        assert "docs/exit_codes.md" in text, doc
+        assert "docs/reference/exit_codes.md" in text, doc
         assert "| 6 |" not in text, doc
 
 

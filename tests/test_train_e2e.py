@@ -1,5 +1,5 @@
 """End to end: the CLI reference run, determinism, 1 vs 8 devices, resume, and the
-README's library examples (executed exactly as written)."""
+the library examples of docs/guide/user-models.md (executed exactly as written)."""
 
 import json
 import os
@@ -102,9 +102,9 @@ def test_same_seed_same_hash_and_resume_is_bitwise(tmp_path):
 
 
 def _readme_examples():
-    """The python blocks of README's "Library examples" section (other sections' examples
+    """The python blocks of docs/guide/user-models.md's "Library examples" section (other sections' examples
     have tests of their own, e.g. tests/recipes, tests/journeys/test_readme_user_model.py)."""
-    text = open(os.path.join(REPO, "README.md")).read()
+    text = open(os.path.join(REPO, "docs", "guide", "user-models.md")).read()
     section = text.split("\n## Library examples\n", 1)[1].split("\n## ", 1)[0]
     return [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "jtrain.train(" in b]
 
@@ -115,7 +115,7 @@ def test_readme_library_examples_run(index, tmp_path, monkeypatch):
     assert len(blocks) == 2
     monkeypatch.chdir(tmp_path)
     scope = {"__name__": "__readme__"}
-    exec(compile(blocks[index], f"README example {index}", "exec"), scope)
+    exec(compile(blocks[index], f"user-models.md example {index}", "exec"), scope)
     result = scope["result"]
     assert isinstance(result, jtrain.TrainResult)
     if "eval/accuracy" in result.summary:

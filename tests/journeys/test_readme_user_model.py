@@ -1,4 +1,4 @@
-"""README's "Bring your own model" walk-through, executed as written: its `# file:`
+"""The walk-through of docs/guide/user-models.md ("A walk-through"), executed as written: its `# file:`
 blocks are written into an empty directory and its `# run:` commands run there, one by
 one, as a user types them (relative paths, no test helpers, the user's module on
 PYTHONPATH=. only)."""
@@ -9,13 +9,13 @@ import shlex
 from pathlib import Path
 from journey import run_python
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "user-models.md"
 
 
 def walkthrough():
-    text = README.read_text()
-    section = text[text.index("## Bring your own model"):]
-    section = section[:section.index("\n## ", 3)]
+    text = PAGE.read_text()
+    section = text[text.index("## A walk-through"):]
+    section = section.split("\n## ", 1)[0]
     files, commands = {}, []
     for lang, body in re.findall(r"```(\w*)\n(.*?)```", section, re.S):
         first, _, rest = body.partition("\n")

@@ -1,0 +1,101 @@
+"""The docs speak of the project: the troubleshooting page covers every error a user can
+meet, the README stays a front door, and no page says how its text was produced."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from jtrain import errors
+
+REPO = Path(__file__).resolve().parents[1]
+GUIDE = REPO / "docs" / "guide"
+TROUBLESHOOTING = GUIDE / "troubleshooting.md"
+
+
+def _failure_table():
+    path = Path(__file__).parent / "bad_input" / "test_failure_table.py"
+    spec = importlib.util.spec_from_file_location("failure_table", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CASES + module.LATE_CASES
+
+
+def test_troubleshooting_names_every_error_class_and_exit_code():
+    text = TROUBLESHOOTING.read_text()
+    for cls in errors.ERRORS:
+        assert f"`{cls.__name__}`" in text, cls.__name__
+        assert f"jtrain: {cls.kind} error: " in text, cls.kind
+    for code in errors.EXIT_CODES:
+        assert re.search(rf"^\| {code} \|", text, re.M), f"exit code {code}"
+    assert "jtrain: internal error: " in text
+
+
+@pytest.mark.parametrize("case", _failure_table(), ids=lambda c: c[0])
+def test_troubleshooting_shows_every_line_of_the_failure_table(case):
+    case_id, _, _, code, line = case
+    text = TROUBLESHOOTING.read_text()
+    assert line in text, f"{case_id}: {line!r} (exit {code}) is not on {TROUBLESHOOTING.name}"
+
+
+def test_readme_is_a_front_door():
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    for page in ("user-models", "data", "checkpoints", "run-control", "evaluation",
+                 "multi-host", "tune", "recipes", "precision", "troubleshooting",
+                 "ema", "optimizers", "user-models-precision"):
+        assert f"(docs/guide/{page}.md)" in text, page
+    for page in ("docs/benchmarks.md", "docs/reference/config.md",
+                 "docs/reference/exit_codes.md"):
+        assert f"({page})" in text, page
+    # No timing of its own: measurements live in docs/benchmarks.md with their provenance.
+    assert not re.search(r"steps/s|tokens/s|\bmin \d+ s\b|\d ms\b|load average", text)
+
+
+def test_relative_links_between_pages_resolve():
+    """Links from README.md, WORKSPACE.md and docs/ to files of this repository exist
+    (pages the docs site generates, docs/reference/, are written by their own tool)."""
+    pages = [REPO / "README.md", REPO / "WORKSPACE.md", *sorted((REPO / "docs").rglob("*.md"))]
+    elsewhere = ("reference/", "guide/ema.md", "guide/optimizers.md",
+                 "guide/user-models-precision.md")  # generated, or other parts' pages
+    for page in pages:
+        prose = re.sub(r"```.*?```|`[^`\n]*`", "", page.read_text(), flags=re.S)  # not code
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", prose):
+            if "://" in target or any(e in target for e in elsewhere) or \
+                    target in ("ema.md", "optimizers.md", "user-models-precision.md"):
+                continue
+            assert (page.parent / target).exists(), f"{page.relative_to(REPO)} -> {target}"
+
+
+# How a text was produced, never what the project is: issue numbers as sources, the
+# people and machines that wrote it, and paths of one machine.
+PROVENANCE = [
+    r"(?<![\w&/])#\d+\b", r"\bissues? \d+\b", r"\bthis session\b", r"\bthe lead\b",
+    r"\bwas not given a GPU\b", r"\bno GPU was lent\b", r"\bother people's jobs\b",
+    r"\bother engineers\b", r"\bshared with other (jobs|work)\b", r"\bother jobs\b",
+    r"/work/", r"/tmp/j/", r"\bmeasured here\b", r"\bfor this text\b",
+    r"\bthe session that wrote\b",
+]
+
+
+def _doc_pages():
+    return [REPO / "README.md", REPO / "WORKSPACE.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
+@pytest.mark.parametrize("page", _doc_pages(), ids=lambda p: str(p.relative_to(REPO)))
+def test_docs_do_not_speak_of_how_they_were_written(page):
+    text = page.read_text()
+    found = [m.group(0) for pattern in PROVENANCE
+             for m in re.finditer(pattern, text, re.I)]
+    assert not found, f"{page.relative_to(REPO)}: {found}"
+
+
+def test_the_provenance_patterns_catch_what_they_name():
+    samples = ["as issue 12 reported", "see #12", "in this session", "the lead merged",
+               "was not given a GPU", "other people's jobs", "under /work/wt/x",
+               "measured here on 2 cores"]
+    for sample in samples:
+        assert any(re.search(p, sample, re.I) for p in PROVENANCE), sample
+    for fine in ["`[B, T, D]` # [B, 2]", "the leader process", "step #", "C# code"]:
+        assert not any(re.search(p, fine, re.I) for p in PROVENANCE), fine
