@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 def test_docs_config_md_matches_the_schema():
     on_disk = (REPO / "docs" / "reference" / "config.md").read_text()
     assert on_disk == reference.markdown(), (
-        "docs/reference/config.md is stale: python -m jtrain.config --markdown > docs/reference/config.md")
+        "docs/reference/config.md is stale: python -m jtrain.config --markdown > "
+        "docs/reference/config.md")
 
 
 def test_reference_lists_every_key_with_its_description():

@@ -104,8 +104,8 @@ def markdown() -> str:
     """docs/reference/config.md: every key, section by section, then each model family's keys."""
     parts = ["# Config reference\n",
              "Generated from `jtrain/config/schema.py` by "
-             "`python -m jtrain.config --markdown > docs/reference/config.md` (a test fails when "
-             "this file differs from the schema). Set a key with `--config.KEY=VALUE`; "
+             "`python -m jtrain.config --markdown > docs/reference/config.md` (a test fails "
+             "when this file differs from the schema). Set a key with `--config.KEY=VALUE`; "
              "`python -m jtrain.main --config=FILE --print_config` prints a config's "
              "resolved values. *resume*: may differ when a run resumes without "
              "`checkpoint.allow_changes`. New names below the free-form dicts "
