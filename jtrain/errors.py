@@ -7,7 +7,7 @@ line is `jtrain: <kind> error: <key>: <why>`. One that names nothing is built fr
 message, `DataError(message)` (`e.key` is None, `e.why` the message). Code that needs
 the key reads `e.key`; no one parses an error's text.
 
-`EXIT_CODES` says what each exit code means; docs/exit_codes.md is written from it and
+`EXIT_CODES` says what each exit code means; docs/reference/exit_codes.md is written from it and
 from the classes below (`python -m jtrain.exit_codes --markdown`). Entry points print
 `render(e)` on stderr and exit with `exit_code(e)`; no traceback for any of these.
 `classify(e)` turns what libraries raise (OSError, orbax's wrapped I/O errors) into the
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import errno
 
-# What each exit code means, for every command (docs/exit_codes.md).
+# What each exit code means, for every command (docs/reference/exit_codes.md).
 EXIT_CODES = {
     0: "done, stopped early (early stopping, `on_eval`), or stopped by SIGTERM / SIGINT "
        "with the current step saved (a signal during start-up: nothing new to save); "
@@ -146,7 +146,7 @@ class DiskFullError(JtrainError):
     kind, exit_code = "disk", 6
 
 
-# Every error class above, in the order docs/exit_codes.md lists them.
+# Every error class above, in the order docs/reference/exit_codes.md lists them.
 ERRORS = (ConfigError, DataError, UsageError, EvaluateError, WorkdirError, RestoreError,
           ExportError, CheckpointError, NonFiniteError, HangError, PeerError, DiskFullError)
 

@@ -5,7 +5,7 @@ absl flags + ml_collections config files (`--config=configs/x.py:variant`,
 --process_id (or set JTRAIN_COORDINATOR, JTRAIN_NUM_PROCESSES, JTRAIN_PROCESS_ID), or
 --distributed=auto on SLURM / Cloud TPU, where JAX finds its peers itself.
 
-Every failure is one line on stderr and an exit code (docs/exit_codes.md); its
+Every failure is one line on stderr and an exit code (docs/reference/exit_codes.md); its
 traceback, and the logs of orbax, absl and grain, go to WORKDIR/train.log (on the
 console too with --verbosity=2). A SIGTERM / SIGINT stops the run with its current step
 saved, exit 0 (a signal during start-up: nothing new to save);

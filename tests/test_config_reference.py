@@ -1,4 +1,4 @@
-"""Config discovery: docs/config.md is what `python -m jtrain.config --markdown` writes
+"""Config discovery: docs/reference/config.md is what `python -m jtrain.config --markdown` writes
 (every key of every section and model family, from the schema), and
 `--print_config` prints the resolved config of a config file, every key with its value,
 type, default, range or choices and description, exit 0, without a workdir."""
@@ -17,9 +17,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_docs_config_md_matches_the_schema():
-    on_disk = (REPO / "docs" / "config.md").read_text()
+    on_disk = (REPO / "docs" / "reference" / "config.md").read_text()
     assert on_disk == reference.markdown(), (
-        "docs/config.md is stale: python -m jtrain.config --markdown > docs/config.md")
+        "docs/reference/config.md is stale: python -m jtrain.config --markdown > "
+        "docs/reference/config.md")
 
 
 def test_reference_lists_every_key_with_its_description():

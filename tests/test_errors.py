@@ -1,6 +1,6 @@
 """Errors keep what they name as fields: `e.key`, `e.why`; the one line is built from
 them (`errors.render`), and no module of jtrain recovers a key by splitting an error's
-text. docs/exit_codes.md is what `python -m jtrain.exit_codes --markdown` writes."""
+text. docs/reference/exit_codes.md is what `python -m jtrain.exit_codes --markdown` writes."""
 
 from __future__ import annotations
 
@@ -50,10 +50,10 @@ def test_render_uses_the_fields_first_line_and_masks_secrets():
 
 
 def test_exit_codes_doc_matches_the_generator():
-    on_disk = (REPO / "docs" / "exit_codes.md").read_text()
+    on_disk = (REPO / "docs" / "reference" / "exit_codes.md").read_text()
     assert on_disk == exit_codes.markdown(), (
-        "docs/exit_codes.md is stale: python -m jtrain.exit_codes --markdown > "
-        "docs/exit_codes.md")
+        "docs/reference/exit_codes.md is stale: python -m jtrain.exit_codes --markdown > "
+        "docs/reference/exit_codes.md")
 
 
 def test_exit_code_table_lists_every_error_under_its_code():

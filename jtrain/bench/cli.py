@@ -245,9 +245,9 @@ def overhead(args) -> int:
     return _write_out(args.out, res)
 
 
-def main(argv=None) -> int:
-    """`python -m jtrain.bench NAME [--flags]`; NAME picks the benchmark and its flags."""
-    commands = {  # name -> (its flags, the benchmark, one line of help)
+def commands() -> dict:
+    """name -> (its flags, the benchmark, one line of help)."""
+    return {
         "overhead": (_overhead_flags, overhead, "jtrain loop vs a hand-written jax.jit loop"),
         "data": (_data_flags, data, "jtrain's data pipeline vs torch's DataLoader"),
         "checkpoint": (_checkpoint_flags, checkpoint, "what async checkpointing costs the loop"),
@@ -256,12 +256,17 @@ def main(argv=None) -> int:
                     "to first step, cold vs warm compile cache"),
         "peers": (_peers_flags, peers, "jtrain vs plain PyTorch and Lightning, same work"),
     }
+
+
+def main(argv=None) -> int:
+    """`python -m jtrain.bench NAME [--flags]`; NAME picks the benchmark and its flags."""
+    benches = commands()
     argv = list(sys.argv[1:] if argv is None else argv)
     name = argv[0] if argv and not argv[0].startswith("-") else None
     if name is None:
         usage = ("usage: python -m jtrain.bench {overhead,data,checkpoint,console,scaling,"
                  "peers} [flags]\n\n"
-                 + "".join(f"  {k:<11} {v[2]}\n" for k, v in commands.items()))
+                 + "".join(f"  {k:<11} {v[2]}\n" for k, v in benches.items()))
         if any(a in ("--help", "-h") for a in argv):
             sys.stdout.write(usage + "\n" + (__doc__ or "") + "\n")
             raise SystemExit(0)
@@ -269,9 +274,9 @@ def main(argv=None) -> int:
         return EXIT_USAGE
     if name in NOT_IMPLEMENTED:
         return _fail(f"{name!r} is not implemented yet")
-    if name not in commands:
-        return _fail(f"error: unknown benchmark {name!r}; choose from {', '.join(commands)}")
-    define, bench, description = commands[name]
+    if name not in benches:
+        return _fail(f"error: unknown benchmark {name!r}; choose from {', '.join(benches)}")
+    define, bench, description = benches[name]
     return cli.run(f"python -m jtrain.bench {name}", define, lambda fv, _: bench(fv),
                    argv[1:], description=description)
 

@@ -14,7 +14,7 @@ partial dict; `resolve` fills in the defaults and returns a new validated Config
 
     schema   the declarations: `SCHEMA`, `MODEL_FAMILIES`, `Field`, the choice tuples,
              `resume_safe(key)` and `describe()` (every key with type, default and doc)
-    reference  `--print_config`'s text and docs/config.md, written from the schema
+    reference  `--print_config`'s text and docs/reference/config.md, written from the schema
                (`python -m jtrain.config --markdown`, in `__main__`)
     space    `tune.space` (the keys a hyperparameter search samples): nesting and checks
     sections one section alone, for the public pieces (`jtrain.make_optimizer({"lr":

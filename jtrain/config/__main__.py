@@ -1,4 +1,4 @@
-"""`python -m jtrain.config --markdown > docs/config.md`: the reference of every config
+"""`python -m jtrain.config --markdown > docs/reference/config.md`: the reference of every config
 key (jtrain.config.reference.markdown); without --markdown, the same as plain text of
 the defaults (`--model=mlp` for another model family)."""
 
@@ -11,7 +11,7 @@ from jtrain.config import reference
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jtrain.config",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--markdown", action="store_true", help="docs/config.md's text")
+    parser.add_argument("--markdown", action="store_true", help="docs/reference/config.md's text")
     parser.add_argument("--model", default="transformer", help="model family (plain text)")
     args = parser.parse_args(argv)
     if args.markdown:

@@ -4,8 +4,8 @@
                             of the resolved config with its value, type, default, range or
                             choices and description; `*` marks a value that is not the
                             default
-    markdown()              docs/config.md: every key of every section and model family
-                            (`python -m jtrain.config --markdown > docs/config.md`;
+    markdown()              docs/reference/config.md: every key of every section and model family
+                            (`python -m jtrain.config --markdown > docs/reference/config.md`;
                             tests/test_config_reference.py fails when the file drifts)
 """
 
@@ -85,7 +85,7 @@ def resolved_text(config) -> str:
                      f"({'; '.join(facts)}) {field.doc}"))
     width = min(max(len(r[0]) for r in rows), 56)
     head = (f"# jtrain config, resolved (model family {family!r}); * = not the default.\n"
-            "# Set any key with --config.KEY=VALUE; every key: docs/config.md\n")
+            "# Set any key with --config.KEY=VALUE; every key: docs/reference/config.md\n")
     return head + "".join(f"{a:<{width}}  {b}\n" for a, b in rows)
 
 
@@ -101,11 +101,11 @@ def _table(rows) -> str:
 
 
 def markdown() -> str:
-    """docs/config.md: every key, section by section, then each model family's keys."""
+    """docs/reference/config.md: every key, section by section, then each model family's keys."""
     parts = ["# Config reference\n",
              "Generated from `jtrain/config/schema.py` by "
-             "`python -m jtrain.config --markdown > docs/config.md` (a test fails when "
-             "this file differs from the schema). Set a key with `--config.KEY=VALUE`; "
+             "`python -m jtrain.config --markdown > docs/reference/config.md` (a test fails "
+             "when this file differs from the schema). Set a key with `--config.KEY=VALUE`; "
              "`python -m jtrain.main --config=FILE --print_config` prints a config's "
              "resolved values. *resume*: may differ when a run resumes without "
              "`checkpoint.allow_changes`. New names below the free-form dicts "

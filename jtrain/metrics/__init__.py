@@ -40,7 +40,8 @@ Metrics are immutable, so an ``empty()`` template can be reused for every evalua
 Layout: ``averages``, ``classification``, ``regression``, ``gathered`` (host-side),
 ``collection`` (MetricCollection, reduce_across_processes) and ``tasks`` (which metrics an
 evaluation computes, by name or by task, and how jtrain's batches feed them); ``base``
-holds what they share (host dtypes, exact merging, masks).
+holds what they share (host dtypes, exact merging, masks); ``names`` lists every metric
+name a run writes (train/*, eval/*, perf/*, startup/*, compile/*).
 """
 
 from jtrain.metrics.averages import Average, BitsPerByte, Loss, Perplexity
