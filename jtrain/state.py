@@ -42,7 +42,8 @@ def make_abstract_state(model_fns, tx, policy, sample_inputs, mesh, seed: int):
     with jax.set_mesh(mesh):
         abstract_params, param_shardings = model_fns.abstract_and_shardings(
             rng, sample_inputs, mesh)
-    abstract = jax.eval_shape(lambda: _fresh_state(abstract_params, tx, policy, rng))
+    # The params go in as arguments (traced): an optimizer's init may read their dtypes.
+    abstract = jax.eval_shape(lambda p: _fresh_state(p, tx, policy, rng), abstract_params)
     repl = NamedSharding(mesh, P())
     # MaskedNode: no state for that parameter (frozen by optim.trainable / frozen).
     try:

@@ -90,8 +90,8 @@ def _optimizer_notes(optim, params) -> str:
     from jtrain import optim as optim_lib
 
     if optim.name in optim_lib.SCHEDULE_FREE:
-        return ("; schedule-free: evaluation and export use its averaged params "
-                "(schedule_free_eval_params)")
+        return ("; schedule-free: evaluation uses its averaged params "
+                "(schedule_free_eval_params); export is not implemented for it")
     if optim.name != "muon" or params is None:
         return ""
     labels = optim_lib.trainable_labels(params, optim.trainable, optim.frozen)
