@@ -33,6 +33,7 @@ from jtrain import checkpoint, cli
 from jtrain import config as config_lib
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
+from jtrain import optim
 from jtrain.build import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, build, model_sample
 from jtrain.observe.outputs import read_run_record
 from jtrain.metrics.classification import classification_report
@@ -87,7 +88,9 @@ def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data="eval"
     state = reader.restore(chosen, b.abstract_with_shardings())[0]
     eval_batch = (cfg.eval.batch_size or cfg.data.batch_size) // jax.process_count()
     with jax.set_mesh(b.mesh), nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
-        result = run_eval(b.eval_step, state.params, source, mesh=b.mesh,
+        params = optim.schedule_free_eval_params(state.opt_state, state.params)
+        result = run_eval(b.eval_step, state.params if params is None else params, source,
+                          mesh=b.mesh,
                           local_batch=eval_batch, spec=b.eval_spec, max_batches=num_batches)
     report = {
         "step": chosen, "data": data_name, "task": b.eval_spec.task,

@@ -29,6 +29,7 @@ from jtrain import checkpoint, control as control_lib
 from jtrain import config as config_lib
 from jtrain import evaluator
 from jtrain import multihost
+from jtrain import optim
 from jtrain import state as state_lib
 from jtrain.build import Build
 from jtrain.control import decide as decide_lib
@@ -310,7 +311,9 @@ def _evaluator(cfg, run: Run):
         if run.data.eval is None:
             return {"step": step}
         t0 = time.perf_counter()
-        result = evaluator.run_eval(run.build.eval_step, state.params, run.data.eval,
+        params = optim.schedule_free_eval_params(state.opt_state, state.params)
+        result = evaluator.run_eval(run.build.eval_step,
+                                    state.params if params is None else params, run.data.eval,
                                     mesh=run.build.mesh, local_batch=run.data.eval_batch,
                                     max_batches=cfg.eval.num_batches, spec=run.build.eval_spec)
         run.out.perf.add("eval", time.perf_counter() - t0)

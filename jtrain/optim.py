@@ -32,6 +32,16 @@ Choices worth knowing:
   parameter-scale multiplication); `b1`, `b2`, `eps` and `momentum` are not used.
 - `grad_accum_steps` is read by the step builder (token-weighted accumulation inside the
   train step, one step = one update), not here.
+- "muon" (optax.contrib.muon): orthogonalised momentum (`muon_beta`, `muon_ns_steps`)
+  on 2-D leaves; every other leaf gets muon's own fallback, Nesterov adamw (`b1`, `b2`),
+  both with the masked weight decay. The header counts the leaves of each.
+- "schedule_free_adamw" / "_sgd" (optax.contrib.schedule_free): `b1` in (0, 1) is the
+  interpolation; constant schedule (+ warmup) only. The params are the gradient points
+  y; evaluation uses the average x (`schedule_free_eval_params`; export refuses such a
+  run). lr_mults and the plateau / spike factor scale the base step (z), so the average
+  stays consistent.
+- "prodigy": estimates the step size D from `prodigy_d0`; `lr` (usually 1.0) multiplies
+  it; masked weight decay as prodigy's own. lr_mults and the factor scale the step.
 - Freezing (`optim.trainable`, `optim.frozen`: regexes searched in leaf paths such as
   `params/encoder/Dense_0/kernel`): the whole chain above runs inside
   `optax.multi_transform` on the trainable leaves only, the frozen ones get
@@ -173,13 +183,66 @@ def _adafactor(cfg, schedule, wd, mask):
     return optax.adafactor(learning_rate=schedule, weight_decay_rate=rate, weight_decay_mask=mask)
 
 
+def _muon(cfg, schedule, wd, mask):
+    # optax's own 2-D rule, split out here so the adam half takes the decay mask too.
+    muon = optax.contrib.muon(schedule, ns_steps=int(cfg["muon_ns_steps"]),
+                              beta=cfg["muon_beta"], eps=cfg["eps"], weight_decay=wd,
+                              weight_decay_mask=mask)
+    adam = optax.adamw(schedule, b1=cfg["b1"], b2=cfg["b2"], eps=cfg["eps"],
+                       weight_decay=wd, mask=mask, nesterov=True)
+    return optax.partition({"muon": muon, "adam": adam}, muon_labels)
+
+
+def muon_labels(params):
+    """"muon" for the 2-D leaves, "adam" for the rest (optax.contrib.muon's rule)."""
+    return jax.tree.map(lambda x: "muon" if jnp.ndim(x) == 2 else "adam", params)
+
+
+def _prodigy(cfg, schedule, wd, mask):
+    tx = optax.contrib.prodigy(schedule, betas=(cfg["b1"], cfg["b2"]), eps=cfg["eps"],
+                               estim_lr0=cfg["prodigy_d0"])
+    if wd <= 0:
+        return tx
+    b1, b2 = cfg["b1"], cfg["b2"]
+
+    def update(updates, state, params=None, **extra):
+        # prodigy's own decay term (-wd * dlr * p, dlr from the incoming state), masked.
+        new, new_state = tx.update(updates, state, params, **extra)
+        count = optax.safe_increment(state.count)
+        bc = ((1 - b2**count) ** 0.5) / (1 - b1**count)
+        dlr = jnp.asarray(state.estim_lr * schedule(state.count) * bc, state.estim_lr.dtype)
+        return jax.tree.map(lambda u, p, m: u - wd * dlr * p if m else u,
+                            new, params, mask(params)), new_state
+
+    return optax.GradientTransformationExtraArgs(tx.init, update)
+
+
+def _schedule_free_adamw(cfg, schedule, wd, mask, tail=()):
+    base = optax.chain(
+        optax.scale_by_rms(decay=cfg["b2"], eps=cfg["eps"], eps_in_sqrt=False,
+                           bias_correction=True),
+        optax.add_decayed_weights(wd, mask), optax.scale_by_learning_rate(schedule), *tail)
+    return optax.contrib.schedule_free(base, learning_rate=schedule, b1=cfg["b1"])
+
+
+def _schedule_free_sgd(cfg, schedule, wd, mask, tail=()):
+    base = optax.chain(optax.add_decayed_weights(wd, mask),
+                       optax.scale_by_learning_rate(schedule), *tail)
+    return optax.contrib.schedule_free(base, learning_rate=schedule, b1=cfg["b1"])
+
+
 _OPTIMIZERS = {
     "adamw": _adamw,
     "adam": _adam,
     "sgd": _sgd,
     "lion": _lion,
     "adafactor": _adafactor,
+    "muon": _muon,
+    "schedule_free_adamw": _schedule_free_adamw,
+    "schedule_free_sgd": _schedule_free_sgd,
+    "prodigy": _prodigy,
 }
+SCHEDULE_FREE = ("schedule_free_adamw", "schedule_free_sgd")
 OPTIMIZERS = tuple(_OPTIMIZERS)
 
 
@@ -245,6 +308,47 @@ def _scale_by_path(mults: dict) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
+def _scale_by_lr_factor() -> optax.GradientTransformationExtraArgs:
+    """Multiplies the updates by the `lr_factor` extra argument of `update` (the state's
+    plateau / spike factor), inside a schedule-free optimizer's base step."""
+
+    def update(updates, state, params=None, *, lr_factor=None, **extra):
+        del params, extra
+        if lr_factor is None:
+            return updates, state
+        return jax.tree.map(lambda u: (u * lr_factor).astype(u.dtype), updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+class _TakesLrFactor(optax.GradientTransformationExtraArgs):
+    """A tx whose `update` applies `lr_factor=` itself (schedule-free)."""
+
+
+def takes_lr_factor(tx) -> bool:
+    """True when the step passes `lr_factor=` to `tx.update` instead of scaling its
+    updates (jtrain.step)."""
+    return isinstance(tx, _TakesLrFactor)
+
+
+def schedule_free_eval_params(opt_state, params):
+    """The parameters a schedule-free optimizer evaluates at (the average x, computed from
+    the step's y and the state's z, as optax.contrib.schedule_free_eval_params), or None
+    for other optimizers. Frozen leaves (no z) are the params as they are."""
+    found = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_sf_state)
+             if _is_sf_state(s)]
+    if not found:
+        return None
+    b1 = found[0].b1
+    return jax.tree.map(
+        lambda y, z: y if isinstance(z, optax.MaskedNode) else (y - (1.0 - b1) * z) / b1,
+        params, found[0].z)
+
+
+def _is_sf_state(x) -> bool:
+    return isinstance(x, optax.contrib.ScheduleFreeState)
+
+
 def _check_names(optim_cfg) -> None:
     """optim.name / optim.schedule against what this module builds (before the schema's
     checks, so the message lists the optimizers and schedules that exist here)."""
@@ -270,9 +374,13 @@ def make_optimizer(optim_cfg, total_steps, *, extra_trainable=()):
     schedule = make_schedule(optim_cfg, total_steps)
     wd = float(optim_cfg["weight_decay"])
     mask = functools.partial(weight_decay_mask, decay_embeddings=bool(optim_cfg["decay_embeddings"]))
-    tx = _OPTIMIZERS[name](optim_cfg, schedule, wd, mask)
-    if optim_cfg["lr_mults"]:
-        tx = optax.chain(tx, _scale_by_path(dict(optim_cfg["lr_mults"])))
+    mults = (_scale_by_path(dict(optim_cfg["lr_mults"])),) if optim_cfg["lr_mults"] else ()
+    if name in SCHEDULE_FREE:  # lr_mults and the plateau factor scale the base step
+        tx = _OPTIMIZERS[name](optim_cfg, schedule, wd, mask,
+                               tail=(*mults, _scale_by_lr_factor()))
+    else:
+        tx = _OPTIMIZERS[name](optim_cfg, schedule, wd, mask)
+        tx = optax.chain(tx, *mults) if mults else tx
     clip_norm = float(optim_cfg["clip_norm"])
     if clip_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)
@@ -282,4 +390,6 @@ def make_optimizer(optim_cfg, total_steps, *, extra_trainable=()):
             {"train": tx, "frozen": optax.set_to_zero()},
             functools.partial(trainable_labels, trainable=trainable,
                               frozen=tuple(optim_cfg["frozen"])))
+    if name in SCHEDULE_FREE:
+        tx = _TakesLrFactor(tx.init, tx.update)
     return tx, schedule

@@ -42,18 +42,37 @@ def make_abstract_state(model_fns, tx, policy, sample_inputs, mesh, seed: int):
     with jax.set_mesh(mesh):
         abstract_params, param_shardings = model_fns.abstract_and_shardings(
             rng, sample_inputs, mesh)
-    abstract = jax.eval_shape(lambda: _fresh_state(abstract_params, tx, policy, rng))
+    # The params go in as arguments (traced): an optimizer's init may read their dtypes.
+    abstract = jax.eval_shape(lambda p: _fresh_state(p, tx, policy, rng), abstract_params)
     repl = NamedSharding(mesh, P())
     # MaskedNode: no state for that parameter (frozen by optim.trainable / frozen).
-    opt_shardings = optax.tree_map_params(
-        tx, lambda leaf, p, s: leaf if isinstance(leaf, optax.MaskedNode)
-        else s if leaf.shape == p.shape else repl,
-        abstract.opt_state, abstract.params, param_shardings,
-        transform_non_params=lambda _: repl,
-        is_leaf=lambda x: isinstance(x, (jax.ShapeDtypeStruct, optax.MaskedNode)))
+    try:
+        opt_shardings = optax.tree_map_params(
+            tx, lambda leaf, p, s: leaf if isinstance(leaf, optax.MaskedNode)
+            else s if leaf.shape == p.shape else repl,
+            abstract.opt_state, abstract.params, param_shardings,
+            transform_non_params=lambda _: repl,
+            is_leaf=lambda x: isinstance(x, (jax.ShapeDtypeStruct, optax.MaskedNode)))
+    except (TypeError, AttributeError):  # an init that reads dtypes (schedule_free)
+        opt_shardings = _shardings_by_path(abstract, param_shardings, repl)
     shardings = jax.tree.map(lambda _: repl, abstract).replace(
         params=param_shardings, opt_state=opt_shardings)
     return abstract, shardings
+
+
+def _shardings_by_path(abstract, param_shardings, repl):
+    """Optimizer-state leaves whose path ends with a parameter's path and whose shape is
+    that parameter's take its sharding; the rest are replicated."""
+    by_path = {jax.tree_util.keystr(p): (leaf.shape, s) for (p, leaf), s in zip(
+        jax.tree_util.tree_flatten_with_path(abstract.params)[0],
+        jax.tree.leaves(param_shardings))}
+
+    def pick(path, leaf):
+        name = jax.tree_util.keystr(path)
+        return next((s for key, (shape, s) in by_path.items()
+                     if name.endswith(key) and leaf.shape == shape), repl)
+
+    return jax.tree_util.tree_map_with_path(pick, abstract.opt_state)
 
 
 def _fresh_state(params, tx, policy, rng):

@@ -22,6 +22,7 @@ import optax
 
 from jtrain import losses
 from jtrain import metrics as metrics_lib
+from jtrain import optim
 from jtrain import precision
 from jtrain.state import TrainState
 
@@ -119,6 +120,10 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
         loss = loss_sum / jnp.maximum(weight, 1e-12)
 
         def update():
+            if optim.takes_lr_factor(tx):  # schedule-free: the factor scales its base step
+                updates, opt_state = tx.update(grads, state.opt_state, state.params,
+                                               lr_factor=state.lr_factor)
+                return optax.apply_updates(state.params, updates), opt_state
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             updates = jax.tree.map(lambda u: (u * state.lr_factor).astype(u.dtype), updates)
             return optax.apply_updates(state.params, updates), opt_state

@@ -121,7 +121,7 @@ def test_decay_must_end_after_warmup():
 @pytest.mark.parametrize("name", optim.OPTIMIZERS)
 def test_each_optimizer_decreases_a_quadratic(name):
     tx, _ = optim.make_optimizer(
-        cfg(name=name, lr=0.05, schedule="constant", weight_decay=0.0 if name == "adam" else 1e-4), 50
+        cfg(name=name, lr=1.0 if name == "prodigy" else 0.05, schedule="constant", weight_decay=0.0 if name == "adam" else 1e-4), 50
     )
     target = jnp.linspace(0.0, 2.0, 3 * 130).reshape(3, 130)  # [3, 130]: factored in adafactor
     # Start away from zero: adafactor scales its steps by the parameters' RMS.

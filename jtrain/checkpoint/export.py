@@ -207,6 +207,11 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
     step_dir = find_step_dir(workdir, step)
     with open(os.path.join(step_dir, "control", "metadata")) as f:
         control = json.load(f)
+    optimizer = ((control.get("config") or {}).get("optim") or {}).get("name")
+    if optimizer in ("schedule_free_adamw", "schedule_free_sgd"):
+        raise ExportError(f"{step_dir}: optim.name={optimizer}: exporting a schedule-free "
+                          "run is not implemented (its evaluation params are an average "
+                          "kept in the optimizer state); evaluate it with jtrain evaluate")
     leaves = {name.split("/", 1)[1]: arr  # "params/body/kernel" -> "body/kernel"
               for name, arr in load_checkpoint_leaves(step_dir).items()}
     merged = _merge_lora(leaves, control.get("config") or {}, workdir) if merge_lora else None

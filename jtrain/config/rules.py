@@ -31,9 +31,13 @@ def check_optim(optim: dict, total_steps: int) -> None:
                           f"(0 means total_steps={total_steps}), which must be > "
                           f"optim.warmup_steps={optim['warmup_steps']}")
     for beta in ("b1", "b2"):  # (0, 1) inclusive in the schema; 1.0 never forgets
-        if optim["name"] in ("adam", "adamw", "lion") and optim[beta] >= 1.0:
+        if optim["name"] not in ("sgd", "adafactor") and optim[beta] >= 1.0:
             raise ConfigError(f"optim.{beta}", f"must be < 1 for {optim['name']}, got "
                               f"{optim[beta]!r} (the moment estimate would never update)")
+    if optim["muon_beta"] >= 1.0 and optim["name"] == "muon":
+        raise ConfigError("optim.muon_beta", f"must be < 1, got {optim['muon_beta']!r}")
+    if optim["name"].startswith("schedule_free"):
+        _check_schedule_free(optim)
     for key in ("trainable", "frozen", "lr_mults"):
         _check_regexes(f"optim.{key}", optim[key])
     for pattern, factor in optim["lr_mults"].items():
@@ -43,6 +47,17 @@ def check_optim(optim: dict, total_steps: int) -> None:
     if optim["name"] == "adam" and optim["weight_decay"] > 0:
         raise ConfigError("optim.weight_decay", f"adam has no weight decay (got "
                                                 f"{optim['weight_decay']!r}); use adamw")
+
+
+def _check_schedule_free(optim: dict) -> None:
+    if optim["schedule"] != "constant":
+        raise ConfigError("optim.schedule", f"{optim['name']} takes a constant learning "
+                          f"rate (the average replaces the decay), got "
+                          f"{optim['schedule']!r}: set optim.schedule='constant' (with "
+                          "optim.warmup_steps for a warmup)")
+    if optim["b1"] <= 0.0:
+        raise ConfigError("optim.b1", f"must be > 0 for {optim['name']} (the evaluation "
+                          f"params divide by it), got {optim['b1']!r}")
 
 
 def _check_early_stop(es: dict) -> None:

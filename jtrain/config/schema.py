@@ -27,7 +27,8 @@ INT_MAX = 2**31 - 1
 
 # Choices, declared here; their consumers keep a dict per name (tests check they agree).
 DTYPES = ("float32", "bfloat16", "float16", "auto")
-OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adafactor")
+OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adafactor", "muon", "schedule_free_adamw",
+              "schedule_free_sgd", "prodigy")
 SCHEDULES = ("constant", "linear", "cosine", "warmup_cosine", "warmup_linear", "rsqrt")
 WRITERS = ("jsonl", "tensorboard", "mlflow", "wandb")
 METRIC_NAMES = ("loss", "accuracy", "top_k_accuracy", "precision_recall_f1",
@@ -76,9 +77,15 @@ SCHEMA: dict[str, Any] = {
         "decay_embeddings": F(bool, False, None, "apply weight decay to embedding tables"),
         "clip_norm": F(float, 0.0, (0.0, INF), "global-norm gradient clipping; 0 = off"),
         "grad_accum_steps": F(int, 1, (1, 4096), "microbatches per update (inside the step)"),
-        "b1": F(float, 0.9, (0.0, 1.0), "adam / adamw / lion beta1, in [0, 1)"),
-        "b2": F(float, 0.999, (0.0, 1.0), "adam / adamw / lion beta2, in [0, 1)"),
-        "eps": F(float, 1e-8, (0.0, 1.0), "adam / adamw epsilon"),
+        "b1": F(float, 0.9, (0.0, 1.0), "adam / adamw / lion / prodigy beta1 and muon's "
+                "adam fallback, in [0, 1); schedule_free_*: the interpolation, in (0, 1)"),
+        "b2": F(float, 0.999, (0.0, 1.0), "adam / adamw / lion / prodigy / "
+                "schedule_free_adamw beta2 and muon's adam fallback, in [0, 1)"),
+        "eps": F(float, 1e-8, (0.0, 1.0), "adam-family epsilon (muon, prodigy, "
+                 "schedule_free_adamw too)"),
+        "muon_beta": F(float, 0.95, (0.0, 1.0), "muon: momentum of the 2-D leaves, in [0, 1)"),
+        "muon_ns_steps": F(int, 5, (1, 100), "muon: Newton-Schulz iterations"),
+        "prodigy_d0": F(float, 1e-6, (1e-12, 1.0), "prodigy: initial step-size estimate D0"),
         "momentum": F(float, 0.9, (0.0, 1.0), "sgd momentum; 0 = plain sgd"),
         "nesterov": F(bool, False, None, "sgd: Nesterov momentum"),
         "trainable": F("strs", (), None, "regexes of parameter paths that train; () = all "

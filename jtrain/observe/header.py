@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 def describe_run(cfg, build, data, *, workdir: str, origin: str, peak: float | None,
                  determinism: str | None = None) -> str:
@@ -22,7 +24,8 @@ def describe_run(cfg, build, data, *, workdir: str, origin: str, peak: float | N
         extra.append(f"jtrain: {determinism}")
     leaves = jax.tree.leaves(build.abstract.params)
     n_params = sum(int(np.prod(x.shape)) for x in leaves)
-    extra.append(optimizer_line(cfg.optim, cfg.total_steps, build.grad_accum_steps))
+    extra.append(optimizer_line(cfg.optim, cfg.total_steps, build.grad_accum_steps,
+                                params=build.abstract.params))
     extra.append(trainable_line(n_params, len(leaves), build.trainable))
     if build.memory_plan is not None:
         extra.append(f"jtrain: {build.memory_plan.describe()}")
@@ -71,10 +74,39 @@ def run_header(*, model: str, num_params: int, precision: str, mesh_shape: dict,
     return "\n".join(lines)
 
 
-def optimizer_line(optim, total_steps: int, grad_accum_steps: int | None = None) -> str:
+def optimizer_line(optim, total_steps: int, grad_accum_steps: int | None = None, *,
+                   params=None) -> str:
     """`jtrain: optimizer adamw, peak lr 3e-03, warmup_cosine schedule (100 warmup steps,
     decay until step 1500), clip_norm 1, weight decay 0.1, 1 microbatch per update`.
-    `grad_accum_steps`: what the step uses when the memory plan chose it."""
+    `grad_accum_steps`: what the step uses when the memory plan chose it. `params`
+    (abstract): muon's split into 2-D leaves and its adam fallback is counted."""
+    return _optimizer_line(optim, total_steps, grad_accum_steps) + _optimizer_notes(
+        optim, params)
+
+
+def _optimizer_notes(optim, params) -> str:
+    import jax
+
+    from jtrain import optim as optim_lib
+
+    if optim.name in optim_lib.SCHEDULE_FREE:
+        return ("; schedule-free: evaluation uses its averaged params "
+                "(schedule_free_eval_params); export is not implemented for it")
+    if optim.name != "muon" or params is None:
+        return ""
+    labels = optim_lib.trainable_labels(params, optim.trainable, optim.frozen)
+    counts = {"muon": [0, 0], "adam": [0, 0]}
+    for kind, label, leaf in zip(jax.tree.leaves(optim_lib.muon_labels(params)),
+                                 jax.tree.leaves(labels), jax.tree.leaves(params)):
+        if label == "train":
+            counts[kind][0] += 1
+            counts[kind][1] += int(math.prod(leaf.shape))
+    (ml, mn), (al, an) = counts["muon"], counts["adam"]
+    return (f"; muon on {ml} 2-D leaves ({mn:,} params), its adam fallback on {al} "
+            f"other leaves ({an:,} params)")
+
+
+def _optimizer_line(optim, total_steps: int, grad_accum_steps: int | None) -> str:
     decay_end = optim.decay_steps or total_steps
     schedule = (f"{optim.schedule} schedule ({optim.warmup_steps} warmup steps"
                 + ("" if optim.schedule == "constant" else

@@ -1,0 +1,88 @@
+"""Today's optimizers as users run them: a schedule-free run killed and resumed from the
+CLI is bitwise the uninterrupted one, and evaluates at its averaged params; a plain
+script trains the user's own model with optim.name="muon"."""
+
+import json
+
+from journey import run_python
+
+from test_journeys import CONFIG
+
+
+def test_schedule_free_resume_is_bitwise_and_eval_uses_the_average(tmp_path):
+    (tmp_path / "cfg.py").write_text(CONFIG)
+    proc = run_python(tmp_path, "-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/v",
+                      "--config.optim.name=schedule_free_adamw",
+                      "--config.optim.schedule=constant", "--config.total_steps=8",
+                      "--config.checkpoint.every_steps=2", "--config.eval.every_steps=4",
+                      "--verify_resume",
+                      "--verify_kills=2", timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "jtrain: verify_resume: PASS" in out, out[-3000:]
+    log = (tmp_path / "runs" / "v" / "reference" / "train.log").read_text()
+    assert "schedule-free: evaluation uses its averaged params" in log, log[-3000:]
+    export = run_python(tmp_path, "-m", "jtrain.export", "runs/v/reference", "--out=x")
+    assert export.returncode == 3 and export.stderr.startswith(
+        "jtrain: export error: ") and "schedule-free run is not implemented" in export.stderr, \
+        export.stderr
+    check = run_python(tmp_path, "-c", SF_EVAL_CHECK, timeout=600)
+    assert check.returncode == 0, check.stderr[-3000:]
+    result = json.loads(check.stdout.strip().splitlines()[-1])
+    assert abs(result["evaluated"] - result["average"]) < 1e-5, result
+    assert abs(result["evaluated"] - result["raw"]) > 1e-4, result
+
+
+SF_EVAL_CHECK = '''
+import json, jax, optax
+import jtrain.evaluate as ev
+from jtrain import optim
+seen, losses = {}, {}
+real_params, real_eval = optim.schedule_free_eval_params, ev.run_eval
+def params_spy(opt_state, params):
+    seen["raw"], seen["state"] = params, opt_state
+    return real_params(opt_state, params)
+def eval_spy(step, params, *a, **k):
+    sf = [s for s in jax.tree.leaves(seen["state"], is_leaf=lambda x: isinstance(
+        x, optax.contrib.ScheduleFreeState)) if isinstance(s, optax.contrib.ScheduleFreeState)]
+    average = optax.contrib.schedule_free_eval_params(sf[0], seen["raw"])
+    for name, p in (("raw", seen["raw"]), ("average", average)):
+        losses[name] = real_eval(step, p, *a, **k).scalars["eval/loss"]
+    result = real_eval(step, params, *a, **k)
+    losses["evaluated"] = result.scalars["eval/loss"]
+    return result
+optim.schedule_free_eval_params, ev.run_eval = params_spy, eval_spy
+ev.evaluate_checkpoint("runs/v/reference", num_batches=2, plots=False)
+print(json.dumps(losses))
+'''
+
+
+def test_script_trains_the_users_model_with_muon(tmp_path):
+    (tmp_path / "train_muon.py").write_text(MUON_SCRIPT)
+    proc = run_python(tmp_path, "train_muon.py", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "jtrain: optimizer muon" in proc.stdout + proc.stderr
+    assert "muon on 2 2-D leaves" in proc.stdout + proc.stderr
+    assert "done" in proc.stdout
+
+
+MUON_SCRIPT = '''
+import numpy as np
+import flax.linen as nn
+import jtrain
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+        return nn.Dense(3)(nn.relu(nn.Dense(16)(x)))
+
+
+r = np.random.default_rng(0)
+x = r.normal(size=(64, 5)).astype(np.float32)
+data = {"inputs": x, "targets": (x[:, 0] > 0).astype(np.int32)}
+summary = jtrain.train({"total_steps": 4, "optim": {"name": "muon", "lr": 0.02},
+                        "data": {"batch_size": 16}, "eval": {"every_steps": 4}},
+                       "runs/muon", model=MLP(), train_data=data)
+print("done", summary)
+'''
