@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Any
 
@@ -10,14 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import linen as nn
-from flax import struct
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jtrain import ema as ema_lib
 from jtrain import precision
 
 
-@struct.dataclass
+@dataclasses.dataclass(frozen=True)
 class TrainState:
     step: jax.Array  # int32 [], number of optimizer updates applied
     params: Any  # the model's parameters (plain arrays, no metadata boxes)
@@ -30,19 +31,42 @@ class TrainState:
     consecutive_skips: jax.Array  # int32 [], non-finite skips in a row
     halted_at: jax.Array  # int32 [], the step nonfinite.* halted at; 0 = running
     lr_factor: jax.Array  # float32 [], ReduceLROnPlateau's factor on the schedule
+    # optim.ema: the params' moving average (jtrain.ema), sharded like them; None = off,
+    # so runs without it keep their state tree, checkpoints and state_sha256.
+    ema: Any = None
+
+    def replace(self, **changes) -> "TrainState":
+        return dataclasses.replace(self, **changes)
 
 
-def make_abstract_state(model_fns, tx, policy, sample_inputs, mesh, seed: int):
+_FIELDS = tuple(f.name for f in dataclasses.fields(TrainState))
+
+
+def _flatten(state: TrainState):
+    """A pytree of its fields by name (GetAttrKey), `ema` left out while it is None: a
+    run without EMA saves the checkpoint tree it always did, and restores older ones."""
+    names = tuple(n for n in _FIELDS if n != "ema" or state.ema is not None)
+    return [(jax.tree_util.GetAttrKey(n), getattr(state, n)) for n in names], names
+
+
+jax.tree_util.register_pytree_with_keys(
+    TrainState, _flatten, lambda names, children: TrainState(**dict(zip(names, children))))
+
+
+def make_abstract_state(model_fns, tx, policy, sample_inputs, mesh, seed: int, *,
+                        ema: bool = False):
     """(abstract TrainState, its shardings): shapes first, nothing allocated.
 
     Parameter shardings come from the model's logical-axis annotations; optimizer
     state that mirrors a parameter gets that parameter's sharding (so FSDP shards
-    Adam's moments too); everything else is replicated."""
+    Adam's moments too), and so does the weight EMA (`ema`: keep one); everything else
+    is replicated."""
     rng = jax.random.key(seed)
     with jax.set_mesh(mesh):
         abstract_params, param_shardings = model_fns.abstract_and_shardings(
             rng, sample_inputs, mesh)
-    abstract = jax.eval_shape(lambda: _fresh_state(abstract_params, tx, policy, rng))
+    abstract = jax.eval_shape(lambda p: _fresh_state(p, tx, policy, rng, ema),
+                              abstract_params)
     repl = NamedSharding(mesh, P())
     # MaskedNode: no state for that parameter (frozen by optim.trainable / frozen).
     opt_shardings = optax.tree_map_params(
@@ -52,40 +76,66 @@ def make_abstract_state(model_fns, tx, policy, sample_inputs, mesh, seed: int):
         transform_non_params=lambda _: repl,
         is_leaf=lambda x: isinstance(x, (jax.ShapeDtypeStruct, optax.MaskedNode)))
     shardings = jax.tree.map(lambda _: repl, abstract).replace(
-        params=param_shardings, opt_state=opt_shardings)
+        params=param_shardings, opt_state=opt_shardings,
+        ema=param_shardings if ema else None)
     return abstract, shardings
 
 
-def _fresh_state(params, tx, policy, rng):
+def _fresh_state(params, tx, policy, rng, ema: bool = False):
     return TrainState(
         step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params),
         rng=jax.random.key_data(jax.random.fold_in(rng, 1)),
         loss_scale=precision.init_loss_scale(policy),
         skipped_steps=jnp.asarray(0, jnp.int32), consecutive_skips=jnp.asarray(0, jnp.int32),
-        halted_at=jnp.asarray(0, jnp.int32), lr_factor=jnp.asarray(1.0, jnp.float32))
+        halted_at=jnp.asarray(0, jnp.int32), lr_factor=jnp.asarray(1.0, jnp.float32),
+        ema=ema_lib.init(params) if ema else None)
 
 
-def init_state(model_fns, tx, policy, sample_inputs, mesh, seed: int, shardings) -> TrainState:
-    """A fresh TrainState, created directly in its shardings by one jitted function."""
+def init_state(model_fns, tx, policy, sample_inputs, mesh, seed: int, shardings
+               ) -> TrainState:
+    """A fresh TrainState, created directly in its shardings by one jitted function
+    (with the weight EMA when `shardings` has one: make_abstract_state(..., ema=True))."""
+    ema = shardings.ema is not None
     rng = jax.random.key(seed)
     inputs = jax.tree.map(lambda s: jnp.zeros((1,) + tuple(s.shape[1:]), s.dtype),
                           sample_inputs)
     if model_fns.existing_params is not None:  # an NNX instance the user already built
-        fn = jax.jit(lambda p: _fresh_state(p, tx, policy, rng), out_shardings=shardings)
+        fn = jax.jit(lambda p: _fresh_state(p, tx, policy, rng, ema), out_shardings=shardings)
         return fn(model_fns.existing_params)
 
     def create():
         params = nn.unbox(model_fns.init(jax.random.fold_in(rng, 0), inputs))
-        return _fresh_state(params, tx, policy, rng)
+        return _fresh_state(params, tx, policy, rng, ema)
 
     with jax.set_mesh(mesh):
         return jax.jit(create, out_shardings=shardings)()
 
 
+EVAL_WEIGHTS = ("params", "ema")
+
+
+def eval_params(state: TrainState, which: str = "params"):
+    """The parameters an evaluation or an export uses: `which` = "params" (the trained
+    ones) or "ema" (the weight EMA, in the params' dtypes; a ValueError when the state
+    has none: optim.ema.decay = 0)."""
+    if which == "params":
+        return state.params
+    if which == "ema":
+        if state.ema is None:
+            raise ValueError("eval.weights='ema': this run keeps no weight EMA "
+                             "(optim.ema.decay = 0)")
+        return ema_lib.as_params(state.ema, state.params)
+    raise ValueError(f"eval.weights: unknown {which!r}; choose one of: "
+                     f"{', '.join(EVAL_WEIGHTS)}")
+
+
 def state_sha256(state: TrainState) -> str:
-    """SHA-256 over params and optimizer state: leaf paths, dtypes, shapes and bytes in
-    path order. The same on every process, and across runs for identical state."""
+    """SHA-256 over params, optimizer state and the weight EMA (when kept): leaf paths,
+    dtypes, shapes and bytes in path order. The same on every process, and across runs
+    for identical state."""
     tree = {"params": state.params, "opt_state": state.opt_state}
+    if state.ema is not None:
+        tree["ema"] = state.ema
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     digest = hashlib.sha256()
     for path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):

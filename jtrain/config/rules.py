@@ -34,6 +34,9 @@ def check_optim(optim: dict, total_steps: int) -> None:
         if optim["name"] in ("adam", "adamw", "lion") and optim[beta] >= 1.0:
             raise ConfigError(f"optim.{beta}", f"must be < 1 for {optim['name']}, got "
                               f"{optim[beta]!r} (the moment estimate would never update)")
+    if optim["ema"]["decay"] >= 1.0:
+        raise ConfigError("optim.ema.decay", f"must be < 1, got {optim['ema']['decay']!r} "
+                          "(the average would never move; 0 turns it off)")
     for key in ("trainable", "frozen", "lr_mults"):
         _check_regexes(f"optim.{key}", optim[key])
     for pattern, factor in optim["lr_mults"].items():

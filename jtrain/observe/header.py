@@ -24,6 +24,9 @@ def describe_run(cfg, build, data, *, workdir: str, origin: str, peak: float | N
     n_params = sum(int(np.prod(x.shape)) for x in leaves)
     extra.append(optimizer_line(cfg.optim, cfg.total_steps, build.grad_accum_steps))
     extra.append(trainable_line(n_params, len(leaves), build.trainable))
+    if build.abstract.ema is not None:
+        extra.append(ema_line(cfg.optim.ema, cfg.eval.weights, build.abstract.ema,
+                              build.shardings.ema))
     if build.memory_plan is not None:
         extra.append(f"jtrain: {build.memory_plan.describe()}")
     extra.append(f"jtrain: eval {build.eval_spec.task}: {', '.join(build.eval_spec.names)}; "
@@ -86,6 +89,16 @@ def optimizer_line(optim, total_steps: int, grad_accum_steps: int | None = None)
                if grad_accum_steps in (None, optim.grad_accum_steps) else
                f", {grad_accum_steps} microbatch(es) per update (the memory plan; "
                f"optim.grad_accum_steps={optim.grad_accum_steps})"))
+
+
+def ema_line(ema_cfg, weights: str, abstract_ema, shardings) -> str:
+    """`jtrain: weight EMA on: decay 0.999 (warmup none), 1,234,567 bytes per device;
+    eval.weights=both`."""
+    from jtrain import ema as ema_lib
+
+    per_device = ema_lib.bytes_per_device(abstract_ema, shardings)
+    return (f"jtrain: weight EMA on: decay {ema_cfg.decay:g} (warmup {ema_cfg.warmup}), "
+            f"{per_device:,} bytes per device; eval.weights={weights}")
 
 
 def trainable_line(num_params: int, num_leaves: int, split: dict | None) -> str:
