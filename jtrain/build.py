@@ -13,7 +13,6 @@ import jax
 import numpy as np
 
 from jtrain import checkpoint, evaluator, loss_terms, losses, model_checks
-from jtrain import ema as ema_lib
 from jtrain.control import decide as decide_lib, memory as memory_lib
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
@@ -102,7 +101,7 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
             model_fns.apply, policy, tuple(cfg.model.keep_fp32)))
     tx, schedule = optim_lib.make_optimizer(cfg.optim, cfg.total_steps,
                                             extra_trainable=extra_trainable)
-    ema_decay, ema_warmup = ema_lib.decay_of(cfg.optim)
+    ema_decay, ema_warmup = float(cfg.optim.ema.decay), str(cfg.optim.ema.warmup)
     sample_inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), sample)
     try:  # Linen's init calls the model: the first time it meets the data's inputs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +14,6 @@ from flax import linen as nn
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jtrain import ema as ema_lib
 from jtrain import precision
 
 
@@ -31,7 +30,7 @@ class TrainState:
     consecutive_skips: jax.Array  # int32 [], non-finite skips in a row
     halted_at: jax.Array  # int32 [], the step nonfinite.* halted at; 0 = running
     lr_factor: jax.Array  # float32 [], ReduceLROnPlateau's factor on the schedule
-    # optim.ema: the params' moving average (jtrain.ema), sharded like them; None = off,
+    # optim.ema: the params' moving average (below), sharded like them; None = off,
     # so runs without it keep their state tree, checkpoints and state_sha256.
     ema: Any = None
 
@@ -88,7 +87,7 @@ def _fresh_state(params, tx, policy, rng, ema: bool = False):
         loss_scale=precision.init_loss_scale(policy),
         skipped_steps=jnp.asarray(0, jnp.int32), consecutive_skips=jnp.asarray(0, jnp.int32),
         halted_at=jnp.asarray(0, jnp.int32), lr_factor=jnp.asarray(1.0, jnp.float32),
-        ema=ema_lib.init(params) if ema else None)
+        ema=ema_init(params) if ema else None)
 
 
 def init_state(model_fns, tx, policy, sample_inputs, mesh, seed: int, shardings
@@ -124,7 +123,7 @@ def eval_params(state: TrainState, which: str = "params"):
         if state.ema is None:
             raise ValueError("eval.weights='ema': this run keeps no weight EMA "
                              "(optim.ema.decay = 0)")
-        return ema_lib.as_params(state.ema, state.params)
+        return ema_as_params(state.ema, state.params)
     raise ValueError(f"eval.weights: unknown {which!r}; choose one of: "
                      f"{', '.join(EVAL_WEIGHTS)}")
 
@@ -146,3 +145,75 @@ def state_sha256(state: TrainState) -> str:
         digest.update(f"{arr.dtype.name}{arr.shape}".encode())
         digest.update(arr.tobytes())
     return digest.hexdigest()
+
+
+# -- the weight EMA (optim.ema): an exponential moving average of the parameters ----
+# The average lives in `TrainState.ema`, beside the params and sharded like them; it is
+# None when `optim.ema.decay` is 0, so a run without it has the state, checkpoints and
+# `state_sha256` it always had. The train step moves it right after each applied update
+# (`jtrain.step`), inside the guard: a skipped update leaves it untouched.
+#
+#     ema <- ema + (1 - d) * (params - ema)        # = d * ema + (1 - d) * params
+#
+# written as a step towards the params so a leaf that does not move (`optim.frozen`)
+# keeps an average exactly equal to itself. `d` is `optim.ema.decay`, or with
+# `optim.ema.warmup = "standard"` `min(decay, (1 + t) / (10 + t))`, t the number of
+# updates applied before this one (TensorFlow's `ExponentialMovingAverage(num_updates)`
+# and Keras 3's `use_ema` form): the early average follows the params closely instead of
+# remembering the initialisation. The average starts as a copy of the initial params.
+#
+# Floating leaves are averaged in float32 whatever the params' dtype (a bfloat16 average at
+# decay 0.999 would stop moving: its steps round to zero); `ema_as_params` casts it back to
+# the params' dtypes for evaluation and export.
+
+EMA_WARMUPS = ("none", "standard")
+
+
+def ema_rate_fn(decay: float, warmup: str = "none") -> Callable | None:
+    """`rate(t) -> d`: the decay of the update after t applied updates (t: int32 []);
+    None when decay is 0 (no EMA)."""
+    if not decay:
+        return None
+    if warmup == "none":
+        return lambda t: jnp.asarray(decay, jnp.float32)
+    if warmup == "standard":
+        def rate(t):
+            t = jnp.asarray(t, jnp.float32)
+            return jnp.minimum(jnp.float32(decay), (1.0 + t) / (10.0 + t))
+        return rate
+    raise ValueError(f"optim.ema.warmup: unknown {warmup!r}; choose one of: "
+                     f"{', '.join(EMA_WARMUPS)}")
+
+
+def _ema_dtype(dtype):
+    return jnp.float32 if jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
+def ema_init(params):
+    """The average at step 0: a copy of the params (floating leaves in float32)."""
+    return jax.tree.map(lambda p: jnp.array(p, dtype=_ema_dtype(p.dtype), copy=True),
+                        params)
+
+
+def ema_update(ema, params, rate):
+    """One step of the average towards `params` with decay `rate` (a float32 scalar)."""
+    def one(e, p):
+        if not jnp.issubdtype(e.dtype, jnp.floating):
+            return p.astype(e.dtype)
+        return e + (1.0 - rate).astype(e.dtype) * (p.astype(e.dtype) - e)
+    return jax.tree.map(one, ema, params)
+
+
+def ema_as_params(ema, params):
+    """The average in the params' dtypes (what an eval step or an export takes)."""
+    return jax.tree.map(lambda e, p: e if e.dtype == p.dtype else e.astype(p.dtype),
+                        ema, params)
+
+
+def ema_bytes_per_device(abstract_ema, shardings) -> int:
+    """The average's memory on one device: its shards' bytes (the header says it)."""
+    total = 0
+    for leaf, sharding in zip(jax.tree.leaves(abstract_ema), jax.tree.leaves(shardings)):
+        shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+        total += int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
+    return total

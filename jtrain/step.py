@@ -20,11 +20,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jtrain import ema as ema_lib
 from jtrain import losses
 from jtrain import metrics as metrics_lib
 from jtrain import precision
-from jtrain.state import TrainState
+from jtrain.state import TrainState, ema_rate_fn, ema_update
 
 
 def _split_microbatches(batch, k: int):
@@ -103,14 +102,14 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
     the skip / halt counters and the fp16 loss scale. `state.lr_factor`
     (ReduceLROnPlateau) scales the whole update, i.e. the learning rate, without a
     recompile. With `ema_decay` > 0 (optim.ema; the state was made with one) the weight
-    EMA moves towards the new params after each applied update (`jtrain.ema`)."""
+    EMA moves towards the new params after each applied update (`jtrain.state`)."""
 
     def loss_and_aux(params, batch, key, scale):
         outputs = apply_fn(params, inputs_of(batch, model_inputs), rng=key, train=True)
         (loss_sum, weight), terms = losses.split_loss(loss_fn(outputs, batch))
         return loss_sum * scale, (loss_sum, weight, terms)
 
-    ema_rate = ema_lib.rate_fn(ema_decay, ema_warmup)
+    ema_rate = ema_rate_fn(ema_decay, ema_warmup)
     value_and_grad = accumulated(jax.value_and_grad(loss_and_aux, has_aux=True),
                                  grad_accum_steps)
 
@@ -129,8 +128,7 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
             if ema_rate is None:
                 return params, opt_state, state.ema
             applied_before = state.step - state.skipped_steps  # updates applied so far
-            return params, opt_state, ema_lib.update(state.ema, params,
-                                                     ema_rate(applied_before))
+            return params, opt_state, ema_update(state.ema, params, ema_rate(applied_before))
 
         grad_norm = optax.tree.norm(grads)
         new_state, guard = guarded_update(

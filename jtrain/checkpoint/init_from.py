@@ -25,7 +25,7 @@ import re
 
 import jax
 
-from jtrain import ema as ema_lib
+from jtrain import state as state_lib
 from jtrain.checkpoint import export as export_lib
 from jtrain.checkpoint import integrity
 from jtrain.errors import ConfigError, ExportError, RestoreError
@@ -125,7 +125,7 @@ def _ema_from(loaded: dict, taken: dict, state):
     """The weight EMA of a run started from a source: the source's average of each
     parameter taken from it, else the (loaded or fresh) parameter itself."""
     shardings = jax.tree.map(lambda x: x.sharding, state.ema)
-    start = jax.jit(ema_lib.init, out_shardings=shardings)(state.params)
+    start = jax.jit(state_lib.ema_init, out_shardings=shardings)(state.params)
 
     def pick(kp, leaf):
         rel = integrity.leaf_path(kp)

@@ -86,7 +86,7 @@ SCHEMA: dict[str, Any] = {
         "frozen": F("strs", (), None, "regexes of parameter paths that never train"),
         "lr_mults": F("dict", {}, None, "{regex: factor}: learning-rate multiplier per "
                       "parameter path, first match wins"),
-        "ema": {  # jtrain/ema.py: the average lives in the state, exact under resume
+        "ema": {  # jtrain/state.py: the average lives in the state, exact under resume
             "decay": F(float, 0.0, (0.0, 1.0), "weight EMA decay d in [0, 1) (ema <- d * "
                        "ema + (1 - d) * params after each update); 0 = off"),
             "warmup": F(str, "none", ("none", "standard"), "EMA decay warmup: none = d "

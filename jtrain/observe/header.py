@@ -94,9 +94,9 @@ def optimizer_line(optim, total_steps: int, grad_accum_steps: int | None = None)
 def ema_line(ema_cfg, weights: str, abstract_ema, shardings) -> str:
     """`jtrain: weight EMA on: decay 0.999 (warmup none), 1,234,567 bytes per device;
     eval.weights=both`."""
-    from jtrain import ema as ema_lib
+    from jtrain import state as state_lib
 
-    per_device = ema_lib.bytes_per_device(abstract_ema, shardings)
+    per_device = state_lib.ema_bytes_per_device(abstract_ema, shardings)
     return (f"jtrain: weight EMA on: decay {ema_cfg.decay:g} (warmup {ema_cfg.warmup}), "
             f"{per_device:,} bytes per device; eval.weights={weights}")
 
