@@ -52,6 +52,7 @@ class Build:
     grad_accum_steps: int = 1  # what the train step uses (the memory plan's, if any)
     extra_trainable: tuple[str, ...] = ()  # added to optim.trainable (LoRA's adapters)
     flops_per_example: float | None = None  # training FLOPs of one example, if known
+    ema_decay: float = 0.0  # optim.ema.decay: the state keeps a weight EMA when > 0
 
     def decided(self, cfg) -> dict:
         """What the set-up decided beyond the config, as run.json records it:
@@ -100,11 +101,12 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
             model_fns.apply, policy, tuple(cfg.model.keep_fp32)))
     tx, schedule = optim_lib.make_optimizer(cfg.optim, cfg.total_steps,
                                             extra_trainable=extra_trainable)
+    ema_decay, ema_warmup = float(cfg.optim.ema.decay), str(cfg.optim.ema.warmup)
     sample_inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), sample)
     try:  # Linen's init calls the model: the first time it meets the data's inputs
         abstract, shardings = state_lib.make_abstract_state(
-            model_fns, tx, policy, sample_inputs, mesh, cfg.seed)
+            model_fns, tx, policy, sample_inputs, mesh, cfg.seed, ema=ema_decay > 0)
     except JtrainError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's model: one line, no traceback
@@ -132,7 +134,7 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
                 grad_accum_steps=accum, dynamic_loss_scale=policy.dynamic_loss_scale,
                 halt_on_nonfinite=cfg.nonfinite.policy == "halt",
                 max_consecutive=cfg.nonfinite.max_consecutive, valid_fn=valid_fn,
-                model_inputs=model_inputs),
+                model_inputs=model_inputs, ema_decay=ema_decay, ema_warmup=ema_warmup),
             in_shardings=(shardings, batch_sharding), out_shardings=(shardings, repl),
             donate_argnums=0)
 
@@ -154,7 +156,7 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
                  abstract=abstract, shardings=shardings, eval_spec=eval_spec,
                  train_step=train_step, eval_step=eval_step, seed=cfg.seed,
                  memory_plan=memory_plan, trainable=split, loss_fn=loss_fn,
-                 grad_accum_steps=accum, extra_trainable=extra_trainable,
+                 grad_accum_steps=accum, extra_trainable=extra_trainable, ema_decay=ema_decay,
                  flops_per_example=model_flops_per_example(
                      model, cfg.model, jax.tree.map(np.shape, sample)))
 
@@ -190,7 +192,8 @@ def check_run(cfg, b: Build, data) -> None:
     terms = model_checks.loss_term_names(b.model_fns.apply, b.loss_fn, b.abstract.params,
                                       data.example, model_inputs)
     decide_lib.check_monitors(cfg, None if data.eval is None
-                              else evaluator.metric_keys(b.eval_spec, terms))
+                              else evaluator.metric_keys(b.eval_spec, terms,
+                                                         weights=cfg.eval.weights))
     model_checks.check_targets(
         b.eval_spec, model_checks.output_shape_of(b.model_fns.apply, b.abstract.params,
                                                b.sample_inputs),

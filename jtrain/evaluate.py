@@ -4,12 +4,15 @@ itself is `jtrain.evaluator` (shared with training; its names are re-exported he
 
     python -m jtrain.evaluate --workdir=runs/base [--step=N|best|latest]
                               [--data=eval|train|FILE.npz] [--num_batches=N] [--no_plots]
+                              [--weights=params|ema|both]
 
 writes WORKDIR/eval_<step>.json (every metric, the confusion matrix for classification)
 and PNGs beside it: eval_<step>_curves.png (training curves from metrics.jsonl) and
 eval_<step>_confusion.png. `best` is the best checkpoint by checkpoint.monitor /
 checkpoint.mode as logged in metrics.jsonl, ties going to the newer step (the rule
-checkpoint retention uses: jtrain.checkpoint.policy.best_steps).
+checkpoint retention uses: jtrain.checkpoint.policy.best_steps). `--weights=ema` scores the
+weight EMA (a run with optim.ema.decay > 0), its metrics named eval/ema/<name>; `both` the
+params and the EMA; the default is the run's eval.weights.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from jtrain import checkpoint, cli
 from jtrain import config as config_lib
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
-from jtrain import optim
 from jtrain.build import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, build, model_sample
 from jtrain.observe.outputs import read_run_record
 from jtrain.metrics.classification import classification_report
@@ -41,15 +43,16 @@ from jtrain.checkpoint import policy
 from jtrain.observe import jsonl
 from jtrain.errors import EvaluateError, JtrainError, UsageError, first_line
 from jtrain.evaluator import (MAX_IN_FLIGHT, Evaluation, format_line, headline,  # noqa: F401
-                              local_rows, make_spec, run_eval)
+                              evaluate_weights, local_rows, make_spec, run_eval)
 
 def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data="eval",
                         num_batches: int = 0, plots: bool = True, model=None,
-                        loss_fn=None) -> dict:
+                        loss_fn=None, weights: str | None = None) -> dict:
     """Evaluates a checkpoint of a run and writes the report files. The model is rebuilt
     from config.json (a built-in family or model.factory), the loss from loss.fn /
     loss.terms; `model` / `loss_fn`: the objects a run was given from Python (the same
-    ones, or ones built the same way).
+    ones, or ones built the same way). `weights`: "params", "ema" (the weight EMA) or
+    "both"; None = the run's eval.weights.
 
     The model, mesh, state and eval step come from `jtrain.train.build`, as in training.
     Returns the report (what eval_<step>.json holds)."""
@@ -77,6 +80,12 @@ def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data="eval"
             "jtrain.evaluate.evaluate_checkpoint(workdir, loss_fn=...) from Python, or train "
             "with loss.fn='package.module:function' (or loss.terms)")
     cfg = config_lib.resolve(recorded)
+    weights = weights or cfg.eval.weights
+    if weights not in ("params", "ema", "both"):
+        raise UsageError(f"--weights: expected params, ema or both, got {weights!r}")
+    if weights != "params" and not cfg.optim.ema.get("decay", 0.0):
+        raise EvaluateError(f"--weights={weights}: {workdir} keeps no weight EMA "
+                            "(optim.ema.decay = 0)")
     config_lib.validate(cfg, num_devices=jax.device_count())
     reader = checkpoint.CheckpointReader(workdir)  # read-only: safe beside a running job
     chosen = resolve_step(step, reader.all_steps(), workdir, monitor=cfg.checkpoint.monitor,
@@ -88,19 +97,19 @@ def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data="eval"
     state = reader.restore(chosen, b.abstract_with_shardings())[0]
     eval_batch = (cfg.eval.batch_size or cfg.data.batch_size) // jax.process_count()
     with jax.set_mesh(b.mesh), nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
-        params = optim.schedule_free_eval_params(state.opt_state, state.params)
-        result = run_eval(b.eval_step, state.params if params is None else params, source,
-                          mesh=b.mesh,
-                          local_batch=eval_batch, spec=b.eval_spec, max_batches=num_batches)
+        result = evaluate_weights(b.eval_step, state, source, weights=weights, mesh=b.mesh,
+                                  local_batch=eval_batch, spec=b.eval_spec,
+                                  max_batches=num_batches)
     report = {
-        "step": chosen, "data": data_name, "task": b.eval_spec.task,
+        "step": chosen, "data": data_name, "task": b.eval_spec.task, "weights": weights,
         "num_examples": result.num_examples,
         "metrics": {k: _json_number(v) for k, v in result.scalars.items()},
         **{k: v.tolist() for k, v in result.arrays.items()},
     }
-    if "confusion_matrix" in result.arrays:  # per class and averaged, as sklearn's
-        report["classification_report"] = classification_report(
-            result.arrays["confusion_matrix"])
+    for prefix in ("", "ema_"):  # per class and averaged, as sklearn's
+        if f"{prefix}confusion_matrix" in result.arrays:
+            report[f"{prefix}classification_report"] = classification_report(
+                result.arrays[f"{prefix}confusion_matrix"])
     if jax.process_index() == 0:
         files = write_report(workdir, report, result, plots=plots)
         report["files"] = files
@@ -181,9 +190,11 @@ def write_report(workdir: str, report: dict, result: Evaluation, *, plots: bool 
         if plots_lib.training_curves(read_jsonl(os.path.join(workdir, "metrics.jsonl")),
                                      os.path.join(workdir, curves)):
             files.append(curves)
-        if "confusion_matrix" in result.arrays:
+        matrix = result.arrays.get("confusion_matrix",
+                                   result.arrays.get("ema_confusion_matrix"))
+        if matrix is not None:
             name = f"eval_{step}_confusion.png"
-            plots_lib.confusion_matrix(result.arrays["confusion_matrix"],
+            plots_lib.confusion_matrix(matrix,
                                        os.path.join(workdir, name),
                                        title=f"confusion matrix, step {step} ({report['data']})")
             files.append(name)
@@ -201,6 +212,9 @@ def _define_flags(fv) -> None:
     flags.DEFINE_bool("plots", True, "Write the PNG plots (--noplots: the JSON only).",
                       flag_values=fv)
     flags.DEFINE_bool("no_plots", False, "Same as --noplots.", flag_values=fv)
+    flags.DEFINE_enum("weights", None, ["params", "ema", "both"], "Weights evaluated: the "
+                      "params, the weight EMA (eval/ema/...) or both; default: the run's "
+                      "eval.weights.", flag_values=fv)
 
 
 def _main(fv, args) -> int:
@@ -212,7 +226,8 @@ def _main(fv, args) -> int:
     try:
         report = evaluate_checkpoint(fv.workdir, step=fv.step, data=fv.data,
                                      num_batches=fv.num_batches,
-                                     plots=fv.plots and not fv.no_plots)
+                                     plots=fv.plots and not fv.no_plots,
+                                     weights=fv.weights)
     except (FileNotFoundError, ValueError) as e:
         if isinstance(e, JtrainError):
             raise

@@ -21,6 +21,7 @@ import numpy as np
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
 from jtrain import metrics as metrics_lib
+from jtrain import state as state_lib
 from jtrain import step as step_lib
 from jtrain.model_checks import example_batch, output_shape_of
 
@@ -77,15 +78,25 @@ def predicted_shapes(apply_fn, abstract_params, example, predict_fn, model_input
     return tuple(preds.shape[1:]), jax.ShapeDtypeStruct(tuple(t.shape[1:]), t.dtype)
 
 
-def metric_keys(spec, terms=()) -> set[str]:
-    """The names ("eval/<name>") an evaluation with `spec` reports, known before any
-    eval runs (checked against early_stop / plateau / checkpoint monitors); `terms`:
-    the user loss's named terms (`jtrain.model_checks.loss_term_names`)."""
+# eval.weights: which parameters an evaluation scores, and the prefix of their metrics.
+PREFIXES = {"params": "eval/", "ema": "eval/ema/"}
+
+
+def weight_sets(weights: str) -> tuple[str, ...]:
+    """eval.weights -> the parameter sets evaluated ("both": params, then the EMA)."""
+    return ("params", "ema") if weights == "both" else (weights,)
+
+
+def metric_keys(spec, terms=(), weights: str = "params") -> set[str]:
+    """The names ("eval/<name>", the EMA's "eval/ema/<name>") an evaluation with
+    `spec` reports, known before any eval runs (checked against early_stop / plateau /
+    checkpoint monitors); `terms`: the user loss's named terms
+    (`jtrain.model_checks.loss_term_names`); `weights`: eval.weights."""
     device, host = metrics_lib.make_collection(spec).partition()
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         names = {*device.compute(), *host.compute(), *terms}
-    return {f"eval/{k}" for k in names}
+    return {PREFIXES[w] + k for w in weight_sets(weights) for k in names}
 
 
 def local_rows(x) -> np.ndarray:
@@ -141,11 +152,29 @@ def run_eval(eval_step, params, source, *, mesh, local_batch: int, spec, max_bat
                       arrays=device_total.compute_arrays(), num_examples=n)
 
 
+def evaluate_weights(eval_step, state, source, *, weights: str = "params", **kwargs
+                     ) -> Evaluation:
+    """`run_eval` of the params, the weight EMA or both (`weights`: eval.weights; the
+    parameters come from `jtrain.state.eval_params`). The EMA's metrics are named
+    `eval/ema/<name>`, its arrays `ema_<name>` (`ema_confusion_matrix`)."""
+    scalars, arrays, n = {}, {}, 0
+    for which in weight_sets(weights):
+        result = run_eval(eval_step, state_lib.eval_params(state, which), source, **kwargs)
+        prefix = PREFIXES[which]
+        scalars.update({prefix + k.removeprefix("eval/"): v for k, v in result.scalars.items()})
+        arrays.update({("" if which == "params" else f"{which}_") + k: v
+                       for k, v in result.arrays.items()})
+        n = result.num_examples
+    return Evaluation(scalars=scalars, arrays=arrays, num_examples=n)
+
+
 def headline(scalars: dict) -> str:
-    """`loss 1.2340, accuracy 0.6120, ...` for the console: per-class values and the micro
-    averages (equal to the accuracy for single-label classes) are left to the files."""
+    """`loss 1.2340, accuracy 0.6120, ...` for the console (the EMA's as `ema/loss ...`):
+    per-class values and the micro averages (equal to the accuracy for single-label
+    classes) are left to the files."""
     return ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in scalars.items()
-                     if k.startswith("eval/") and k.count("/") == 1
+                     if k.startswith("eval/")
+                     and "/" not in k.removeprefix("eval/").removeprefix("ema/")
                      and not k.endswith("_micro") and isinstance(v, float))
 
 

@@ -1,5 +1,5 @@
 """`python -m jtrain.export --workdir=WORKDIR --out=DIR [--step=N|latest|best]
-[--dtype=bfloat16] [--merge_lora]` (or WORKDIR as the one positional argument): the
+[--dtype=bfloat16] [--merge_lora] [--weights=ema]` (or WORKDIR as the one positional argument): the
 export command; what it writes is jtrain.checkpoint.export's."""
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ def _define_flags(fv) -> None:
     flags.DEFINE_bool("merge_lora", False, "Fold LoRA adapters into their weights "
                       "(W + alpha/rank * A @ B): the export loads into the plain model.",
                       flag_values=fv)
+    flags.DEFINE_enum("weights", "params", ["params", "ema"], "Weights written: the params "
+                      "(default) or the weight EMA in their place (optim.ema.decay > 0).",
+                      flag_values=fv)
 
 
 def _main(fv, args) -> int:
@@ -47,14 +50,16 @@ def _main(fv, args) -> int:
         raise UsageError("--out: required (the export directory)")
     try:
         record = export_lib.export(args[0], fv.out, step=fv.step, dtype=fv.dtype,
-                                   merge_lora=fv.merge_lora)
+                                   merge_lora=fv.merge_lora, weights=fv.weights)
     except OSError as e:
         known = classify(e, fv.out, flag="--out")  # --out on a full or read-only disk
         if known is not e:
             raise known from None
         raise ExportError(f"{args[0]}: {e.strerror or first_line(e)}") from None
     merged = record.get("merged_lora")
-    print(f"jtrain: exported step {record['step']}: {record['num_params']:,} params in "
+    print(f"jtrain: exported step {record['step']}"
+          + (" (the weight EMA)" if fv.weights == "ema" else "")
+          + f": {record['num_params']:,} params in "
           f"{record['num_tensors']} tensors ({record['dtype']}) to "
           f"{os.path.join(fv.out, export_lib.PARAMS_FILE)}"
           + (f"; LoRA merged into {merged['merged']} weights (rank {merged['rank']}, alpha "
@@ -64,7 +69,8 @@ def _main(fv, args) -> int:
 
 def main(argv=None) -> int:
     """`python -m jtrain.export --workdir=WORKDIR --out=DIR [--step=N|latest|best]
-    [--dtype=bfloat16] [--merge_lora]` (or WORKDIR as the one positional argument)."""
+    [--dtype=bfloat16] [--merge_lora] [--weights=ema]` (or WORKDIR as the one positional
+    argument)."""
     return cli.run("python -m jtrain.export", _define_flags, _main, argv,
                    description="Export a checkpoint's parameters (safetensors).")
 

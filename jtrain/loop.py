@@ -29,7 +29,6 @@ from jtrain import checkpoint, control as control_lib
 from jtrain import config as config_lib
 from jtrain import evaluator
 from jtrain import multihost
-from jtrain import optim
 from jtrain import state as state_lib
 from jtrain.build import Build
 from jtrain.control import decide as decide_lib
@@ -311,11 +310,10 @@ def _evaluator(cfg, run: Run):
         if run.data.eval is None:
             return {"step": step}
         t0 = time.perf_counter()
-        params = optim.schedule_free_eval_params(state.opt_state, state.params)
-        result = evaluator.run_eval(run.build.eval_step,
-                                    state.params if params is None else params, run.data.eval,
-                                    mesh=run.build.mesh, local_batch=run.data.eval_batch,
-                                    max_batches=cfg.eval.num_batches, spec=run.build.eval_spec)
+        result = evaluator.evaluate_weights(
+            run.build.eval_step, state, run.data.eval, weights=cfg.eval.weights,
+            mesh=run.build.mesh, local_batch=run.data.eval_batch,
+            max_batches=cfg.eval.num_batches, spec=run.build.eval_spec)
         run.out.perf.add("eval", time.perf_counter() - t0)
         run.out.writer.write_scalars(step, result.scalars)
         run.out.progress.message(evaluator.format_line(step, result), emphasis=True)

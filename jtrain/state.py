@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import linen as nn
-from flax import struct
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jtrain import precision
 
 
-@struct.dataclass
+@dataclasses.dataclass(frozen=True)
 class TrainState:
     step: jax.Array  # int32 [], number of optimizer updates applied
     params: Any  # the model's parameters (plain arrays, no metadata boxes)
@@ -30,20 +30,42 @@ class TrainState:
     consecutive_skips: jax.Array  # int32 [], non-finite skips in a row
     halted_at: jax.Array  # int32 [], the step nonfinite.* halted at; 0 = running
     lr_factor: jax.Array  # float32 [], ReduceLROnPlateau's factor on the schedule
+    # optim.ema: the params' moving average (below), sharded like them; None = off,
+    # so runs without it keep their state tree, checkpoints and state_sha256.
+    ema: Any = None
+
+    def replace(self, **changes) -> "TrainState":
+        return dataclasses.replace(self, **changes)
 
 
-def make_abstract_state(model_fns, tx, policy, sample_inputs, mesh, seed: int):
+_FIELDS = tuple(f.name for f in dataclasses.fields(TrainState))
+
+
+def _flatten(state: TrainState):
+    """A pytree of its fields by name (GetAttrKey), `ema` left out while it is None: a
+    run without EMA saves the checkpoint tree it always did, and restores older ones."""
+    names = tuple(n for n in _FIELDS if n != "ema" or state.ema is not None)
+    return [(jax.tree_util.GetAttrKey(n), getattr(state, n)) for n in names], names
+
+
+jax.tree_util.register_pytree_with_keys(
+    TrainState, _flatten, lambda names, children: TrainState(**dict(zip(names, children))))
+
+
+def make_abstract_state(model_fns, tx, policy, sample_inputs, mesh, seed: int, *,
+                        ema: bool = False):
     """(abstract TrainState, its shardings): shapes first, nothing allocated.
 
     Parameter shardings come from the model's logical-axis annotations; optimizer
     state that mirrors a parameter gets that parameter's sharding (so FSDP shards
-    Adam's moments too); everything else is replicated."""
+    Adam's moments too), and so does the weight EMA (`ema`: keep one); everything else
+    is replicated."""
     rng = jax.random.key(seed)
     with jax.set_mesh(mesh):
         abstract_params, param_shardings = model_fns.abstract_and_shardings(
             rng, sample_inputs, mesh)
-    # The params go in as arguments (traced): an optimizer's init may read their dtypes.
-    abstract = jax.eval_shape(lambda p: _fresh_state(p, tx, policy, rng), abstract_params)
+    abstract = jax.eval_shape(lambda p: _fresh_state(p, tx, policy, rng, ema),
+                              abstract_params)
     repl = NamedSharding(mesh, P())
     # MaskedNode: no state for that parameter (frozen by optim.trainable / frozen).
     try:
@@ -56,7 +78,8 @@ def make_abstract_state(model_fns, tx, policy, sample_inputs, mesh, seed: int):
     except (TypeError, AttributeError):  # an init that reads dtypes (schedule_free)
         opt_shardings = _shardings_by_path(abstract, param_shardings, repl)
     shardings = jax.tree.map(lambda _: repl, abstract).replace(
-        params=param_shardings, opt_state=opt_shardings)
+        params=param_shardings, opt_state=opt_shardings,
+        ema=param_shardings if ema else None)
     return abstract, shardings
 
 
@@ -75,36 +98,64 @@ def _shardings_by_path(abstract, param_shardings, repl):
     return jax.tree_util.tree_map_with_path(pick, abstract.opt_state)
 
 
-def _fresh_state(params, tx, policy, rng):
+def _fresh_state(params, tx, policy, rng, ema: bool = False):
     return TrainState(
         step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params),
         rng=jax.random.key_data(jax.random.fold_in(rng, 1)),
         loss_scale=precision.init_loss_scale(policy),
         skipped_steps=jnp.asarray(0, jnp.int32), consecutive_skips=jnp.asarray(0, jnp.int32),
-        halted_at=jnp.asarray(0, jnp.int32), lr_factor=jnp.asarray(1.0, jnp.float32))
+        halted_at=jnp.asarray(0, jnp.int32), lr_factor=jnp.asarray(1.0, jnp.float32),
+        ema=ema_init(params) if ema else None)
 
 
-def init_state(model_fns, tx, policy, sample_inputs, mesh, seed: int, shardings) -> TrainState:
-    """A fresh TrainState, created directly in its shardings by one jitted function."""
+def init_state(model_fns, tx, policy, sample_inputs, mesh, seed: int, shardings
+               ) -> TrainState:
+    """A fresh TrainState, created directly in its shardings by one jitted function
+    (with the weight EMA when `shardings` has one: make_abstract_state(..., ema=True))."""
+    ema = shardings.ema is not None
     rng = jax.random.key(seed)
     inputs = jax.tree.map(lambda s: jnp.zeros((1,) + tuple(s.shape[1:]), s.dtype),
                           sample_inputs)
     if model_fns.existing_params is not None:  # an NNX instance the user already built
-        fn = jax.jit(lambda p: _fresh_state(p, tx, policy, rng), out_shardings=shardings)
+        fn = jax.jit(lambda p: _fresh_state(p, tx, policy, rng, ema), out_shardings=shardings)
         return fn(model_fns.existing_params)
 
     def create():
         params = nn.unbox(model_fns.init(jax.random.fold_in(rng, 0), inputs))
-        return _fresh_state(params, tx, policy, rng)
+        return _fresh_state(params, tx, policy, rng, ema)
 
     with jax.set_mesh(mesh):
         return jax.jit(create, out_shardings=shardings)()
 
 
+EVAL_WEIGHTS = ("params", "ema")
+
+
+def eval_params(state: TrainState, which: str = "params"):
+    """The parameters an evaluation uses: `which` = "params" (the trained ones; for a
+    schedule-free optimizer the average it defines for evaluation) or "ema" (the weight EMA, in the params' dtypes; a ValueError when the state
+    has none: optim.ema.decay = 0)."""
+    if which == "params":  # a schedule-free optimizer's own evaluation point
+        from jtrain import optim as optim_lib
+
+        averaged = optim_lib.schedule_free_eval_params(state.opt_state, state.params)
+        return state.params if averaged is None else averaged
+    if which == "ema":
+        if state.ema is None:
+            raise ValueError("eval.weights='ema': this run keeps no weight EMA "
+                             "(optim.ema.decay = 0)")
+        return ema_as_params(state.ema, state.params)
+    raise ValueError(f"eval.weights: unknown {which!r}; choose one of: "
+                     f"{', '.join(EVAL_WEIGHTS)}")
+
+
 def state_sha256(state: TrainState) -> str:
-    """SHA-256 over params and optimizer state: leaf paths, dtypes, shapes and bytes in
-    path order. The same on every process, and across runs for identical state."""
+    """SHA-256 over params, optimizer state and the weight EMA (when kept): leaf paths,
+    dtypes, shapes and bytes in path order. The same on every process, and across runs
+    for identical state."""
     tree = {"params": state.params, "opt_state": state.opt_state}
+    if state.ema is not None:
+        tree["ema"] = state.ema
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     digest = hashlib.sha256()
     for path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
@@ -115,3 +166,75 @@ def state_sha256(state: TrainState) -> str:
         digest.update(f"{arr.dtype.name}{arr.shape}".encode())
         digest.update(arr.tobytes())
     return digest.hexdigest()
+
+
+# -- the weight EMA (optim.ema): an exponential moving average of the parameters ----
+# The average lives in `TrainState.ema`, beside the params and sharded like them; it is
+# None when `optim.ema.decay` is 0, so a run without it has the state, checkpoints and
+# `state_sha256` it always had. The train step moves it right after each applied update
+# (`jtrain.step`), inside the guard: a skipped update leaves it untouched.
+#
+#     ema <- ema + (1 - d) * (params - ema)        # = d * ema + (1 - d) * params
+#
+# written as a step towards the params so a leaf that does not move (`optim.frozen`)
+# keeps an average exactly equal to itself. `d` is `optim.ema.decay`, or with
+# `optim.ema.warmup = "standard"` `min(decay, (1 + t) / (10 + t))`, t the number of
+# updates applied before this one (TensorFlow's `ExponentialMovingAverage(num_updates)`
+# and Keras 3's `use_ema` form): the early average follows the params closely instead of
+# remembering the initialisation. The average starts as a copy of the initial params.
+#
+# Floating leaves are averaged in float32 whatever the params' dtype (a bfloat16 average at
+# decay 0.999 would stop moving: its steps round to zero); `ema_as_params` casts it back to
+# the params' dtypes for evaluation and export.
+
+EMA_WARMUPS = ("none", "standard")
+
+
+def ema_rate_fn(decay: float, warmup: str = "none") -> Callable | None:
+    """`rate(t) -> d`: the decay of the update after t applied updates (t: int32 []);
+    None when decay is 0 (no EMA)."""
+    if not decay:
+        return None
+    if warmup == "none":
+        return lambda t: jnp.asarray(decay, jnp.float32)
+    if warmup == "standard":
+        def rate(t):
+            t = jnp.asarray(t, jnp.float32)
+            return jnp.minimum(jnp.float32(decay), (1.0 + t) / (10.0 + t))
+        return rate
+    raise ValueError(f"optim.ema.warmup: unknown {warmup!r}; choose one of: "
+                     f"{', '.join(EMA_WARMUPS)}")
+
+
+def _ema_dtype(dtype):
+    return jnp.float32 if jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
+def ema_init(params):
+    """The average at step 0: a copy of the params (floating leaves in float32)."""
+    return jax.tree.map(lambda p: jnp.array(p, dtype=_ema_dtype(p.dtype), copy=True),
+                        params)
+
+
+def ema_update(ema, params, rate):
+    """One step of the average towards `params` with decay `rate` (a float32 scalar)."""
+    def one(e, p):
+        if not jnp.issubdtype(e.dtype, jnp.floating):
+            return p.astype(e.dtype)
+        return e + (1.0 - rate).astype(e.dtype) * (p.astype(e.dtype) - e)
+    return jax.tree.map(one, ema, params)
+
+
+def ema_as_params(ema, params):
+    """The average in the params' dtypes (what an eval step or an export takes)."""
+    return jax.tree.map(lambda e, p: e if e.dtype == p.dtype else e.astype(p.dtype),
+                        ema, params)
+
+
+def ema_bytes_per_device(abstract_ema, shardings) -> int:
+    """The average's memory on one device: its shards' bytes (the header says it)."""
+    total = 0
+    for leaf, sharding in zip(jax.tree.leaves(abstract_ema), jax.tree.leaves(shardings)):
+        shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+        total += int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
+    return total

@@ -24,7 +24,7 @@ from jtrain import losses
 from jtrain import metrics as metrics_lib
 from jtrain import optim
 from jtrain import precision
-from jtrain.state import TrainState
+from jtrain.state import TrainState, ema_rate_fn, ema_update
 
 
 def _split_microbatches(batch, k: int):
@@ -94,20 +94,23 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
                     schedule: Callable, *, grad_accum_steps: int = 1,
                     dynamic_loss_scale: bool = False, halt_on_nonfinite: bool = False,
                     max_consecutive: int = 8, valid_fn: Callable | None = None,
-                    model_inputs: tuple = ()) -> Callable:
+                    model_inputs: tuple = (), ema_decay: float = 0.0,
+                    ema_warmup: str = "none") -> Callable:
     """Returns train_step(state, batch) -> (state, metrics). Jit it with shardings.
 
     The update is applied through `guarded_update`: only when the loss and the gradient
     norm are finite and every row of the batch is valid (`row_validity`); it also keeps
     the skip / halt counters and the fp16 loss scale. `state.lr_factor`
     (ReduceLROnPlateau) scales the whole update, i.e. the learning rate, without a
-    recompile."""
+    recompile. With `ema_decay` > 0 (optim.ema; the state was made with one) the weight
+    EMA moves towards the new params after each applied update (`jtrain.state`)."""
 
     def loss_and_aux(params, batch, key, scale):
         outputs = apply_fn(params, inputs_of(batch, model_inputs), rng=key, train=True)
         (loss_sum, weight), terms = losses.split_loss(loss_fn(outputs, batch))
         return loss_sum * scale, (loss_sum, weight, terms)
 
+    ema_rate = ema_rate_fn(ema_decay, ema_warmup)
     value_and_grad = accumulated(jax.value_and_grad(loss_and_aux, has_aux=True),
                                  grad_accum_steps)
 
@@ -123,10 +126,15 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
             if optim.takes_lr_factor(tx):  # schedule-free: the factor scales its base step
                 updates, opt_state = tx.update(grads, state.opt_state, state.params,
                                                lr_factor=state.lr_factor)
-                return optax.apply_updates(state.params, updates), opt_state
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            updates = jax.tree.map(lambda u: (u * state.lr_factor).astype(u.dtype), updates)
-            return optax.apply_updates(state.params, updates), opt_state
+            else:
+                updates, opt_state = tx.update(grads, state.opt_state, state.params)
+                updates = jax.tree.map(lambda u: (u * state.lr_factor).astype(u.dtype),
+                                       updates)
+            params = optax.apply_updates(state.params, updates)
+            if ema_rate is None:
+                return params, opt_state, state.ema
+            applied_before = state.step - state.skipped_steps  # updates applied so far
+            return params, opt_state, ema_update(state.ema, params, ema_rate(applied_before))
 
         grad_norm = optax.tree.norm(grads)
         new_state, guard = guarded_update(
@@ -180,12 +188,13 @@ def accumulated(value_and_grad: Callable, k: int) -> Callable:
 
 def guarded_update(state: TrainState, update: Callable, loss, grad_norm, rows_ok, *,
                    dynamic_loss_scale: bool, halt_on_nonfinite: bool, max_consecutive: int):
-    """The guard around `update() -> (params, opt_state)`: (the next state, its metrics).
+    """The guard around `update() -> (params, opt_state, ema)`: (the next state, its
+    metrics).
 
     The update is applied only when the loss and the gradient norm are finite (global
     values: the same decision on every device and process) and every row of the batch is
-    valid (`rows_ok` [B]). Otherwise params, optimizer state and the schedule's position
-    are untouched, `skipped_steps` counts it, and `train/status` says why. Non-finite
+    valid (`rows_ok` [B]). Otherwise params, optimizer state, the weight EMA and the
+    schedule's position are untouched, `skipped_steps` counts it, and `train/status` says why. Non-finite
     skips in a row are counted; at `max_consecutive` (or at the first one with
     `halt_on_nonfinite`) the state records `halted_at` and no later update is applied,
     so the host can stop with the params of the last good step (fp16 loss-scale
@@ -195,8 +204,9 @@ def guarded_update(state: TrainState, update: Callable, loss, grad_norm, rows_ok
     bad_grads = valid & jnp.isfinite(loss) & ~jnp.isfinite(grad_norm)
     running = state.halted_at == 0
     apply_update = running & valid & jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    params, opt_state = jax.lax.cond(apply_update, lambda _: update(),
-                                     lambda _: (state.params, state.opt_state), None)
+    params, opt_state, ema = jax.lax.cond(
+        apply_update, lambda _: update(),
+        lambda _: (state.params, state.opt_state, state.ema), None)
     # fp16: an overflow in the scaled gradients is the loss scale's business.
     counted = bad_loss | (bad_grads & (not dynamic_loss_scale))
     consecutive = jnp.where(counted, state.consecutive_skips + 1,
@@ -206,7 +216,7 @@ def guarded_update(state: TrainState, update: Callable, loss, grad_norm, rows_ok
     skipped = state.skipped_steps + (running & ~apply_update).astype(jnp.int32)
     new_state = state.replace(
         step=state.step + 1,  # batches consumed; skipped updates are counted below
-        params=params, opt_state=opt_state,
+        params=params, opt_state=opt_state, ema=ema,
         loss_scale=precision.update_loss_scale(
             state.loss_scale, jnp.isfinite(grad_norm) | ~valid, dynamic_loss_scale),
         skipped_steps=skipped, consecutive_skips=consecutive, halted_at=halted_at)

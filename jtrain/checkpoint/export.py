@@ -19,6 +19,11 @@ weight, `W + alpha/rank * A @ B` (jtrain.models.lora.merge), and leaves the adap
 the export loads into the plain model (finetune.lora.rank=0). Without LoRA it is a usage
 error (exit 2).
 
+    python -m jtrain.export --workdir=runs/ema --out=exports/ema --weights=ema
+
+`--weights=ema` (a run with `optim.ema.decay` > 0) writes the weight EMA as the parameters,
+in the params' dtypes and under their names: the export loads like any other.
+
 The checkpoint is integrity-checked (see `jtrain.checkpoint.integrity`) before reading.
 Errors print one line `jtrain: export error: ...` and exit 3.
 """
@@ -201,9 +206,13 @@ def load_checkpoint_leaves(step_dir: str, prefixes=("params",)) -> dict[str, np.
 
 
 def export(workdir: str, out: str, *, step: int | str | None = None,
-           dtype: str | None = None, merge_lora: bool = False) -> dict:
+           dtype: str | None = None, merge_lora: bool = False,
+           weights: str = "params") -> dict:
     """Write the export; returns the export.json record. `merge_lora`: adapters folded
-    into their weights (a UsageError for a run without LoRA)."""
+    into their weights (a UsageError for a run without LoRA). `weights="ema"`: the
+    weight EMA is written as the params (a UsageError for a run without one)."""
+    if weights not in ("params", "ema"):
+        raise UsageError(f"--weights: expected params or ema, got {weights!r}")
     step_dir = find_step_dir(workdir, step)
     with open(os.path.join(step_dir, "control", "metadata")) as f:
         control = json.load(f)
@@ -212,8 +221,12 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
         raise ExportError(f"{step_dir}: optim.name={optimizer}: exporting a schedule-free "
                           "run is not implemented (its evaluation params are an average "
                           "kept in the optimizer state); evaluate it with jtrain evaluate")
+    loaded = load_checkpoint_leaves(step_dir, ("params", "ema") if weights == "ema"
+                                    else ("params",))
     leaves = {name.split("/", 1)[1]: arr  # "params/body/kernel" -> "body/kernel"
-              for name, arr in load_checkpoint_leaves(step_dir).items()}
+              for name, arr in loaded.items() if name.startswith("params/")}
+    if weights == "ema":
+        leaves = _ema_as_params(loaded, leaves, workdir)
     merged = _merge_lora(leaves, control.get("config") or {}, workdir) if merge_lora else None
     tensors = {}
     for name, arr in leaves.items():
@@ -225,7 +238,7 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
     record = {
         "format": "jtrain-export", "version": 1,
         "step": int(os.path.basename(step_dir)), "source": os.path.abspath(step_dir),
-        "dtype": dtype or "as saved", "num_tensors": len(tensors),
+        "dtype": dtype or "as saved", "weights": weights, "num_tensors": len(tensors),
         "num_params": int(sum(a.size for a in tensors.values())),
         "config_sha256": control.get("config_sha256"), "config": control.get("config"),
     }
@@ -236,6 +249,16 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
     with open(os.path.join(out, INFO_FILE), "w") as f:
         json.dump(record, f, indent=2, sort_keys=True)
     return record
+
+
+def _ema_as_params(loaded: dict, params: dict, workdir: str) -> dict:
+    """The checkpoint's weight EMA under the params' names, in their dtypes."""
+    ema = {name.split("/", 1)[1]: arr for name, arr in loaded.items()
+           if name.startswith("ema/")}
+    if not ema:
+        raise UsageError(f"--weights=ema: {workdir} keeps no weight EMA (optim.ema.decay "
+                         "= 0); export it without --weights=ema")
+    return {name: ema[name].astype(arr.dtype) for name, arr in params.items()}
 
 
 def _merge_lora(leaves: dict, config: dict, workdir: str) -> dict:

@@ -13,6 +13,9 @@ that differs (a bfloat16 export into float32 parameters) is cast, and said so. L
 adapters (`*_lora_a` / `*_lora_b`, jtrain.models.lora) that the source lacks are expected:
 a LoRA fine-tune of a plain run or export keeps their fresh init. One line reports the
 leaves loaded, excluded, fresh adapters and unused in the source, with the first paths.
+A run with a weight EMA (`optim.ema.decay` > 0) takes the source checkpoint's average of
+each parameter it loads, and starts the average at the loaded parameters where the source
+has none (an export, a run without EMA) or the parameter was excluded.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import re
 
 import jax
 
+from jtrain import state as state_lib
 from jtrain.checkpoint import export as export_lib
 from jtrain.checkpoint import integrity
 from jtrain.errors import ConfigError, ExportError, RestoreError
@@ -54,6 +58,8 @@ def init_from(ckpt_cfg, abstract_state, init_fn):
             source = export_lib.find_step_dir(path, ckpt_cfg.init_from_step)
             source_step = os.path.basename(os.path.normpath(source))
             prefixes = ("params", "opt_state") if with_opt else ("params",)
+            if abstract_state.ema is not None:
+                prefixes += ("ema",)
             loaded = export_lib.load_checkpoint_leaves(source, prefixes)
     except ExportError as e:
         raise RestoreError(f"checkpoint.init_from: {e}") from None
@@ -97,6 +103,8 @@ def init_from(ckpt_cfg, abstract_state, init_fn):
         return jax.make_array_from_callback(arr.shape, leaf.sharding, lambda idx: arr[idx])
 
     state = jax.tree_util.tree_map_with_path(pick, fresh)
+    if state.ema is not None:
+        state = state.replace(ema=_ema_from(loaded, taken, state))
     unused = sorted(p for p in loaded if p not in target)
     say(f"initialized from {source}: {len(taken)} leaves"
         + (" (params and optimizer state)" if with_opt else " (params)")
@@ -111,6 +119,23 @@ def init_from(ckpt_cfg, abstract_state, init_fn):
     origin = (f"initialized from {path} (step {source_step}, {len(taken)} leaves, "
               f"{len(excluded)} excluded)")
     return state, origin
+
+
+def _ema_from(loaded: dict, taken: dict, state):
+    """The weight EMA of a run started from a source: the source's average of each
+    parameter taken from it, else the (loaded or fresh) parameter itself."""
+    shardings = jax.tree.map(lambda x: x.sharding, state.ema)
+    start = jax.jit(state_lib.ema_init, out_shardings=shardings)(state.params)
+
+    def pick(kp, leaf):
+        rel = integrity.leaf_path(kp)
+        arr = loaded.get(f"ema/{rel}") if f"params/{rel}" in taken else None
+        if arr is None or list(arr.shape) != list(leaf.shape):
+            return leaf
+        arr = arr.astype(leaf.dtype)
+        return jax.make_array_from_callback(arr.shape, leaf.sharding, lambda idx: arr[idx])
+
+    return jax.tree_util.tree_map_with_path(pick, start)
 
 
 def _first(paths: list, n: int = 3) -> str:

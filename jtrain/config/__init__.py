@@ -253,6 +253,9 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
         raise ConfigError("plateau.factor", f"must be in (0, 1), got "
                           f"{tree['plateau']['factor']!r}")
     _check_early_stop(tree["early_stop"])
+    if tree["eval"]["weights"] != "params" and not optim["ema"]["decay"]:
+        raise ConfigError("eval.weights", f"{tree['eval']['weights']!r} evaluates the "
+                          "weight EMA: set optim.ema.decay > 0 (e.g. 0.999)")
     if tree["spike"]["zscore"] > 0 and not tree["checkpoint"]["every_steps"]:
         raise ConfigError("spike.zscore", "a rollback restores the newest periodic "
                           "checkpoint: set checkpoint.every_steps > 0")

@@ -38,6 +38,9 @@ def check_optim(optim: dict, total_steps: int) -> None:
         raise ConfigError("optim.muon_beta", f"must be < 1, got {optim['muon_beta']!r}")
     if optim["name"].startswith("schedule_free"):
         _check_schedule_free(optim)
+    if optim["ema"]["decay"] >= 1.0:
+        raise ConfigError("optim.ema.decay", f"must be < 1, got {optim['ema']['decay']!r} "
+                          "(the average would never move; 0 turns it off)")
     for key in ("trainable", "frozen", "lr_mults"):
         _check_regexes(f"optim.{key}", optim[key])
     for pattern, factor in optim["lr_mults"].items():

@@ -93,6 +93,13 @@ SCHEMA: dict[str, Any] = {
         "frozen": F("strs", (), None, "regexes of parameter paths that never train"),
         "lr_mults": F("dict", {}, None, "{regex: factor}: learning-rate multiplier per "
                       "parameter path, first match wins"),
+        "ema": {  # jtrain/state.py: the average lives in the state, exact under resume
+            "decay": F(float, 0.0, (0.0, 1.0), "weight EMA decay d in [0, 1) (ema <- d * "
+                       "ema + (1 - d) * params after each update); 0 = off"),
+            "warmup": F(str, "none", ("none", "standard"), "EMA decay warmup: none = d "
+                        "from the first update; standard = min(d, (1 + t) / (10 + t)), t "
+                        "= updates applied before"),
+        },
     },
     "data": {
         "name": F(str, "pystdlib", None, "built-in dataset (checked by jtrain.data)"),
@@ -134,6 +141,9 @@ SCHEMA: dict[str, Any] = {
         "top_k": F(int, 5, (1, INF), "k of top_k_accuracy"),
         "max_gathered": F(int, 1_000_000, (1, INF), "AUROC / Spearman keep this many "
                           "examples, exactly"),
+        "weights": F(str, "params", ("params", "ema", "both"), "weights evaluated: "
+                     "params (eval/...), the weight EMA (eval/ema/...; optim.ema.decay > "
+                     "0) or both"),
         "predict_fn": F(str, "", None, "'package.module:fn', fn(outputs, batch) -> "
                         "(predictions, targets[, weights]) that the metrics compare (e.g. a "
                         "negative-binomial mean vs counts); '' = outputs vs batch targets"),

@@ -27,6 +27,9 @@ def describe_run(cfg, build, data, *, workdir: str, origin: str, peak: float | N
     extra.append(optimizer_line(cfg.optim, cfg.total_steps, build.grad_accum_steps,
                                 params=build.abstract.params))
     extra.append(trainable_line(n_params, len(leaves), build.trainable))
+    if build.abstract.ema is not None:
+        extra.append(ema_line(cfg.optim.ema, cfg.eval.weights, build.abstract.ema,
+                              build.shardings.ema))
     if build.memory_plan is not None:
         extra.append(f"jtrain: {build.memory_plan.describe()}")
     extra.append(f"jtrain: eval {build.eval_spec.task}: {', '.join(build.eval_spec.names)}; "
@@ -118,6 +121,16 @@ def _optimizer_line(optim, total_steps: int, grad_accum_steps: int | None) -> st
                if grad_accum_steps in (None, optim.grad_accum_steps) else
                f", {grad_accum_steps} microbatch(es) per update (the memory plan; "
                f"optim.grad_accum_steps={optim.grad_accum_steps})"))
+
+
+def ema_line(ema_cfg, weights: str, abstract_ema, shardings) -> str:
+    """`jtrain: weight EMA on: decay 0.999 (warmup none), 1,234,567 bytes per device;
+    eval.weights=both`."""
+    from jtrain import state as state_lib
+
+    per_device = state_lib.ema_bytes_per_device(abstract_ema, shardings)
+    return (f"jtrain: weight EMA on: decay {ema_cfg.decay:g} (warmup {ema_cfg.warmup}), "
+            f"{per_device:,} bytes per device; eval.weights={weights}")
 
 
 def trainable_line(num_params: int, num_leaves: int, split: dict | None) -> str:

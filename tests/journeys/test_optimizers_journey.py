@@ -36,9 +36,10 @@ def test_schedule_free_resume_is_bitwise_and_eval_uses_the_average(tmp_path):
 SF_EVAL_CHECK = '''
 import json, jax, optax
 import jtrain.evaluate as ev
+import jtrain.evaluator as evaluator
 from jtrain import optim
 seen, losses = {}, {}
-real_params, real_eval = optim.schedule_free_eval_params, ev.run_eval
+real_params, real_eval = optim.schedule_free_eval_params, evaluator.run_eval
 def params_spy(opt_state, params):
     seen["raw"], seen["state"] = params, opt_state
     return real_params(opt_state, params)
@@ -51,7 +52,7 @@ def eval_spy(step, params, *a, **k):
     result = real_eval(step, params, *a, **k)
     losses["evaluated"] = result.scalars["eval/loss"]
     return result
-optim.schedule_free_eval_params, ev.run_eval = params_spy, eval_spy
+optim.schedule_free_eval_params, evaluator.run_eval = params_spy, eval_spy
 ev.evaluate_checkpoint("runs/v/reference", num_batches=2, plots=False)
 print(json.dumps(losses))
 '''
