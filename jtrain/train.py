@@ -146,8 +146,7 @@ def _train(config, workdir, given: _Given, on_eval, allow_changes, *,
                 out = outputs_lib.open_outputs(cfg, workdir, build=b, data=data, start=start,
                     record=outputs_lib.run_record(
                         model_name=None if given.model is None else b.model_name,
-                        loss_fn=given.loss_fn, decided={**data.decided, **b.decided(cfg)},
-                        precision=b.policy.record()),
+                        loss_fn=given.loss_fn, decided={**data.decided, **b.decided(cfg)}),
                     run_ids=control_lib.writer_run_ids(start.control),
                     determinism=determinism, t_start=t_start)
             ckpt.control.writer_run_ids = out.writer.run_ids()  # reused on resume

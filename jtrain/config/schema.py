@@ -317,6 +317,11 @@ MODEL_FAMILIES: dict[str, dict[str, Field]] = {
         "attention": F(str, "auto", ("auto", "xla", "cudnn"), "attention kernel: xla = "
                        "written out; cudnn = fused (GPU, 16-bit dtype); auto = cudnn where "
                        "it applies, else xla"),
+        "remat": F(str, "none", ("none", "full", "dots_saveable",
+                                 "dots_with_no_batch_dims_saveable"),
+                   "per-block rematerialisation (jax.checkpoint policy): full = keep "
+                   "only block inputs; dots_* = keep matmul outputs; trades compute "
+                   "for activation memory, same results", resume=True),
     },
     "mlp": {
         "hidden": F("ints", (64, 64), None, "hidden layer widths"),
@@ -338,8 +343,9 @@ def resume_safe(key: str) -> bool:
     for i, part in enumerate(parts):
         if isinstance(node, dict) and part in node:
             node = node[part]
-        elif i == 1 and parts[0] == "model":
-            return False  # family fields change the model
+        elif i == 1 and parts[0] == "model":  # family fields change the model, unless
+            return len(parts) == 2 and any(  # marked (model.remat: same results)
+                part in f and f[part].resume for f in MODEL_FAMILIES.values())
         else:
             return False
     return isinstance(node, Field) and node.resume

@@ -9,12 +9,9 @@ run.json:
     {"model_source": "python: user Net",    # a model passed from Python (not rebuildable
      "loss_source": "python: my_loss",      #   from the config; jtrain.evaluate says so)
      "decided": {"optim.grad_accum_steps": {"value": 2, "from": "memory plan", ...},
-                 "data.batch_size": {"value": 32, "from": "DataLoader"}, ...},
-     "precision": {"params": "float32", "compute": "bfloat16",  # configured
-                   "dynamic_loss_scale": false,
-                   "measured_matmuls": {"float32": 12}}}  # what the traced model computes
+                 "data.batch_size": {"value": 32, "from": "DataLoader"}, ...}}
 
-summary.json repeats "decided" and "precision".
+summary.json repeats "decided".
 """
 
 from __future__ import annotations
@@ -51,14 +48,10 @@ class Outputs:
         self.writer.close()
 
 
-def run_record(*, model_name: str | None, loss_fn: Callable | None, decided: dict,
-               precision: dict | None = None) -> dict:
+def run_record(*, model_name: str | None, loss_fn: Callable | None, decided: dict) -> dict:
     """run.json's content: `model_name` of a model passed from Python (None: built from
-    the config), `loss_fn` passed from Python, the set-up's decisions, the precision
-    configured and measured (precision.Policy.record)."""
+    the config), `loss_fn` passed from Python, the set-up's decisions."""
     record: dict[str, Any] = {}
-    if precision is not None:
-        record["precision"] = precision
     if model_name is not None:
         record[MODEL_SOURCE_KEY] = f"python: {model_name}"
     if loss_fn is not None:
