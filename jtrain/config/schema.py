@@ -321,7 +321,7 @@ MODEL_FAMILIES: dict[str, dict[str, Field]] = {
                                  "dots_with_no_batch_dims_saveable"),
                    "per-block rematerialisation (jax.checkpoint policy): full = keep "
                    "only block inputs; dots_* = keep matmul outputs; trades compute "
-                   "for activation memory, same results", resume=True),
+                   "for activation memory, same results"),
     },
     "mlp": {
         "hidden": F("ints", (64, 64), None, "hidden layer widths"),
@@ -343,9 +343,8 @@ def resume_safe(key: str) -> bool:
     for i, part in enumerate(parts):
         if isinstance(node, dict) and part in node:
             node = node[part]
-        elif i == 1 and parts[0] == "model":  # family fields change the model, unless
-            return len(parts) == 2 and any(  # marked (model.remat: same results)
-                part in f and f[part].resume for f in MODEL_FAMILIES.values())
+        elif i == 1 and parts[0] == "model":
+            return False  # family fields change the model
         else:
             return False
     return isinstance(node, Field) and node.resume
