@@ -93,6 +93,9 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
                                       param_dtype=policy.param_dtype)
     module = model if model is not None else models_lib.make_model(
         cfg.model, dtype=policy.compute_dtype, param_dtype=policy.param_dtype)
+    if model is not None and policy.compute_dtype != np.float32:  # its layers' dtype too
+        module = adapters.with_compute_dtype(module, policy.compute_dtype,
+                                             tuple(cfg.model.keep_fp32))
     # finetune.lora: adapters on the model, and the patterns that make only them train.
     model_fns, extra_trainable = lora_lib.to_model_fns(module, cfg, sample, mesh)
     name = cfg.model.name if model is None else f"user {_model_name(model, model_fns)}"
@@ -112,6 +115,7 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
     except Exception as e:  # noqa: BLE001 - the user's model: one line, no traceback
         raise model_checks.model_call_error(e, sample_inputs, model=name.removeprefix("user ")) \
             from e
+    policy = _measure_precision(policy, cfg, model_fns, abstract.params, sample_inputs, mesh)
     split = None
     if cfg.optim.trainable or cfg.optim.frozen or cfg.optim.lr_mults or extra_trainable:
         # regexes that match no parameter are typos: a ConfigError before the first step
@@ -210,6 +214,17 @@ def model_sample(cfg, example: dict):
         raise ConfigError("data.model_inputs", f"no field {missing[0]!r} in the data's items "
                                                f"(fields: {', '.join(sorted(map(str, example)))})")
     return step_lib.inputs_of(example, tuple(cfg.data.model_inputs))
+
+
+def _measure_precision(policy, cfg, model_fns, params, inputs, mesh):
+    """The policy with what the traced forward computes in (precision.matmul_dtypes);
+    unchanged when the model cannot be traced here (model_checks reports that)."""
+    try:
+        with mesh_lib.model_context(mesh):
+            matmuls = precision_lib.matmul_dtypes(model_fns.apply, params, inputs)
+    except Exception:  # noqa: BLE001 - check_run calls the model and says what is wrong
+        return policy
+    return precision_lib.measured(policy, matmuls, cfg.model.loss_scale)
 
 
 def _model_name(model, model_fns) -> str:

@@ -10,6 +10,7 @@ The batch is split over data x fsdp. Model code speaks in *logical* axis names
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
@@ -38,6 +39,40 @@ LOGICAL_RULES = (
     ("classes", None),
     ("norm", None),
 )
+
+
+@contextlib.contextmanager
+def model_context(mesh: Mesh | None = None):
+    """Where jtrain builds, traces and runs a model: `jax.set_mesh(mesh)` (when given) and
+    LOGICAL_RULES as flax's logical-axis rules, so Linen `nn.with_logical_partitioning`
+    / `nn.with_logical_constraint` and NNX `nnx.with_partitioning` (flax.core.spmd's one
+    rules context serves both) resolve logical names to this mesh's axes."""
+    with contextlib.ExitStack() as stack:
+        if mesh is not None:
+            stack.enter_context(jax.set_mesh(mesh))
+        stack.enter_context(nn.logical_axis_rules(LOGICAL_RULES))
+        yield
+
+
+def unknown_axes(annotated_tree, mesh: Mesh, rules=LOGICAL_RULES) -> list[str]:
+    """"<param path> [shape]: ..." for every annotated dimension whose name is neither a
+    mesh axis nor a logical name of `rules` (a typo that would otherwise replicate it)."""
+    table = dict(rules)
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(annotated_tree,
+                                                             is_leaf=_is_annotated)[0]:
+        shape = getattr(leaf.value if _is_annotated(leaf) else leaf, "shape", ())
+        for i, name in enumerate(_spec_of(leaf)[:len(shape)]):
+            if name is not None and name not in mesh.shape and name not in table:
+                out.append(f"{_path_str(path)} {list(shape)}: unknown logical axis {name!r} "
+                           f"(dim {i}); use one of {', '.join(k for k, _ in rules)} "
+                           f"(jtrain.mesh.LOGICAL_RULES) or a mesh axis "
+                           f"({', '.join(MESH_AXES)})")
+    return out
+
+
+def _path_str(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
 def resolve_axis_sizes(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
@@ -121,8 +156,12 @@ def logical_to_shardings(abstract_tree, mesh: Mesh, rules=LOGICAL_RULES):
     metadata. Names are logical (mapped with `rules`) or mesh axis names (kept). Leaves
     without annotations are replicated. A dimension whose size does not divide its mesh
     axes is replicated, so an odd-sized param never makes a mesh unusable. The result
-    has the structure of the *unboxed* tree (plain arrays where the boxes were).
+    has the structure of the *unboxed* tree (plain arrays where the boxes were). A name
+    that is neither is a ConfigError("model", ...) naming the parameter.
     """
+    unknown = unknown_axes(abstract_tree, mesh, rules)
+    if unknown:
+        raise ConfigError("model", unknown[0])
     table = dict(rules)
 
     def to_mesh_axis(name):
@@ -160,7 +199,7 @@ def sharding_conflicts(annotated_tree, mesh: Mesh, rules=LOGICAL_RULES) -> list[
     for path, leaf in leaves:
         names = _spec_of(leaf)
         shape = getattr(leaf.value if _is_annotated(leaf) else leaf, "shape", ())
-        where = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        where = _path_str(path)
         used: dict[str, str] = {}
         for i, name in enumerate(names[:len(shape)]):
             if name is None:

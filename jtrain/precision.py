@@ -8,6 +8,10 @@ libraries do): params stay stored in `param_dtype`; inside the step, floating pa
 (except paths matching `keep_fp32`) and floating inputs are cast to the compute dtype
 before `apply`, and floating outputs back to float32. The default losses (losses.py)
 compute in float32 whatever the outputs' dtype.
+
+What the model really computes in is measured after it is built (`matmul_dtypes`: the
+dtypes of the traced forward's matmuls); the header reports it, warns when the model's
+layers cast back to their own dtype, and summary.json records both (`Policy.record`).
 """
 
 from __future__ import annotations
@@ -32,11 +36,44 @@ class Policy:
     compute_dtype: jnp.dtype
     dynamic_loss_scale: bool
     init_scale: float
+    # What the traced model computes in: ((dtype name, matmul count), ...), most first;
+    # None until measured (see `measure`).
+    matmuls: tuple[tuple[str, int], ...] | None = None
 
     def describe(self) -> str:
+        """`params float32, compute bfloat16 (model: 12/12 matmuls bfloat16)`."""
         scale = ", dynamic loss scale" if self.dynamic_loss_scale else ""
-        return (f"params {jnp.dtype(self.param_dtype).name}, compute "
-                f"{jnp.dtype(self.compute_dtype).name}{scale}")
+        compute = jnp.dtype(self.compute_dtype).name
+        measured = ""
+        if self.matmuls:
+            total = sum(n for _, n in self.matmuls)
+            same = dict(self.matmuls).get(compute, 0)
+            others = "".join(f"; {n} {name}" for name, n in self.matmuls if name != compute)
+            measured = f" (model: {same}/{total} matmuls {compute}{others})"
+        return (f"params {jnp.dtype(self.param_dtype).name}, compute {compute}{measured}"
+                f"{scale}")
+
+    def warning(self) -> str | None:
+        """One line when a reduced-precision policy meets a model whose matmuls run in
+        another dtype (its layers cast to their own); None otherwise."""
+        compute = jnp.dtype(self.compute_dtype).name
+        if not self.matmuls or compute == "float32":
+            return None
+        total = sum(n for _, n in self.matmuls)
+        other = [(name, n) for name, n in self.matmuls if name != compute]
+        if not other:
+            return None
+        name, n = other[0]
+        return (f"jtrain: warning: model.dtype={compute}, but the model computes {n} of "
+                f"{total} matmuls in {name}: its layers set their own dtype; build it with "
+                "dtype=..., or give model.factory a dtype argument")
+
+    def record(self) -> dict:
+        """summary.json's "precision": what was configured and what the model computes."""
+        return {"params": jnp.dtype(self.param_dtype).name,
+                "compute": jnp.dtype(self.compute_dtype).name,
+                "dynamic_loss_scale": self.dynamic_loss_scale,
+                "measured_matmuls": dict(self.matmuls) if self.matmuls else None}
 
 
 def make_policy(model_cfg=None, platform: str | None = None) -> Policy:
@@ -79,6 +116,45 @@ def cast_apply(apply_fn, policy: Policy, keep_fp32=("norm",)):
         return jax.tree.map(lambda y: y.astype(jnp.float32) if floating(y) else y, out)
 
     return apply
+
+
+def matmul_dtypes(apply_fn, params, inputs) -> tuple[tuple[str, int], ...]:
+    """((dtype name, count), ...) of the floating matmuls (dot_general, convolutions) in
+    the traced forward `apply_fn(params, inputs)` (abstract arguments; nothing runs),
+    sub-jaxprs included (jit, scan, cond, remat, custom derivatives); most frequent
+    first. A matmul's dtype is its operands' (promoted)."""
+    closed = jax.make_jaxpr(lambda p, x: apply_fn(p, x))(params, inputs)
+    counts: dict[str, int] = {}
+    _count_matmuls(closed.jaxpr, counts)
+    return tuple(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+_MATMULS = ("dot_general", "conv_general_dilated")
+
+
+def _count_matmuls(jaxpr, counts: dict) -> None:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _MATMULS:
+            dtypes = [v.aval.dtype for v in eqn.invars[:2]]
+            if all(jnp.issubdtype(d, jnp.floating) for d in dtypes):
+                name = jnp.dtype(jnp.promote_types(*dtypes)).name
+                counts[name] = counts.get(name, 0) + 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                if hasattr(sub, "eqns"):
+                    _count_matmuls(sub, counts)
+
+
+def measured(policy: Policy, matmuls, loss_scale: str = "auto") -> Policy:
+    """`policy` with the model's measured matmul dtypes; an automatic float16 loss scale
+    is dropped when no matmul computes in float16 (a float32 model needs none)."""
+    dynamic = policy.dynamic_loss_scale
+    if (dynamic and loss_scale == "auto" and matmuls
+            and not dict(matmuls).get(jnp.dtype(jnp.float16).name)):
+        dynamic = False
+    return dataclasses.replace(policy, matmuls=tuple(matmuls) or None,
+                               dynamic_loss_scale=dynamic)
 
 
 def init_loss_scale(policy: Policy) -> dict:

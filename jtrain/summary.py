@@ -61,6 +61,8 @@ def summarize(cfg, run, state, session) -> dict:
     }
     # What the set-up decided beyond config.json, as run.json records it.
     summary["decided"] = run.record.get("decided", {})
+    # The precision configured and what the traced model computes in (matmul dtypes).
+    summary["precision"] = run.build.policy.record()
     baseline = run.data.info.get("unigram_baseline")
     if baseline is not None:
         summary["unigram_baseline"] = baseline

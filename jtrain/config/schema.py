@@ -334,6 +334,11 @@ MODEL_FAMILIES: dict[str, dict[str, Field]] = {
         "attention": F(str, "auto", ("auto", "xla", "cudnn"), "attention kernel: xla = "
                        "written out; cudnn = fused (GPU, 16-bit dtype); auto = cudnn where "
                        "it applies, else xla"),
+        "remat": F(str, "none", ("none", "full", "dots_saveable",
+                                 "dots_with_no_batch_dims_saveable"),
+                   "per-block rematerialisation (jax.checkpoint policy): full = keep "
+                   "only block inputs; dots_* = keep matmul outputs; trades compute "
+                   "for activation memory, same results"),
     },
     "mlp": {
         "hidden": F("ints", (64, 64), None, "hidden layer widths"),

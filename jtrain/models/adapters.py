@@ -20,9 +20,10 @@ Models are called with `batch["inputs"]`. If the call signature has `train` (or
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import inspect
+import re
 from typing import Any, Callable
 
 import jax
@@ -31,6 +32,7 @@ from flax import linen as nn
 from flax import nnx
 
 from jtrain import mesh as mesh_lib
+from jtrain.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,12 +119,12 @@ def from_nnx(model_or_factory, mesh=None) -> ModelFns:
         existing = graph.template.to_pure_dict()
     else:
         factory, existing = model_or_factory, None
-        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-            graph = NnxGraph.of(nnx.eval_shape(lambda: factory(nnx.Rngs(0))))
+        graph = _abstract_graph(factory, mesh)
 
     def init(rng, inputs):
         del inputs
-        model = factory(nnx.Rngs(rng))
+        with mesh_lib.model_context():  # logical names -> the caller's mesh
+            model = factory(nnx.Rngs(rng))
         return nnx.split(model, nnx.Param, ...)[1].to_pure_dict()
 
     def apply(params, inputs, rng=None, train=False):
@@ -135,6 +137,73 @@ def from_nnx(model_or_factory, mesh=None) -> ModelFns:
 
     return ModelFns(init=init, apply=apply, kind="nnx", existing_params=existing,
                     nnx_graph=graph)
+
+
+def _abstract_graph(factory, mesh) -> NnxGraph:
+    """The factory's model built shapes-first under the mesh and jtrain's logical-axis
+    rules. An annotation naming neither a rule nor a mesh axis is a ConfigError naming the
+    parameter (found on a second build without eager sharding: the first fails inside
+    flax)."""
+    try:
+        with mesh_lib.model_context(mesh):
+            return NnxGraph.of(nnx.eval_shape(lambda: factory(nnx.Rngs(0))))
+    except Exception as e:
+        if mesh is None:
+            raise
+        try:
+            with nnx.use_eager_sharding(False):  # names recorded, nothing sharded
+                template = NnxGraph.of(nnx.eval_shape(lambda: factory(nnx.Rngs(0)))).template
+            unknown = mesh_lib.unknown_axes(template, mesh)
+        except Exception:  # noqa: BLE001 - the first error is the one to report
+            unknown = []
+        if unknown:
+            raise ConfigError("model", unknown[0]) from None
+        raise e
+
+
+def with_compute_dtype(model, dtype, keep_fp32=("norm",)):
+    """`model` computing in `dtype` where it exposes its compute dtype: a Linen module's
+    `dtype` field (a clone), an NNX module's (or the module an NNX factory or class
+    builds) `dtype` attribute on every submodule that has one (None or floating; a copy
+    of an instance), except submodules whose path or class matches a `keep_fp32` regex
+    (norms keep theirs). Anything else (an (init, apply) pair) unchanged."""
+    if isinstance(model, nn.Module):
+        fields = {f.name for f in dataclasses.fields(model)}
+        if "dtype" in fields and _float_or_none(model.dtype):
+            return model.clone(dtype=dtype)
+        return model
+    if isinstance(model, nnx.Module):
+        return _set_nnx_dtype(nnx.merge(*nnx.split(model)), dtype, keep_fp32)  # a copy
+    if isinstance(model, type) and issubclass(model, nnx.Module):
+        model = nnx_class_factory(model)
+    if callable(model) and not isinstance(model, type) and not isinstance(model, tuple):
+
+        @functools.wraps(model)
+        def factory(rngs):
+            return _set_nnx_dtype(model(rngs), dtype, keep_fp32)
+
+        return factory
+    return model
+
+
+def _float_or_none(value) -> bool:
+    if value is None:
+        return True
+    try:
+        return jnp.issubdtype(jnp.dtype(value), jnp.floating)
+    except TypeError:
+        return False
+
+
+def _set_nnx_dtype(model, dtype, keep_fp32):
+    keep = [re.compile(p, re.IGNORECASE) for p in keep_fp32]
+    if isinstance(model, nnx.Module):
+        for path, module in nnx.iter_modules(model):
+            where = "/".join(map(str, (*path, type(module).__name__)))
+            if (hasattr(module, "dtype") and _float_or_none(module.dtype)
+                    and not any(r.search(where) for r in keep)):
+                module.dtype = dtype
+    return model
 
 
 def _fresh_rng_state(rest, key):

@@ -8,6 +8,9 @@ no biases, a final RMSNorm and an output projection that is the embedding table 
 Precision: parameters are stored in `param_dtype`; every matmul runs in `dtype`; norms,
 the softmax and the returned logits are float32.
 
+Memory: `model.remat` rematerialises each block (REMAT_POLICIES): the backward pass
+recomputes what the policy did not keep, trading compute for activation memory.
+
 Every parameter carries logical axis names from `jtrain.mesh.LOGICAL_RULES`:
   embedding            [V, D]      ("vocab", "embed")
   query/key/value      [D, H, Dh]  ("embed", "heads", "kv")
@@ -126,7 +129,7 @@ class Block(nn.Module):
     attention: str = "xla"
 
     @nn.compact
-    def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:  # x [B, T, D]
+    def __call__(self, x: jax.Array, train: bool) -> jax.Array:  # x [B, T, D]
         h = _norm(self.param_dtype, "attn_norm")(x)  # float32 [B, T, D]
         h = CausalSelfAttention(self.num_heads, self.dtype, self.param_dtype,
                                 self.attention, name="attn")(h)
@@ -134,6 +137,25 @@ class Block(nn.Module):
         h = _norm(self.param_dtype, "mlp_norm")(x)
         h = MlpBlock(self.d_ff, self.dtype, self.param_dtype, name="mlp")(h)
         return x + _dropout(h, self.dropout, train)  # [B, T, D]
+
+
+# model.remat: what a block keeps from the forward pass for the backward pass. "full"
+# keeps only its input and recomputes the rest; the dots_* policies keep matmul outputs
+# (those without batch dimensions: the weight matmuls, not attention's).
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable":
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def block_class(remat: str) -> type[nn.Module]:
+    """Block, rematerialised per `remat` (REMAT_POLICIES); parameter names unchanged."""
+    if remat == "none":
+        return Block
+    return nn.remat(Block, policy=REMAT_POLICIES[remat], static_argnums=(2,))  # train
 
 
 def _dropout(x: jax.Array, rate: float, train: bool) -> jax.Array:
@@ -154,6 +176,7 @@ class Transformer(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     attention: str = "xla"
+    remat: str = "none"  # REMAT_POLICIES
 
     @nn.compact
     def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
@@ -168,13 +191,14 @@ class Transformer(nn.Module):
             name="embed")
         x = embed(tokens)  # [B, T, D] in dtype
         x = _dropout(x, self.dropout, train)
+        block = block_class(self.remat)
         for i in range(self.num_layers):
             # Keep the residual stream split by batch only: with params sharded on
             # "embed" (FSDP), XLA would otherwise reshard activations along D instead of
             # gathering the weights. A no-op unless the engine sets logical-axis rules.
             x = nn.with_logical_constraint(x, ("batch", "length", None))
-            x = Block(self.num_heads, self.d_ff, self.dropout, self.dtype, self.param_dtype,
-                      self.attention, name=f"layer_{i}")(x, train=train)
+            x = block(self.num_heads, self.d_ff, self.dropout, self.dtype, self.param_dtype,
+                      self.attention, name=f"layer_{i}")(x, train)
         x = nn.with_logical_constraint(x, ("batch", "length", None))
         x = _norm(self.param_dtype, "final_norm")(x)  # float32 [B, T, D]
         if self.tie_embeddings:
@@ -194,7 +218,8 @@ def build(model_cfg, *, dtype, param_dtype) -> Transformer:
         num_layers=int(c["num_layers"]), num_heads=int(c["num_heads"]), d_ff=int(c["d_ff"]),
         max_len=int(c["max_len"]), dropout=float(c["dropout"]),
         tie_embeddings=c["tie_embeddings"], dtype=dtype, param_dtype=param_dtype,
-        attention=attention_impl(c.get("attention", "auto"), dtype))
+        attention=attention_impl(c.get("attention", "auto"), dtype),
+        remat=c.get("remat", "none"))
 
 
 def attention_impl(choice: str, dtype, platform: str | None = None) -> str:

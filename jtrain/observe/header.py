@@ -22,6 +22,8 @@ def describe_run(cfg, build, data, *, workdir: str, origin: str, peak: float | N
     mfu = f"MFU vs peak {peak:.3g} FLOP/s/device" if peak else "MFU n/a (set perf.peak_flops)"
     if determinism:
         extra.append(f"jtrain: {determinism}")
+    if build.policy.warning():  # the model's layers compute in their own dtype
+        extra.append(build.policy.warning())
     leaves = jax.tree.leaves(build.abstract.params)
     n_params = sum(int(np.prod(x.shape)) for x in leaves)
     extra.append(optimizer_line(cfg.optim, cfg.total_steps, build.grad_accum_steps,
