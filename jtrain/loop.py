@@ -156,6 +156,7 @@ def run_loop(cfg, run: Run):
         best = False
         if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == total:
             drain_all()  # log lines before the eval line (eval waits for the state anyway)
+            run.out.writer.flush()  # ...and in metrics.jsonl before the eval begins
             # The first evaluation compiles the eval step: first_timeout_s too.
             run.watchdog.beat("eval", allowance=None if session.history else
                               cfg.watchdog.first_timeout_s)

@@ -5,6 +5,7 @@ written from the code that defines it (a test fails when a page on disk differs)
     exit_codes.md  every exit code and error (jtrain.exit_codes, from jtrain.errors)
     commands.md    every command's flags (from each command's flag definitions)
     metrics.md     every metric name a run writes (jtrain.metrics.names)
+    workdir.md     every file a run writes, start-up precedence (jtrain.observe.layout)
 
 `--check docs/reference` exits 1 naming the stale pages; `--page NAME` prints one page.
 """
@@ -99,9 +100,11 @@ def pages() -> dict[str, str]:
     from jtrain import exit_codes
     from jtrain.config import reference
     from jtrain.metrics import names
+    from jtrain.observe import layout
 
     return {"config.md": reference.markdown(), "exit_codes.md": exit_codes.markdown(),
-            "commands.md": commands_markdown(), "metrics.md": names.markdown()}
+            "commands.md": commands_markdown(), "metrics.md": names.markdown(),
+            "workdir.md": layout.markdown()}
 
 
 def stale(directory: str) -> list[str]:

@@ -67,6 +67,13 @@ def pytest_collection_modifyitems(session, config, items):
     if CHILD_REPORTS:   # the child runs only what its parent handed it, all marked
         return
     config._jtrain_marked = [i.nodeid for i in items if _marked(i)]
+    # Under pytest-xdist (`--dist loadgroup`, pyproject's addopts): the marked tests go to
+    # one worker (one child process for them all), the rest by file, so a file's shared
+    # run (a module-scoped fixture) is trained once.
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            group = "multidevice" if _marked(item) else item.nodeid.split("::", 1)[0]
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_runtest_logreport(report):
@@ -108,7 +115,7 @@ def _child_reports(session) -> dict:
     root = str(config.rootpath)
     out = os.path.join(str(config._tmp_path_factory.getbasetemp()), "multidevice.jsonl")
     env = {**os.environ, "JTRAIN_TEST_REPORTS": out}
-    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
             "--rootdir", root, *config._jtrain_marked]
     proc = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True)
     by_id: dict = {}

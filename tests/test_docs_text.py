@@ -99,3 +99,21 @@ def test_the_provenance_patterns_catch_what_they_name():
         assert any(re.search(p, sample, re.I) for p in PROVENANCE), sample
     for fine in ["`[B, T, D]` # [B, 2]", "the leader process", "step #", "C# code"]:
         assert not any(re.search(p, fine, re.I) for p in PROVENANCE), fine
+
+
+def test_design_module_table_names_every_top_level_module_and_only_those():
+    """docs/design.md's module table: each row's first cell names modules (`x.py`) or
+    packages (`x/`) of jtrain/, every one of them exists, and none is left out."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    named = set()
+    for line in (root / "docs" / "design.md").read_text().splitlines():
+        if line.startswith("| `"):
+            named |= set(re.findall(r"`([\w.]+(?:\.py|/))`", line.split(" | ")[0]))
+    package = root / "jtrain"
+    actual = {p.name for p in package.glob("*.py")} | {
+        p.name + "/" for p in package.iterdir() if (p / "__init__.py").is_file()}
+    assert sorted(named - actual) == [], "named in docs/design.md but not in jtrain/"
+    assert sorted(actual - named) == [], "add these to docs/design.md's module table"

@@ -81,3 +81,8 @@ def test_a_run_writes_only_listed_metric_names(tmp_path):
             "perf/steps_per_sec", "compile/count"} <= namespaced
     assert sorted(k for k in namespaced if not names.listed(k)) == [], \
         "add these to jtrain/metrics/names.py"
+    from jtrain.observe import layout
+
+    unlisted = sorted(p.name for p in workdir.iterdir() if not layout.listed(p.name))
+    assert unlisted == [], "add these to jtrain/observe/layout.py"
+    assert not layout.listed("notes.txt")

@@ -4,6 +4,7 @@
     outputs   opened once per run: config.json, run.json (model/loss source, what the
               set-up decided), writers, progress, header, perf meter, profiler
     header    the run header and the parameter table printed before training
+    layout    every file a run's workdir holds (docs/reference/workdir.md), start-up order
     liblogs   library logs (orbax, absl, grain) and error tracebacks into train.log
     writers   metric writers: JSONL, TensorBoard, MLflow, W&B (background thread)
     jsonl     the metrics.jsonl format; a resumed run's records truncated to its step

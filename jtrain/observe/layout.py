@@ -1,0 +1,93 @@
+"""What a run's workdir (and a search's) holds, entry by entry: the one list that
+docs/reference/workdir.md is written from (`python -m jtrain.reference`) and that a test
+checks a real run's workdir against, with the start-up precedence a rerun follows."""
+
+from __future__ import annotations
+
+import fnmatch
+
+# (shown name, fnmatch patterns of the top-level entries it stands for, what it holds)
+RUN = (
+    ('config.json', 'config.json',
+     'exactly the resolved config (secrets redacted), written at start; it feeds back unchanged into jtrain.train / jtrain.resolve'),
+    ('run.json', 'run.json',
+     'the run\'s records beside the config: "model_source" / "loss_source" when the model / loss_fn came from Python (not rebuildable), and "decided": what the set-up chose beyond the config, e.g. {"optim.grad_accum_steps": {"value": 2, "from": "memory plan", ...}, "data.batch_size": {"value": 32, "from": "DataLoader"}} (also in summary.json); older runs kept model_source in config.json'),
+    ('metrics.jsonl', 'metrics.jsonl',
+     'one JSON object per log step / eval: {"step", "time", "train/loss", ...}; train/loss is the log step\'s own batch, train/loss_window the mean over the log window\'s applied steps (what the progress bar shows; after a resume the first window starts at the restored step); a resumed run first drops the records after its restored step'),
+    ('skipped.jsonl', 'skipped.jsonl',
+     'the skip ledger: every skipped update (step, reason, batch, examples)'),
+    ('tb/', 'tb',
+     'TensorBoard event files (tensorboard --logdir WORKDIR/tb)'),
+    ('checkpoints/N/', 'checkpoints',
+     'orbax step directories: state (TrainState), data (iterator position), control (run-control record: config + hash, versions, writer run ids, best-k registry, eval history, early-stop / plateau / spike state, skip ledger), jtrain_manifest.json (checksums)'),
+    ('checkpoints.damaged/', 'checkpoints.damaged',
+     'damaged checkpoints moved aside at start-up (never deleted)'),
+    ('summary.json', 'summary.json',
+     'at the end: step, state_sha256, final eval metrics (only an eval of that step; an older one is "last_eval" with its step), best_step / best_value, stopped_by / stop_reason, skipped_steps, lr_factor, rollbacks ([spike step, restored step]), message (the run\'s last line), exit_code and decided (as in run.json); after a non-finite halt: stopped_by "non-finite", message, exit_code 4, checkpoint_step; perf/*, startup/<phase>_sec (time to first step by phase), compile/* (count, seconds, cache hits / misses, compiles after the first step with their cause)'),
+    ('hang.log', 'hang.log',
+     'the line and the stacks of all threads when the watchdog fired (exit 5)'),
+    ('train.log', 'train.log',
+     'everything printed at verbosity >= 1, warnings de-duplicated; below verbosity 2 also the logs of orbax / absl / grain and the traceback behind an error line'),
+    ('profile/', 'profile',
+     'jax.profiler traces when profile.num_steps > 0 (TensorBoard profile plugin)'),
+    ('eval_<step>.json', 'eval_*',
+     'from python -m jtrain.evaluate, with eval_<step>_curves.png (and eval_<step>_confusion.png for classification)'),
+    ('logs/', 'logs',
+     'per-process logs of launch/local.sh'),
+    ('mlflow.db, wandb/', 'mlflow.db wandb',
+     'the MLflow store and the W&B offline run, only when those writers are enabled'),
+)
+
+SEARCH = (
+    ('study.db', 'study.db',
+     'the Optuna study (SQLite) unless tune.storage names another database'),
+    ('trials/<n>/', 'trials',
+     "trial n's jtrain run (a run's workdir, as above); a killed trial's continuation keeps the first trial's folder"),
+    ('trials.jsonl', 'trials.jsonl',
+     'every trial: number, state (complete, pruned, failed, interrupted, running, waiting), value, params, step, workdir, reason, continues, resumed_from; rewritten after each trial'),
+    ('best_config.py', 'best_config.py',
+     'get_config() of the best complete trial (tune.* left out)'),
+    ('tune.png', 'tune.png',
+     'optimisation history and parameter importances'),
+)
+
+PRECEDENCE = """\
+`checkpoint.Checkpointer.restore_or_init` (called from `train._train`) decides, in order:
+
+1. **The newest complete, intact checkpoint in `WORKDIR/checkpoints`.** Leftovers of a
+   killed save (`*.orbax-checkpoint-tmp*`) are removed; a step directory whose manifest
+   is missing or whose files do not match their recorded size and CRC-32 (or that is a
+   file or a symlink) is reported in one line and moved to `WORKDIR/checkpoints.damaged/`,
+   and the next older one is tried (`--strict_restore`: exit 3 instead). The saved config
+   is compared with the current one: changed keys whose `resume` rule is false in the
+   schema need `checkpoint.allow_changes` (else exit 3 with the diff); the saved tree
+   must equal the model's (else exit 3 naming the leaf). The data position, RNG, loss
+   scale, best-k registry and writer run ids continue from it.
+2. **Else `checkpoint.init_from`** (an export or another run's workdir/step, read only):
+   params, plus optimizer state with `checkpoint.init_from_opt`, minus
+   `checkpoint.init_exclude` regexes; the run starts at step 0 with a fresh data order.
+3. **Else a fresh init** from `seed`.
+"""
+
+
+def listed(entry: str, layout=RUN) -> bool:
+    """Whether a top-level name in a workdir is one the layout describes."""
+    return any(fnmatch.fnmatch(entry, p) for _, patterns, _ in layout
+               for p in patterns.split())
+
+
+def markdown() -> str:
+    """docs/reference/workdir.md."""
+    out = ["# A run's workdir", "",
+           "<!-- Generated by `python -m jtrain.reference --write docs/reference` from "
+           "jtrain/observe/layout.py; do not edit. -->", "",
+           "The workdir is the run's identity: running the same command again resumes. "
+           "Outside it: the persistent XLA compilation cache shared by all runs "
+           "(`compile.cache_dir`; safe to delete). `--dry_run` writes nothing.", "",
+           "| entry | what it holds |", "|---|---|"]
+    out += [f"| `{name}` | {about} |" for name, _, about in RUN]
+    out += ["", "## A search's workdir (`python -m jtrain.tune`)", "",
+            "| entry | what it holds |", "|---|---|"]
+    out += [f"| `{name}` | {about} |" for name, _, about in SEARCH]
+    out += ["", "## Start-up precedence", "", PRECEDENCE]
+    return "\n".join(out)
