@@ -216,8 +216,10 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
     step_dir = find_step_dir(workdir, step)
     with open(os.path.join(step_dir, "control", "metadata")) as f:
         control = json.load(f)
+    from jtrain.optim import SCHEDULE_FREE
+
     optimizer = ((control.get("config") or {}).get("optim") or {}).get("name")
-    if optimizer in ("schedule_free_adamw", "schedule_free_sgd"):
+    if optimizer in SCHEDULE_FREE:
         raise ExportError(f"{step_dir}: optim.name={optimizer}: exporting a schedule-free "
                           "run is not implemented (its evaluation params are an average "
                           "kept in the optimizer state); evaluate it with jtrain evaluate")
