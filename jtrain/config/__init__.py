@@ -21,6 +21,8 @@ partial dict; `resolve` fills in the defaults and returns a new validated Config
              0.1}, 10)`): defaults filled in, the section's own rules checked
     rules    the rules of single sections (mesh, optim, early_stop, checkpoint)
     named    `load_named("pkg.mod:fn", key)`: the object a config key names
+    fields   `Field` and the choice tuples the schema draws from
+    schema_control  the run-control sections of the schema (checkpoint ... tune)
 """
 
 from __future__ import annotations

@@ -1,0 +1,41 @@
+"""What a config key is (Field) and the choices keys draw from; jtrain.config.schema
+assembles the keys themselves."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+
+class Field(NamedTuple):
+    """One config key. `type`: int, float, bool, str, "strs" / "ints" (tuples), "dict"
+    (free-form kwargs), "optfloat" (a number or None = off; an ml_collections float
+    placeholder in config files, so `--config.x=0.5` works). `check`: a range (lo, hi) with None for an open end (inclusive),
+    a tuple of choices, or None. `resume`: True when the key may differ on resume without
+    `checkpoint.allow_changes` (it cannot change the trained state, or, for mesh.*, only
+    the float reduction order)."""
+    type: Any
+    default: Any
+    check: Any
+    doc: str
+    resume: bool = False
+
+
+INF = None
+INT_MAX = 2**31 - 1
+
+# Choices, declared here; their consumers keep a dict per name (tests check they agree).
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adafactor", "muon", "schedule_free_adamw",
+              "schedule_free_sgd", "prodigy")
+SCHEDULES = ("constant", "linear", "cosine", "warmup_cosine", "warmup_linear", "rsqrt")
+WRITERS = ("jsonl", "tensorboard", "mlflow", "wandb")
+METRIC_NAMES = ("loss", "accuracy", "top_k_accuracy", "precision_recall_f1",
+                "confusion_matrix", "auroc", "perplexity", "bits_per_byte",
+                "mse", "mae", "r2", "pearson", "spearman")
+ACTIVATIONS = ("gelu", "relu", "silu", "tanh")
+SPACE_KINDS = ("log_uniform", "uniform", "int", "log_int", "choice")  # tune.space
+F = Field
+
+
+def _resume_safe(section: dict) -> dict:
+    return {k: v._replace(resume=True) for k, v in section.items()}
