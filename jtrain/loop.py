@@ -32,12 +32,12 @@ from jtrain import multihost
 from jtrain import state as state_lib
 from jtrain.build import Build
 from jtrain.control import decide as decide_lib
-from jtrain.control.faults import fault_point
+from jtrain.control.faults import fault_point, perturb
 from jtrain import summary as summary_lib
 from jtrain.data import RunData
 from jtrain.data.prefetch import DevicePrefetch
 from jtrain.errors import NonFiniteError
-from jtrain.observe import startup as startup_lib
+from jtrain.observe import hashes as hashes_lib, startup as startup_lib
 from jtrain.observe.outputs import Outputs
 
 
@@ -78,6 +78,7 @@ class _Session:
     window: tuple = (0.0, 0)  # (sum, count) of the finite train losses since the last log
     saved: int | None = None  # the last step this session saved
     stored: dict | None = None  # summary.json of a run that had finished already
+    hashes: hashes_lib.Recorder | None = None  # debug.hash_every_steps (hashes.jsonl)
 
 
 def run_loop(cfg, run: Run):
@@ -85,7 +86,10 @@ def run_loop(cfg, run: Run):
     state, total = run.state, cfg.total_steps
     start = int(jax.device_get(state.step))
     pending: deque = deque()  # (step, metrics on device): bounded steps in flight
-    session = _Session()
+    session = _Session(hashes=hashes_lib.Recorder(
+        run.workdir, cfg.debug.hash_every_steps, primary=jax.process_index() == 0,
+        resumed_step=run.resumed_from, mesh=run.build.mesh,
+        examples_of=lambda s: run.decisions.indices_of(run.decisions.batch_of(s))))
     evaluate_now = _evaluator(cfg, run)
     def set_lr_factor(s, f):
         return s.replace(lr_factor=f.astype(jnp.float32))
@@ -145,6 +149,8 @@ def run_loop(cfg, run: Run):
             t1 = time.perf_counter()
             state, metrics = run.build.train_step(state, batch)
             run.out.perf.step_done(step, t1 - t0, time.perf_counter() - t1)
+        state = perturb(step, state)  # test-only (JTRAIN_FAULT=noise:N): a no-op
+        session.hashes.dispatch(step, state)  # on the devices, fetched when drained
         _report_recompiles(run, step)
         if run.out.profiler.after_step(step, metrics):
             run.out.progress.message(f"jtrain: profile trace written to "
@@ -245,6 +251,7 @@ def _drain(item, cfg, run: Run, session: _Session) -> None:
     step, metrics = item
     status, loss = jax.device_get((metrics["train/status"], metrics["train/loss"]))
     status, loss = int(status), float(loss)
+    session.hashes.drained(step)
     if run.decisions.spike.enabled and session.rollback is None and not status:
         z = run.decisions.check_spike(step, loss)
         if z is not None:

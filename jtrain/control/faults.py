@@ -5,6 +5,8 @@ JTRAIN_FAULT=`step:N` SIGKILLs this process right after its N-th step was dispat
 being written in the background, `restore:1` while the checkpoint is being restored,
 `compile:1` while the first step compiles; `step:N:TERM` (or `:INT`) sends that signal
 instead.
+`noise:N` adds 1e-3 to the first float parameter right after global step N (a planted
+nondeterministic op: what `jtrain replay` must report).
 `hang:N[:SECONDS]` makes the N-th step's fault point sleep SECONDS (default 3600) in the
 calling thread instead, a stuck step for the hang watchdog (control.watchdog) to catch.
 JTRAIN_FAULT_PROCESS=i arms the plan in process i (JTRAIN_PROCESS_ID) only, for
@@ -70,3 +72,17 @@ def fault_point(kind: str, delay: float = 0.0) -> None:
         os.kill(os.getpid(), signum)
     else:
         threading.Timer(delay, os.kill, (os.getpid(), signum)).start()
+
+
+def perturb(step: int, state):
+    """The state after global step `step`; with `noise:N` armed and step == N, its first
+    floating-point parameter moved by 1e-3 (see the module docstring)."""
+    if _armed is None or _armed[0] != "noise" or step != _armed[1]:
+        return state
+    import jax
+    import jax.numpy as jnp
+
+    leaves, treedef = jax.tree.flatten(state.params)
+    i = next(i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating))
+    leaves[i] = leaves[i] + jnp.asarray(1e-3, leaves[i].dtype)
+    return state.replace(params=jax.tree.unflatten(treedef, leaves))

@@ -1,0 +1,158 @@
+"""WORKDIR/hashes.jsonl (`debug.hash_every_steps = N`): every N steps, an exact digest of
+the whole train state and the global example indices of the step's batch.
+
+    {"step": 4, "hash": "<64 hex>", "parts": {"params": "<16 hex>", "opt_state": ...,
+     "ema": ..., "rest": ...}, "examples": [17, 3, ...]}
+
+The digest is computed on the devices, in a jitted function dispatched right after the
+step (no host sync): for every leaf, two wrapping uint32 sums over its bit patterns,
+one plain and one weighted by a multiplicative hash of the element's global flat index
+(so a swap of two elements changes it too). Integer sums are exact and independent of
+the order of addition, so the digest of a sharded array is that of the global array:
+the same on 1 device, 8 devices or 2 processes for bitwise-equal state. The loop fetches
+the small [leaves, 2] result when it drains that step (it reads the step's status then
+anyway); the host hashes it with SHA-256 together with the leaf paths, dtypes and
+shapes. A host SHA-256 of the full bytes (`jtrain.state.state_sha256`) would copy the
+whole state off the devices (and gather it across processes) at every recorded step.
+
+`examples` are the global dataset indices of the step's batch (map-style data; null
+for streams). Process 0 writes; a resumed run first drops the lines after its restored
+step (like metrics.jsonl), so each step appears once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jtrain.observe import jsonl
+
+HASH_FILE = "hashes.jsonl"
+_GOLDEN = np.uint32(2654435761)  # Knuth's multiplicative hash constant
+PARTS = ("params", "opt_state", "ema")  # the rest (step, rng, loss scale, ...) is "rest"
+
+
+def leaf_paths(state) -> list[str]:
+    """The state's leaf paths, in tree order ("params/Dense_0/kernel", ...)."""
+    return [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+
+
+def path_name(path) -> str:
+    out = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                out.append(str(getattr(k, attr)))
+                break
+        else:
+            out.append(str(k))
+    return "/".join(out)
+
+
+def _bits(x) -> jax.Array:
+    """x's bit patterns as uint32 (smaller types widened, wider ones split)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    size = jnp.dtype(x.dtype).itemsize
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}.get(size, jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _leaf_sums(x) -> jax.Array:
+    """[2] uint32: the plain and the index-weighted wrapping sums of x's bits."""
+    bits = _bits(x)
+    flat = jnp.zeros(bits.shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(bits.ndim)):  # the global flat index, computed per element
+        flat = flat + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d) * np.uint32(stride)
+        stride = (stride * bits.shape[d]) % (1 << 32)
+    weights = flat * _GOLDEN + np.uint32(1)
+    return jnp.stack([jnp.sum(bits, dtype=jnp.uint32),
+                      jnp.sum(bits * weights, dtype=jnp.uint32)])
+
+
+def digest_on_device(state) -> jax.Array:
+    """[leaves, 2] uint32, in tree order (see the module docstring)."""
+    leaves = jax.tree.leaves(state)
+    return jnp.stack([_leaf_sums(x) for x in leaves]) if leaves else jnp.zeros((0, 2),
+                                                                               jnp.uint32)
+
+
+def make_digest(mesh=None) -> Callable:
+    """The jitted digest; on `mesh`, its result replicated (every process reads it)."""
+    if mesh is None:
+        return jax.jit(digest_on_device)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.jit(digest_on_device, out_shardings=replicated)
+
+
+def describe(state) -> list[tuple[str, str]]:
+    """(path, "dtype[shape]") per leaf, in tree order: what the host hash covers."""
+    return [(path_name(p), f"{jnp.dtype(x.dtype).name}{list(x.shape)}")
+            for p, x in jax.tree_util.tree_flatten_with_path(state)[0]]
+
+
+def finish(sums: np.ndarray, layout: list[tuple[str, str]]) -> dict:
+    """{"hash": 64 hex, "parts": {part: 16 hex}} from the fetched sums and the layout."""
+    whole, parts = hashlib.sha256(), {}
+    for (path, shape), row in zip(layout, np.asarray(sums, np.uint32)):
+        piece = f"{path}:{shape}:{int(row[0]):08x}{int(row[1]):08x};".encode()
+        whole.update(piece)
+        part = path.split("/", 1)[0]
+        part = part if part in PARTS else "rest"
+        parts.setdefault(part, hashlib.sha256()).update(piece)
+    return {"hash": whole.hexdigest(),
+            "parts": {k: v.hexdigest()[:16] for k, v in sorted(parts.items())}}
+
+
+def state_digest(state, mesh=None) -> dict:
+    """The digest of a state now ({"hash", "parts"}): what hashes.jsonl records."""
+    return finish(jax.device_get(make_digest(mesh)(state)), describe(state))
+
+
+class Recorder:
+    """The loop's side of hashes.jsonl: `dispatch(step, state)` right after a step
+    (no sync), `drained(step)` when the loop drains it (fetch, write)."""
+
+    def __init__(self, workdir: str, every: int, *, primary: bool, resumed_step: int | None,
+                 examples_of: Callable[[int], list | None], mesh=None):
+        self.every, self.primary, self.examples_of = every, primary, examples_of
+        self.path = os.path.join(workdir, HASH_FILE)
+        self._pending: dict[int, jax.Array] = {}
+        self._digest = make_digest(mesh) if every else None
+        self._layout: list | None = None
+        if every and primary and os.path.exists(self.path):
+            jsonl.truncate_after(self.path, resumed_step or 0)
+
+    def dispatch(self, step: int, state) -> None:
+        if not self.every or step % self.every:
+            return
+        if self._layout is None:
+            self._layout = describe(state)
+        self._pending[step] = self._digest(state)
+
+    def drained(self, step: int) -> None:
+        sums = self._pending.pop(step, None)
+        if sums is None:
+            return
+        sums = jax.device_get(sums)
+        if not self.primary:
+            return
+        record = {"step": step, **finish(sums, self._layout), "examples": self.examples_of(step)}
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def read(workdir: str) -> list[dict]:
+    """The records of WORKDIR/hashes.jsonl, by step (a torn line is skipped)."""
+    records = jsonl.read_records(os.path.join(workdir, HASH_FILE))
+    return sorted((r for r in records if isinstance(r, dict) and "hash" in r),
+                  key=lambda r: int(r["step"]))
