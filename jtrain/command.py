@@ -5,6 +5,8 @@
     jtrain export   --workdir=runs/base --out=exports/base          (= python -m jtrain.export)
     jtrain tune     --config=... --workdir=...                      (= python -m jtrain.tune)
     jtrain bench    overhead | data | checkpoint                    (= python -m jtrain.bench)
+    jtrain diff     RUN_A RUN_B                                     (= python -m jtrain.diff)
+    jtrain replay   RUN --step=S                                    (= python -m jtrain.replay)
 
 Each subcommand runs its module's entry point with the rest of the command line, so the
 start-up (jtrain.boot), flags, exit codes and one-line errors are the module's own
@@ -28,6 +30,10 @@ COMMANDS = {
                                            "--out=DIR"),
     "tune": ("jtrain.tune", "hyperparameter search over runs: --config=FILE --workdir=DIR"),
     "bench": ("jtrain.bench.cli", "benchmarks: overhead, data, checkpoint"),
+    "diff": ("jtrain.diff", "where two runs part: config, data, versions, state hashes: "
+                            "RUN_A RUN_B"),
+    "replay": ("jtrain.replay", "re-run a recorded step, compare its state hash: RUN "
+                                "--step=S"),
 }
 
 

@@ -36,7 +36,13 @@ EXIT_CODES = {
        "(one line; the process leaves at once instead of waiting for the dead peer)",
     6: "disk full: no space left on the device holding the workdir, at any moment of the "
        "run (free space, rerun the same command to continue)",
+    7: "`jtrain diff`: the two runs differ (config, data, library versions or state); "
+       "`jtrain replay`: the step did not reproduce its recorded state hash",
 }
+
+# `jtrain diff` / `jtrain replay`: the runs or the replayed step differ (a result, not
+# an error: the command ran and says where).
+EXIT_DIFFERENT = 7
 
 
 class JtrainError(Exception):

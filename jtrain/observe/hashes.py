@@ -151,6 +151,28 @@ class Recorder:
             f.write(json.dumps(record) + "\n")
 
 
+def first_difference(a: dict, b: dict) -> tuple[str, float] | None:
+    """(path, max abs difference) of the first leaf that differs between
+    two {path: numpy array} states; a leaf missing on one side or of another shape
+    counts as differing with an infinite difference. None when they are bitwise equal."""
+    def order(path):  # params first, then the optimizer state, the EMA, the rest
+        part = path.split("/", 1)[0]
+        return (PARTS.index(part) if part in PARTS else len(PARTS), path)
+
+    for path in sorted(set(a) | set(b), key=order):
+        x, y = a.get(path), b.get(path)
+        if x is None or y is None or np.shape(x) != np.shape(y):
+            return path, float("inf")
+        x, y = np.asarray(x), np.asarray(y)
+        if x.dtype != y.dtype or x.tobytes() != y.tobytes():
+            try:
+                d = np.abs(x.astype(np.float64) - y.astype(np.float64))
+            except (TypeError, ValueError):
+                return path, float("inf")
+            return path, float(np.nanmax(d)) if d.size and not np.isnan(d).all() else 0.0
+    return None
+
+
 def read(workdir: str) -> list[dict]:
     """The records of WORKDIR/hashes.jsonl, by step (a torn line is skipped)."""
     records = jsonl.read_records(os.path.join(workdir, HASH_FILE))
