@@ -25,7 +25,7 @@ _ENV = ("JTRAIN_COORDINATOR", "JTRAIN_NUM_PROCESSES", "JTRAIN_PROCESS_ID")
 
 def _commands() -> list[tuple[str, str, object]]:
     """(command, one line of help, define_flags(fv)) for every command."""
-    from jtrain import evaluate, export, train_command
+    from jtrain import diff, evaluate, export, replay, train_command
     from jtrain.bench import cli as bench_cli
     from jtrain.command import COMMANDS
     from jtrain.tune import command as tune_command
@@ -34,6 +34,8 @@ def _commands() -> list[tuple[str, str, object]]:
             lambda fv: train_command.define_flags(fv, sys_argv=["jtrain"])),
            ("python -m jtrain.evaluate", COMMANDS["evaluate"][1], evaluate._define_flags),
            ("python -m jtrain.export", COMMANDS["export"][1], export._define_flags),
+           ("python -m jtrain.diff", COMMANDS["diff"][1], lambda fv: None),
+           ("python -m jtrain.replay", COMMANDS["replay"][1], replay._define_flags),
            ("python -m jtrain.tune", COMMANDS["tune"][1],
             lambda fv: tune_command._define_flags(fv, ["jtrain"]))]
     for name, (define, _, about) in bench_cli.commands().items():

@@ -23,6 +23,7 @@ partial dict; `resolve` fills in the defaults and returns a new validated Config
     named    `load_named("pkg.mod:fn", key)`: the object a config key names
     fields   `Field` and the choice tuples the schema draws from
     schema_control  the run-control sections of the schema (checkpoint ... tune)
+    schema_debug    the debug section of the schema (debug.hash_every_steps)
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@
     liblogs   library logs (orbax, absl, grain) and error tracebacks into train.log
     writers   metric writers: JSONL, TensorBoard, MLflow, W&B (background thread)
     jsonl     the metrics.jsonl format; a resumed run's records truncated to its step
+    hashes    hashes.jsonl (debug.hash_every_steps): exact on-device state digests and
+              each recorded step's example indices, for jtrain diff / replay
     perf      steps/s, tokens/s, MFU, data wait, compile time; the profiler
     plots     PNG plots for `python -m jtrain.evaluate`
     startup   time to first step split into phases, in the header and summary.json

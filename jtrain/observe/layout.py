@@ -16,6 +16,8 @@ RUN = (
      'one JSON object per log step / eval: {"step", "time", "train/loss", ...}; train/loss is the log step\'s own batch, train/loss_window the mean over the log window\'s applied steps (what the progress bar shows; after a resume the first window starts at the restored step); a resumed run first drops the records after its restored step'),
     ('skipped.jsonl', 'skipped.jsonl',
      'the skip ledger: every skipped update (step, reason, batch, examples)'),
+    ('hashes.jsonl', 'hashes.jsonl',
+     'with debug.hash_every_steps = N: every N steps {"step", "hash" (the whole train state, exact), "parts" (params, opt_state, ema, rest), "examples" (the batch\'s global example indices)}; read by jtrain diff and jtrain replay; a resumed run first drops the records after its restored step'),
     ('tb/', 'tb',
      'TensorBoard event files (tensorboard --logdir WORKDIR/tb)'),
     ('checkpoints/N/', 'checkpoints',
