@@ -109,3 +109,20 @@ def test_a_step_without_a_hash_and_a_path_that_is_not_a_run(runs, tmp_path):
         diff_lib.diff_runs(str(runs / "a"), str(tmp_path))
     with pytest.raises(UsageError, match="passed from Python"):
         replay_lib.replay(str(runs / "a"), 5)
+
+
+@pytest.mark.multidevice
+def test_the_digest_of_a_sharded_array_is_that_of_the_global_array():
+    """On 8 devices: the same values sharded over fsdp, over two axes, or on one device
+    give one digest (integer sums, exact in any order)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    x = np.random.default_rng(0).normal(size=(16, 6)).astype(np.float32)
+    state = {"params": {"w": x}, "step": np.int32(3)}
+    want = hashes.state_digest(jax.device_put(state, jax.devices()[0]))
+    for spec in (P("fsdp"), P("fsdp", "tensor"), P(None, "tensor")):
+        sharded = {"params": {"w": jax.device_put(x, NamedSharding(mesh, spec))},
+                   "step": jax.device_put(np.int32(3), NamedSharding(mesh, P()))}
+        assert hashes.state_digest(sharded, mesh) == want, spec
