@@ -11,6 +11,7 @@ from jtrain.config.fields import (ACTIVATIONS, DTYPES, INF, INT_MAX, METRIC_NAME
                                   OPTIMIZERS, SCHEDULES, SPACE_KINDS, WRITERS, F, Field,
                                   _resume_safe)
 from jtrain.config.schema_control import CONTROL_SECTIONS
+from jtrain.config.schema_population import POPULATION_SECTIONS
 
 SCHEMA: dict[str, Any] = {
     "seed": F(int, 0, (0, INT_MAX), "seed of parameter init, dropout and data order"),
@@ -154,6 +155,7 @@ SCHEMA: dict[str, Any] = {
         "wandb_mode": F(str, "offline", ("offline", "online", "disabled"), "W&B mode"),
     }),
     **CONTROL_SECTIONS,
+    **POPULATION_SECTIONS,
 }
 
 # Built-in model families: their keys under `model.` (jtrain/models/<name>.py builds them).
