@@ -23,6 +23,7 @@ partial dict; `resolve` fills in the defaults and returns a new validated Config
     named    `load_named("pkg.mod:fn", key)`: the object a config key names
     fields   `Field` and the choice tuples the schema draws from
     schema_control  the run-control sections of the schema (checkpoint ... tune)
+    schema_population  the population section, its rules, each member's seed and values
 """
 
 from __future__ import annotations
