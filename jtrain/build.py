@@ -18,6 +18,7 @@ from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
 from jtrain import models as models_lib
 from jtrain import optim as optim_lib
+from jtrain import population as population_lib
 from jtrain import precision as precision_lib
 from jtrain import state as state_lib
 from jtrain import step as step_lib
@@ -53,6 +54,10 @@ class Build:
     extra_trainable: tuple[str, ...] = ()  # added to optim.trainable (LoRA's adapters)
     flops_per_example: float | None = None  # training FLOPs of one example, if known
     ema_decay: float = 0.0  # optim.ema.decay: the state keeps a weight EMA when > 0
+    # population.size > 1: the state has a leading member axis (jtrain.population);
+    # `abstract` / `shardings` stay one member's, `init` and `abstract_with_shardings`
+    # are the population's, `train_step` steps every member, `eval_step` takes one's.
+    population: Any = None
 
     def decided(self, cfg) -> dict:
         """What the set-up decided beyond the config, as run.json records it:
@@ -69,12 +74,30 @@ class Build:
         return out
 
     def init(self) -> state_lib.TrainState:
+        if self.population is not None:
+            return population_lib.init(self.population, self.model_fns, self.tx, self.policy,
+                                       self.sample_inputs, self.mesh, self.state_shardings,
+                                       ema=self.ema_decay > 0)
         return state_lib.init_state(self.model_fns, self.tx, self.policy, self.sample_inputs,
                                     self.mesh, self.seed, self.shardings)
 
+    @property
+    def state_abstract(self):
+        """The whole state's abstract tree (the population's when there is one)."""
+        if self.population is None:
+            return self.abstract
+        return population_lib.abstract(self.population, self.abstract)
+
+    @property
+    def state_shardings(self):
+        """The whole state's shardings (the population's when there is one)."""
+        if self.population is None:
+            return self.shardings
+        return population_lib.shardings(self.population, self.shardings)
+
     def abstract_with_shardings(self):
         """What orbax restores into."""
-        return checkpoint.abstract_with_shardings(self.abstract, self.shardings)
+        return checkpoint.abstract_with_shardings(self.state_abstract, self.state_shardings)
 
 
 def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | None = None,
@@ -131,18 +154,26 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
         loss_fn, multi = loss_terms.from_config(cfg.loss)
     batch_loss = cfg.loss.eval_scope == "batch" or (cfg.loss.eval_scope == "auto" and multi)
     model_inputs = tuple(cfg.data.model_inputs)
-    def make_train_step(accum):
-        return jax.jit(
-            step_lib.make_train_step(
-                model_fns.apply, loss_fn or losses.default_loss, tx, schedule,
-                grad_accum_steps=accum, dynamic_loss_scale=policy.dynamic_loss_scale,
-                halt_on_nonfinite=cfg.nonfinite.policy == "halt",
-                max_consecutive=cfg.nonfinite.max_consecutive, valid_fn=valid_fn,
-                model_inputs=model_inputs, ema_decay=ema_decay, ema_warmup=ema_warmup),
-            in_shardings=(shardings, batch_sharding), out_shardings=(shardings, repl),
-            donate_argnums=0)
+    population = population_lib.from_config(cfg)
+    state_abstract, state_shardings = abstract, shardings
+    if population is not None:  # the member axis in front of every leaf
+        population = population_lib.with_mesh(population, mesh, shardings)
+        state_abstract = population_lib.abstract(population, abstract)
+        state_shardings = population_lib.shardings(population, shardings)
 
-    memory_plan = _plan_memory(cfg, mesh, make_train_step, abstract, train_example)
+    def make_train_step(accum):
+        step = step_lib.make_train_step(
+            model_fns.apply, loss_fn or losses.default_loss, tx, schedule,
+            grad_accum_steps=accum, dynamic_loss_scale=policy.dynamic_loss_scale,
+            halt_on_nonfinite=cfg.nonfinite.policy == "halt",
+            max_consecutive=cfg.nonfinite.max_consecutive, valid_fn=valid_fn,
+            model_inputs=model_inputs, ema_decay=ema_decay, ema_warmup=ema_warmup)
+        if population is not None:
+            step = population_lib.train_step(population, step)
+        return jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+                       out_shardings=(state_shardings, repl), donate_argnums=0)
+
+    memory_plan = _plan_memory(cfg, mesh, make_train_step, state_abstract, train_example)
     accum = memory_plan.accum if memory_plan else cfg.optim.grad_accum_steps
     train_step = make_train_step(accum)
     eval_spec = evaluator.make_spec(cfg.eval, model_fns.apply, abstract.params, sample_inputs,
@@ -161,6 +192,7 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
                  train_step=train_step, eval_step=eval_step, seed=cfg.seed,
                  memory_plan=memory_plan, trainable=split, loss_fn=loss_fn,
                  grad_accum_steps=accum, extra_trainable=extra_trainable, ema_decay=ema_decay,
+                 population=population,
                  flops_per_example=model_flops_per_example(
                      model, cfg.model, jax.tree.map(np.shape, sample)))
 

@@ -80,6 +80,10 @@ def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data="eval"
             "jtrain.evaluate.evaluate_checkpoint(workdir, loss_fn=...) from Python, or train "
             "with loss.fn='package.module:function' (or loss.terms)")
     cfg = config_lib.resolve(recorded)
+    if cfg.population.size > 1:  # the state holds every member: evaluate one's export
+        raise UsageError(f"{workdir} trained a population of {cfg.population.size} members: "
+                         "export one (python -m jtrain.export RUN --out=DIR --member=i) and "
+                         "evaluate that export")
     weights = weights or cfg.eval.weights
     if weights not in ("params", "ema", "both"):
         raise UsageError(f"--weights: expected params, ema or both, got {weights!r}")

@@ -36,6 +36,9 @@ def _define_flags(fv) -> None:
     flags.DEFINE_enum("weights", "params", ["params", "ema"], "Weights written: the params "
                       "(default) or the weight EMA in their place (optim.ema.decay > 0).",
                       flag_values=fv)
+    flags.DEFINE_integer("member", None, "A population run (population.size > 1): the "
+                         "member to export, 0..K-1; written as a plain run's export.",
+                         flag_values=fv)
 
 
 def _main(fv, args) -> int:
@@ -50,7 +53,8 @@ def _main(fv, args) -> int:
         raise UsageError("--out: required (the export directory)")
     try:
         record = export_lib.export(args[0], fv.out, step=fv.step, dtype=fv.dtype,
-                                   merge_lora=fv.merge_lora, weights=fv.weights)
+                                   merge_lora=fv.merge_lora, weights=fv.weights,
+                                   member=fv.member)
     except OSError as e:
         known = classify(e, fv.out, flag="--out")  # --out on a full or read-only disk
         if known is not e:
@@ -58,6 +62,7 @@ def _main(fv, args) -> int:
         raise ExportError(f"{args[0]}: {e.strerror or first_line(e)}") from None
     merged = record.get("merged_lora")
     print(f"jtrain: exported step {record['step']}"
+          + (f" of member {fv.member}" if fv.member is not None else "")
           + (" (the weight EMA)" if fv.weights == "ema" else "")
           + f": {record['num_params']:,} params in "
           f"{record['num_tensors']} tensors ({record['dtype']}) to "

@@ -29,6 +29,7 @@ from jtrain import checkpoint, control as control_lib
 from jtrain import config as config_lib
 from jtrain import evaluator
 from jtrain import multihost
+from jtrain import population as population_lib
 from jtrain import state as state_lib
 from jtrain.build import Build
 from jtrain.control import decide as decide_lib
@@ -318,10 +319,17 @@ def _evaluator(cfg, run: Run):
         if run.data.eval is None:
             return {"step": step}
         t0 = time.perf_counter()
-        result = evaluator.evaluate_weights(
-            run.build.eval_step, state, run.data.eval, weights=cfg.eval.weights,
+        pop = run.build.population
+        results = [evaluator.evaluate_weights(
+            run.build.eval_step, member, run.data.eval, weights=cfg.eval.weights,
             mesh=run.build.mesh, local_batch=run.data.eval_batch,
             max_batches=cfg.eval.num_batches, spec=run.build.eval_spec)
+            for member in ([state] if pop is None else
+                           [population_lib.member(state, i) for i in range(pop.size)])]
+        result = results[0]
+        if pop is not None:  # the mean over members, and each member's as <name>/m<i>
+            result = dataclasses.replace(result, scalars=population_lib.combine(
+                [r.scalars for r in results]))
         run.out.perf.add("eval", time.perf_counter() - t0)
         run.out.writer.write_scalars(step, result.scalars)
         run.out.progress.message(evaluator.format_line(step, result), emphasis=True)

@@ -12,6 +12,7 @@ import numpy as np
 
 from jtrain import errors
 from jtrain import evaluator
+from jtrain import population as population_lib
 from jtrain import state as state_lib
 from jtrain.observe import jsonl
 
@@ -47,8 +48,10 @@ def summarize(cfg, run, state, session) -> dict:
     summary = {
         "step": step,
         "state_sha256": state_lib.state_sha256(state),
-        "skipped_steps": int(jax.device_get(state.skipped_steps)),
-        "lr_factor": float(jax.device_get(state.lr_factor)),
+        # a population: the most any member skipped (each member's: `population`), and
+    # each member's lr factor
+        "skipped_steps": int(np.max(jax.device_get(state.skipped_steps))),
+        "lr_factor": np.asarray(jax.device_get(state.lr_factor)).tolist(),
         "resumed_from": run.resumed_from,
         "stopped_by": session.stopped_by,  # SIGTERM, SIGINT, early_stop, on_eval; None
         "stop_reason": session.stop_reason,
@@ -59,6 +62,10 @@ def summarize(cfg, run, state, session) -> dict:
         **run.out.perf.summary(),
         **run.startup.recorder.summary(),
     }
+    pop = run.build.population
+    if pop is not None:  # per metric: mean, spread and the winning member
+        summary["population"] = population_lib.summary_block(
+            pop, state, final_eval, monitor=cfg.checkpoint.monitor, mode=cfg.checkpoint.mode)
     # What the set-up decided beyond config.json, as run.json records it.
     summary["decided"] = run.record.get("decided", {})
     # The precision configured and what the traced model computes in (matmul dtypes).

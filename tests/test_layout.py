@@ -167,7 +167,8 @@ def test_tests_need_no_convenience_a_user_lacks():
 FLOORS = {
     0: ("jtrain.boot", "jtrain.errors", "jtrain.redact", "jtrain.hostmem"),
     1: ("jtrain.config", "jtrain.step", "jtrain.state", "jtrain.optim", "jtrain.precision",
-        "jtrain.mesh", "jtrain.losses", "jtrain.loss_terms", "jtrain.metrics"),
+        "jtrain.mesh", "jtrain.losses", "jtrain.loss_terms", "jtrain.metrics",
+        "jtrain.population"),
     2: ("jtrain.multihost",),
     3: ("jtrain.data", "jtrain.models", "jtrain.control", "jtrain.checkpoint",
         "jtrain.observe", "jtrain.recipes"),

@@ -8,6 +8,7 @@
     scaling      examples/s per device at 1-8 fake devices; first step cold vs warm cache
     peers        jtrain vs plain PyTorch vs Lightning on the same work (whole processes)
     peer_torch   the PyTorch and Lightning side of `peers`, run as a script
+    population   K runs one after another vs one population of K (one compiled step)
 """
 
 from jtrain.bench.cli import main

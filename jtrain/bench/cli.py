@@ -255,7 +255,21 @@ def commands() -> dict:
         "scaling": (_scaling_flags, scaling, "examples/s per device at 1-8 devices; time "
                     "to first step, cold vs warm compile cache"),
         "peers": (_peers_flags, peers, "jtrain vs plain PyTorch and Lightning, same work"),
+        "population": (_population_flags, _population, "K runs one after another vs one "
+                       "population of K (one compiled step)"),
     }
+
+
+def _population_flags(fv) -> None:
+    from jtrain.bench import population as bpop
+
+    bpop.define_flags(fv)
+
+
+def _population(args) -> int:
+    from jtrain.bench import population as bpop
+
+    return bpop.main(args)
 
 
 def main(argv=None) -> int:
@@ -265,7 +279,7 @@ def main(argv=None) -> int:
     name = argv[0] if argv and not argv[0].startswith("-") else None
     if name is None:
         usage = ("usage: python -m jtrain.bench {overhead,data,checkpoint,console,scaling,"
-                 "peers} [flags]\n\n"
+                 "peers,population} [flags]\n\n"
                  + "".join(f"  {k:<11} {v[2]}\n" for k, v in benches.items()))
         if any(a in ("--help", "-h") for a in argv):
             sys.stdout.write(usage + "\n" + (__doc__ or "") + "\n")

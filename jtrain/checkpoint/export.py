@@ -207,10 +207,12 @@ def load_checkpoint_leaves(step_dir: str, prefixes=("params",)) -> dict[str, np.
 
 def export(workdir: str, out: str, *, step: int | str | None = None,
            dtype: str | None = None, merge_lora: bool = False,
-           weights: str = "params") -> dict:
+           weights: str = "params", member: int | None = None) -> dict:
     """Write the export; returns the export.json record. `merge_lora`: adapters folded
     into their weights (a UsageError for a run without LoRA). `weights="ema"`: the
-    weight EMA is written as the params (a UsageError for a run without one)."""
+    weight EMA is written as the params (a UsageError for a run without one). `member`:
+    member i of a population run (population.size > 1), written as a plain run's export
+    (its config records that member's seed and values, population off)."""
     if weights not in ("params", "ema"):
         raise UsageError(f"--weights: expected params or ema, got {weights!r}")
     step_dir = find_step_dir(workdir, step)
@@ -225,11 +227,12 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
                           "kept in the optimizer state); evaluate it with jtrain evaluate")
     loaded = load_checkpoint_leaves(step_dir, ("params", "ema") if weights == "ema"
                                     else ("params",))
+    config, loaded = _member_of(control.get("config") or {}, loaded, member, workdir)
     leaves = {name.split("/", 1)[1]: arr  # "params/body/kernel" -> "body/kernel"
               for name, arr in loaded.items() if name.startswith("params/")}
     if weights == "ema":
         leaves = _ema_as_params(loaded, leaves, workdir)
-    merged = _merge_lora(leaves, control.get("config") or {}, workdir) if merge_lora else None
+    merged = _merge_lora(leaves, config, workdir) if merge_lora else None
     tensors = {}
     for name, arr in leaves.items():
         floating = np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16"
@@ -242,8 +245,10 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
         "step": int(os.path.basename(step_dir)), "source": os.path.abspath(step_dir),
         "dtype": dtype or "as saved", "weights": weights, "num_tensors": len(tensors),
         "num_params": int(sum(a.size for a in tensors.values())),
-        "config_sha256": control.get("config_sha256"), "config": control.get("config"),
+        "config_sha256": control.get("config_sha256"), "config": config,
     }
+    if member is not None:
+        record["member"] = member
     if merged is not None:
         record["merged_lora"] = merged
     write_safetensors(os.path.join(out, PARAMS_FILE), tensors,
@@ -281,3 +286,30 @@ def _merge_lora(leaves: dict, config: dict, workdir: str) -> dict:
     leaves.clear()
     leaves.update(merged)
     return {"rank": rank, "alpha": alpha, "merged": len(names)}
+
+
+def _member_of(config: dict, loaded: dict, member: int | None, workdir: str):
+    """(config, leaves) of population member `member`: its slice of every leaf and a
+    config that trains it alone; unchanged for a plain run without `member`."""
+    from jtrain.config import schema_population
+
+    size = int((config.get("population") or {}).get("size", 1))
+    if member is None:
+        if size > 1:
+            raise UsageError(f"{workdir} trained a population of {size} members: pass "
+                             f"--member=0..{size - 1} (summary.json names the best)")
+        return config, loaded
+    if size == 1:
+        raise UsageError(f"--member={member}: {workdir} is not a population run "
+                         "(population.size = 1); export it without --member")
+    if not 0 <= member < size:
+        raise UsageError(f"--member={member}: the population has members 0..{size - 1}")
+    plain = json.loads(json.dumps(config))
+    for key, value in schema_population.member_values(config, member).items():
+        node = plain
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    plain["population"] = {**plain["population"], "size": 1, "seeds": [], "vary": {}}
+    return plain, {name: arr[member] for name, arr in loaded.items()}

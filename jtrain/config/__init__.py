@@ -24,6 +24,7 @@ partial dict; `resolve` fills in the defaults and returns a new validated Config
     fields   `Field` and the choice tuples the schema draws from
     schema_control  the run-control sections of the schema (checkpoint ... tune)
     schema_debug    the debug section of the schema (debug.hash_every_steps)
+    schema_population  the population section, its rules, each member's seed and values
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import ml_collections
 from jtrain.config.schema import (ACTIVATIONS, DTYPES, INT_MAX, METRIC_NAMES,  # noqa: F401
                                   MODEL_FAMILIES, OPTIMIZERS, SCHEDULES, SCHEMA, WRITERS,
                                   Field, describe, resume_safe, schema_for)
-from jtrain.config import space as space_lib
+from jtrain.config import schema_population, space as space_lib
 from jtrain.config.rules import (  # noqa: F401  (config.check_mesh, config.check_optim)
     _check_checkpoint, _check_early_stop, _check_regexes, check_mesh, check_optim)
 from jtrain.errors import ConfigError  # noqa: F401  (jtrain.config.ConfigError)
@@ -99,7 +100,7 @@ def resolve(config=None, *, data_settings=None) -> ml_collections.ConfigDict:
     section; what it returns overrides `data.*` in this same resolution (a torch
     DataLoader's batch size, shuffle, ... read by jtrain.data before anything else reads
     the config)."""
-    user = space_lib.nest_dotted(_as_dict(config))
+    user = schema_population.nest_vary(space_lib.nest_dotted(_as_dict(config)))
     for key in RUN_RECORD_KEYS:
         user.pop(key, None)
     model_name = (user.get("model") or {}).get("name", "transformer")
@@ -225,9 +226,13 @@ def _check_value(key: str, typ, check, value) -> None:
         for v in value:
             if not isinstance(v, want) or isinstance(v, bool):
                 raise ConfigError(key, f"items must be {want.__name__}, got {v!r}")
-            if isinstance(check, tuple) and v not in check:
+            ranged = want is int and isinstance(check, tuple) and check[:1] == (0,)
+            if isinstance(check, tuple) and not ranged and v not in check:
                 raise ConfigError(key, f"unknown item {v!r}; choose from {', '.join(check)}")
-            if want is int and v <= 0:
+            if ranged:
+                if v < 0:  # a (0, hi) range: zero allowed (population.seeds)
+                    raise ConfigError(key, f"items must be >= 0, got {v!r}")
+            elif want is int and v <= 0:
                 raise ConfigError(key, f"items must be positive, got {v!r}")
         return
     elif typ == "dict":
@@ -256,6 +261,7 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
         raise ConfigError("plateau.factor", f"must be in (0, 1), got "
                           f"{tree['plateau']['factor']!r}")
     _check_early_stop(tree["early_stop"])
+    schema_population.check(tree)
     if tree["eval"]["weights"] != "params" and not optim["ema"]["decay"]:
         raise ConfigError("eval.weights", f"{tree['eval']['weights']!r} evaluates the "
                           "weight EMA: set optim.ema.decay > 0 (e.g. 0.999)")

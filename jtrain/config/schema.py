@@ -12,6 +12,7 @@ from jtrain.config.fields import (ACTIVATIONS, DTYPES, INF, INT_MAX, METRIC_NAME
                                   _resume_safe)
 from jtrain.config.schema_control import CONTROL_SECTIONS
 from jtrain.config.schema_debug import DEBUG_SECTIONS
+from jtrain.config.schema_population import POPULATION_SECTIONS
 
 SCHEMA: dict[str, Any] = {
     "seed": F(int, 0, (0, INT_MAX), "seed of parameter init, dropout and data order"),
@@ -156,6 +157,7 @@ SCHEMA: dict[str, Any] = {
     }),
     **CONTROL_SECTIONS,
     **DEBUG_SECTIONS,
+    **POPULATION_SECTIONS,
 }
 
 # Built-in model families: their keys under `model.` (jtrain/models/<name>.py builds them).

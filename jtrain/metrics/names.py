@@ -8,6 +8,8 @@ A name is `<namespace>/<what>`; a part in angle brackets stands for a family of 
   <k>      eval.top_k
   <i>      a class index (per-class scores, a few classes only)
   <phase>  a start-up phase (jtrain.observe.startup.PHASES, and "other")
+  <metric> any train/* or eval/* name above, less its namespace (a population's member)
+  <m>      a population member's index (population.size > 1)
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ METRICS: dict[str, tuple[str, str]] = {
                             "gradient, invalid rows): skipped.jsonl lists them"),
     "train/loss_scale": ("log steps", "fp16 dynamic loss scale (precision float16 only)"),
     "train/<term>": ("log steps", "a named loss term's token-weighted mean"),
+    "train/<metric>/m<m>": ("log steps (population.size > 1)", "member m's train/<metric>; "
+                            "the plain name is the mean over the members"),
     "eval/loss": ("evals", "loss over every eval example, exactly (padding masked)"),
     "eval/<term>": ("evals", "a named loss term over the eval set"),
     "eval/accuracy": ("evals", "classification / sequence: share of correct predictions"),
@@ -47,6 +51,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "eval/r2": ("evals", "regression: coefficient of determination"),
     "eval/pearson": ("evals", "regression: Pearson correlation"),
     "eval/spearman": ("evals", "regression: Spearman rank correlation (exact, host side)"),
+    "eval/<metric>/m<m>": ("evals (population.size > 1)", "member m's eval/<metric>; the "
+                           "plain name is the mean over the members"),
     "perf/steps_per_sec": ("log steps, summary", "steps per second since the last log step "
                            "(summary: over the whole run)"),
     "perf/examples_per_sec": ("log steps, summary", "examples per second"),
@@ -70,7 +76,7 @@ METRICS: dict[str, tuple[str, str]] = {
 }
 
 _PARTS = {"<term>": r"(?P<term>[A-Za-z0-9_.\-]+)", "<k>": r"\d+", "<i>": r"\d+",
-          "<phase>": r"[a-z_]+"}
+          "<phase>": r"[a-z_]+", "<metric>": r"[A-Za-z0-9_.\-/]+", "<m>": r"\d+"}
 
 
 def _regex(pattern: str) -> re.Pattern:
@@ -102,7 +108,9 @@ def markdown() -> str:
            "W&B and `summary.json`. Each record of `metrics.jsonl` also carries `step` and "
            "`time`. A part in angle brackets stands for a family: `<term>` a named loss "
            "term, `<k>` eval.top_k, `<i>` a class index, `<phase>` a start-up phase "
-           "(imports, distributed, data, build, state, writers, compile, other).", "",
+           "(imports, distributed, data, build, state, writers, compile, other), "
+           "`<metric>` another train/eval name less its namespace and `<m>` a "
+           "population member's index.", "",
            "| name | written | what |", "|---|---|---|"]
     for name, (where, what) in METRICS.items():
         out.append(f"| `{name}` | {where} | {what} |")

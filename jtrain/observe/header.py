@@ -34,6 +34,8 @@ def describe_run(cfg, build, data, *, workdir: str, origin: str, peak: float | N
                               build.shardings.ema))
     if build.memory_plan is not None:
         extra.append(f"jtrain: {build.memory_plan.describe()}")
+    if getattr(build, "population", None) is not None:  # K members, one compiled step
+        extra.append(build.population.describe())
     extra.append(f"jtrain: eval {build.eval_spec.task}: {', '.join(build.eval_spec.names)}; "
                  + (f"{flops:.3g} train FLOPs/example, {mfu}" if flops else "MFU n/a"))
     return run_header(

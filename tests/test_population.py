@@ -1,0 +1,141 @@
+"""A population (population.size > 1): member i of a vmapped population equals the
+single run with member i's seed and learning rate (same batches; Linen with dropout, and
+NNX); a run writes each member's metrics as `<name>/m<i>` and summary.json's population
+block; `export --member` writes that member as a plain run's export; the section's rules
+are one config error each."""
+
+import json
+import os
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import jtrain
+from jtrain.checkpoint import export as export_lib
+from jtrain.errors import ConfigError, UsageError
+
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+        h = nn.Dropout(0.2, deterministic=not train)(nn.relu(nn.Dense(16, name="body")(x)))
+        return nn.Dense(3, name="head")(h)
+
+
+class NnxNet(nnx.Module):
+    def __init__(self, rngs):
+        self.body = nnx.Linear(4, 8, rngs=rngs)
+        self.head = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(nnx.relu(self.body(x)))
+
+
+def _data(n=64):
+    r = np.random.default_rng(0)
+    x = r.normal(size=(n, 4)).astype(np.float32)
+    return {"inputs": x, "targets": ((x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0))}
+
+
+def _cfg(**over):
+    return {"total_steps": 4, "seed": 0, "data": {"batch_size": 8, "shuffle": False},
+            "eval": {"every_steps": 0}, "log": {"verbosity": 0, "writers": ("jsonl",)},
+            "optim": {"name": "adamw", "lr": 0.01, "schedule": "warmup_cosine",
+                      "warmup_steps": 1}, **over}
+
+
+def _build(cfg, model):
+    data = _data()
+    return jtrain.build(jtrain.resolve(cfg), sample=data["inputs"][0], model=model,
+                        eval_example={k: v[0] for k, v in data.items()})
+
+
+def _train(b, steps=4):
+    data, state = _data(), b.init()
+    for i in range(steps):
+        state, metrics = b.train_step(state, {k: v[8 * i: 8 * i + 8] for k, v in data.items()})
+    return state, metrics
+
+
+@pytest.mark.parametrize("model, members", [(Net(), (0, 1, 2)), (NnxNet, (2,))],
+                         ids=["linen_dropout", "nnx"])
+def test_member_i_equals_the_single_run_with_its_seed_and_lr(model, members):
+    seeds, lrs = (0, 4, 9), (0.01, 0.03, 0.002)
+    pop = _build(_cfg(population={"size": 3, "seeds": list(seeds),
+                                  "vary": {"optim.lr": list(lrs)}}), model)
+    state, metrics = _train(pop)
+    assert int(state.step) == 4 and state.skipped_steps.shape == (3,)
+    for i in members:
+        seed, lr = seeds[i], lrs[i]
+        single, single_metrics = _train(_build(_cfg(seed=seed, optim={
+            **_cfg()["optim"], "lr": lr}), model))
+        for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(single.params)):
+            np.testing.assert_allclose(np.asarray(a)[i], np.asarray(b), atol=1e-6, rtol=0)
+        for name in ("train/loss", "train/lr", "train/grad_norm"):
+            np.testing.assert_allclose(float(metrics[f"{name}/m{i}"]),
+                                       float(single_metrics[name]), rtol=1e-5)
+    assert float(metrics["train/loss"]) == pytest.approx(
+        np.mean([float(metrics[f"train/loss/m{i}"]) for i in range(3)]))
+
+
+def test_a_population_run_writes_member_metrics_summary_and_exports_a_member(tmp_path):
+    data = _data()
+    work = str(tmp_path / "run")
+    cfg = _cfg(population={"size": 2, "vary": {"optim": {"lr": [0.01, 0.05]}}},
+               eval={"every_steps": 4}, log={"verbosity": 0, "writers": ("jsonl",),
+                                             "every_steps": 2})
+    result = jtrain.train(cfg, work, model=Net(), train_data=data, eval_data=data)
+    records = [json.loads(line) for line in open(os.path.join(work, "metrics.jsonl"))]
+    train = next(r for r in records if "train/loss" in r)
+    assert {"train/loss/m0", "train/loss/m1", "train/lr/m1"} <= set(train)
+    assert train["train/lr/m1"] == pytest.approx(5 * train["train/lr/m0"], rel=1e-5)
+    final = result.summary
+    assert final["eval/loss"] == pytest.approx((final["eval/loss/m0"] + final["eval/loss/m1"]) / 2)
+    pop = final["population"]
+    assert pop["size"] == 2 and pop["seeds"] == [0, 1] and pop["lrs"] == [0.01, 0.05]
+    losses = [final["eval/loss/m0"], final["eval/loss/m1"]]
+    assert pop["best_member"] == int(np.argmin(losses))
+    assert pop["metrics"]["eval/loss"]["std"] == pytest.approx(np.std(losses))
+
+    out = str(tmp_path / "m1")
+    record = export_lib.export(work, out, member=1)
+    assert record["member"] == 1 and record["config"]["population"]["size"] == 1
+    assert record["config"]["seed"] == 1 and record["config"]["optim"]["lr"] == 0.05
+    exported = export_lib.load_export(out)
+    params = {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(x)[1]
+              for p, x in jax.tree_util.tree_flatten_with_path(result.state.params)[0]}
+    exported = {k.removeprefix("params/"): v for k, v in exported.items()}
+    params = {k.removeprefix("params/"): v for k, v in params.items()}
+    assert set(exported) == set(params) and len(params) == 4
+    for name, arr in exported.items():
+        np.testing.assert_array_equal(arr, params[name])
+    with pytest.raises(UsageError, match="--member=0..1"):
+        export_lib.export(work, str(tmp_path / "x"))
+    with pytest.raises(UsageError, match="members 0..1"):
+        export_lib.export(work, str(tmp_path / "x"), member=2)
+
+
+@pytest.mark.parametrize("over, key", [
+    ({"population": {"size": 2, "vary": {"optim.b1": [0.9, 0.8]}}}, "population.vary.optim.b1"),
+    ({"population": {"size": 2, "vary": {"optim.lr": [0.1]}}}, "population.vary.optim.lr"),
+    ({"population": {"size": 2, "seeds": [3]}}, "population.seeds"),
+    ({"population": {"size": 2, "seeds": [3, 3]}}, "population.seeds"),
+    ({"population": {"size": 2, "data": "per_member"}}, "population.data"),
+    ({"population": {"size": 2}, "early_stop": {"monitor": "eval/loss"}},
+     "early_stop.monitor"),
+    ({"population": {"size": 2}, "plateau": {"monitor": "eval/loss"}}, "plateau.monitor"),
+    ({"population": {"size": 2}, "spike": {"zscore": 3.0}}, "spike.zscore"),
+])
+def test_population_rules_are_one_config_error_each(over, key):
+    with pytest.raises(ConfigError) as e:
+        jtrain.resolve({**_cfg(), **over})
+    assert e.value.key == key
+
+
+def test_size_one_is_the_plain_run():
+    b = _build(_cfg(), Net())
+    assert b.population is None and b.state_abstract is b.abstract
+    assert int(jax.device_get(b.init().step)) == 0
