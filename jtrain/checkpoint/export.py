@@ -207,12 +207,16 @@ def load_checkpoint_leaves(step_dir: str, prefixes=("params",)) -> dict[str, np.
 
 def export(workdir: str, out: str, *, step: int | str | None = None,
            dtype: str | None = None, merge_lora: bool = False,
-           weights: str = "params") -> dict:
+           weights: str = "params", format: str = "jtrain") -> dict:
     """Write the export; returns the export.json record. `merge_lora`: adapters folded
     into their weights (a UsageError for a run without LoRA). `weights="ema"`: the
-    weight EMA is written as the params (a UsageError for a run without one)."""
+    weight EMA is written as the params (a UsageError for a run without one).
+    `format="hf"`: a Hugging Face model directory (jtrain.checkpoint.hf_export) instead
+    of params.safetensors, with the same export.json."""
     if weights not in ("params", "ema"):
         raise UsageError(f"--weights: expected params or ema, got {weights!r}")
+    if format not in ("jtrain", "hf"):
+        raise UsageError(f"--format: expected jtrain or hf, got {format!r}")
     step_dir = find_step_dir(workdir, step)
     with open(os.path.join(step_dir, "control", "metadata")) as f:
         control = json.load(f)
@@ -246,8 +250,13 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
     }
     if merged is not None:
         record["merged_lora"] = merged
-    write_safetensors(os.path.join(out, PARAMS_FILE), tensors,
-                      {"format": "jtrain-export", "step": str(record["step"])})
+    if format == "hf":
+        from jtrain.checkpoint import hf_export
+
+        record["hf"] = hf_export.write(out, tensors, control.get("config") or {})
+    else:
+        write_safetensors(os.path.join(out, PARAMS_FILE), tensors,
+                          {"format": "jtrain-export", "step": str(record["step"])})
     with open(os.path.join(out, INFO_FILE), "w") as f:
         json.dump(record, f, indent=2, sort_keys=True)
     return record
