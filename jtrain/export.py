@@ -17,6 +17,7 @@ from absl import flags  # noqa: E402
 
 from jtrain import cli  # noqa: E402
 from jtrain.checkpoint import export as export_lib  # noqa: E402
+from jtrain.checkpoint import hf_export  # noqa: E402  (imports transformers only when used)
 from jtrain.errors import ExportError, UsageError, classify, first_line  # noqa: E402
 
 
@@ -54,9 +55,9 @@ def _main(fv, args) -> int:
     if not fv.out:
         raise UsageError("--out: required (the export directory)")
     try:
-        record = export_lib.export(args[0], fv.out, step=fv.step, dtype=fv.dtype,
-                                   merge_lora=fv.merge_lora, weights=fv.weights,
-                                   format=fv.format)
+        run_export = hf_export.export if fv.format == "hf" else export_lib.export
+        record = run_export(args[0], fv.out, step=fv.step, dtype=fv.dtype,
+                            merge_lora=fv.merge_lora, weights=fv.weights)
     except OSError as e:
         known = classify(e, fv.out, flag="--out")  # --out on a full or read-only disk
         if known is not e:

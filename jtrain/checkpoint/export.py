@@ -207,16 +207,15 @@ def load_checkpoint_leaves(step_dir: str, prefixes=("params",)) -> dict[str, np.
 
 def export(workdir: str, out: str, *, step: int | str | None = None,
            dtype: str | None = None, merge_lora: bool = False,
-           weights: str = "params", format: str = "jtrain") -> dict:
+           weights: str = "params", writer=None) -> dict:
     """Write the export; returns the export.json record. `merge_lora`: adapters folded
     into their weights (a UsageError for a run without LoRA). `weights="ema"`: the
     weight EMA is written as the params (a UsageError for a run without one).
-    `format="hf"`: a Hugging Face model directory (jtrain.checkpoint.hf_export) instead
-    of params.safetensors, with the same export.json."""
+    `writer(out, tensors, config) -> dict`: writes the tensors instead of
+    params.safetensors (jtrain.checkpoint.hf_export.export: a Hugging Face directory);
+    what it returns is the record's "hf" entry."""
     if weights not in ("params", "ema"):
         raise UsageError(f"--weights: expected params or ema, got {weights!r}")
-    if format not in ("jtrain", "hf"):
-        raise UsageError(f"--format: expected jtrain or hf, got {format!r}")
     step_dir = find_step_dir(workdir, step)
     with open(os.path.join(step_dir, "control", "metadata")) as f:
         control = json.load(f)
@@ -250,10 +249,8 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
     }
     if merged is not None:
         record["merged_lora"] = merged
-    if format == "hf":
-        from jtrain.checkpoint import hf_export
-
-        record["hf"] = hf_export.write(out, tensors, control.get("config") or {})
+    if writer is not None:
+        record["hf"] = writer(out, tensors, control.get("config") or {})
     else:
         write_safetensors(os.path.join(out, PARAMS_FILE), tensors,
                           {"format": "jtrain-export", "step": str(record["step"])})

@@ -39,6 +39,7 @@ import re
 
 import numpy as np
 
+from jtrain.checkpoint import export as export_lib
 from jtrain.errors import ExportError
 
 HF_PREFIX = "hf:"
@@ -194,8 +195,6 @@ def check_config(hf: dict, where: str, target: dict) -> None:
 def read_dir(directory: str) -> tuple[dict, dict[str, np.ndarray]]:
     """(config.json, tensors) of a local Hugging Face checkpoint: model.safetensors or
     the shards its model.safetensors.index.json lists."""
-    from jtrain.checkpoint import export as export_lib
-
     config_file = os.path.join(directory, "config.json")
     if not os.path.isfile(config_file):
         raise ExportError(f"{directory}: no config.json (a Hugging Face model directory, "

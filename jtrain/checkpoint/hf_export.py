@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 
+from jtrain.checkpoint import export as export_lib
 from jtrain.checkpoint import hf
 from jtrain.errors import ExportError
 
@@ -46,11 +47,16 @@ def hf_config(model_cfg: dict, dims: dict, dtype: str):
                eos_token_id=None, pad_token_id=None, architectures=[arch], dtype=dtype)
 
 
+def export(workdir: str, out: str, **kwargs) -> dict:
+    """jtrain.checkpoint.export.export (same arguments) writing a Hugging Face directory;
+    the record's "hf" entry says the architecture and the tokenizer."""
+    _transformers()  # before anything is read: the one-line install hint
+    return export_lib.export(workdir, out, writer=write, **kwargs)
+
+
 def write(out: str, leaves: dict[str, np.ndarray], config: dict) -> dict:
     """Writes the HF directory `out` from the parameter leaves (paths without "params/")
     and the run's config; returns {"architecture", "tokenizer"} for the record."""
-    from jtrain.checkpoint import export as export_lib
-
     model_cfg = config.get("model") or {}
     if model_cfg.get("name", "transformer") != "transformer":
         raise ExportError(f"--format=hf: model.name={model_cfg.get('name')}: the Hugging "

@@ -133,7 +133,9 @@ def init_from(ckpt_cfg, abstract_state, init_fn):
         + ("; the source's LoRA adapters are not used: export it with --merge_lora"
            if any(lora.is_adapter(p) for p in unused) else "")
         + "; starting at step 0")
-    origin = (f"initialized from {path} (step {source_step}, {len(taken)} leaves, "
+    origin = (f"initialized from {path} ("
+              + ("Hugging Face weights" if from_hf else f"step {source_step}")
+              + f", {len(taken)} leaves, "
               f"{len(excluded)} excluded)")
     return state, origin
 

@@ -5,6 +5,7 @@ run on 8 devices importing and exporting the same bytes. Tiny random configs, of
 
 import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -201,7 +202,7 @@ def test_hf_into_a_user_model_by_init_map(tmp_path, capfd):
 
 FSDP_CONFIG = dict(seed=0, total_steps=1, model=dict(name="transformer", **DIMS, mlp="swiglu"),
                    data=dict(name="pystdlib", seq_len=16, batch_size=8),
-                   optim=dict(lr=0.0), mesh=dict(fsdp=8),
+                   optim=dict(lr=0.0), mesh=dict(fsdp=8), eval=dict(num_batches=1),
                    checkpoint=dict(every_steps=1, async_save=False))
 
 
@@ -223,7 +224,18 @@ def test_fsdp_run_imports_and_exports_the_same_bytes(tmp_path):
     result = jtrain.train(cfg, str(tmp_path / "run"))
     kernel = result.state.params["layer_0"]["attn"]["query"]
     assert len(kernel.sharding.device_set) == 8
-    out = tmp_path / "out"
-    assert export_command.main([str(tmp_path / "run"), f"--out={out}", "--format=hf"]) == 0
+    out = tmp_path / "out"  # the weights file --format=hf writes, without transformers
+    assert export_command.main([str(tmp_path / "run"), f"--out={out}"]) == 0
+    saved, _ = export.read_safetensors(str(out / export.PARAMS_FILE))
+    export.write_safetensors(str(out / "model.safetensors"), hf.to_hf(saved), {"format": "pt"})
     assert (open(out / "model.safetensors", "rb").read()
             == open(src / "model.safetensors", "rb").read())
+
+
+def test_format_hf_without_transformers_is_one_line(tmp_path, monkeypatch, capsys):
+    from jtrain import export as export_command
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    assert export_command.main([str(tmp_path), f"--out={tmp_path / 'o'}", "--format=hf"]) == 3
+    assert capsys.readouterr().err.strip() == ("jtrain: export error: --format=hf needs "
+                                               "transformers: pip install 'jtrain[hf]'")
