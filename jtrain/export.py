@@ -1,6 +1,7 @@
 """`python -m jtrain.export --workdir=WORKDIR --out=DIR [--step=N|latest|best]
-[--dtype=bfloat16] [--merge_lora] [--weights=ema]` (or WORKDIR as the one positional argument): the
-export command; what it writes is jtrain.checkpoint.export's."""
+[--dtype=bfloat16] [--merge_lora] [--weights=ema] [--format=hf]` (or WORKDIR as the one
+positional argument): the export command; what it writes is jtrain.checkpoint.export's
+(--format=hf: jtrain.checkpoint.hf_export's)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from absl import flags  # noqa: E402
 
 from jtrain import cli  # noqa: E402
 from jtrain.checkpoint import export as export_lib  # noqa: E402
+from jtrain.checkpoint import hf_export  # noqa: E402  (imports transformers only when used)
 from jtrain.errors import ExportError, UsageError, classify, first_line  # noqa: E402
 
 
@@ -39,6 +41,10 @@ def _define_flags(fv) -> None:
     flags.DEFINE_integer("member", None, "A population run (population.size > 1): the "
                          "member to export, 0..K-1; written as a plain run's export.",
                          flag_values=fv)
+    flags.DEFINE_enum("format", "jtrain", ["jtrain", "hf"], "jtrain: params.safetensors "
+                      "under jtrain's names; hf: a Hugging Face model directory "
+                      "(AutoModelForCausalLM.from_pretrained; the built-in transformer).",
+                      flag_values=fv)
 
 
 def _main(fv, args) -> int:
@@ -52,9 +58,10 @@ def _main(fv, args) -> int:
     if not fv.out:
         raise UsageError("--out: required (the export directory)")
     try:
-        record = export_lib.export(args[0], fv.out, step=fv.step, dtype=fv.dtype,
-                                   merge_lora=fv.merge_lora, weights=fv.weights,
-                                   member=fv.member)
+        run_export = hf_export.export if fv.format == "hf" else export_lib.export
+        record = run_export(args[0], fv.out, step=fv.step, dtype=fv.dtype,
+                            merge_lora=fv.merge_lora, weights=fv.weights,
+                            member=fv.member)
     except OSError as e:
         known = classify(e, fv.out, flag="--out")  # --out on a full or read-only disk
         if known is not e:
@@ -66,16 +73,23 @@ def _main(fv, args) -> int:
           + (" (the weight EMA)" if fv.weights == "ema" else "")
           + f": {record['num_params']:,} params in "
           f"{record['num_tensors']} tensors ({record['dtype']}) to "
-          f"{os.path.join(fv.out, export_lib.PARAMS_FILE)}"
+          + (_hf_line(record["hf"], fv.out) if "hf" in record
+             else os.path.join(fv.out, export_lib.PARAMS_FILE))
           + (f"; LoRA merged into {merged['merged']} weights (rank {merged['rank']}, alpha "
              f"{merged['alpha']:g})" if merged else ""))
     return 0
 
 
+def _hf_line(info: dict, out: str) -> str:
+    return (f"{out} as {info['architecture']} (Hugging Face"
+            + ("; byte-level tokenizer" if info["tokenizer"] else "; no tokenizer: "
+               "vocab_size is not 256 bytes") + ")")
+
+
 def main(argv=None) -> int:
     """`python -m jtrain.export --workdir=WORKDIR --out=DIR [--step=N|latest|best]
-    [--dtype=bfloat16] [--merge_lora] [--weights=ema]` (or WORKDIR as the one positional
-    argument)."""
+    [--dtype=bfloat16] [--merge_lora] [--weights=ema] [--format=hf]` (or WORKDIR as the
+    one positional argument)."""
     return cli.run("python -m jtrain.export", _define_flags, _main, argv,
                    description="Export a checkpoint's parameters (safetensors).")
 

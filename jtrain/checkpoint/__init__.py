@@ -4,8 +4,12 @@
                 the read-only CheckpointReader
     integrity   our manifest under orbax: per-file size + CRC-32, tree spec, quarantine
     policy      which checkpoints are kept; priority of background writes
-    init_from   `checkpoint.init_from`: a new run from an export or another run
+    init_from   `checkpoint.init_from`: a new run from an export, another run, or
+                Hugging Face weights (hf:DIR)
     export      parameters as safetensors (`python -m jtrain.export`)
+    hf          the built-in transformer's tensors in Hugging Face's layout and back;
+                `init_from=hf:DIR` reading, config checks, `checkpoint.init_map`
+    hf_export   `export --format=hf`: a directory transformers loads (needs the hf extra)
     verify      `--verify_resume`: kill/restart chaos run vs an uninterrupted one
 
 Public names: Checkpointer, CheckpointReader, Start, abstract_with_shardings, and the

@@ -207,12 +207,15 @@ def load_checkpoint_leaves(step_dir: str, prefixes=("params",)) -> dict[str, np.
 
 def export(workdir: str, out: str, *, step: int | str | None = None,
            dtype: str | None = None, merge_lora: bool = False,
-           weights: str = "params", member: int | None = None) -> dict:
+           weights: str = "params", member: int | None = None, writer=None) -> dict:
     """Write the export; returns the export.json record. `merge_lora`: adapters folded
     into their weights (a UsageError for a run without LoRA). `weights="ema"`: the
     weight EMA is written as the params (a UsageError for a run without one). `member`:
     member i of a population run (population.size > 1), written as a plain run's export
-    (its config records that member's seed and values, population off)."""
+    (its config records that member's seed and values, population off).
+    `writer(out, tensors, config) -> dict`: writes the tensors instead of
+    params.safetensors (jtrain.checkpoint.hf_export.export: a Hugging Face directory);
+    what it returns is the record's "hf" entry."""
     if weights not in ("params", "ema"):
         raise UsageError(f"--weights: expected params or ema, got {weights!r}")
     step_dir = find_step_dir(workdir, step)
@@ -251,8 +254,11 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
         record["member"] = member
     if merged is not None:
         record["merged_lora"] = merged
-    write_safetensors(os.path.join(out, PARAMS_FILE), tensors,
-                      {"format": "jtrain-export", "step": str(record["step"])})
+    if writer is not None:
+        record["hf"] = writer(out, tensors, config or {})
+    else:
+        write_safetensors(os.path.join(out, PARAMS_FILE), tensors,
+                          {"format": "jtrain-export", "step": str(record["step"])})
     with open(os.path.join(out, INFO_FILE), "w") as f:
         json.dump(record, f, indent=2, sort_keys=True)
     return record

@@ -16,6 +16,14 @@ leaves loaded, excluded, fresh adapters and unused in the source, with the first
 A run with a weight EMA (`optim.ema.decay` > 0) takes the source checkpoint's average of
 each parameter it loads, and starts the average at the loaded parameters where the source
 has none (an export, a run without EMA) or the parameter was excluded.
+
+`hf:DIR` is a local Hugging Face checkpoint (config.json + model.safetensors, or its
+shards): a llama (model.mlp=swiglu) or arcee (model.mlp=gelu) checkpoint loads into the
+built-in transformer through jtrain.checkpoint.hf's mapping, after a check of its
+config.json that names the first field the built-in model cannot represent. Into your own
+model, `checkpoint.init_map` renames the HF tensors to your leaf paths ((regex,
+replacement) pairs; a trailing `.T` transposes a torch Linear weight into a kernel);
+`init_map` renames the leaves of any other source the same way.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import jax
 
 from jtrain import state as state_lib
 from jtrain.checkpoint import export as export_lib
+from jtrain.checkpoint import hf
 from jtrain.checkpoint import integrity
 from jtrain.errors import ConfigError, ExportError, RestoreError
 from jtrain.models import lora
@@ -37,12 +46,19 @@ def init_from(ckpt_cfg, abstract_state, init_fn):
     """(state, origin): `origin` is the header's start-up line, `initialized from PATH
     (step S, K leaves, E excluded)`."""
     path = ckpt_cfg.init_from
-    if not os.path.exists(path):
-        raise ConfigError("checkpoint.init_from", f"{path}: no such file or directory")
+    from_hf = path.startswith(hf.HF_PREFIX)
+    local = path[len(hf.HF_PREFIX):] if from_hf else path
+    if not os.path.exists(local):
+        raise ConfigError("checkpoint.init_from", f"{local}: no such file or directory")
     with_opt = ckpt_cfg.init_from_opt
     excludes = [re.compile(p) for p in ckpt_cfg.init_exclude]
+    target = integrity.tree_spec(abstract_state)
+    init_map = hf.parse_map(ckpt_cfg.get("init_map") or ())
     try:
-        if export_lib.is_export(path):
+        if from_hf:
+            loaded, source, source_step = _load_hf(ckpt_cfg, local, target, excludes,
+                                                   init_map)
+        elif export_lib.is_export(path):
             if with_opt:
                 raise RestoreError(f"checkpoint.init_from={path} is an export (parameters "
                                    "only); init_from_opt needs a checkpoint")
@@ -61,11 +77,12 @@ def init_from(ckpt_cfg, abstract_state, init_fn):
             if abstract_state.ema is not None:
                 prefixes += ("ema",)
             loaded = export_lib.load_checkpoint_leaves(source, prefixes)
+        if init_map and not from_hf:
+            loaded = hf.rename(loaded, init_map)
     except ExportError as e:
         raise RestoreError(f"checkpoint.init_from: {e}") from None
 
     fresh = init_fn()
-    target = integrity.tree_spec(abstract_state)
     wanted = [p for p in target if p.startswith("params/")
               or (with_opt and p.startswith("opt_state/"))]
     taken, excluded, adapters, cast = {}, [], [], set()
@@ -116,9 +133,34 @@ def init_from(ckpt_cfg, abstract_state, init_fn):
         + ("; the source's LoRA adapters are not used: export it with --merge_lora"
            if any(lora.is_adapter(p) for p in unused) else "")
         + "; starting at step 0")
-    origin = (f"initialized from {path} (step {source_step}, {len(taken)} leaves, "
+    origin = (f"initialized from {path} ("
+              + ("Hugging Face weights" if from_hf else f"step {source_step}")
+              + f", {len(taken)} leaves, "
               f"{len(excluded)} excluded)")
     return state, origin
+
+
+def _load_hf(ckpt_cfg, directory: str, target: dict, excludes, init_map):
+    """(leaves as "params/<path>", source, step "hf") of a Hugging Face checkpoint."""
+    where = f"hf:{directory}"
+    if ckpt_cfg.init_from_opt:
+        raise RestoreError(f"checkpoint.init_from={where} holds parameters only; init_from_opt needs a "
+                           "jtrain checkpoint")
+    if ckpt_cfg.init_from_step not in ("", "latest"):
+        raise RestoreError(f"checkpoint.init_from={where} is one set of weights; checkpoint.init_from_step "
+                           "applies to a run")
+    config, tensors = hf.read_dir(directory)
+    if init_map:
+        return hf.rename(tensors, init_map), where, "hf"
+    params = {p.split("/", 1)[1]: spec[0] for p, spec in target.items()
+              if p.startswith("params/")}
+    if hf.layout(params) is None:
+        raise ConfigError("checkpoint.init_map", f"required to load hf:{directory} into a "
+                          "model other than the built-in transformer: (regex, "
+                          "replacement) pairs from its tensor names to your leaf paths")
+    hf.check_config(config, where, params)
+    skip = {p for p in params if any(rx.search(f"params/{p}") for rx in excludes)}
+    return hf.from_hf(tensors, params, where, skip), where, "hf"
 
 
 def _ema_from(loaded: dict, taken: dict, state):

@@ -103,6 +103,10 @@ def resolve(config=None, *, data_settings=None) -> ml_collections.ConfigDict:
     user = schema_population.nest_vary(space_lib.nest_dotted(_as_dict(config)))
     for key in RUN_RECORD_KEYS:
         user.pop(key, None)
+    init_map = (user.get("checkpoint") or {}).get("init_map")
+    if isinstance(init_map, dict):  # regexes hold dots, which a ConfigDict key may not
+        user = {**user, "checkpoint": {**user["checkpoint"],
+                                       "init_map": tuple(init_map.items())}}
     model_name = (user.get("model") or {}).get("name", "transformer")
     _check_value("model.name", str, tuple(MODEL_FAMILIES), model_name)
     schema = schema_for(model_name)
@@ -238,6 +242,13 @@ def _check_value(key: str, typ, check, value) -> None:
     elif typ == "dict":
         if not isinstance(value, dict):
             raise ConfigError(key, f"must be a dict, got {value!r}")
+        return
+    elif typ == "pairs":  # [(str, str), ...]; a dict of str -> str is taken as its items
+        items = value.items() if isinstance(value, dict) else value
+        if isinstance(value, str) or not isinstance(value, (tuple, list, dict)) or any(
+                not isinstance(p, (tuple, list)) or len(p) != 2
+                or not all(isinstance(x, str) for x in p) for p in items):
+            raise ConfigError(key, f"must be a list of (str, str) pairs, got {value!r}")
         return
     if isinstance(check, tuple) and len(check) == 2 and not isinstance(check[0], str):
         lo, hi = check

@@ -14,7 +14,8 @@ from __future__ import annotations
 from jtrain.config.schema import INT_MAX, MODEL_FAMILIES, SCHEMA, Field, schema_for
 
 _TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str", "strs": "list[str]",
-               "ints": "list[int]", "dict": "dict", "optfloat": "float or None"}
+               "ints": "list[int]", "dict": "dict",
+               "pairs": "list[(str, str)]", "optfloat": "float or None"}
 
 
 def type_name(field: Field) -> str:

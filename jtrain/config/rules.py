@@ -85,6 +85,9 @@ def _check_regexes(key: str, patterns) -> None:
 
 def _check_checkpoint(ckpt: dict) -> None:
     _check_regexes("checkpoint.init_exclude", ckpt["init_exclude"])
+    init_map = ckpt.get("init_map") or ()
+    _check_regexes("checkpoint.init_map", [p for p, _ in (
+        init_map.items() if isinstance(init_map, dict) else init_map)])
     if ckpt["keep_top_k"] and not ckpt["monitor"]:
         raise ConfigError("checkpoint.monitor", "required when checkpoint.keep_top_k > 0")
     if ckpt["init_from_opt"] and not ckpt["init_from"]:

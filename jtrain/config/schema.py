@@ -184,6 +184,8 @@ MODEL_FAMILIES: dict[str, dict[str, Field]] = {
                    "per-block rematerialisation (jax.checkpoint policy): full = keep "
                    "only block inputs; dots_* = keep matmul outputs; trades compute "
                    "for activation memory, same results"),
+        "mlp": F(str, "gelu", ("gelu", "swiglu"), "MLP: gelu = up, GELU (tanh), down; "
+                 "swiglu = down(silu(gate) * up), Llama's (docs/guide/huggingface.md)"),
     },
     "mlp": {
         "hidden": F("ints", (64, 64), None, "hidden layer widths"),

@@ -47,6 +47,9 @@ CONTROL_SECTIONS: dict[str, Any] = {
                             "the newest intact) or best (by its checkpoint.monitor)"),
         "init_from_opt": F(bool, False, None, "also take the optimizer state"),
         "init_exclude": F("strs", (), None, "regexes of leaf paths that keep a fresh init"),
+        "init_map": F("pairs", (), None, "(regex, replacement) pairs renaming the source's "
+                      "leaves to the model's (re.sub, first match; a trailing .T "
+                      "transposes): hf:DIR into your own model"),
         "writer_nice": F(int, 19, (0, 19), "Linux nice of background-write threads"),
         "save_on_best": F(bool, True, None, "an eval that enters the keep_top_k best saves "
                           "its step (when keep_top_k > 0)"),

@@ -1,7 +1,8 @@
 """Decoder-only transformer language model over bytes or tokens.
 
-Pre-norm blocks (RMSNorm -> causal self-attention -> residual, RMSNorm -> GELU MLP ->
-residual), rotary position embeddings (no position parameters, so nothing to resize),
+Pre-norm blocks (RMSNorm -> causal self-attention -> residual, RMSNorm -> MLP ->
+residual; `model.mlp`: "gelu" = up, GELU, down; "swiglu" = down(silu(gate) * up), the
+Llama MLP; jtrain.checkpoint.hf maps both to Hugging Face architectures), rotary position embeddings (no position parameters, so nothing to resize),
 no biases, a final RMSNorm and an output projection that is the embedding table when
 `tie_embeddings` is on.
 
@@ -15,7 +16,7 @@ Every parameter carries logical axis names from `jtrain.mesh.LOGICAL_RULES`:
   embedding            [V, D]      ("vocab", "embed")
   query/key/value      [D, H, Dh]  ("embed", "heads", "kv")
   attention out        [H, Dh, D]  ("heads", "kv", "embed")
-  mlp in               [D, F]      ("embed", "mlp")
+  mlp in (and gate)    [D, F]      ("embed", "mlp")
   mlp out              [F, D]      ("mlp", "embed")
   untied logits        [D, V]      ("embed", "vocab")
   norm scales          [D]         ("norm",)
@@ -104,10 +105,14 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.einsum("bhqs,bshk->bqhk", probs, v)  # [B, T, H, Dh]
 
 
+MLP_KINDS = ("gelu", "swiglu")  # model.mlp
+
+
 class MlpBlock(nn.Module):
     d_ff: int
     dtype: Dtype
     param_dtype: Dtype
+    kind: str = "gelu"  # MLP_KINDS
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # x [B, T, D]
@@ -115,8 +120,13 @@ class MlpBlock(nn.Module):
         init = nn.initializers.lecun_normal()
         w_in = _param(self, "wi", (d, self.d_ff), ("embed", "mlp"), init)
         w_out = _param(self, "wo", (self.d_ff, d), ("mlp", "embed"), init)
-        h = jnp.einsum("btd,df->btf", x.astype(self.dtype), w_in.astype(self.dtype))  # [B, T, F]
-        h = nn.gelu(h)
+        x = x.astype(self.dtype)
+        h = jnp.einsum("btd,df->btf", x, w_in.astype(self.dtype))  # [B, T, F]
+        if self.kind == "swiglu":  # created after wi, wo: the GELU MLP's init is unchanged
+            w_gate = _param(self, "wi_gate", (d, self.d_ff), ("embed", "mlp"), init)
+            h = nn.silu(jnp.einsum("btd,df->btf", x, w_gate.astype(self.dtype))) * h
+        else:
+            h = nn.gelu(h)  # the tanh approximation (flax's default)
         return jnp.einsum("btf,fd->btd", h, w_out.astype(self.dtype))  # [B, T, D]
 
 
@@ -127,6 +137,7 @@ class Block(nn.Module):
     dtype: Dtype
     param_dtype: Dtype
     attention: str = "xla"
+    mlp: str = "gelu"  # MLP_KINDS
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool) -> jax.Array:  # x [B, T, D]
@@ -135,7 +146,7 @@ class Block(nn.Module):
                                 self.attention, name="attn")(h)
         x = x + _dropout(h, self.dropout, train)
         h = _norm(self.param_dtype, "mlp_norm")(x)
-        h = MlpBlock(self.d_ff, self.dtype, self.param_dtype, name="mlp")(h)
+        h = MlpBlock(self.d_ff, self.dtype, self.param_dtype, self.mlp, name="mlp")(h)
         return x + _dropout(h, self.dropout, train)  # [B, T, D]
 
 
@@ -177,6 +188,7 @@ class Transformer(nn.Module):
     param_dtype: Dtype = jnp.float32
     attention: str = "xla"
     remat: str = "none"  # REMAT_POLICIES
+    mlp: str = "gelu"  # MLP_KINDS
 
     @nn.compact
     def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
@@ -198,7 +210,7 @@ class Transformer(nn.Module):
             # gathering the weights. A no-op unless the engine sets logical-axis rules.
             x = nn.with_logical_constraint(x, ("batch", "length", None))
             x = block(self.num_heads, self.d_ff, self.dropout, self.dtype, self.param_dtype,
-                      self.attention, name=f"layer_{i}")(x, train)
+                      self.attention, mlp=self.mlp, name=f"layer_{i}")(x, train)
         x = nn.with_logical_constraint(x, ("batch", "length", None))
         x = _norm(self.param_dtype, "final_norm")(x)  # float32 [B, T, D]
         if self.tie_embeddings:
@@ -219,7 +231,7 @@ def build(model_cfg, *, dtype, param_dtype) -> Transformer:
         max_len=int(c["max_len"]), dropout=float(c["dropout"]),
         tie_embeddings=c["tie_embeddings"], dtype=dtype, param_dtype=param_dtype,
         attention=attention_impl(c.get("attention", "auto"), dtype),
-        remat=c.get("remat", "none"))
+        remat=c.get("remat", "none"), mlp=c.get("mlp", "gelu"))
 
 
 def attention_impl(choice: str, dtype, platform: str | None = None) -> str:
@@ -235,14 +247,15 @@ def attention_impl(choice: str, dtype, platform: str | None = None) -> str:
 def matmul_params(model_cfg) -> int:
     """N: parameters that take part in a matmul per token.
 
-    = L * (4*D^2 + 2*D*F)  (q, k, v, out; mlp in, mlp out)
+    = L * (4*D^2 + 2*D*F)  (q, k, v, out; mlp in, mlp out; 3*D*F with the swiglu gate)
       + D*V                (the output projection; tied or not, the logits matmul is real
                             work, while the embedding lookup itself costs nothing)
     Norm scales (a few D-vectors) are left out.
     """
     c = model_cfg
     d, f, v, layers = c["d_model"], c["d_ff"], c["vocab_size"], c["num_layers"]
-    return int(layers * (4 * d * d + 2 * d * f) + d * v)
+    mlp_mats = 3 if c.get("mlp", "gelu") == "swiglu" else 2
+    return int(layers * (4 * d * d + mlp_mats * d * f) + d * v)
 
 
 def flops_per_example(model_cfg, input_shape) -> float:
