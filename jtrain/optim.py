@@ -339,10 +339,15 @@ def schedule_free_eval_params(opt_state, params):
              if _is_sf_state(s)]
     if not found:
         return None
-    b1 = found[0].b1
+    return _schedule_free_average(params, found[0].z, found[0].b1)
+
+
+@jax.jit
+def _schedule_free_average(params, z, b1):
+    """Jitted: eager ops would compile three times per leaf shape at the first eval."""
     return jax.tree.map(
         lambda y, z: y if isinstance(z, optax.MaskedNode) else (y - (1.0 - b1) * z) / b1,
-        params, found[0].z)
+        params, z)
 
 
 def _is_sf_state(x) -> bool:
