@@ -137,7 +137,7 @@ def sharding_lines(mesh_cfg, mesh, abstract, shardings) -> list[str]:
     p = mesh_lib.layout(abstract.params, shardings.params, min_bytes)
     o = mesh_lib.layout(abstract.opt_state, shardings.opt_state)
     small = (f", {p['small']} too small (< {min_bytes:,} bytes, "
-             f"mesh.auto_shard_min_bytes)" if min_bytes is not None else "")
+             f"mesh.auto_shard_min_bytes)" if min_bytes else "")
     auto = ("" if mesh.shape["fsdp"] == 1 else "; mesh.auto_shard on" if min_bytes is not None
             else "; mesh.auto_shard off")
     lines = [f"jtrain: sharding: params {p['per_device_bytes']:,} of {p['total_bytes']:,} "
