@@ -7,6 +7,7 @@ jitted steps — before the first array exists.
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any, Callable
 
 import jax
@@ -67,6 +68,14 @@ class Build:
             out["optim.grad_accum_steps"] = {"value": self.grad_accum_steps,
                                              "from": "memory plan",
                                              "configured": cfg.optim.grad_accum_steps}
+        if self.mesh.shape["fsdp"] > 1:  # where parameters are laid out (mesh.auto_shard)
+            min_bytes = mesh_lib.auto_shard_bytes(cfg.mesh)
+            out["mesh.auto_shard"] = {
+                "value": min_bytes is not None, "from": "mesh.fsdp > 1",
+                "params": mesh_lib.layout(self.abstract.params, self.shardings.params,
+                                          min_bytes),
+                "opt_state": mesh_lib.layout(self.abstract.opt_state,
+                                             self.shardings.opt_state)}
         if self.extra_trainable:
             out["optim.trainable"] = {
                 "value": [*cfg.optim.trainable, *self.extra_trainable],
@@ -132,7 +141,8 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
         (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), sample)
     try:  # Linen's init calls the model: the first time it meets the data's inputs
         abstract, shardings = state_lib.make_abstract_state(
-            model_fns, tx, policy, sample_inputs, mesh, cfg.seed, ema=ema_decay > 0)
+            model_fns, tx, policy, sample_inputs, mesh, cfg.seed, ema=ema_decay > 0,
+            auto_shard_min_bytes=mesh_lib.auto_shard_bytes(cfg.mesh))
     except JtrainError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's model: one line, no traceback
@@ -160,6 +170,8 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
         population = population_lib.with_mesh(population, mesh, shardings)
         state_abstract = population_lib.abstract(population, abstract)
         state_shardings = population_lib.shardings(population, shardings)
+    train_spec = _train_metrics_spec(cfg, model_fns.apply, abstract.params, sample_inputs,
+                                     train_example or eval_example, predict_fn, model_inputs)
 
     def make_train_step(accum):
         step = step_lib.make_train_step(
@@ -167,7 +179,8 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
             grad_accum_steps=accum, dynamic_loss_scale=policy.dynamic_loss_scale,
             halt_on_nonfinite=cfg.nonfinite.policy == "halt",
             max_consecutive=cfg.nonfinite.max_consecutive, valid_fn=valid_fn,
-            model_inputs=model_inputs, ema_decay=ema_decay, ema_warmup=ema_warmup)
+            model_inputs=model_inputs, ema_decay=ema_decay, ema_warmup=ema_warmup,
+            train_metrics=train_spec, predict_fn=predict_fn)
         if population is not None:
             step = population_lib.train_step(population, step)
         return jax.jit(step, in_shardings=(state_shardings, batch_sharding),
@@ -195,6 +208,21 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
                  population=population,
                  flops_per_example=model_flops_per_example(
                      model, cfg.model, jax.tree.map(np.shape, sample)))
+
+
+def _train_metrics_spec(cfg, apply_fn, params, sample_inputs, example, predict_fn,
+                        model_inputs):
+    """log.train_metrics' EvalSpec (the eval definitions on the train step's outputs), or
+    None when empty; a metric the outputs cannot give is a ConfigError naming the key."""
+    if not cfg.log.train_metrics:
+        return None
+    names = types.SimpleNamespace(metrics=tuple(cfg.log.train_metrics), top_k=cfg.eval.top_k,
+                                  max_gathered=cfg.eval.max_gathered)
+    try:
+        return evaluator.make_spec(names, apply_fn, params, sample_inputs, example,
+                                   predict_fn=predict_fn, model_inputs=model_inputs)
+    except ConfigError as e:
+        raise ConfigError("log.train_metrics", e.why) from None
 
 
 def model_flops_per_example(model, model_cfg, input_shape) -> float | None:

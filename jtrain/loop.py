@@ -31,6 +31,7 @@ from jtrain import evaluator
 from jtrain import multihost
 from jtrain import population as population_lib
 from jtrain import state as state_lib
+from jtrain import step as step_lib
 from jtrain.build import Build
 from jtrain.control import decide as decide_lib
 from jtrain.control.faults import fault_point, perturb
@@ -267,8 +268,12 @@ def _drain(item, cfg, run: Run, session: _Session) -> None:
                                  int(small["train/consecutive_skips"]), rows_ok)
     if step % cfg.log.every_steps and step != cfg.total_steps:
         return
-    values = {k: float(v) for k, v in jax.device_get(metrics).items()
+    fetched = jax.device_get(metrics)  # log.train_metrics' states ride along: one fetch
+    states = fetched.pop(step_lib.TRAIN_METRICS, None)
+    values = {k: float(v) for k, v in fetched.items()
               if k not in ("train/status", "train/rows_ok", "train/consecutive_skips")}
+    if states is not None:
+        values.update(step_lib.train_metric_values(states))
     values.update(run.out.perf.log_values(step, values.pop("train/tokens")))
     total, count = session.window
     values["train/loss_window"] = total / count if count else float("nan")

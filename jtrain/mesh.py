@@ -149,12 +149,39 @@ def _is_annotated(x) -> bool:
     return isinstance(x, (nn.Partitioned, nnx.Variable))
 
 
-def logical_to_shardings(abstract_tree, mesh: Mesh, rules=LOGICAL_RULES):
+def auto_shard_bytes(mesh_cfg=None) -> int | None:
+    """`mesh.auto_shard_min_bytes` when `mesh.auto_shard` is on, else None (off)."""
+    m = sections.section("mesh", mesh_cfg)
+    return int(m["auto_shard_min_bytes"]) if m["auto_shard"] else None
+
+
+def auto_dims(shape, dtype, mesh: Mesh, min_bytes: int | None) -> tuple:
+    """mesh.auto_shard's rule for a leaf the model did not annotate: its largest dimension
+    divisible by the fsdp size goes on the fsdp axis (ties: the first), PyTorch FSDP's
+    per-parameter sharding with the dimension picked to fit; () (replicated) when auto
+    sharding is off, the fsdp axis has size 1, the leaf is under `min_bytes` or no
+    dimension divides."""
+    n = mesh.shape.get("fsdp", 1)
+    if min_bytes is None or n <= 1 or not shape:
+        return ()
+    if math.prod(shape) * np.dtype(dtype).itemsize < min_bytes:
+        return ()
+    best = None
+    for i, d in enumerate(shape):
+        if d % n == 0 and (best is None or d > shape[best]):
+            best = i
+    return () if best is None else tuple("fsdp" if i == best else None
+                                         for i in range(len(shape)))
+
+
+def logical_to_shardings(abstract_tree, mesh: Mesh, rules=LOGICAL_RULES, *,
+                         auto_shard_min_bytes: int | None = None):
     """NamedShardings for a tree of parameters, from their annotations.
 
     Understands Linen `nn.with_logical_partitioning` boxes and NNX `nnx.with_partitioning`
     metadata. Names are logical (mapped with `rules`) or mesh axis names (kept). Leaves
-    without annotations are replicated. A dimension whose size does not divide its mesh
+    without annotations are replicated, or with `auto_shard_min_bytes` (mesh.auto_shard's
+    threshold; None = off) placed by `auto_dims`. A dimension whose size does not divide its mesh
     axes is replicated, so an odd-sized param never makes a mesh unusable. The result
     has the structure of the *unboxed* tree (plain arrays where the boxes were). A name
     that is neither is a ConfigError("model", ...) naming the parameter.
@@ -173,6 +200,9 @@ def logical_to_shardings(abstract_tree, mesh: Mesh, rules=LOGICAL_RULES):
         names = _spec_of(leaf)
         value = leaf.value if _is_annotated(leaf) else leaf
         shape = getattr(value, "shape", ())
+        if not names and shape:  # not annotated: mesh.auto_shard's rule
+            return NamedSharding(mesh, P(*auto_dims(shape, value.dtype, mesh,
+                                                    auto_shard_min_bytes)))
         dims, used = [], set()
         for i in range(len(shape)):
             axis = to_mesh_axis(names[i]) if i < len(names) else None
@@ -187,6 +217,41 @@ def logical_to_shardings(abstract_tree, mesh: Mesh, rules=LOGICAL_RULES):
 
     shardings = jax.tree.map(fit, abstract_tree, is_leaf=_is_annotated)
     return shardings
+
+
+# Mesh axes that shard parameters; `data` never does (pure data parallelism).
+PARAM_AXES = ("fsdp", "tensor")
+
+
+def layout(abstract_tree, shardings, min_bytes: int | None = None) -> dict:
+    """How a tree of arrays lies on the devices: {"total_bytes", "per_device_bytes" (the
+    largest shard set one device holds), "sharded", "replicated", "small"} with leaf
+    counts; "small": replicated leaves under `min_bytes` (mesh.auto_shard's threshold),
+    counted apart from "replicated" when given."""
+    out = {"total_bytes": 0, "per_device_bytes": 0, "sharded": 0, "replicated": 0,
+           "small": 0}
+    for leaf, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings)):
+        shape, itemsize = tuple(leaf.shape), np.dtype(leaf.dtype).itemsize
+        nbytes = math.prod(shape) * itemsize
+        out["total_bytes"] += nbytes
+        out["per_device_bytes"] += math.prod(sharding.shard_shape(shape)) * itemsize
+        if any(a is not None for a in sharding.spec):
+            out["sharded"] += 1
+        elif min_bytes is not None and nbytes < min_bytes:
+            out["small"] += 1
+        else:
+            out["replicated"] += 1
+    return out
+
+
+def idle_axes(shardings, mesh: Mesh) -> list[str]:
+    """The parameter axes (fsdp, tensor) of size > 1 that no leaf of `shardings` is split
+    over: their devices hold copies (a warning, never silent)."""
+    used = set()
+    for sharding in jax.tree.leaves(shardings):
+        for entry in sharding.spec:
+            used |= set(entry) if isinstance(entry, tuple) else {entry}
+    return [a for a in PARAM_AXES if mesh.shape.get(a, 1) > 1 and a not in used]
 
 
 def sharding_conflicts(annotated_tree, mesh: Mesh, rules=LOGICAL_RULES) -> list[str]:

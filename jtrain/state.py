@@ -14,6 +14,7 @@ from flax import linen as nn
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jtrain import mesh as mesh_lib
 from jtrain import precision
 
 
@@ -53,17 +54,21 @@ jax.tree_util.register_pytree_with_keys(
 
 
 def make_abstract_state(model_fns, tx, policy, sample_inputs, mesh, seed: int, *,
-                        ema: bool = False):
+                        ema: bool = False, auto_shard_min_bytes="schema"):
     """(abstract TrainState, its shardings): shapes first, nothing allocated.
 
-    Parameter shardings come from the model's logical-axis annotations; optimizer
+    Parameter shardings come from the model's logical-axis annotations, and for leaves
+    without any from mesh.auto_shard's rule (`auto_shard_min_bytes`: its threshold;
+    "schema" = the schema's default; None = off; `jtrain.mesh.auto_dims`); optimizer
     state that mirrors a parameter gets that parameter's sharding (so FSDP shards
     Adam's moments too), and so does the weight EMA (`ema`: keep one); everything else
     is replicated."""
     rng = jax.random.key(seed)
+    if auto_shard_min_bytes == "schema":
+        auto_shard_min_bytes = mesh_lib.auto_shard_bytes()
     with jax.set_mesh(mesh):
         abstract_params, param_shardings = model_fns.abstract_and_shardings(
-            rng, sample_inputs, mesh)
+            rng, sample_inputs, mesh, auto_shard_min_bytes=auto_shard_min_bytes)
     abstract = jax.eval_shape(lambda p: _fresh_state(p, tx, policy, rng, ema),
                               abstract_params)
     repl = NamedSharding(mesh, P())

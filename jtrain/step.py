@@ -95,7 +95,9 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
                     dynamic_loss_scale: bool = False, halt_on_nonfinite: bool = False,
                     max_consecutive: int = 8, valid_fn: Callable | None = None,
                     model_inputs: tuple = (), ema_decay: float = 0.0,
-                    ema_warmup: str = "none") -> Callable:
+                    ema_warmup: str = "none",
+                    train_metrics: metrics_lib.EvalSpec | None = None,
+                    predict_fn: Callable | None = None) -> Callable:
     """Returns train_step(state, batch) -> (state, metrics). Jit it with shardings.
 
     The update is applied through `guarded_update`: only when the loss and the gradient
@@ -103,12 +105,19 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
     the skip / halt counters and the fp16 loss scale. `state.lr_factor`
     (ReduceLROnPlateau) scales the whole update, i.e. the learning rate, without a
     recompile. With `ema_decay` > 0 (optim.ema; the state was made with one) the weight
-    EMA moves towards the new params after each applied update (`jtrain.state`)."""
+    EMA moves towards the new params after each applied update (`jtrain.state`).
+    `train_metrics` (log.train_metrics, an EvalSpec): their metric states of this batch,
+    from the training forward's outputs (through `predict_fn`, as eval does), merged
+    exactly over microbatches, come back as `metrics[TRAIN_METRICS]`
+    (`train_metric_values` turns them into train/<name>)."""
 
     def loss_and_aux(params, batch, key, scale):
         outputs = apply_fn(params, inputs_of(batch, model_inputs), rng=key, train=True)
         (loss_sum, weight), terms = losses.split_loss(loss_fn(outputs, batch))
-        return loss_sum * scale, (loss_sum, weight, terms)
+        states = {} if train_metrics is None else _metric_states(
+            train_metrics, predict_fn, *jax.lax.stop_gradient((outputs, batch, loss_sum,
+                                                               weight)))
+        return loss_sum * scale, (loss_sum, weight, terms, states)
 
     ema_rate = ema_rate_fn(ema_decay, ema_warmup)
     value_and_grad = accumulated(jax.value_and_grad(loss_and_aux, has_aux=True),
@@ -117,7 +126,8 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
     def train_step(state: TrainState, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         scale = state.loss_scale["scale"]  # 1 unless fp16 dynamic loss scaling
-        (loss_sum, weight, terms), grads = value_and_grad(state.params, batch, key, scale)
+        (loss_sum, weight, terms, states), grads = value_and_grad(state.params, batch, key,
+                                                                  scale)
         denom = jnp.maximum(weight, 1e-12) * scale  # sums -> the token-weighted mean
         grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / denom).astype(g.dtype), grads)
         loss = loss_sum / jnp.maximum(weight, 1e-12)
@@ -149,9 +159,48 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
             metrics[f"train/{name}"] = term_sum / jnp.maximum(term_weight, 1e-12)
         if dynamic_loss_scale:
             metrics["train/loss_scale"] = new_state.loss_scale["scale"]
+        if train_metrics is not None:
+            metrics[TRAIN_METRICS] = states
         return new_state, metrics
 
     return train_step
+
+
+# The train step's metric states (log.train_metrics) in its metrics dict: a pytree, not
+# a scalar; the loop turns it into train/<name> at log steps (`train_metric_values`).
+TRAIN_METRICS = "train_metrics"
+
+
+def _metric_states(spec, predict_fn, outputs, batch, loss_sum, weight):
+    """One (micro)batch's metric states: the eval definitions (`jtrain.metrics`) on the
+    training forward's outputs."""
+    m_outputs, m_batch = metric_view(outputs, batch, predict_fn)
+    return metrics_lib.update_from_outputs(metrics_lib.make_collection(spec), m_outputs,
+                                           m_batch, loss_sum, weight, spec)
+
+
+def train_metric_values(states) -> dict[str, float]:
+    """Fetched metric states -> {"train/<name>": value} (host side, float64)."""
+    return {f"train/{k}": v for k, v in states.compute().items()}
+
+
+def _zero_aux(aux_shape):
+    """The accumulator's start: float32 zeros, and metric states empty (zeros in their
+    own dtypes: int32 counts stay exact)."""
+    def zero(a):
+        if isinstance(a, metrics_lib.MetricCollection):
+            return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), a)
+        return jnp.zeros(a.shape, jnp.float32)
+    return jax.tree.map(zero, aux_shape,
+                        is_leaf=lambda x: isinstance(x, metrics_lib.MetricCollection))
+
+
+def _add_aux(a, b):
+    """Sums of two microbatches' aux: metric states merge (exact: Chan's formula for the
+    moments), the rest add."""
+    def add(x, y):
+        return x.merge(y) if isinstance(x, metrics_lib.MetricCollection) else x + y
+    return jax.tree.map(add, a, b, is_leaf=lambda x: isinstance(x, metrics_lib.MetricCollection))
 
 
 def accumulated(value_and_grad: Callable, k: int) -> Callable:
@@ -173,12 +222,12 @@ def accumulated(value_and_grad: Callable, k: int) -> Callable:
             micro, j = xs
             aux, g = one(params, micro, jax.random.fold_in(key, j), scale)
             acc_aux, acc_g = carry
-            return (jax.tree.map(jnp.add, acc_aux, aux), jax.tree.map(jnp.add, acc_g, g)), None
+            return (_add_aux(acc_aux, aux), jax.tree.map(jnp.add, acc_g, g)), None
 
         splits = _split_microbatches(batch, k)
         first = jax.tree.map(lambda x: x[0], splits)
         aux_shape = jax.eval_shape(lambda: one(params, first, key, scale)[0])
-        init = (jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shape),
+        init = (_zero_aux(aux_shape),
                 jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
         (aux, g), _ = jax.lax.scan(body, init, (splits, jnp.arange(k)))
         return aux, jax.tree.map(lambda a, p: a.astype(p.dtype), g, params)

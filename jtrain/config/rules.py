@@ -16,6 +16,27 @@ def check_mesh(mesh: dict) -> None:
             raise ConfigError(f"mesh.{axis}", "must be a positive size or -1, got 0")
 
 
+# log.train_metrics: eval.metrics' names whose state is computed inside the train step.
+NOT_TRAIN_METRICS = {
+    "loss": "train/loss is always logged",
+    "auroc": "a gathered metric (every prediction is kept on the host), not computable "
+             "inside the train step",
+    "spearman": "a gathered metric (every prediction is kept on the host), not "
+                "computable inside the train step",
+    "confusion_matrix": "a matrix, not a scalar to log; precision_recall_f1 summarises it",
+}
+
+
+def check_train_metrics(names) -> None:
+    """`log.train_metrics`: only metrics with a fixed-size state the step computes."""
+    for name in names:
+        if name in NOT_TRAIN_METRICS:
+            raise ConfigError("log.train_metrics", f"{name!r}: {NOT_TRAIN_METRICS[name]}; "
+                              "train metrics are accuracy, top_k_accuracy, "
+                              "precision_recall_f1, perplexity, bits_per_byte, mse, mae, "
+                              "r2, pearson")
+
+
 def check_optim(optim: dict, total_steps: int) -> None:
     """The `optim` section's rules beyond one key's type and range (with the run's
     `total_steps`)."""

@@ -102,6 +102,14 @@ SCHEMA: dict[str, Any] = {
         "data": F(int, -1, (-1, INF), "pure data-parallel axis; -1 = the rest"),
         "fsdp": F(int, 1, (-1, INF), "data-parallel axis sharding params and optimizer state"),
         "tensor": F(int, 1, (-1, INF), "tensor-parallel axis"),
+        "auto_shard": F(bool, True, None, "with mesh fsdp > 1, shard each parameter the "
+                        "model did not annotate along its largest dimension divisible by "
+                        "the fsdp size (optimizer state and EMA follow); annotated leaves "
+                        "keep their annotation. On by default: an unannotated model would "
+                        "otherwise be replicated on every device (docs/guide/sharding.md)"),
+        "auto_shard_min_bytes": F(int, 4096, (0, INF), "mesh.auto_shard leaves smaller "
+                                  "than this stay replicated (a shard's collective costs "
+                                  "more than the memory it saves)"),
     }),
     "eval": _resume_safe({
         "every_steps": F(int, 200, (0, INF), "evaluate every N steps; 0 = only at the end"),
@@ -146,6 +154,10 @@ SCHEMA: dict[str, Any] = {
     },
     "log": _resume_safe({
         "every_steps": F(int, 50, (1, INF), "log train metrics every N steps"),
+        "train_metrics": F("strs", (), METRIC_NAMES, "metrics computed in the train "
+                           "step from the model outputs, logged as train/<name>: the log "
+                           "step's batch, like train/loss (same definitions as eval.metrics;"
+                           " docs/guide/sharding.md)"),
         "writers": F("strs", ("jsonl", "tensorboard"), WRITERS, "metric writers (jsonl is "
                      "always on)"),
         "verbosity": F(int, 1, (0, 2), "0 errors + summary, 1 default, 2 debug"),

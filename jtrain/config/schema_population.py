@@ -85,6 +85,9 @@ def check(tree: dict) -> None:
     if tree["optim"]["name"].startswith("schedule_free"):
         raise ConfigError("population.size", f"optim.name={tree['optim']['name']} is not "
                           "supported in a population; use population.size=1")
+    if tree["log"]["train_metrics"]:
+        raise ConfigError("log.train_metrics", f"not supported with population.size={size}: "
+                          "the members' train/loss/m<i> are logged; set it to ()")
     if tree["checkpoint"]["init_from"]:
         raise ConfigError("checkpoint.init_from", "not supported with population.size > 1 "
                           "(an export holds one member); train a single run from it")

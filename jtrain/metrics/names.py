@@ -30,6 +30,23 @@ METRICS: dict[str, tuple[str, str]] = {
     "train/<term>": ("log steps", "a named loss term's token-weighted mean"),
     "train/<metric>/m<m>": ("log steps (population.size > 1)", "member m's train/<metric>; "
                             "the plain name is the mean over the members"),
+    **{f"train/{what}": ("log steps (log.train_metrics)", f"the log step's batch: {doc}")
+       for what, doc in (
+           ("accuracy", "share of correct predictions"),
+           ("top_<k>_accuracy", "target among the k highest scores"),
+           ("precision_macro", "precision averaged over classes"),
+           ("recall_macro", "recall averaged over classes"),
+           ("f1_macro", "F1 averaged over classes"),
+           ("precision_micro", "precision over all predictions"),
+           ("recall_micro", "recall over all predictions"),
+           ("f1_micro", "F1 over all predictions"),
+           ("precision/<i>", "precision of class i (few classes)"),
+           ("recall/<i>", "recall of class i (few classes)"),
+           ("f1/<i>", "F1 of class i (few classes)"),
+           ("perplexity", "exp of the train loss"),
+           ("bits_per_byte", "the train loss in bits per byte"),
+           ("mse", "mean squared error"), ("mae", "mean absolute error"),
+           ("r2", "coefficient of determination"), ("pearson", "Pearson correlation"))},
     "eval/loss": ("evals", "loss over every eval example, exactly (padding masked)"),
     "eval/<term>": ("evals", "a named loss term over the eval set"),
     "eval/accuracy": ("evals", "classification / sequence: share of correct predictions"),

@@ -57,17 +57,20 @@ class ModelFns:
     existing_params: Any = None  # NNX instance: its parameters, used instead of init
     nnx_graph: NnxGraph | None = None  # NNX: the split model apply() merges params into
 
-    def abstract_and_shardings(self, rng, inputs, mesh):
-        """(abstract plain params, their NamedShardings), with no allocation.
+    def abstract_and_shardings(self, rng, inputs, mesh, *,
+                               auto_shard_min_bytes: int | None = None):
+        """(abstract plain params, their NamedShardings), with no allocation; leaves
+        without annotations follow mesh.auto_shard (`auto_shard_min_bytes`, None = off).
 
         Call under `jax.set_mesh(mesh)`."""
         annotated = self.annotated(rng, inputs)
+        shardings = mesh_lib.logical_to_shardings(
+            annotated, mesh, auto_shard_min_bytes=auto_shard_min_bytes)
         if self.kind == "nnx":
-            shardings = mesh_lib.logical_to_shardings(annotated, mesh).to_pure_dict()
             abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                     annotated.to_pure_dict())
-            return abstract, shardings
-        return nn.unbox(annotated), mesh_lib.logical_to_shardings(annotated, mesh)
+            return abstract, shardings.to_pure_dict()
+        return nn.unbox(annotated), shardings
 
     def annotated(self, rng, inputs):
         """The abstract params with their partitioning annotations (Linen boxes, NNX

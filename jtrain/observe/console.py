@@ -255,7 +255,8 @@ class Progress:
                 lr = value
             elif key == "perf/mfu":
                 mfu = value
-            elif key in ("train/loss", _WINDOW_KEY) or not key.startswith("train/"):
+            elif key in ("train/loss", _WINDOW_KEY) or not key.startswith("train/") \
+                    or key.count("/") > 1:  # per-class train metrics: metrics.jsonl only
                 continue
             elif name in _COUNTERS:
                 if value:

@@ -29,6 +29,7 @@ def describe_run(cfg, build, data, *, workdir: str, origin: str, peak: float | N
     extra.append(optimizer_line(cfg.optim, cfg.total_steps, build.grad_accum_steps,
                                 params=build.abstract.params))
     extra.append(trainable_line(n_params, len(leaves), build.trainable))
+    extra += sharding_lines(cfg.mesh, build.mesh, build.abstract, build.shardings)
     if build.abstract.ema is not None:
         extra.append(ema_line(cfg.optim.ema, cfg.eval.weights, build.abstract.ema,
                               build.shardings.ema))
@@ -125,6 +126,35 @@ def _optimizer_line(optim, total_steps: int, grad_accum_steps: int | None) -> st
                if grad_accum_steps in (None, optim.grad_accum_steps) else
                f", {grad_accum_steps} microbatch(es) per update (the memory plan; "
                f"optim.grad_accum_steps={optim.grad_accum_steps})"))
+
+
+def sharding_lines(mesh_cfg, mesh, abstract, shardings) -> list[str]:
+    """`jtrain: sharding: params 1,234 of 9,872 bytes per device (20 leaves sharded, 3
+    replicated, 7 too small: < 4,096 bytes, mesh.auto_shard_min_bytes); optimizer state
+    2,468 of 19,744 bytes per device`, and a warning for each parameter axis of size > 1
+    that shards nothing."""
+    from jtrain import mesh as mesh_lib
+
+    min_bytes = mesh_lib.auto_shard_bytes(mesh_cfg) if mesh.shape["fsdp"] > 1 else None
+    p = mesh_lib.layout(abstract.params, shardings.params, min_bytes)
+    o = mesh_lib.layout(abstract.opt_state, shardings.opt_state)
+    small = (f", {p['small']} too small (< {min_bytes:,} bytes, "
+             f"mesh.auto_shard_min_bytes)" if min_bytes else "")
+    auto = ("" if mesh.shape["fsdp"] == 1 else "; mesh.auto_shard on" if min_bytes is not None
+            else "; mesh.auto_shard off")
+    lines = [f"jtrain: sharding: params {p['per_device_bytes']:,} of {p['total_bytes']:,} "
+             f"bytes per device ({p['sharded']} leaves sharded, {p['replicated']} "
+             f"replicated{small}){auto}; optimizer state {o['per_device_bytes']:,} of "
+             f"{o['total_bytes']:,} bytes per device"]
+    for axis in mesh_lib.idle_axes(shardings.params, mesh):
+        hint = ("annotate parameters (nnx.with_partitioning / nn.with_logical_partitioning)"
+                + (" or set mesh.auto_shard=True" if axis == "fsdp" else "")
+                if axis == "tensor" or min_bytes is None else
+                "no unannotated leaf at or above mesh.auto_shard_min_bytes has a dimension "
+                "it divides")
+        lines.append(f"jtrain: warning: mesh.{axis}={mesh.shape[axis]} shards no parameter: "
+                     f"its devices hold copies; {hint}")
+    return lines
 
 
 def ema_line(ema_cfg, weights: str, abstract_ema, shardings) -> str:
