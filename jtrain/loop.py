@@ -315,6 +315,13 @@ def _evaluator(cfg, run: Run):
             run.build.eval_step, state, run.data.eval, weights=cfg.eval.weights,
             mesh=run.build.mesh, local_batch=run.data.eval_batch,
             max_batches=cfg.eval.num_batches, spec=run.build.eval_spec)
+        for name, part in run.data.eval_parts.items():  # a mixture's components
+            scalars = evaluator.evaluate_weights(
+                run.build.eval_step, state, part, weights=cfg.eval.weights,
+                mesh=run.build.mesh, local_batch=run.data.eval_batch,
+                max_batches=cfg.eval.num_batches, spec=run.build.eval_spec).scalars
+            result.scalars.update({f"eval/{name}/{k.removeprefix('eval/')}": v
+                                   for k, v in scalars.items()})
         run.out.perf.add("eval", time.perf_counter() - t0)
         run.out.writer.write_scalars(step, result.scalars)
         run.out.progress.message(evaluator.format_line(step, result), emphasis=True)
