@@ -18,6 +18,10 @@ one place (the background device prefetch in prefetch.py is handed that function
                      (pipeline.py), streams (streams.py), grain DataLoaders (grain_sources.py)
     device_prefetch  the next batches on the devices, position kept exact (prefetch.py)
     eval_batches     every example once, padded, with a mask (evalsets.py)
+    Mixture          several datasets sampled by weight, data.mixture_schedule, each
+                     component's eval set on its own (mixture.py)
+    packing          token documents packed into data.seq_len windows with segment_ids
+                     and positions (packing.py)
 
 `Data` (dataset.py): one small class per input kind behind one protocol; `checks.check`
 returns a checked copy. Items become numpy in items.py; map-style sources and seeded
