@@ -134,6 +134,7 @@ def make_sources(data_cfg, train_data=None, eval_data=None, *, process_index: in
             train, ev = (train.split_off_eval(data_cfg.val_fraction, data_cfg.split_seed)
                          if data_cfg.val_fraction > 0 else (train, None))
         info = {"name": train.description}
+        train = dataclasses.replace(train, notes=train.notes + packing.note(train_data))
     if data_cfg.transform:
         train = load.add_transform(train, load.load_named(data_cfg.transform, "data.transform"))
     train = checks.check(train, global_batch=data_cfg.batch_size, process_index=process_index,
@@ -176,6 +177,7 @@ def _mixture_sources(data_cfg, mix: Mixture, process_index: int, process_count: 
         where = f"data.mixture.{name}"
         raw = packing.pack(mix.components[name], data_cfg, where)
         part = load.as_data(raw, where)
+        part = dataclasses.replace(part, notes=part.notes + packing.note(raw))
         if not isinstance(part, MapData):
             raise DataError(where, f"a {part.description} component: mixtures are "
                                    "implemented for map-style data (len + getitem)")

@@ -258,7 +258,8 @@ def combine(checked: dict, schedule: tuple, names: list) -> MixtureData:
     source = ConcatSource([checked[n].source for n in names], names)
     sizes = ", ".join(f"{n} ({w:.2f}, {len(checked[n]):,} examples)"
                       for n, w in zip(names, schedule[1][0]))
-    notes = [f"mixture of {len(names)}: {sizes}"]
+    notes = [f"mixture of {len(names)}: {sizes}"] + [
+        f"{n}: {line}" for n in names for line in checked[n].notes]
     if len(schedule[0]) > 1:
         notes.append("weights change at steps " + ", ".join(map(str, schedule[0][1:].tolist())))
     return MixtureData("train_data", source, "mixture", ref=ref,

@@ -141,6 +141,14 @@ class Packed:
         return f"Packed({self.name}, {self.mode}, n={len(self)}, seq_len={self.seq_len})"
 
 
+def note(packed) -> list:
+    """The header's line for packed data ([] when not packed)."""
+    if not isinstance(packed, Packed):
+        return []
+    return [f"packed ({packed.mode}): {len(packed.docs):,} documents -> {len(packed):,} "
+            f"windows of {packed.seq_len}, {packed.fill():.0%} tokens (the rest padding)"]
+
+
 def pack(docs, data_cfg, name: str):
     """`docs` packed per data.packing (itself when "none")."""
     mode = data_cfg.packing
