@@ -325,16 +325,25 @@ def _evaluator(cfg, run: Run):
             return {"step": step}
         t0 = time.perf_counter()
         pop = run.build.population
-        results = [evaluator.evaluate_weights(
-            run.build.eval_step, member, run.data.eval, weights=cfg.eval.weights,
-            mesh=run.build.mesh, local_batch=run.data.eval_batch,
-            max_batches=cfg.eval.num_batches, spec=run.build.eval_spec)
-            for member in ([state] if pop is None else
-                           [population_lib.member(state, i) for i in range(pop.size)])]
-        result = results[0]
-        if pop is not None:  # the mean over members, and each member's as <name>/m<i>
-            result = dataclasses.replace(result, scalars=population_lib.combine(
+        members = [state] if pop is None else [population_lib.member(state, i)
+                                                for i in range(pop.size)]
+
+        def score(data):
+            results = [evaluator.evaluate_weights(
+                run.build.eval_step, member, data, weights=cfg.eval.weights,
+                mesh=run.build.mesh, local_batch=run.data.eval_batch,
+                max_batches=cfg.eval.num_batches, spec=run.build.eval_spec)
+                for member in members]
+            if pop is None:
+                return results[0]
+            # the mean over members, and each member's as <name>/m<i>
+            return dataclasses.replace(results[0], scalars=population_lib.combine(
                 [r.scalars for r in results]))
+
+        result = score(run.data.eval)
+        for name, part in run.data.eval_parts.items():  # a mixture's components
+            result.scalars.update({f"eval/{name}/{k.removeprefix('eval/')}": v
+                                   for k, v in score(part).scalars.items()})
         run.out.perf.add("eval", time.perf_counter() - t0)
         run.out.writer.write_scalars(step, result.scalars)
         run.out.progress.message(evaluator.format_line(step, result), emphasis=True)

@@ -113,6 +113,9 @@ def resolve(config=None, *, data_settings=None) -> ml_collections.ConfigDict:
     schema = schema_for(model_name)
     merged = defaults(model_name).to_dict()
     _overlay(merged, user, schema, prefix="")
+    data = merged["data"]
+    if data["packing"] != "none" and model_name == "transformer" and not data["model_inputs"]:
+        data["model_inputs"] = ("inputs", "segment_ids", "positions")  # masks by segment
     cfg = ml_collections.ConfigDict(merged)
     validate(cfg)
     overrides = data_settings(cfg.data) if data_settings is not None else None

@@ -96,7 +96,19 @@ SCHEMA: dict[str, Any] = {
                       "in the step: False skips the batch's update (jtrain.control)"),
         "model_inputs": F("strs", (), None, "fields of a dict batch the model is called "
                           "with (one: that array; several: a dict of them); () = "
-                          "batch['inputs'], or the whole batch when it has no 'inputs'"),
+                          "batch['inputs'], or the whole batch when it has no 'inputs' "
+                          "(with data.packing and the built-in transformer: inputs, "
+                          "segment_ids, positions)"),
+        "mixture": F("dict", {}, None, "{name: {'source': 'pkg.mod:fn' or a built-in "
+                     "name, 'kwargs': {...}, 'weight': w}}: components sampled by weight "
+                     "(jtrain/data/mixture.py); {} = one dataset"),
+        "mixture_schedule": F("dict", {}, None, "{step: {name: weight}}: the mixture's "
+                              "weights from that step on (names left out weigh 0)"),
+        "packing": F(str, "none", ("none", "pad", "concat", "first_fit"), "token documents "
+                     "-> data.seq_len windows with segment_ids and positions: pad = one "
+                     "document per window, concat = in order, first_fit = greedy first fit "
+                     "in a seeded order (data.split_seed); none = items as they are"),
+        "packing_buffer": F(int, 64, (1, 1 << 20), "first_fit: windows kept open at once"),
     },
     "mesh": _resume_safe({
         "data": F(int, -1, (-1, INF), "pure data-parallel axis; -1 = the rest"),

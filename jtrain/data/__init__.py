@@ -18,6 +18,10 @@ one place (the background device prefetch in prefetch.py is handed that function
                      (pipeline.py), streams (streams.py), grain DataLoaders (grain_sources.py)
     device_prefetch  the next batches on the devices, position kept exact (prefetch.py)
     eval_batches     every example once, padded, with a mask (evalsets.py)
+    Mixture          several datasets sampled by weight, data.mixture_schedule, each
+                     component's eval set on its own (mixture.py)
+    packing          token documents packed into data.seq_len windows with segment_ids
+                     and positions (packing.py)
 
 `Data` (dataset.py): one small class per input kind behind one protocol; `checks.check`
 returns a checked copy. Items become numpy in items.py; map-style sources and seeded
@@ -29,18 +33,20 @@ Batches are dicts of numpy arrays: `inputs` (an array or a pytree), `targets`, o
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from jtrain.data import checks, evalsets, items as items_lib, load, pipeline, text
-from jtrain.data import torch_adapters
+from jtrain.data import checks, evalsets, items as items_lib, load, mixture, packing
+from jtrain.data import pipeline, text, torch_adapters
 from jtrain.data.items import DataError
 from jtrain.data.dataset import Data, MapData
+from jtrain.data.mixture import Mixture
 from jtrain.data.prefetch import DevicePrefetch
 from jtrain.data.sources import MapSource, item_rng, with_transform
 
-__all__ = ["BUILTIN", "Data", "DataError", "RunData", "UserData", "as_data",
+__all__ = ["BUILTIN", "Data", "DataError", "Mixture", "RunData", "UserData", "as_data",
            "device_prefetch", "eval_batches", "item_rng", "load_user_data", "make_sources",
            "make_train_iterator", "num_eval_examples", "prepare", "with_transform"]
 
@@ -110,6 +116,13 @@ def make_sources(data_cfg, train_data=None, eval_data=None, *, process_index: in
         train_data, eval_data, _ = load_user_data(data_cfg, None, eval_data,
                                                   process_index=process_index,
                                                   process_count=process_count)
+    if data_cfg.mixture and train_data is None:
+        train_data = mixture.from_config(data_cfg, _component)
+    if isinstance(train_data, Mixture):
+        return _mixture_sources(data_cfg, train_data, process_index, process_count)
+    if data_cfg.packing != "none":
+        train_data = packing.pack(train_data, data_cfg, "train_data")
+        eval_data = packing.pack(eval_data, data_cfg, "eval_data")
     if train_data is None:
         train, ev, info = _builtin(data_cfg)
         if eval_data is not None:
@@ -121,6 +134,7 @@ def make_sources(data_cfg, train_data=None, eval_data=None, *, process_index: in
             train, ev = (train.split_off_eval(data_cfg.val_fraction, data_cfg.split_seed)
                          if data_cfg.val_fraction > 0 else (train, None))
         info = {"name": train.description}
+        train = dataclasses.replace(train, notes=train.notes + packing.note(train_data))
     if data_cfg.transform:
         train = load.add_transform(train, load.load_named(data_cfg.transform, "data.transform"))
     train = checks.check(train, global_batch=data_cfg.batch_size, process_index=process_index,
@@ -136,6 +150,66 @@ def make_sources(data_cfg, train_data=None, eval_data=None, *, process_index: in
                 num_eval_examples=len(ev) if ev is not None else 0,
                 batches_per_epoch=checks.batches_per_epoch(train, data_cfg.batch_size,
                                                            data_cfg.drop_last))
+    return train, ev, info
+
+
+def _component(source: str, kwargs: dict, name: str):
+    """(train, eval or None) of one data.mixture component: a factory or a built-in."""
+    if ":" not in source:
+        if source not in BUILTIN:
+            raise DataError(f"data.mixture.{name}.source", f"{source!r} is neither "
+                            f"'package.module:function' nor a built-in ({', '.join(BUILTIN)})")
+        train, val, _ = BUILTIN[source](kwargs.get("seq_len", 128), 0.05)
+        return train, val
+    return load.from_factory(_Factory(source, kwargs))
+
+
+class _Factory:  # what load.from_factory reads of data_cfg
+    def __init__(self, source, kwargs):
+        self.source, self.kwargs = source, kwargs
+
+
+def _mixture_sources(data_cfg, mix: Mixture, process_index: int, process_count: int):
+    """(train MixtureData, the components' eval sets together or None, info); info's
+    "eval_parts" maps each component with an eval set to it (per-component eval)."""
+    names, checked, evals = list(mix.components), {}, {}
+    for name in names:
+        where = f"data.mixture.{name}"
+        raw = packing.pack(mix.components[name], data_cfg, where)
+        part = load.as_data(raw, where)
+        part = dataclasses.replace(part, notes=part.notes + packing.note(raw))
+        if not isinstance(part, MapData):
+            raise DataError(where, f"a {part.description} component: mixtures are "
+                                   "implemented for map-style data (len + getitem)")
+        ev_raw = mix.eval.get(name)
+        if ev_raw is not None:
+            ev = load.as_data(packing.pack(ev_raw, data_cfg, f"{where} (eval)"),
+                              f"{where} (eval)")
+        elif data_cfg.val_fraction > 0:
+            part, ev = part.split_off_eval(data_cfg.val_fraction, data_cfg.split_seed)
+        else:
+            ev = None
+        if data_cfg.transform:
+            part = load.add_transform(part, load.load_named(data_cfg.transform,
+                                                            "data.transform"))
+        checked[name] = checks.check(part, global_batch=1, train=True)
+        if ev is not None:
+            evals[name] = checks.check(dataclasses.replace(ev, name=f"eval_data ({name})"),
+                                       global_batch=1, train=False)
+    schedule = mixture.schedule_table(names, mix.weights, data_cfg.mixture_schedule)
+    train = dataclasses.replace(mixture.combine(checked, schedule, names), eval_parts=evals)
+    train = checks.check(train, global_batch=data_cfg.batch_size, train=True)
+    ev = None
+    if evals:
+        both = mixture.ConcatSource([e.source for e in evals.values()], list(evals))
+        ev = checks.check(MapData("eval_data", both, "mixture eval sets"),
+                          global_batch=data_cfg.batch_size, process_index=process_index,
+                          process_count=process_count, train=False)
+    info = {"name": "mixture", "kind": train.kind, "notes": list(train.notes),
+            "num_examples": train.known_size, "num_eval_examples": len(ev) if ev else 0,
+            "batches_per_epoch": None,
+            "mixture": [{"name": n, "weight": float(w), "examples": len(checked[n])}
+                        for n, w in zip(names, schedule[1][0])]}
     return train, ev, info
 
 

@@ -69,6 +69,8 @@ class RunData:
     example: dict  # eval[0], else train[0]: its targets shape the eval metrics
     eval_batch: int  # this process's eval batch
     decided: dict  # data.* settings a DataLoader made (run.json's "decided")
+    eval_parts: dict = dataclasses.field(default_factory=dict)  # a mixture's components'
+    # eval sets, each evaluated on its own as eval/<component>/<metric>
     _data_cfg: Any = dataclasses.field(repr=False, default=None)
     _seed: int = 0
     _process: tuple[int, int] = (0, 1)
@@ -128,5 +130,6 @@ def prepare(data_cfg, user: UserData, *, seed: int, eval_batch_size: int = 0,
     return RunData(train=train, eval=ev, info=info, train_example=train_example,
                    example=ev[0] if ev is not None else train_example,
                    eval_batch=(eval_batch_size or data_cfg.batch_size) // count,
-                   decided=dict(user.decided), _data_cfg=data_cfg, _seed=seed,
+                   decided=dict(user.decided), eval_parts=getattr(train, "eval_parts", {}),
+                   _data_cfg=data_cfg, _seed=seed,
                    _process=(index, count))

@@ -10,6 +10,7 @@ A name is `<namespace>/<what>`; a part in angle brackets stands for a family of 
   <phase>  a start-up phase (jtrain.observe.startup.PHASES, and "other")
   <metric> any train/* or eval/* name above, less its namespace (a population's member)
   <m>      a population member's index (population.size > 1)
+  <component>  a component of data.mixture (its own eval set), <metric> any eval/ name
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "eval/spearman": ("evals", "regression: Spearman rank correlation (exact, host side)"),
     "eval/<metric>/m<m>": ("evals (population.size > 1)", "member m's eval/<metric>; the "
                            "plain name is the mean over the members"),
+    "eval/<component>/<metric>": ("evals", "a data.mixture component's eval set alone "
+                                  "(eval/<metric> is all components together)"),
     "perf/steps_per_sec": ("log steps, summary", "steps per second since the last log step "
                            "(summary: over the whole run)"),
     "perf/examples_per_sec": ("log steps, summary", "examples per second"),
@@ -93,7 +96,8 @@ METRICS: dict[str, tuple[str, str]] = {
 }
 
 _PARTS = {"<term>": r"(?P<term>[A-Za-z0-9_.\-]+)", "<k>": r"\d+", "<i>": r"\d+",
-          "<phase>": r"[a-z_]+", "<metric>": r"[A-Za-z0-9_.\-/]+", "<m>": r"\d+"}
+          "<phase>": r"[a-z_]+", "<metric>": r"[A-Za-z0-9_.\-/]+", "<m>": r"\d+",
+          "<component>": r"(?P<component>[A-Za-z0-9_.\-]+)"}
 
 
 def _regex(pattern: str) -> re.Pattern:
@@ -106,12 +110,14 @@ def _regex(pattern: str) -> re.Pattern:
 _COMPILED = [(p, _regex(p)) for p in METRICS]
 
 
-def listed(name: str, terms=()) -> bool:
+def listed(name: str, terms=(), components=()) -> bool:
     """True when `name` is one of `METRICS`; `<term>` matches only the loss's named
-    `terms` (so the check is not vacuous for plain names)."""
+    `terms`, `<component>` only the mixture's `components` (so the check is not vacuous
+    for plain names)."""
     for pattern, rx in _COMPILED:
         m = rx.match(name)
-        if m and ("<term>" not in pattern or m.group("term") in terms):
+        if m and ("<term>" not in pattern or m.group("term") in terms) and (
+                "<component>" not in pattern or m.group("component") in components):
             return True
     return False
 
@@ -126,8 +132,8 @@ def markdown() -> str:
            "`time`. A part in angle brackets stands for a family: `<term>` a named loss "
            "term, `<k>` eval.top_k, `<i>` a class index, `<phase>` a start-up phase "
            "(imports, distributed, data, build, state, writers, compile, other), "
-           "`<metric>` another train/eval name less its namespace and `<m>` a "
-           "population member's index.", "",
+           "`<metric>` another train/eval name less its namespace, `<m>` a "
+           "population member's index and `<component>` a data.mixture component.", "",
            "| name | written | what |", "|---|---|---|"]
     for name, (where, what) in METRICS.items():
         out.append(f"| `{name}` | {where} | {what} |")

@@ -50,14 +50,17 @@ def _norm(param_dtype: Dtype, name: str) -> nn.RMSNorm:
                       scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)))
 
 
-def _rope(x: jax.Array) -> jax.Array:
-    """Rotary position embedding over the last axis of x [B, T, H, Dh], in float32."""
+def _rope(x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding over the last axis of x [B, T, H, Dh], in float32;
+    `positions` [B, T] (packed sequences: from 0 in each segment), else 0..T-1."""
     _, t, _, dh = x.shape
     half = dh // 2
     freq = 1.0 / (10_000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))  # [Dh/2]
-    angle = jnp.arange(t, dtype=jnp.float32)[:, None] * freq[None, :]  # [T, Dh/2]
-    sin = jnp.sin(angle)[None, :, None, :]  # [1, T, 1, Dh/2]
-    cos = jnp.cos(angle)[None, :, None, :]
+    pos = (jnp.arange(t, dtype=jnp.float32)[None, :] if positions is None
+           else positions.astype(jnp.float32))  # [B or 1, T]
+    angle = pos[:, :, None] * freq[None, None, :]  # [B or 1, T, Dh/2]
+    sin = jnp.sin(angle)[:, :, None, :]  # [B or 1, T, 1, Dh/2]
+    cos = jnp.cos(angle)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [B, T, H, Dh/2] each
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
@@ -70,7 +73,8 @@ class CausalSelfAttention(nn.Module):
     attention: str = "xla"  # "xla": written out below; "cudnn": fused (flash) kernel
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:  # x [B, T, D]
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:  # x [B, T, D]
         d = x.shape[-1]
         h, dh = self.num_heads, d // self.num_heads
         in_init = nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2))
@@ -81,8 +85,10 @@ class CausalSelfAttention(nn.Module):
             w = _param(self, name, (d, h, dh), ("embed", "heads", "kv"), in_init)
             qkv.append(jnp.einsum("btd,dhk->bthk", x, w.astype(self.dtype)))  # [B, T, H, Dh]
         q, k, v = qkv
-        q, k = _rope(q), _rope(k)
-        if self.attention == "cudnn":
+        q, k = _rope(q, positions), _rope(k, positions)
+        if segment_ids is not None:  # packed: no attention across documents
+            ctx = _attend(q, k, v, segment_ids)
+        elif self.attention == "cudnn":
             # cuDNN's fused causal attention: the [B, H, T, T] scores never reach memory.
             ctx = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                implementation="cudnn")  # [B, T, H, Dh]
@@ -92,15 +98,21 @@ class CausalSelfAttention(nn.Module):
         return jnp.einsum("bthk,hkd->btd", ctx, w_out.astype(self.dtype))  # [B, T, D]
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array,
+            segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal softmax attention written out; q, k, v [B, T, H, Dh] -> [B, T, H, Dh].
-    Scores and the softmax in float32."""
+    Scores and the softmax in float32. With `segment_ids` [B, T] a query sees only keys
+    of its own segment."""
     dh, dtype = q.shape[-1], q.dtype
     scores = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32)  # [B, H, T, T]
     scores = scores / jnp.sqrt(jnp.float32(dh))
     t = q.shape[1]
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # [T, T]: query q sees keys s <= q
-    scores = jnp.where(causal[None, None], scores, jnp.finfo(jnp.float32).min)
+    allowed = causal[None, None]  # [1, 1, T, T]
+    if segment_ids is not None:
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, T]
+        allowed = allowed & same[:, None]  # [B, 1, T, T]
+    scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)  # [B, H, T, T]
     return jnp.einsum("bhqs,bshk->bqhk", probs, v)  # [B, T, H, Dh]
 
@@ -115,7 +127,8 @@ class MlpBlock(nn.Module):
     kind: str = "gelu"  # MLP_KINDS
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:  # x [B, T, D]
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:  # x [B, T, D]
         d = x.shape[-1]
         init = nn.initializers.lecun_normal()
         w_in = _param(self, "wi", (d, self.d_ff), ("embed", "mlp"), init)
@@ -140,10 +153,11 @@ class Block(nn.Module):
     mlp: str = "gelu"  # MLP_KINDS
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool) -> jax.Array:  # x [B, T, D]
+    def __call__(self, x: jax.Array, train: bool, segment_ids=None,
+                 positions=None) -> jax.Array:  # x [B, T, D]
         h = _norm(self.param_dtype, "attn_norm")(x)  # float32 [B, T, D]
         h = CausalSelfAttention(self.num_heads, self.dtype, self.param_dtype,
-                                self.attention, name="attn")(h)
+                                self.attention, name="attn")(h, segment_ids, positions)
         x = x + _dropout(h, self.dropout, train)
         h = _norm(self.param_dtype, "mlp_norm")(x)
         h = MlpBlock(self.d_ff, self.dtype, self.param_dtype, self.mlp, name="mlp")(h)
@@ -191,8 +205,14 @@ class Transformer(nn.Module):
     mlp: str = "gelu"  # MLP_KINDS
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
-        """tokens int [B, T] with T <= max_len -> logits float32 [B, T, vocab_size]."""
+    def __call__(self, tokens, *, train: bool = False) -> jax.Array:
+        """tokens int [B, T] with T <= max_len -> logits float32 [B, T, vocab_size].
+        Packed sequences: tokens = {"inputs": [B, T], "segment_ids": [B, T] (attention
+        stays within a segment), "positions": [B, T] (rotary positions per segment)}."""
+        segment_ids = positions = None
+        if isinstance(tokens, dict):
+            segment_ids, positions = tokens.get("segment_ids"), tokens.get("positions")
+            tokens = tokens["inputs"]
         if tokens.ndim != 2 or tokens.shape[1] > self.max_len:
             raise ValueError(f"model.max_len: expected tokens [batch, length<={self.max_len}], "
                              f"got shape {tokens.shape}")
@@ -210,7 +230,8 @@ class Transformer(nn.Module):
             # gathering the weights. A no-op unless the engine sets logical-axis rules.
             x = nn.with_logical_constraint(x, ("batch", "length", None))
             x = block(self.num_heads, self.d_ff, self.dropout, self.dtype, self.param_dtype,
-                      self.attention, mlp=self.mlp, name=f"layer_{i}")(x, train)
+                      self.attention, mlp=self.mlp, name=f"layer_{i}")(
+                x, train, segment_ids, positions)
         x = nn.with_logical_constraint(x, ("batch", "length", None))
         x = _norm(self.param_dtype, "final_norm")(x)  # float32 [B, T, D]
         if self.tie_embeddings:
@@ -266,6 +287,8 @@ def flops_per_example(model_cfg, input_shape) -> float:
     plus the D*V output projection, counted even when tied). Times T tokens.
     """
     c = model_cfg
+    if isinstance(input_shape, dict):  # packed: {"inputs": (T,), "segment_ids": ...}
+        input_shape = input_shape["inputs"]
     t = int(input_shape[-1])
     per_token = 6 * matmul_params(model_cfg) + 12 * c["num_layers"] * c["d_model"] * t
     return float(per_token * t)
