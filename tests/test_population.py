@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import jtrain
+from jtrain import evaluate as evaluate_lib
 from jtrain import population as population_lib
 from jtrain.checkpoint import export as export_lib
 from jtrain.errors import ConfigError, UsageError
@@ -121,6 +122,8 @@ def test_a_population_run_writes_member_metrics_summary_and_exports_a_member(tmp
         export_lib.export(work, str(tmp_path / "x"))
     with pytest.raises(UsageError, match="members 0..1"):
         export_lib.export(work, str(tmp_path / "x"), member=2)
+    with pytest.raises(UsageError, match="--member=i"):  # the whole population
+        evaluate_lib.evaluate_checkpoint(work, model=Net())
 
 
 @pytest.mark.parametrize("over, key", [
@@ -157,3 +160,37 @@ def test_winners_take_the_best_last_value_per_metric():
                {"step": 4, "train/loss/m0": 3.0, "train/loss/m1": 0.5,
                 "eval/accuracy/m0": 0.9, "eval/accuracy/m1": 0.7, "eval/f1/0/m1": 0.2}]
     assert population_lib.winners(records, 2) == {"train/loss": 1, "eval/accuracy": 0}
+
+
+@pytest.mark.multidevice
+def test_on_8_devices_sharded_and_replicated_members_match_one_device(monkeypatch):
+    """K=4 over mesh.data=4 (the member axis sharded) and K=3 (replicated) give each
+    member the losses it has on one device (K=3's members are K=4's first three: same
+    seeds, lrs and batches)."""
+    from jtrain import mesh as mesh_lib
+
+    lrs, data = [0.01, 0.02, 0.04, 0.08], _data()
+
+    def losses(size, mesh):
+        b = _build(_cfg(mesh=mesh, population={"size": size,
+                                               "vary": {"optim.lr": lrs[:size]}}), Net())
+        state, out = b.init(), []
+        for i in range(2):
+            state, m = b.train_step(state, {k: v[8 * i: 8 * i + 8] for k, v in data.items()})
+            out.append([float(m[f"train/loss/m{j}"]) for j in range(size)])
+        return b, state, np.asarray(out)
+
+    sharded, s4, l4 = losses(4, {"data": 4, "tensor": 2})
+    replicated, s3, l3 = losses(3, {"data": 4, "tensor": 2})
+    assert sharded.population.sharded and not replicated.population.sharded
+    for leaf in jax.tree.leaves(s4.params):
+        assert leaf.sharding.spec[0] == "data" and len(leaf.sharding.device_set) == 8
+    for leaf in jax.tree.leaves(s3.params):
+        assert leaf.sharding.spec[0] is None
+    make = mesh_lib.make_mesh
+    monkeypatch.setattr(mesh_lib, "make_mesh",
+                        lambda cfg, devices=None: make(cfg, devices=jax.devices()[:1]))
+    _, s1, l1 = losses(4, {"data": 1})
+    assert len(jax.tree.leaves(s1.params)[0].sharding.device_set) == 1
+    np.testing.assert_allclose(l4, l1, rtol=1e-5)
+    np.testing.assert_allclose(l3, l1[:, :3], rtol=1e-5)
