@@ -134,8 +134,9 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
     if model is not None:  # your model computes in the policy's dtype (precision.py)
         model_fns = dataclasses.replace(model_fns, apply=precision_lib.cast_apply(
             model_fns.apply, policy, tuple(cfg.model.keep_fp32)))
-    tx, schedule = optim_lib.make_optimizer(cfg.optim, cfg.total_steps,
-                                            extra_trainable=extra_trainable)
+    tx, schedule = optim_lib.make_optimizer(
+        cfg.optim, cfg.total_steps, extra_trainable=extra_trainable,
+        decay_in_state=population_lib.decay_in_state(cfg))
     ema_decay, ema_warmup = float(cfg.optim.ema.decay), str(cfg.optim.ema.warmup)
     sample_inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), sample)

@@ -60,6 +60,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jtrain import optim_decay
 from jtrain.config import sections
 from jtrain.errors import ConfigError
 
@@ -270,7 +271,8 @@ def trainable_labels(params, trainable=(), frozen=()):
 def trainable_split(params, optim_cfg, extra_trainable=()) -> dict:
     """{"train": (leaves, values), "frozen": (leaves, values)} for the header; raises
     ConfigError naming a regex that matches no leaf, or when nothing would train.
-    `extra_trainable`: patterns added to optim.trainable by the run (LoRA's adapters)."""
+    `extra_trainable`: patterns added to optim.trainable by the run (LoRA's adapters).
+    `decay_in_state`: the weight decay rate in the state (jtrain.optim_decay)."""
     flat = [(leaf_path(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]]
     for key in ("trainable", "frozen", "lr_mults"):
         for pattern in optim_cfg[key]:
@@ -366,13 +368,14 @@ def _check_names(optim_cfg) -> None:
                                               f"{', '.join(known)}")
 
 
-def make_optimizer(optim_cfg, total_steps, *, extra_trainable=()):
+def make_optimizer(optim_cfg, total_steps, *, extra_trainable=(), decay_in_state=False):
     """Returns `(tx, schedule)`; `schedule` is the one inside `tx` (log `schedule(step)`).
 
     `optim_cfg`: the `optim` section, whole or partial (`{"name": "sgd", "lr": 0.1}`):
     the schema's defaults fill the rest; a ConfigError names an unknown key or a bad
     value.
-    `extra_trainable`: patterns added to optim.trainable by the run (LoRA's adapters)."""
+    `extra_trainable`: patterns added to optim.trainable by the run (LoRA's adapters).
+    `decay_in_state`: the weight decay rate in the state (jtrain.optim_decay)."""
     _check_names(optim_cfg)
     optim_cfg = sections.section("optim", optim_cfg, total_steps=total_steps)
     name = optim_cfg["name"]
@@ -384,7 +387,8 @@ def make_optimizer(optim_cfg, total_steps, *, extra_trainable=()):
         tx = _OPTIMIZERS[name](optim_cfg, schedule, wd, mask,
                                tail=(*mults, _scale_by_lr_factor()))
     else:
-        tx = _OPTIMIZERS[name](optim_cfg, schedule, wd, mask)
+        tx = (optim_decay.optimizer(name, optim_cfg, schedule, wd, mask) if decay_in_state
+              else _OPTIMIZERS[name](optim_cfg, schedule, wd, mask))
         tx = optax.chain(tx, *mults) if mults else tx
     clip_norm = float(optim_cfg["clip_norm"])
     if clip_norm > 0:

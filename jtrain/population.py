@@ -4,7 +4,9 @@ init and train step over it, so one compile trains every member on the same batc
 
 - Member i's init and dropout seed is `population.seeds[i]` (default seed + i); its
   learning rate enters as the state's `lr_factor` (= its lr / optim.lr), which the step
-  already multiplies into the update, so varying it needs no recompile.
+  already multiplies into the update, so varying it needs no recompile. Its
+  `optim.weight_decay` (when population.vary has it) is a rate in its optimizer state
+  (jtrain.optim_decay), set at init.
 - Metrics: the step's per-member values are written as `train/<name>/m<i>`; the plain
   `train/<name>` is the mean over members (what the progress line, the loss window and
   the skip checks read; `train/status` is the OR of the members' bits).
@@ -25,6 +27,7 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jtrain import optim_decay
 from jtrain import state as state_lib
 from jtrain.config import schema_population
 from jtrain.errors import ConfigError
@@ -37,6 +40,7 @@ class Population:
     lrs: tuple[float, ...]  # each member's optim.lr
     base_lr: float  # optim.lr: the schedule's peak; lr_factor = lr / base_lr
     sharded: bool = False  # the member axis over the mesh's data axis
+    weight_decays: tuple[float, ...] | None = None  # each member's; None = not varied
 
     @property
     def lr_factors(self) -> np.ndarray:
@@ -46,6 +50,8 @@ class Population:
         """The header's line."""
         lrs = ("" if len(set(self.lrs)) == 1
                else ", lr " + " ".join(f"{lr:g}" for lr in self.lrs))
+        if self.weight_decays is not None:
+            lrs += ", weight_decay " + " ".join(f"{v:g}" for v in self.weight_decays)
         where = ("sharded over the data axis" if self.sharded
                  else "replicated on every device")
         return (f"jtrain: population: {self.size} members in one compiled step (seeds "
@@ -61,8 +67,16 @@ def from_config(cfg) -> Population | None:
     vary = schema_population.flat_vary(cfg.population.vary)
     base = float(cfg.optim.lr)
     lrs = tuple(float(v) for v in vary.get("optim.lr", (base,) * size))
+    wds = vary.get("optim.weight_decay")
     return Population(size=size, seeds=schema_population.member_seeds(cfg), lrs=lrs,
-                      base_lr=base)
+                      base_lr=base,
+                      weight_decays=None if wds is None else tuple(float(v) for v in wds))
+
+
+def decay_in_state(cfg) -> bool:
+    """Whether the optimizer keeps its weight decay rate in the state (per member)."""
+    return int(cfg.population.size) > 1 and "optim.weight_decay" in \
+        schema_population.flat_vary(cfg.population.vary)
 
 
 def with_mesh(pop: Population, mesh, shardings) -> Population:
@@ -106,7 +120,8 @@ def shardings(pop: Population, member_shardings):
 def init(pop: Population, model_fns, tx, policy, sample_inputs, mesh, out_shardings, *,
          ema: bool):
     """Every member's fresh state, built in its shardings by one jitted vmap: member i is
-    `jtrain.state.init_state` with seed `pop.seeds[i]`, its lr factor set."""
+    `jtrain.state.init_state` with seed `pop.seeds[i]`, its lr factor (and weight decay
+    rate) set."""
     if model_fns.existing_params is not None:
         raise ConfigError("population.size", "an NNX model instance holds one set of "
                           "parameters; pass its class or a function building it so each "
@@ -114,16 +129,19 @@ def init(pop: Population, model_fns, tx, policy, sample_inputs, mesh, out_shardi
     inputs = jax.tree.map(lambda s: jnp.zeros((1,) + tuple(s.shape[1:]), s.dtype),
                           sample_inputs)
 
-    def create(seed, factor):
+    def create(seed, factor, wd):
         rng = jax.random.key(seed)
         params = nn.unbox(model_fns.init(jax.random.fold_in(rng, 0), inputs))
-        return state_lib._fresh_state(params, tx, policy, rng, ema).replace(
-            lr_factor=factor)
+        state = state_lib._fresh_state(params, tx, policy, rng, ema)
+        if pop.weight_decays is not None:
+            state = state.replace(opt_state=optim_decay.set_rate(state.opt_state, wd))
+        return state.replace(lr_factor=factor)
 
     state_axes = axes(out_shardings)
     with jax.set_mesh(mesh):
         return jax.jit(jax.vmap(create, out_axes=state_axes), out_shardings=out_shardings)(
-            jnp.asarray(pop.seeds, jnp.uint32), jnp.asarray(pop.lr_factors))
+            jnp.asarray(pop.seeds, jnp.uint32), jnp.asarray(pop.lr_factors),
+            jnp.asarray(pop.weight_decays or (0.0,) * pop.size, jnp.float32))
 
 
 # Per-step values that are not written (jtrain.loop reads them reduced).
@@ -192,6 +210,26 @@ def combine(per_member: list[dict]) -> dict:
 _LOWER_IS_BETTER = ("loss", "mse", "mae", "perplexity", "bits_per_byte", "grad_norm")
 
 
+def winners(records: list[dict], size: int) -> dict[str, int]:
+    """{metric: the member whose last logged value is best} for every metric logged per
+    member in `records` (metrics.jsonl), by summary_block's rule; `train/lr` (a setting,
+    not an outcome) has none."""
+    last: dict[str, dict[int, float]] = {}
+    for record in records:
+        for key, value in record.items():
+            name, _, i = key.rpartition("/m")
+            if name and i.isdigit() and int(i) < size and isinstance(value, (int, float)):
+                last.setdefault(name, {})[int(i)] = float(value)
+    out = {}
+    for name, values in last.items():
+        if name == "train/lr" or len(values) != size:
+            continue
+        arr = np.asarray([values[i] for i in range(size)], np.float64)
+        lower = any(part in name for part in _LOWER_IS_BETTER)
+        out[name] = int(np.nanargmin(arr) if lower else np.nanargmax(arr))
+    return out
+
+
 def summary_block(pop: Population, state, final_eval: dict, *, monitor: str,
                   mode: str) -> dict:
     """summary.json's `population`: the members' seeds and lrs, per metric of the final
@@ -213,6 +251,8 @@ def summary_block(pop: Population, state, final_eval: dict, *, monitor: str,
         arr = np.asarray([final_eval[member_name(monitor, i)] for i in range(pop.size)])
         best = int(np.nanargmin(arr) if mode == "min" else np.nanargmax(arr))
     return {"size": pop.size, "seeds": list(pop.seeds), "lrs": list(pop.lrs),
+            **({} if pop.weight_decays is None
+               else {"weight_decays": list(pop.weight_decays)}),
             "sharded": pop.sharded, "best_member": best, "monitor": monitor,
             "skipped_steps": [int(v) for v in np.asarray(jax.device_get(
                 state.skipped_steps))],

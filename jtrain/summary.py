@@ -14,7 +14,7 @@ from jtrain import errors
 from jtrain import evaluator
 from jtrain import population as population_lib
 from jtrain import state as state_lib
-from jtrain.observe import jsonl
+from jtrain.observe import jsonl, plots
 
 
 def stored_summary(workdir: str, state) -> dict | None:
@@ -77,6 +77,8 @@ def summarize(cfg, run, state, session) -> dict:
         if "eval/loss" in summary:
             run.out.progress.message(f"jtrain: final eval loss {summary['eval/loss']:.4f} "
                                      f"nats/byte vs unigram baseline {baseline:.4f}")
+    if pop is not None and jax.process_index() == 0:
+        _population_plot(run, session, pop.size)
     summary["message"] = _final_line(summary, session)
     summary["exit_code"] = 0
     run.out.progress.final(summary["message"])
@@ -84,6 +86,17 @@ def summarize(cfg, run, state, session) -> dict:
         with open(os.path.join(run.workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2, sort_keys=True)
     return summary
+
+
+def _population_plot(run, session, size: int) -> None:
+    """population.png: every member's curves, their mean and the winner per metric, from
+    metrics.jsonl (or this session's records when the jsonl writer is off)."""
+    run.out.writer.flush()  # the last log step and eval in metrics.jsonl
+    path = os.path.join(run.workdir, "metrics.jsonl")
+    records = (jsonl.read_records(path) if os.path.exists(path)
+               else [*session.train_history, *session.history])
+    plots.population_curves(records, os.path.join(run.workdir, "population.png"), size,
+                            population_lib.winners(records, size))
 
 
 def _best(cfg, run) -> dict:

@@ -1,8 +1,8 @@
 """A population (population.size > 1): member i of a vmapped population equals the
-single run with member i's seed and learning rate (same batches; Linen with dropout, and
-NNX); a run writes each member's metrics as `<name>/m<i>` and summary.json's population
-block; `export --member` writes that member as a plain run's export; the section's rules
-are one config error each."""
+single run with member i's seed, learning rate and weight decay (same batches; Linen with
+dropout, and NNX); a run writes each member's metrics as `<name>/m<i>`, summary.json's
+population block and population.png; `export --member` writes that member as a plain
+run's export; the section's rules are one config error each."""
 
 import json
 import os
@@ -14,6 +14,8 @@ import pytest
 from flax import nnx
 
 import jtrain
+from jtrain import evaluate as evaluate_lib
+from jtrain import population as population_lib
 from jtrain.checkpoint import export as export_lib
 from jtrain.errors import ConfigError, UsageError
 
@@ -60,25 +62,27 @@ def _train(b, steps=4):
     return state, metrics
 
 
-@pytest.mark.parametrize("model, members", [(Net(), (0, 1, 2)), (NnxNet, (2,))],
+@pytest.mark.parametrize("model, member", [(Net(), 1), (NnxNet, 0)],
                          ids=["linen_dropout", "nnx"])
-def test_member_i_equals_the_single_run_with_its_seed_and_lr(model, members):
-    seeds, lrs = (0, 4, 9), (0.01, 0.03, 0.002)
-    pop = _build(_cfg(population={"size": 3, "seeds": list(seeds),
-                                  "vary": {"optim.lr": list(lrs)}}), model)
+def test_member_i_equals_the_single_run_with_its_seed_lr_and_weight_decay(model, member):
+    seeds, lrs, wds = (3, 4), (0.02, 0.03), (0.05, 0.2)
+    pop = _build(_cfg(population={"size": 2, "seeds": list(seeds), "vary": {
+        "optim.lr": list(lrs), "optim.weight_decay": list(wds)}}), model)
     state, metrics = _train(pop)
-    assert int(state.step) == 4 and state.skipped_steps.shape == (3,)
-    for i in members:
-        seed, lr = seeds[i], lrs[i]
-        single, single_metrics = _train(_build(_cfg(seed=seed, optim={
-            **_cfg()["optim"], "lr": lr}), model))
-        for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(single.params)):
-            np.testing.assert_allclose(np.asarray(a)[i], np.asarray(b), atol=1e-6, rtol=0)
-        for name in ("train/loss", "train/lr", "train/grad_norm"):
-            np.testing.assert_allclose(float(metrics[f"{name}/m{i}"]),
-                                       float(single_metrics[name]), rtol=1e-5)
+    assert int(state.step) == 4 and state.skipped_steps.shape == (2,)
+    seed, lr, wd = seeds[member], lrs[member], wds[member]
+    single, single_metrics = _train(_build(_cfg(seed=seed, optim={
+        **_cfg()["optim"], "lr": lr, "weight_decay": wd}), model))
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(single.params)):
+        np.testing.assert_allclose(np.asarray(a)[member], np.asarray(b), atol=1e-6, rtol=0)
+    for name in ("train/loss", "train/lr", "train/grad_norm"):
+        np.testing.assert_allclose(float(metrics[f"{name}/m{member}"]),
+                                   float(single_metrics[name]), rtol=1e-5)
     assert float(metrics["train/loss"]) == pytest.approx(
-        np.mean([float(metrics[f"train/loss/m{i}"]) for i in range(3)]))
+        np.mean([float(metrics[f"train/loss/m{i}"]) for i in range(2)]))
+    # the other member differs: its own seed, lr and weight decay were applied
+    other = jax.tree.leaves(state.params)[0]
+    assert not np.allclose(np.asarray(other)[0], np.asarray(other)[1])
 
 
 def test_a_population_run_writes_member_metrics_summary_and_exports_a_member(tmp_path):
@@ -99,6 +103,8 @@ def test_a_population_run_writes_member_metrics_summary_and_exports_a_member(tmp
     losses = [final["eval/loss/m0"], final["eval/loss/m1"]]
     assert pop["best_member"] == int(np.argmin(losses))
     assert pop["metrics"]["eval/loss"]["std"] == pytest.approx(np.std(losses))
+    assert (tmp_path / "run" / "population.png").stat().st_size > 0
+    assert population_lib.winners(records, 2)["eval/loss"] == pop["best_member"]
 
     out = str(tmp_path / "m1")
     record = export_lib.export(work, out, member=1)
@@ -116,12 +122,19 @@ def test_a_population_run_writes_member_metrics_summary_and_exports_a_member(tmp
         export_lib.export(work, str(tmp_path / "x"))
     with pytest.raises(UsageError, match="members 0..1"):
         export_lib.export(work, str(tmp_path / "x"), member=2)
+    with pytest.raises(UsageError, match="--member=i"):  # the whole population
+        evaluate_lib.evaluate_checkpoint(work, model=Net())
 
 
 @pytest.mark.parametrize("over, key", [
     ({"population": {"size": 2, "vary": {"optim.b1": [0.9, 0.8]}}}, "population.vary.optim.b1"),
     ({"population": {"size": 2, "vary": {"optim.lr": [0.1]}}}, "population.vary.optim.lr"),
     ({"population": {"size": 2, "seeds": [3]}}, "population.seeds"),
+    ({"population": {"size": 2, "vary": {"optim.weight_decay": [0.1, -1.0]}}},
+     "population.vary.optim.weight_decay"),
+    ({"optim": {"name": "adafactor"}, "population": {
+        "size": 2, "vary": {"optim.weight_decay": [0.1, 0.2]}}},
+     "population.vary.optim.weight_decay"),
     ({"population": {"size": 2, "seeds": [3, 3]}}, "population.seeds"),
     ({"population": {"size": 2, "data": "per_member"}}, "population.data"),
     ({"population": {"size": 2}, "early_stop": {"monitor": "eval/loss"}},
@@ -139,3 +152,45 @@ def test_size_one_is_the_plain_run():
     b = _build(_cfg(), Net())
     assert b.population is None and b.state_abstract is b.abstract
     assert int(jax.device_get(b.init().step)) == 0
+
+
+def test_winners_take_the_best_last_value_per_metric():
+    records = [{"step": 2, "train/loss/m0": 1.0, "train/loss/m1": 2.0, "train/lr/m0": 0.1,
+                "train/lr/m1": 0.3},
+               {"step": 4, "train/loss/m0": 3.0, "train/loss/m1": 0.5,
+                "eval/accuracy/m0": 0.9, "eval/accuracy/m1": 0.7, "eval/f1/0/m1": 0.2}]
+    assert population_lib.winners(records, 2) == {"train/loss": 1, "eval/accuracy": 0}
+
+
+@pytest.mark.multidevice
+def test_on_8_devices_sharded_and_replicated_members_match_one_device(monkeypatch):
+    """K=4 over mesh.data=4 (the member axis sharded) and K=3 (replicated) give each
+    member the losses it has on one device (K=3's members are K=4's first three: same
+    seeds, lrs and batches)."""
+    from jtrain import mesh as mesh_lib
+
+    lrs, data = [0.01, 0.02, 0.04, 0.08], _data()
+
+    def losses(size, mesh):
+        b = _build(_cfg(mesh=mesh, population={"size": size,
+                                               "vary": {"optim.lr": lrs[:size]}}), Net())
+        state, out = b.init(), []
+        for i in range(2):
+            state, m = b.train_step(state, {k: v[8 * i: 8 * i + 8] for k, v in data.items()})
+            out.append([float(m[f"train/loss/m{j}"]) for j in range(size)])
+        return b, state, np.asarray(out)
+
+    sharded, s4, l4 = losses(4, {"data": 4, "tensor": 2})
+    replicated, s3, l3 = losses(3, {"data": 4, "tensor": 2})
+    assert sharded.population.sharded and not replicated.population.sharded
+    for leaf in jax.tree.leaves(s4.params):
+        assert leaf.sharding.spec[0] == "data" and len(leaf.sharding.device_set) == 8
+    for leaf in jax.tree.leaves(s3.params):
+        assert leaf.sharding.spec[0] is None
+    make = mesh_lib.make_mesh
+    monkeypatch.setattr(mesh_lib, "make_mesh",
+                        lambda cfg, devices=None: make(cfg, devices=jax.devices()[:1]))
+    _, s1, l1 = losses(4, {"data": 1})
+    assert len(jax.tree.leaves(s1.params)[0].sharding.device_set) == 1
+    np.testing.assert_allclose(l4, l1, rtol=1e-5)
+    np.testing.assert_allclose(l3, l1[:, :3], rtol=1e-5)

@@ -17,14 +17,17 @@ POPULATION_SECTIONS: dict[str, Any] = {
         "seeds": F("ints", (), (0, INT_MAX), "each member's init and dropout seed; () = "
                    "seed, seed+1, ...; the data order stays the run's seed"),
         "vary": F("dict", {}, None, "{key: [one value per member]}; supported keys: "
-                  + ", ".join(sorted(("optim.lr",))) + "; e.g. {'optim.lr': [1e-3, 3e-3]}"),
+                  + ", ".join(("optim.lr", "optim.weight_decay")) + "; e.g. {'optim.lr': [1e-3, "
+                  "3e-3]}"),
         "data": F(str, "shared", ("shared", "per_member"), "shared = every member sees the "
                   "same batches (per_member is not implemented)"),
     },
 }
 
 # Keys whose values can differ between members without a recompile: read inside the step.
-VARY_KEYS = ("optim.lr",)
+VARY_KEYS = ("optim.lr", "optim.weight_decay")
+# Optimizers whose weight decay can be a per-member rate (jtrain.optim_decay.NAMES).
+_DECAY_OPTIMIZERS = ("adamw", "lion", "sgd")
 # Settings whose host-side decisions are made for one run, not per member.
 _REFUSED = {
     "early_stop.monitor": "early stopping decides for one run, not per member",
@@ -64,11 +67,7 @@ def check(tree: dict) -> None:
         if not isinstance(values, (tuple, list)) or len(values) != size:
             raise ConfigError(name, f"give one value per member (population.size={size}), "
                               f"got {values!r}")
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ConfigError(name, f"values must be numbers > 0, got {v!r}")
-        if key == "optim.lr" and not tree["optim"]["lr"] > 0:
-            raise ConfigError(name, "members scale optim.lr's schedule: set optim.lr > 0")
+        _check_values(name, key, values, tree["optim"])
     if size == 1:
         return
     if pop["data"] != "shared":
@@ -91,6 +90,21 @@ def check(tree: dict) -> None:
     if tree["checkpoint"]["init_from"]:
         raise ConfigError("checkpoint.init_from", "not supported with population.size > 1 "
                           "(an export holds one member); train a single run from it")
+
+
+def _check_values(name: str, key: str, values, optim: dict) -> None:
+    """One varied key's values: numbers in the key's range, for an optimizer that reads
+    them inside the step."""
+    low, ok = ("> 0", lambda v: v > 0) if key == "optim.lr" else (
+        "in [0, 10]", lambda v: 0 <= v <= 10)
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+            raise ConfigError(name, f"values must be numbers {low}, got {v!r}")
+    if key == "optim.lr" and not optim["lr"] > 0:
+        raise ConfigError(name, "members scale optim.lr's schedule: set optim.lr > 0")
+    if key == "optim.weight_decay" and optim["name"] not in _DECAY_OPTIMIZERS:
+        raise ConfigError(name, f"optim.name={optim['name']} cannot vary its weight decay "
+                          f"per member; use one of {', '.join(_DECAY_OPTIMIZERS)}")
 
 
 def member_seeds(cfg) -> tuple[int, ...]:

@@ -1,4 +1,5 @@
-"""PNG plots for `python -m jtrain.evaluate`: training curves and a confusion matrix.
+"""PNG plots for `python -m jtrain.evaluate`: training curves and a confusion matrix;
+and a population run's population.png (every member's curves, their mean, the winner).
 
 matplotlib with the Agg backend (no display needed), imported only when plotting.
 """
@@ -104,3 +105,47 @@ def confusion_matrix(counts: np.ndarray, path: str, title: str = "confusion matr
     ax.set(title=title, xlabel="predicted class", ylabel="true class")
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def population_curves(records: list[dict], path: str, size: int,
+                      winners: dict[str, int]) -> bool:
+    """One panel per metric logged per member (`<name>/m<i>`; per-class metrics such as
+    `eval/f1/0` and an all-zero `train/skipped_steps` left out): each member's curve in
+    its own colour, the mean over the members (`<name>`, dashed) and the winner
+    (`winners[name]`, when given) drawn bold with a star at its last point. False (and no
+    file) when no metric has per-member values."""
+    names = sorted({k[:-3] for r in records for k in r if k.endswith("/m0")
+                    and k.startswith(("train/", "eval/")) and not k[:-3].split("/")[-1].isdigit()})
+    names = [n for n in names if n != "train/skipped_steps"
+             or any(_series(records, f"{n}/m{i}")[1].any() for i in range(size))]
+    if not names:
+        return False
+    plt = _pyplot()
+    colors = plt.get_cmap("tab10" if size <= 10 else "viridis")
+    cols = min(3, len(names))
+    rows = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.4 * rows),
+                             constrained_layout=True, squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        best = winners.get(name)
+        marker = "o" if name.startswith("eval/") else None
+        for i in range(size):
+            steps, values = _series(records, f"{name}/m{i}")
+            color = colors(i % 10 if size <= 10 else i / max(size - 1, 1))
+            win = i == best
+            label = (f"m{i} (winner)" if win else f"m{i}") if size <= 10 or win else None
+            ax.plot(steps, values, marker=marker, color=color, lw=2.5 if win else 1,
+                    alpha=1.0 if win else 0.6, label=label)
+            if win and len(steps):
+                ax.plot(steps[-1:], values[-1:], "*", color=color, markersize=14)
+        ax.plot(*_series(records, name), "--", color="black", lw=1.5, label="mean")
+        ax.set(title=name, xlabel="step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(names):]:
+        ax.set_axis_off()
+    fig.suptitle(f"population of {size} members (winner: best last value; lower is better "
+                 "for losses)")
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return True
