@@ -33,6 +33,8 @@ from collections import deque
 
 import numpy as np
 
+from jtrain.bench import machine as machine_lib
+
 GOALS = {"examples": 1.0, "step": 1.03}
 
 
@@ -194,17 +196,19 @@ def run(*, n: int, batch: int, workers: int, rounds: int, batches: int, steps: i
     ds = _dataset_class()(n)
     bench = StepBench(ds, batch, workers)
     bench.ms_per_step(True, 2)  # compile once, outside the timed rounds
-    rows = []
+    rows, loads, info = [], [], machine_lib.machine()
     for r in range(rounds):
         first = r % 2 == 0  # alternate which side goes first (ABBA): no order bias
-        if not first:
-            t_rate, t_ttfb = torch_examples(ds, batch, workers, batches)
-            synth = bench.ms_per_step(False, steps)
-        j_rate, j_ttfb = jtrain_examples(ds, batch, workers, batches)
-        real = bench.ms_per_step(True, steps)
-        if first:
-            t_rate, t_ttfb = torch_examples(ds, batch, workers, batches)
-            synth = bench.ms_per_step(False, steps)
+        with machine_lib.LoadWatch() as watch:
+            if not first:
+                t_rate, t_ttfb = torch_examples(ds, batch, workers, batches)
+                synth = bench.ms_per_step(False, steps)
+            j_rate, j_ttfb = jtrain_examples(ds, batch, workers, batches)
+            real = bench.ms_per_step(True, steps)
+            if first:
+                t_rate, t_ttfb = torch_examples(ds, batch, workers, batches)
+                synth = bench.ms_per_step(False, steps)
+        loads.append(watch.record)
         rows.append({"jtrain_examples_per_sec": j_rate, "torch_examples_per_sec": t_rate,
                      "jtrain_first_batch_s": j_ttfb, "torch_first_batch_s": t_ttfb,
                      "real_ms_per_step": real, "synthetic_ms_per_step": synth})
@@ -223,7 +227,8 @@ def run(*, n: int, batch: int, workers: int, rounds: int, batches: int, steps: i
             r["jtrain_examples_per_sec"] / r["torch_examples_per_sec"] for r in rows),
         "step_ratio_paired": statistics.median(
             r["real_ms_per_step"] / r["synthetic_ms_per_step"] for r in rows),
-        "goals": GOALS,
+        "goals": GOALS, "machine": info, "load": loads,
+        "unreliable": machine_lib.any_unreliable(loads),
     }
 
 
@@ -244,7 +249,8 @@ def format_report(res: dict) -> str:
                 f"{r['real_ms_per_step']:>8.2f} {r['synthetic_ms_per_step']:>9.2f} "
                 f"{r['real_ms_per_step'] / r['synthetic_ms_per_step']:>6.3f}")
 
-    lines += [row(str(i + 1), r) for i, r in enumerate(res["rows"])]
+    lines += [row(f"{machine_lib.mark(ld)}{i + 1}", r)
+              for i, (r, ld) in enumerate(zip(res["rows"], res["load"]))]
     lines.append(row("med", res["median"]))
     lines.append(f"per-round ratios, median: examples/s {res['examples_ratio_paired']:.3f}, "
                  f"step time {res['step_ratio_paired']:.3f}")
@@ -258,5 +264,6 @@ def format_report(res: dict) -> str:
         f"(goal <= {GOALS['step']})",
         f"(c) time to first batch: jtrain {m['jtrain_first_batch_s']:.3f} s (checks "
         f"included), torch {m['torch_first_batch_s']:.3f} s",
+        machine_lib.loads_line(res["load"]), machine_lib.header_line(res["machine"]),
     ]
     return "\n".join(lines)
