@@ -93,7 +93,7 @@ def _overhead_flags(fv) -> None:
 
 
 def _data_flags(fv) -> None:
-    flags.DEFINE_integer("num_examples", 4096, "dataset size", flag_values=fv)
+    flags.DEFINE_integer("num_examples", 8192, "dataset size", flag_values=fv)
     flags.DEFINE_integer("batch_size", 128, "batch size", flag_values=fv)
     flags.DEFINE_integer("num_workers", 0, "loader workers, on both sides", flag_values=fv)
     flags.DEFINE_integer("rounds", 5, "rounds", flag_values=fv)
@@ -326,9 +326,10 @@ def data(args) -> int:
     from jtrain.bench import data as bd  # imports JAX and torch
 
     if min(args.num_examples, args.batch_size, args.rounds, args.batches, args.steps) < 1 \
-            or args.num_workers < 0 or args.num_examples < args.batch_size * (args.batches + 1):
+            or args.num_workers < 0 or args.num_examples < args.batch_size * (
+                args.batches + bd.warmup_batches(max(args.num_workers, 0))):
         return _fail("error: sizes must be >= 1 (workers >= 0), and --num_examples must hold "
-                     "--batches + 1 batches")
+                     "--batches + the warm-up batches (1 + 2 per worker)")
     try:
         res = bd.run(n=args.num_examples, batch=args.batch_size, workers=args.num_workers,
                      rounds=args.rounds, batches=args.batches, steps=args.steps,

@@ -9,7 +9,8 @@ both sides.
 
 (a) examples/s: `jtrain.data` (make_sources + make_train_iterator, numpy batches) vs
     `torch.utils.data.DataLoader(shuffle=True, drop_last=True)` iterated with each batch
-    turned into numpy (`.numpy()`), `--batches` batches after one warm-up batch; rounds
+    turned into numpy (`.numpy()`), `--batches` batches after the warm-up batches (the
+    first, and two per worker: `warmup_batches`); rounds
     interleaved, alternating which side goes first, so that machine load and warm-up hit
     both alike (also for (b)). Goal >= 1.0.
 (b) step time: the same jitted `jtrain` train step (a small CNN, AdamW, the batch sharded
@@ -98,6 +99,8 @@ def jtrain_examples(ds, batch: int, workers: int, batches: int) -> tuple[float, 
         num_workers=workers, prefetch=cfg.data.prefetch, num_threads=cfg.data.num_threads)
     next(it)
     ttfb = time.perf_counter() - t0
+    for _ in range(warmup_batches(workers) - 1):
+        next(it)
     t1 = time.perf_counter()
     for _ in range(batches):
         next(it)
@@ -121,12 +124,21 @@ def torch_examples(ds, batch: int, workers: int, batches: int) -> tuple[float, f
 
     numpy_batch()
     ttfb = time.perf_counter() - t0
+    for _ in range(warmup_batches(workers) - 1):
+        numpy_batch()
     t1 = time.perf_counter()
     for _ in range(batches):
         numpy_batch()
     rate = batches * batch / (time.perf_counter() - t1)
     del it
     return rate, ttfb
+
+
+def warmup_batches(workers: int) -> int:
+    """Batches read before the timed ones, on both sides: the first, and with workers two
+    per worker, so that every worker is up and the rate is the steady one (jtrain's
+    workers are spawned processes, torch's forked: their start-up is in (c), not (a))."""
+    return 1 + 2 * workers
 
 
 class StepBench:
@@ -254,6 +266,7 @@ def format_report(res: dict) -> str:
     lines.append(row("med", res["median"]))
     lines.append(f"per-round ratios, median: examples/s {res['examples_ratio_paired']:.3f}, "
                  f"step time {res['step_ratio_paired']:.3f}")
+    lines += [machine_lib.loads_line(res["load"]), machine_lib.header_line(res["machine"])]
     m = res["median"]
     lines += [
         f"(a) examples/s: jtrain {m['jtrain_examples_per_sec']:,.0f}, torch DataLoader "
@@ -264,6 +277,5 @@ def format_report(res: dict) -> str:
         f"(goal <= {GOALS['step']})",
         f"(c) time to first batch: jtrain {m['jtrain_first_batch_s']:.3f} s (checks "
         f"included), torch {m['torch_first_batch_s']:.3f} s",
-        machine_lib.loads_line(res["load"]), machine_lib.header_line(res["machine"]),
     ]
     return "\n".join(lines)
