@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import statistics
 import sys
 
@@ -222,8 +223,13 @@ def format_report(res: dict) -> str:
     return "\n".join(lines)
 
 
+_ARGV: list = []  # this command's arguments (main): the JSON's "command"
+
+
 def _write_out(path: str | None, res: dict) -> int:
     """--out: the results as JSON (every benchmark's flag); exit status 0."""
+    if _ARGV:
+        res.setdefault("command", shlex.join(["python", "-m", "jtrain.bench", *_ARGV]))
     if path:
         with open(path, "w") as f:
             json.dump(res, f, indent=2, sort_keys=True)
@@ -303,6 +309,7 @@ def main(argv=None) -> int:
     if name not in benches:
         return _fail(f"error: unknown benchmark {name!r}; choose from {', '.join(benches)}")
     define, bench, description = benches[name]
+    _ARGV[:] = argv
     run = (lambda fv, rest: bench(fv, rest)) if name == "table" else (lambda fv, _: bench(fv))
     return cli.run(f"python -m jtrain.bench {name}", define, run,
                    argv[1:], description=description)

@@ -37,6 +37,11 @@ def _footer(res: dict, loads: list) -> str:
     return f"{where}; {machine_lib.loads_line(loads, info and info['cores'])}."
 
 
+def _command(res: dict) -> str:
+    """The command that wrote the file (recorded by --out), else the benchmark's name."""
+    return res.get("command") or f"python -m jtrain.bench {res.get('bench', '?')}"
+
+
 def peers(res: dict) -> str:
     from jtrain.bench.peers import ROWS, SIDES  # no JAX, no torch
 
@@ -62,7 +67,7 @@ def peers(res: dict) -> str:
             ratios = [_v("{:.3f}", j / d if d else float("nan")) for d in (t, lt)]
             out.append(f"| {label} | " + " | ".join(cells + ratios) + " |")
         loads = [r.get("load") for x in SIDES for r in s[x]["runs"]]
-        out += ["", f"`{res['command']}`; {_footer(res, loads)}", ""]
+        out += ["", f"`{_command(res)}`; {_footer(res, loads)}", ""]
     return "\n".join(out)
 
 
@@ -75,8 +80,7 @@ def overhead(res: dict) -> str:
         "| | jtrain | hand-written `jax.jit` | jtrain/hand | goal |", "|---|---|---|---|---|",
         f"| ms/step, median (per round) | {_cell('{:.2f}', j['ms_per_step'], jl)} | "
         f"{_cell('{:.2f}', h['ms_per_step'], hl)} | {res['ratio']:.3f} | <= {res['goal']} |",
-        "", f"`python -m jtrain.bench overhead --model={res['model']}`; "
-        f"{_footer(res, jl + hl)}", ""])
+        "", f"`{_command(res)}`; {_footer(res, jl + hl)}", ""])
 
 
 def data(res: dict) -> str:
@@ -92,8 +96,7 @@ def data(res: dict) -> str:
         f"| step ms (real data / synthetic) | {_cell('{:.2f}', col['real_ms_per_step'], loads)}"
         f" | {_cell('{:.2f}', col['synthetic_ms_per_step'], loads)} | "
         f"{res['step_ratio']:.3f} | <= {res['goals']['step']} |",
-        "", f"`python -m jtrain.bench data --num_workers={res['num_workers']}`; "
-        f"{_footer(res, loads)}", ""])
+        "", f"`{_command(res)}`; {_footer(res, loads)}", ""])
 
 
 KINDS = {"peers": peers, "overhead": overhead, "data": data}
