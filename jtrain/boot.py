@@ -10,7 +10,8 @@ set up; importing jtrain (the package or any module) changes nothing about the p
 
 1. the huge-page re-exec (jtrain.hostmem: the process starts again once with
    `glibc.malloc.hugetlb=1`; `JTRAIN_HUGETLB=0` turns it off), with SIGTERM / SIGINT
-   held across the exec;
+   held across the exec; then XLA:CPU options added to `XLA_FLAGS` unless it names
+   them (`hostmem.CPU_FLAGS`: the scheduler that keeps the step's scratch smaller);
 2. for the commands that take them over (train, tune: `control.signals.Stopper`, the
    tune worker's loop), SIGTERM / SIGINT during the imports and start-up are recorded in
    `EARLY_SIGNALS` instead of killing the process with status 143: the run then stops
@@ -50,6 +51,7 @@ _started: list[float] = []  # perf_counter() when start() began (after the re-ex
 def start(command: str) -> None:
     """Set up this process for the jtrain command `command` (see the module doc)."""
     hostmem.maybe_reexec()  # returns only when no re-exec is needed (or possible)
+    hostmem.set_cpu_flags()  # XLA:CPU's smaller-scratch scheduler, unless XLA_FLAGS says
     _started[:] = [time.perf_counter()]
     early = command in STOPPABLE and threading.current_thread() is threading.main_thread()
     if early:

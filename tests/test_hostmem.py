@@ -58,3 +58,20 @@ def test_failed_exec_leaves_signals_as_they_were(monkeypatch):
     assert len(calls) == 1 and calls[0][2]["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     assert signal.SIGTERM not in blocked and signal.SIGINT not in blocked
+
+
+def test_cpu_flags_added_unless_xla_flags_names_them():
+    flag = "--xla_cpu_enable_concurrency_optimized_scheduler"
+    assert hostmem.cpu_flags({}) == f"{flag}=false"
+    assert hostmem.cpu_flags({"XLA_FLAGS": "--xla_dump_to=/d"}) == f"--xla_dump_to=/d {flag}=false"
+    assert hostmem.cpu_flags({"XLA_FLAGS": f"{flag}=true"}) is None  # the user's choice stays
+    assert hostmem.cpu_flags({"XLA_FLAGS": f"--a=1 {flag}=false"}) is None
+
+
+def test_entry_points_start_with_the_cpu_flags(tmp_path):
+    code = ("from jtrain import boot; boot.start('bench'); import os, sys; "
+            "print(os.environ['XLA_FLAGS'], 'jax' in sys.modules)")
+    proc = run_python(tmp_path, "-c", code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["--xla_cpu_enable_concurrency_optimized_scheduler=false",
+                                   "False"]

@@ -9,6 +9,8 @@
     peers        jtrain vs plain PyTorch vs Lightning on the same work (whole processes)
     peer_torch   the PyTorch and Lightning side of `peers`, run as a script
     population   K runs one after another vs one population of K (one compiled step)
+    machine      what every benchmark records: machine, commit, date, load; unreliable
+    table        a benchmark's --out JSON as the markdown tables of docs/benchmarks.md
 """
 
 from jtrain.bench.cli import main

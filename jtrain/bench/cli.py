@@ -47,6 +47,14 @@ and Checkpointer: the time an async save blocks the loop vs a synchronous save (
 a save is written vs without (goal >= 0.95x); medians over rounds (details in
 `jtrain.bench.checkpoint`).
 
+    python -m jtrain.bench table peers.json                     # --out JSON -> markdown
+
+Every benchmark records the machine (CPU model, cores), the jtrain commit, the date and the
+load average before, during and after each side or round (`jtrain.bench.machine`); a
+value measured while the load exceeded the core count is marked `!` and "unreliable" in
+the JSON. `table` prints a --out JSON (peers, overhead, data) as docs/benchmarks.md's
+markdown tables, every round's value beside the median.
+
     python -m jtrain.bench console                              # a few seconds
     python -m jtrain.bench console --columns=80 --updates=5000
 
@@ -58,12 +66,14 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import statistics
 import sys
 
 from absl import flags
 
 from jtrain import cli
+from jtrain.bench import machine as machine_lib
 
 NOT_IMPLEMENTED: tuple = ()
 EXIT_USAGE = 2
@@ -84,7 +94,7 @@ def _overhead_flags(fv) -> None:
 
 
 def _data_flags(fv) -> None:
-    flags.DEFINE_integer("num_examples", 4096, "dataset size", flag_values=fv)
+    flags.DEFINE_integer("num_examples", 8192, "dataset size", flag_values=fv)
     flags.DEFINE_integer("batch_size", 128, "batch size", flag_values=fv)
     flags.DEFINE_integer("num_workers", 0, "loader workers, on both sides", flag_values=fv)
     flags.DEFINE_integer("rounds", 5, "rounds", flag_values=fv)
@@ -181,8 +191,10 @@ def format_report(res: dict) -> str:
         f"{'hand loss':>10} {'jtrain fixed s':>15}",
     ]
     for i in range(res["rounds"]):
+        mj, mh = (machine_lib.mark(x["load"][i]) for x in (j, h))
         lines.append(
-            f"{i + 1:>6} {_fmt_ms(j['ms_per_step'][i]):>10} {_fmt_ms(h['ms_per_step'][i]):>10} "
+            f"{i + 1:>6} {_fmt_ms(j['ms_per_step'][i]) + mj:>10} "
+            f"{_fmt_ms(h['ms_per_step'][i]) + mh:>10} "
             f"{res['paired_ratios'][i]:>7.3f} {j['final_loss'][i]:>12.5f} "
             f"{h['final_loss'][i]:>10.5f} {j['fixed_s'][i]:>15.1f}")
     for label, key in (("median", "median_ms"), ("min", "min_ms"), ("max", "max_ms")):
@@ -203,14 +215,21 @@ def format_report(res: dict) -> str:
     else:
         lines.append(f"MFU: jtrain {100 * j['mfu']:.1f}%, hand {100 * h['mfu']:.1f}% "
                      f"{j['mfu_note']}")
+    lines.append(machine_lib.loads_line(j["load"] + h["load"]))
+    lines.append(machine_lib.header_line(res["machine"]))
     lines.append(
         f"overhead {res['model']}: jtrain {_fmt_ms(j['median_ms'])} ms/step, hand "
         f"{_fmt_ms(h['median_ms'])} ms/step, ratio {res['ratio']:.3f} (goal <= {res['goal']})")
     return "\n".join(lines)
 
 
+_ARGV: list = []  # this command's arguments (main): the JSON's "command"
+
+
 def _write_out(path: str | None, res: dict) -> int:
     """--out: the results as JSON (every benchmark's flag); exit status 0."""
+    if _ARGV:
+        res.setdefault("command", shlex.join(["python", "-m", "jtrain.bench", *_ARGV]))
     if path:
         with open(path, "w") as f:
             json.dump(res, f, indent=2, sort_keys=True)
@@ -257,6 +276,7 @@ def commands() -> dict:
         "peers": (_peers_flags, peers, "jtrain vs plain PyTorch and Lightning, same work"),
         "population": (_population_flags, _population, "K runs one after another vs one "
                        "population of K (one compiled step)"),
+        "table": (lambda fv: None, table, "a benchmark's --out JSON as a markdown table"),
     }
 
 
@@ -272,6 +292,18 @@ def _population(args) -> int:
     return bpop.main(args)
 
 
+def table(args, files: list) -> int:
+    from jtrain.bench import table as bt
+
+    if len(files) != 1:
+        return _fail("error: table takes one file: python -m jtrain.bench table FILE.json")
+    try:
+        print(bt.markdown(files[0]), flush=True)
+    except bt.TableError as e:
+        return _fail(f"error: {e}")
+    return 0
+
+
 def main(argv=None) -> int:
     """`python -m jtrain.bench NAME [--flags]`; NAME picks the benchmark and its flags."""
     benches = commands()
@@ -279,7 +311,7 @@ def main(argv=None) -> int:
     name = argv[0] if argv and not argv[0].startswith("-") else None
     if name is None:
         usage = ("usage: python -m jtrain.bench {overhead,data,checkpoint,console,scaling,"
-                 "peers,population} [flags]\n\n"
+                 "peers,population,table} [flags]\n\n"
                  + "".join(f"  {k:<11} {v[2]}\n" for k, v in benches.items()))
         if any(a in ("--help", "-h") for a in argv):
             sys.stdout.write(usage + "\n" + (__doc__ or "") + "\n")
@@ -291,7 +323,9 @@ def main(argv=None) -> int:
     if name not in benches:
         return _fail(f"error: unknown benchmark {name!r}; choose from {', '.join(benches)}")
     define, bench, description = benches[name]
-    return cli.run(f"python -m jtrain.bench {name}", define, lambda fv, _: bench(fv),
+    _ARGV[:] = argv
+    run = (lambda fv, rest: bench(fv, rest)) if name == "table" else (lambda fv, _: bench(fv))
+    return cli.run(f"python -m jtrain.bench {name}", define, run,
                    argv[1:], description=description)
 
 
@@ -313,9 +347,10 @@ def data(args) -> int:
     from jtrain.bench import data as bd  # imports JAX and torch
 
     if min(args.num_examples, args.batch_size, args.rounds, args.batches, args.steps) < 1 \
-            or args.num_workers < 0 or args.num_examples < args.batch_size * (args.batches + 1):
+            or args.num_workers < 0 or args.num_examples < args.batch_size * (
+                args.batches + bd.warmup_batches(max(args.num_workers, 0))):
         return _fail("error: sizes must be >= 1 (workers >= 0), and --num_examples must hold "
-                     "--batches + 1 batches")
+                     "--batches + the warm-up batches (1 + 2 per worker)")
     try:
         res = bd.run(n=args.num_examples, batch=args.batch_size, workers=args.num_workers,
                      rounds=args.rounds, batches=args.batches, steps=args.steps,
@@ -346,4 +381,5 @@ def peers(args) -> int:
     for case in res["cases"]:
         print(bp.format_case(case), flush=True)
     print(res["note"], flush=True)
+    print(machine_lib.header_line(res["machine"]), flush=True)
     return _write_out(args.out, res)

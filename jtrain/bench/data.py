@@ -9,7 +9,8 @@ both sides.
 
 (a) examples/s: `jtrain.data` (make_sources + make_train_iterator, numpy batches) vs
     `torch.utils.data.DataLoader(shuffle=True, drop_last=True)` iterated with each batch
-    turned into numpy (`.numpy()`), `--batches` batches after one warm-up batch; rounds
+    turned into numpy (`.numpy()`), `--batches` batches after the warm-up batches (the
+    first, and two per worker: `warmup_batches`); rounds
     interleaved, alternating which side goes first, so that machine load and warm-up hit
     both alike (also for (b)). Goal >= 1.0.
 (b) step time: the same jitted `jtrain` train step (a small CNN, AdamW, the batch sharded
@@ -32,6 +33,8 @@ import time
 from collections import deque
 
 import numpy as np
+
+from jtrain.bench import machine as machine_lib
 
 GOALS = {"examples": 1.0, "step": 1.03}
 
@@ -96,6 +99,8 @@ def jtrain_examples(ds, batch: int, workers: int, batches: int) -> tuple[float, 
         num_workers=workers, prefetch=cfg.data.prefetch, num_threads=cfg.data.num_threads)
     next(it)
     ttfb = time.perf_counter() - t0
+    for _ in range(warmup_batches(workers) - 1):
+        next(it)
     t1 = time.perf_counter()
     for _ in range(batches):
         next(it)
@@ -119,12 +124,21 @@ def torch_examples(ds, batch: int, workers: int, batches: int) -> tuple[float, f
 
     numpy_batch()
     ttfb = time.perf_counter() - t0
+    for _ in range(warmup_batches(workers) - 1):
+        numpy_batch()
     t1 = time.perf_counter()
     for _ in range(batches):
         numpy_batch()
     rate = batches * batch / (time.perf_counter() - t1)
     del it
     return rate, ttfb
+
+
+def warmup_batches(workers: int) -> int:
+    """Batches read before the timed ones, on both sides: the first, and with workers two
+    per worker, so that every worker is up and the rate is the steady one (jtrain's
+    workers are spawned processes, torch's forked: their start-up is in (c), not (a))."""
+    return 1 + 2 * workers
 
 
 class StepBench:
@@ -194,17 +208,19 @@ def run(*, n: int, batch: int, workers: int, rounds: int, batches: int, steps: i
     ds = _dataset_class()(n)
     bench = StepBench(ds, batch, workers)
     bench.ms_per_step(True, 2)  # compile once, outside the timed rounds
-    rows = []
+    rows, loads, info = [], [], machine_lib.machine()
     for r in range(rounds):
         first = r % 2 == 0  # alternate which side goes first (ABBA): no order bias
-        if not first:
-            t_rate, t_ttfb = torch_examples(ds, batch, workers, batches)
-            synth = bench.ms_per_step(False, steps)
-        j_rate, j_ttfb = jtrain_examples(ds, batch, workers, batches)
-        real = bench.ms_per_step(True, steps)
-        if first:
-            t_rate, t_ttfb = torch_examples(ds, batch, workers, batches)
-            synth = bench.ms_per_step(False, steps)
+        with machine_lib.LoadWatch() as watch:
+            if not first:
+                t_rate, t_ttfb = torch_examples(ds, batch, workers, batches)
+                synth = bench.ms_per_step(False, steps)
+            j_rate, j_ttfb = jtrain_examples(ds, batch, workers, batches)
+            real = bench.ms_per_step(True, steps)
+            if first:
+                t_rate, t_ttfb = torch_examples(ds, batch, workers, batches)
+                synth = bench.ms_per_step(False, steps)
+        loads.append(watch.record)
         rows.append({"jtrain_examples_per_sec": j_rate, "torch_examples_per_sec": t_rate,
                      "jtrain_first_batch_s": j_ttfb, "torch_first_batch_s": t_ttfb,
                      "real_ms_per_step": real, "synthetic_ms_per_step": synth})
@@ -223,7 +239,8 @@ def run(*, n: int, batch: int, workers: int, rounds: int, batches: int, steps: i
             r["jtrain_examples_per_sec"] / r["torch_examples_per_sec"] for r in rows),
         "step_ratio_paired": statistics.median(
             r["real_ms_per_step"] / r["synthetic_ms_per_step"] for r in rows),
-        "goals": GOALS,
+        "goals": GOALS, "machine": info, "load": loads,
+        "unreliable": machine_lib.any_unreliable(loads),
     }
 
 
@@ -244,10 +261,12 @@ def format_report(res: dict) -> str:
                 f"{r['real_ms_per_step']:>8.2f} {r['synthetic_ms_per_step']:>9.2f} "
                 f"{r['real_ms_per_step'] / r['synthetic_ms_per_step']:>6.3f}")
 
-    lines += [row(str(i + 1), r) for i, r in enumerate(res["rows"])]
+    lines += [row(f"{machine_lib.mark(ld)}{i + 1}", r)
+              for i, (r, ld) in enumerate(zip(res["rows"], res["load"]))]
     lines.append(row("med", res["median"]))
     lines.append(f"per-round ratios, median: examples/s {res['examples_ratio_paired']:.3f}, "
                  f"step time {res['step_ratio_paired']:.3f}")
+    lines += [machine_lib.loads_line(res["load"]), machine_lib.header_line(res["machine"])]
     m = res["median"]
     lines += [
         f"(a) examples/s: jtrain {m['jtrain_examples_per_sec']:,.0f}, torch DataLoader "

@@ -60,6 +60,7 @@ from flax import linen as nn
 
 from jtrain import config as config_lib
 from jtrain import data as data_lib
+from jtrain.bench import machine as machine_lib
 from jtrain import models as models_lib
 from jtrain import optim as optim_lib
 from jtrain import precision as precision_lib
@@ -133,6 +134,7 @@ class Sample:
     fixed_s: float = float("nan")  # jtrain: wall - steady (setup, compile, eval, ckpt)
     intervals_ms: list = dataclasses.field(default_factory=list)
     rate_ms: float = float("nan")  # jtrain: from its perf/steps_per_sec (dispatch-stamped)
+    load: dict = dataclasses.field(default_factory=dict)  # machine.load_record of the run
 
 
 def run_jtrain(cfg, workroot: str, round_index: int, keep: bool) -> Sample:
@@ -278,6 +280,8 @@ def side_summary(samples: list[Sample], cfg) -> dict:
     out = {"ms_per_step": ms, "median_ms": med, "min_ms": min(ms), "max_ms": max(ms),
            "final_loss": [s.final_loss for s in samples],
            "wall_s": [s.wall_s for s in samples],
+           "load": [s.load for s in samples],
+           "unreliable": machine_lib.any_unreliable(s.load for s in samples),
            "intervals_ms": [s.intervals_ms for s in samples],
            "interval_p10_ms": float(np.percentile(pooled, 10)) if pooled else float("nan"),
            "interval_p50_ms": float(np.percentile(pooled, 50)) if pooled else float("nan"),
@@ -298,12 +302,17 @@ def run_overhead(model: str, *, rounds: int, steps: int, log_every: int, workdir
                          "(set CUDA_VISIBLE_DEVICES=0 or drop the fake CPU device count)")
     cfg = bench_config(model, steps, log_every)
     root = workdir or tempfile.mkdtemp(prefix="jtrain_bench_")
+    info = machine_lib.machine()
     try:
         hand = HandLoop(cfg)
         jt, hd = [], []
         for r in range(rounds):
-            jt.append(run_jtrain(cfg, root, r, keep=workdir is not None))
-            hd.append(hand.run(steps, log_every))
+            with machine_lib.LoadWatch() as watch:
+                jt.append(run_jtrain(cfg, root, r, keep=workdir is not None))
+            jt[-1].load = watch.record
+            with machine_lib.LoadWatch() as watch:
+                hd.append(hand.run(steps, log_every))
+            hd[-1].load = watch.record
             progress(f"round {r + 1}/{rounds}: jtrain {jt[-1].ms_per_step:.3f} ms/step, "
                      f"hand {hd[-1].ms_per_step:.3f} ms/step")
     finally:
@@ -312,7 +321,7 @@ def run_overhead(model: str, *, rounds: int, steps: int, log_every: int, workdir
     j, h = side_summary(jt, cfg), side_summary(hd, cfg)
     paired = [a.ms_per_step / b.ms_per_step for a, b in zip(jt, hd)]
     return {
-        "bench": "overhead", "model": model, "goal": GOALS[model],
+        "bench": "overhead", "model": model, "goal": GOALS[model], "machine": info,
         "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
         "rounds": rounds, "steps": steps, "log_every": log_every,
         "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len,
@@ -320,6 +329,7 @@ def run_overhead(model: str, *, rounds: int, steps: int, log_every: int, workdir
         "jtrain": j, "hand": h,
         "ratio": j["median_ms"] / h["median_ms"],
         "paired_ratios": paired,
+        "unreliable": j["unreliable"] or h["unreliable"],
         "interval_p10_ratio": j["interval_p10_ms"] / h["interval_p10_ms"],
         "interval_p50_ratio": j["interval_p50_ms"] / h["interval_p50_ms"],
     }

@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from jtrain.bench import machine as machine_lib
+
 PEER_SCRIPT = Path(__file__).with_name("peer_torch.py")
 BASE_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "base.py"
 SIDES = ("jtrain", "torch", "lightning")
@@ -182,27 +184,32 @@ def _env() -> dict:
 
 def launch(cmd: list[str], cwd: Path, log: Path, timeout: float) -> dict:
     """Runs one side to exit: wall time, peak RSS and minor faults (wait4), the output."""
+    loads = [machine_lib.loadavg()]
     with open(log, "w") as out:
         t0 = time.time()
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=_env())
-        deadline = t0 + timeout
+        deadline, next_load = t0 + timeout, t0 + 1.0
         while True:
             pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 break
+            if time.time() >= next_load:  # the load while the side runs, once a second
+                loads.append(machine_lib.loadavg())
+                next_load += 1.0
             if time.time() > deadline:
                 proc.kill()
                 pid, status, ru = os.wait4(proc.pid, 0)
                 break
             time.sleep(0.02)
         wall = time.time() - t0
+    loads.append(machine_lib.loadavg())
     proc.returncode = os.waitstatus_to_exitcode(status)
     text = log.read_text(errors="replace")
     if proc.returncode != 0:
         tail = " | ".join(text.strip().splitlines()[-3:])
         raise PeersError(f"{' '.join(cmd[:4])} ... exited {proc.returncode}: {tail}")
     return {"t0": t0, "wall_s": wall, "maxrss_mb": ru.ru_maxrss / 1024,
-            "minflt": ru.ru_minflt, "output": text}
+            "minflt": ru.ru_minflt, "output": text, "load": machine_lib.load_record(loads)}
 
 
 def _blocks(stamps: list[tuple[int, float]], log_every: int, eval_steps: set) -> list:
@@ -247,7 +254,8 @@ def measure_torch(side: str, plan: dict, case: Case, workroot: Path, index: int)
 def _sample(res, logs, evals, losses, plan, case) -> dict:
     eval_steps = {s for s, _, _ in evals}
     blocks = _blocks(logs, case.log_every, eval_steps)
-    return {"wall_s": res["wall_s"], "maxrss_mb": res["maxrss_mb"],
+    return {"wall_s": res["wall_s"], "maxrss_mb": res["maxrss_mb"], "load": res["load"],
+            "unreliable": res["load"]["unreliable"],
             "faults": res["minflt"], "steps": logs[-1][0] if logs else 0,
             "step_ms": statistics.median(blocks) if blocks else float("nan"),
             "evals": [(s, t - res["t0"], m) for s, t, m in evals],
@@ -288,8 +296,10 @@ def summarize(case: Case, plan: dict, runs: dict) -> dict:
             "time_to_target_s": statistics.median(reach(r) for r in rs),
             "maxrss_mb": statistics.median(r["maxrss_mb"] for r in rs),
             "faults": statistics.median(r["faults"] for r in rs),
-            "steps": [r["steps"] for r in rs], "runs": rs}
+            "steps": [r["steps"] for r in rs], "runs": rs,
+            "unreliable": machine_lib.any_unreliable(r["load"] for r in rs)}
     return {"case": case.name, "steps": plan["steps"], "rounds": len(runs["jtrain"]),
+            "unreliable": any(s["unreliable"] for s in sides.values()),
             "metric": plan["metric"], "target": target, "sides": sides,
             "jtrain_command": shlex.join(["python", "-m", "jtrain.main", *plan["jtrain_args"]])}
 
@@ -306,11 +316,15 @@ def format_case(res: dict) -> str:
              f"metric {res['metric']} (target {res['target']:.4f}), medians over rounds",
              f"  {'':<14}{'jtrain':>11}{'torch':>11}{'lightning':>11}"
              f"{'j/torch':>9}{'j/light':>9}"]
+    marks = [machine_lib.mark(s[x]) for x in SIDES]
     for label, key, fmt in ROWS:
         j, t, lt = (s[x][key] for x in SIDES)
-        lines.append(f"  {label:<14}" + "".join(f"{fmt.format(v):>11}" for v in (j, t, lt))
+        lines.append(f"  {label:<14}" + "".join(f"{fmt.format(v) + m:>11}"
+                                                for v, m in zip((j, t, lt), marks))
                      + f"{j / t if t else float('nan'):>9.3f}"
                      + f"{j / lt if lt else float('nan'):>9.3f}")
+    lines.append("  " + machine_lib.loads_line([r["load"] for x in SIDES
+                                                for r in s[x]["runs"]]))
     lines.append(f"  jtrain's command: {res['jtrain_command']}")
     return "\n".join(lines)
 
@@ -322,12 +336,14 @@ def command_line(cases, rounds, steps) -> str:
 
 def run(cases, rounds: int, steps: int | None, workdir: str | None, progress) -> dict:
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="jtrain_peers_"))
+    info = machine_lib.machine()
     try:
         results = [run_case(CASES[c], steps or CASES[c].steps, rounds, root / c, progress)
                    for c in cases]
     finally:
         if not workdir:
             shutil.rmtree(root, ignore_errors=True)
-    return {"command": command_line(cases, rounds, steps), "cases": results,
+    return {"bench": "peers", "command": command_line(cases, rounds, steps), "cases": results,
+            "machine": info,
             "note": "CPU only (JAX_PLATFORMS=cpu); each side a separate process, sides "
                     "alternating, first side rotating per round"}

@@ -39,6 +39,19 @@ def test_peers_tiny_run_trains_all_three_sides_alike(tmp_path):
     # The two PyTorch sides share model, init, order and optimizer: the same trajectory.
     assert lm["sides"]["torch"]["final_metric"] == pytest.approx(
         lm["sides"]["lightning"]["final_metric"], rel=1e-3)
+    # What makes a number worth keeping: the machine, the commit, the load around each
+    # side's run, each marked unreliable exactly when that load exceeded the cores.
+    info = res["machine"]
+    assert info["cores"] >= 1 and info["cpu_model"] and info["commit"] and info["date"]
+    for case in (lm, mlp):
+        for side in bp.SIDES:
+            for run in case["sides"][side]["runs"]:
+                load = run["load"]
+                assert load["load_before"] >= 0 and load["load_max"] >= load["load_after"]
+                assert run["unreliable"] == (load["load_max"] > info["cores"])
+    table = run_python(tmp_path, "-m", "jtrain.bench", "table", "peers.json")
+    assert table.returncode == 0, table.stderr[-2000:]
+    assert table.stdout.count("| step ms | ") == 2 and info["commit"][:12] in table.stdout
 
 
 def test_missing_peers_is_one_line_exit_2(monkeypatch, capsys):
