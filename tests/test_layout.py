@@ -168,7 +168,7 @@ FLOORS = {
     0: ("jtrain.boot", "jtrain.errors", "jtrain.redact", "jtrain.hostmem"),
     1: ("jtrain.config", "jtrain.step", "jtrain.state", "jtrain.optim", "jtrain.precision",
         "jtrain.mesh", "jtrain.losses", "jtrain.loss_terms", "jtrain.metrics",
-        "jtrain.population", "jtrain.optim_decay"),
+        "jtrain.population", "jtrain.optim_decay", "jtrain.schedules"),
     2: ("jtrain.multihost",),
     3: ("jtrain.data", "jtrain.models", "jtrain.control", "jtrain.checkpoint",
         "jtrain.observe", "jtrain.recipes"),
