@@ -43,6 +43,14 @@ class Decisions:
                    rows_ok=None) -> None:
         """`status`: the step's `train/status` bits. Raises NonFiniteError on a halt."""
         bad = status & (step_lib.BAD_LOSS | step_lib.BAD_GRADS | step_lib.INVALID_BATCH)
+        if step == 1 and status & step_lib.BAD_LOSS and not status & step_lib.INVALID_BATCH:
+            # finite data, the initial parameters: the loss or the model is broken
+            self.halted = ("step 1: the loss is NaN or inf on the first batch (finite data, "
+                           "the initial parameters, no update applied): the loss function or "
+                           "the model's outputs are not finite before any training; check "
+                           "loss_fn / loss.fn / loss.terms and the model (e.g. a log of 0, "
+                           "a division by 0)")
+            raise _halt(self.halted, step)
         if bad:
             why = ledger_lib.reason(status)
             batch = self.batch_of(step)
