@@ -15,7 +15,7 @@ from typing import Callable
 
 from jtrain import step as step_lib
 from jtrain.control import ledger as ledger_lib
-from jtrain.control import monitors
+from jtrain.control import divergence as divergence_lib, monitors
 from jtrain.errors import ConfigError, NonFiniteError
 
 
@@ -36,6 +36,8 @@ class Decisions:
         self.early = monitors.EarlyStopping(cfg.early_stop, saved.get("early_stop"))
         self.plateau = monitors.Plateau(cfg.plateau, cfg.optim.lr, saved.get("plateau"))
         self.spike = monitors.Spike(cfg.spike, saved.get("spike"))
+        self.divergence = divergence_lib.Divergence(cfg.log.get("divergence_warning", 0.0),
+                                                    saved.get("divergence"))
         self.halted: str | None = None
 
     # -- after a step ---------------------------------------------------------------------
@@ -106,6 +108,12 @@ class Decisions:
                  f"{to_step}, steps {to_step + 1}..{last_step} undone and their batches "
                  f"skipped (WORKDIR/{ledger_lib.FILE}){factor}")
 
+    def check_divergence(self, step: int, loss_window: float) -> None:
+        """At a log step: the divergence warning, once (jtrain.control.divergence)."""
+        line = self.divergence.check(step, loss_window)
+        if line:
+            self.say(line)
+
     def lr_factor(self) -> float:
         """The learning-rate factor the state should carry: plateau x spike."""
         return self.plateau.factor * self.spike.scale
@@ -133,7 +141,7 @@ class Decisions:
 
     def state(self) -> dict:
         return {"early_stop": self.early.to_json(), "plateau": self.plateau.to_json(),
-                "spike": self.spike.to_json()}
+                "spike": self.spike.to_json(), "divergence": self.divergence.to_json()}
 
     def best(self) -> dict:
         """The monitored metric's best step and value, for the summary."""
