@@ -1,7 +1,6 @@
 """The metric writers checked at start-up, before data, build or any step: each failure
-one line (`ConfigError` naming the `log.*` key) with the fix, nothing in the workdir
-touched but the writers' own folders (`WORKDIR/tb`, `WORKDIR/wandb`), which they would
-create anyway. `MetricWriter` turns what still fails when a writer opens into the same
+one line (`ConfigError` naming the `log.*` key) with the fix; nothing is created (a
+folder is probed with a temporary file). `MetricWriter` turns what still fails when a writer opens into the same
 kind of line (`setup_error`).
 """
 
@@ -58,14 +57,20 @@ def _mlflow_refuses_file_store() -> bool:
 
 
 def _writable_dir(path: str, key: str, what: str) -> None:
-    """`path` is (or can be made) a folder a file can be written to."""
+    """`path` is a folder a file can be written to, or can be created as one; probed with
+    a temporary file in it (or in its nearest existing parent), so nothing is left."""
+    probe = os.path.abspath(path)
+    while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
     try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
+        if not os.path.isdir(probe):
+            raise NotADirectoryError(0, "it is a file, not a folder" if probe == os.path.abspath(
+                path) else f"{probe} is a file, not a folder")
+        with tempfile.TemporaryFile(dir=probe):
             pass
     except OSError as e:
         reason = e.strerror or first_line(e)
-        raise ConfigError(key, f"{what} {path}: {reason.lower()}; free that path, make it "
+        raise ConfigError(key, f"{what} {path}: {reason}; free that path, make it "
                                "writable, or drop the writer from log.writers") from None
 
 
