@@ -45,8 +45,10 @@ class Decisions:
                    rows_ok=None) -> None:
         """`status`: the step's `train/status` bits. Raises NonFiniteError on a halt."""
         bad = status & (step_lib.BAD_LOSS | step_lib.BAD_GRADS | step_lib.INVALID_BATCH)
-        if step == 1 and status & step_lib.BAD_LOSS and not status & step_lib.INVALID_BATCH:
-            # finite data, the initial parameters: the loss or the model is broken
+        if step == 1 and status & step_lib.BAD_LOSS and not status & (
+                step_lib.INVALID_BATCH | step_lib.HALTED):
+            # finite data, the initial parameters: the loss or the model is broken (with
+            # nonfinite.policy=halt the halt's own line below says it)
             self.halted = ("step 1: the loss is NaN or inf on the first batch (finite data, "
                            "the initial parameters, no update applied): the loss function or "
                            "the model's outputs are not finite before any training; check "
