@@ -278,6 +278,7 @@ def _drain(item, cfg, run: Run, session: _Session) -> None:
     total, count = session.window
     values["train/loss_window"] = total / count if count else float("nan")
     session.window = (0.0, 0)
+    run.decisions.check_divergence(step, values["train/loss_window"])
     run.out.writer.write_scalars(step, values)
     if run.out.progress.batches_per_epoch is None:  # a stream: learned after one epoch
         learned = getattr(run.train_iter, "epoch_batches", None)

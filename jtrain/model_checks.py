@@ -49,6 +49,7 @@ def check_targets(spec, output_shape, sources: dict, *, default_loss: bool) -> N
     for src in sources.values():
         if default_loss:
             data_checks.check_default_loss_targets(src, output_shape)
+            data_checks.check_weights(src)
         if spec.task in ("classification", "sequence"):
             data_checks.check_labels(src, spec.num_classes, low=0 if default_loss else -np.inf)
     for name, src in sources.items():

@@ -56,6 +56,7 @@ def summarize(cfg, run, state, session) -> dict:
         "stopped_by": session.stopped_by,  # SIGTERM, SIGINT, early_stop, on_eval; None
         "stop_reason": session.stop_reason,
         "rollbacks": run.decisions.spike.rollbacks,  # [[spike step, rolled back to]]
+        "warnings": run.decisions.divergence.warnings,  # the divergence warning, if any
         **_best(cfg, run),
         **{k: v for k, v in final_eval.items() if k != "step"},
         **({"last_eval": last_eval} if last_eval and not final_eval else {}),

@@ -35,7 +35,7 @@ from jtrain import multihost
 from jtrain import precision as precision_lib
 from jtrain import state as state_lib
 from jtrain.observe import compiles as compiles_lib, outputs as outputs_lib
-from jtrain.observe import startup as startup_lib
+from jtrain.observe import startup as startup_lib, writers as writers_lib
 from jtrain.errors import NonFiniteError, RestoreError, WorkdirError
 from jtrain.redact import redact
 from jtrain.build import (LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, Build, build,  # noqa: F401
@@ -117,6 +117,8 @@ def _train(config, workdir, given: _Given, on_eval, allow_changes, *,
     # (jtrain.control.signals); one that came during the CLI's imports is taken over.
     with control_lib.Stopper(cfg.checkpoint.grace_seconds) as stopper, startup.recorder:
         config_lib.validate(cfg, num_devices=jax.device_count())
+        if jax.process_index() == 0:  # a writer that cannot start: one line, no step run
+            writers_lib.check(workdir, cfg.log)
         # Every process: the same config hash, device count and jtrain version.
         multihost.preflight.run(cfg, config_lib.config_hash(cfg))
         with _watchdog(cfg, workdir) as watchdog, _joins_precompile(startup):

@@ -187,7 +187,8 @@ def is_step_name(name: str) -> bool:
 def scan(directory: str) -> tuple[list[int], list[str], list[str]]:
     """(steps of plain step directories, unfinished-save entries, suspicious entries).
 
-    Suspicious: a step name that is a symlink or not a directory."""
+    Suspicious: a step name that is a symlink or not a directory, or one jtrain (orbax)
+    never writes: leading zeros (`0030`; orbax addresses step 30 as `30`)."""
     steps, unfinished, suspicious = [], [], []
     try:
         names = sorted(os.listdir(directory))
@@ -199,11 +200,20 @@ def scan(directory: str) -> tuple[list[int], list[str], list[str]]:
         if TMP_MARK in name:
             unfinished.append(path)
         elif is_step_name(name):
-            if stat.S_ISDIR(st.st_mode):
+            if stat.S_ISDIR(st.st_mode) and name == str(int(name)):
                 steps.append(int(name))
             else:
                 suspicious.append(path)
     return sorted(steps), unfinished, suspicious
+
+
+def suspicious_problem(path: str) -> str | None:
+    """Why a suspicious entry of `scan` is not a usable step directory."""
+    name = os.path.basename(path)
+    if name != str(int(name)):
+        return (f"{path}: not a step directory name jtrain writes (step {int(name)} is "
+                f"saved as {int(name)}; leading zeros, e.g. after a rename)")
+    return check_step(path, int(name))
 
 
 def remove_unfinished(path: str) -> None:

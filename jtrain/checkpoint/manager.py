@@ -130,8 +130,8 @@ class Checkpointer:
             say(f"warning: {path}: an unfinished save (killed while writing); removed")
             integrity.remove_unfinished(path)
         for path in suspicious:
-            self._damaged(integrity.check_step(path, int(os.path.basename(path))), path,
-                          strict, older=bool(steps))
+            self._damaged(integrity.suspicious_problem(path), path, strict,
+                          older=bool(steps))
         for i in reversed(range(len(steps))):
             path = os.path.join(self.directory, str(steps[i]))
             problem = integrity.check_step(path, steps[i])

@@ -174,6 +174,9 @@ SCHEMA: dict[str, Any] = {
                      "always on)"),
         "verbosity": F(int, 1, (0, 2), "0 errors + summary, 1 default, 2 debug"),
         "all_hosts": F(bool, False, None, "processes other than 0 print too"),
+        "divergence_warning": F(float, 2.0, (0.0, INF), "warn once when a logged train "
+                                "loss window exceeds this many times the first one "
+                                "(results unchanged); 0 = off"),
         "mlflow_tracking_uri": F(str, "", None, "MLflow tracking URI; '' = WORKDIR/mlflow.db"),
         "mlflow_experiment": F(str, "jtrain", None, "MLflow experiment name"),
         "wandb_project": F(str, "jtrain", None, "W&B project"),

@@ -6,6 +6,7 @@
     faults    test-only fault injection for --verify_resume (JTRAIN_FAULT)
     watchdog  a step, eval or save past watchdog.timeout_s -> stacks dumped, exit 5 (Watchdog)
     monitors  early stopping, plateau, loss-spike and best-value trackers, JSON state
+    divergence  the divergence warning (log.divergence_warning): once, JSON state
     decide    the loop's decisions after each step and eval, the same on every process
     memory    memory planning: the grad_accum_steps whose compiled step fits memory.budget_bytes
     ledger    the skip ledger: skipped steps and their example indices (WORKDIR/skipped.jsonl)

@@ -15,7 +15,7 @@ from typing import Callable
 
 from jtrain import step as step_lib
 from jtrain.control import ledger as ledger_lib
-from jtrain.control import monitors
+from jtrain.control import divergence as divergence_lib, monitors
 from jtrain.errors import ConfigError, NonFiniteError
 
 
@@ -36,6 +36,8 @@ class Decisions:
         self.early = monitors.EarlyStopping(cfg.early_stop, saved.get("early_stop"))
         self.plateau = monitors.Plateau(cfg.plateau, cfg.optim.lr, saved.get("plateau"))
         self.spike = monitors.Spike(cfg.spike, saved.get("spike"))
+        self.divergence = divergence_lib.Divergence(cfg.log.get("divergence_warning", 0.0),
+                                                    saved.get("divergence"))
         self.halted: str | None = None
 
     # -- after a step ---------------------------------------------------------------------
@@ -43,6 +45,16 @@ class Decisions:
                    rows_ok=None) -> None:
         """`status`: the step's `train/status` bits. Raises NonFiniteError on a halt."""
         bad = status & (step_lib.BAD_LOSS | step_lib.BAD_GRADS | step_lib.INVALID_BATCH)
+        if step == 1 and status & step_lib.BAD_LOSS and not status & (
+                step_lib.INVALID_BATCH | step_lib.HALTED):
+            # finite data, the initial parameters: the loss or the model is broken (with
+            # nonfinite.policy=halt the halt's own line below says it)
+            self.halted = ("step 1: the loss is NaN or inf on the first batch (finite data, "
+                           "the initial parameters, no update applied): the loss function or "
+                           "the model's outputs are not finite before any training; check "
+                           "loss_fn / loss.fn / loss.terms and the model (e.g. a log of 0, "
+                           "a division by 0)")
+            raise _halt(self.halted, step)
         if bad:
             why = ledger_lib.reason(status)
             batch = self.batch_of(step)
@@ -98,6 +110,12 @@ class Decisions:
                  f"{to_step}, steps {to_step + 1}..{last_step} undone and their batches "
                  f"skipped (WORKDIR/{ledger_lib.FILE}){factor}")
 
+    def check_divergence(self, step: int, loss_window: float) -> None:
+        """At a log step: the divergence warning, once (jtrain.control.divergence)."""
+        line = self.divergence.check(step, loss_window)
+        if line:
+            self.say(line)
+
     def lr_factor(self) -> float:
         """The learning-rate factor the state should carry: plateau x spike."""
         return self.plateau.factor * self.spike.scale
@@ -125,7 +143,7 @@ class Decisions:
 
     def state(self) -> dict:
         return {"early_stop": self.early.to_json(), "plateau": self.plateau.to_json(),
-                "spike": self.spike.to_json()}
+                "spike": self.spike.to_json(), "divergence": self.divergence.to_json()}
 
     def best(self) -> dict:
         """The monitored metric's best step and value, for the summary."""

@@ -235,6 +235,22 @@ def check_default_loss_targets(data: Data, output_shape: tuple) -> None:
                 "(np.argmax(targets, -1).astype(np.int32)) for cross-entropy, or a loss_fn")
 
 
+def check_weights(data: Data) -> None:
+    """The default loss weighs each target by `weights` (e.g. a loss mask): one weight per
+    example, or per leading target position ([B, T] weights for [B, T] labels)."""
+    batch = first_batch(data)
+    t, w = batch.get("targets"), batch.get("weights")
+    if w is None or t is None or isinstance(t, (dict, list, tuple)) or \
+            isinstance(w, (dict, list, tuple)):
+        return
+    ws, ts = tuple(np.shape(w)[1:]), tuple(np.shape(t)[1:])
+    if ws != ts[:len(ws)]:
+        raise DataError(
+            f"{data.name}: weights of shape {_shape(ws)} per example against targets of "
+            f"shape {_shape(ts)}: the default loss takes one weight per example (shape ()) "
+            "or per leading target position; reshape the weights, or pass a loss_fn")
+
+
 def _holds_labels(values: np.ndarray, classes: int) -> bool:
     finite = values[np.isfinite(values)]
     return bool(finite.size) and bool(np.all((finite == np.round(finite)) & (finite >= 0)
@@ -270,8 +286,8 @@ def check_labels(data: Data, num_classes: int, *, low: float = 0) -> None:
         if t.dtype.kind not in "iu":
             return
         bad = (t < low) | (t >= num_classes)
-        if weights is not None:  # a label with weight 0 is never used
-            w = np.asarray(weights)
+        w = None if weights is None else np.asarray(weights)
+        if w is not None and w.shape == t.shape[:w.ndim]:  # weight 0: never used
             bad &= np.broadcast_to((w > 0).reshape(w.shape + (1,) * (t.ndim - w.ndim)),
                                    t.shape)
         if bad.any():

@@ -261,23 +261,42 @@ def nnx_class_factory(cls: type) -> Callable[[nnx.Rngs], nnx.Module]:
     return factory
 
 
+class ModelTypeError(ConfigError, TypeError):
+    """`model` is not something jtrain can train (a ConfigError, and a TypeError as it
+    always was)."""
+
+
+def model_kind_error(model) -> str | None:
+    """None for a model `to_model_fns` takes, else what it is and what it takes."""
+    if isinstance(model, (nn.Module, nnx.Module)):
+        return None
+    if isinstance(model, (tuple, list)) and len(model) == 2 and all(map(callable, model)):
+        return None
+    if isinstance(model, type) and issubclass(model, nnx.Module):
+        return None
+    if isinstance(model, type) and issubclass(model, nn.Module):
+        return (f"{model.__name__} is a flax.linen.Module class; pass an instance, e.g. "
+                f"model={model.__name__}(...)")
+    if callable(model) and not isinstance(model, type):
+        return None
+    return ("expected a flax.linen.Module, a flax.nnx.Module (an instance, a class taking "
+            "rngs, or a function rngs -> nnx.Module), or an (init, apply) pair; got "
+            f"{type(model).__name__}")
+
+
 def to_model_fns(model, mesh=None) -> ModelFns:
-    """Dispatch on what the user handed over; a clear TypeError for anything else.
-    `mesh`: where an NNX factory's partitioned parameters will live (see from_nnx)."""
+    """Dispatch on what the user handed over; a clear ModelTypeError (one line, key
+    `model`) for anything else. `mesh`: where an NNX factory's partitioned parameters
+    will live (see from_nnx)."""
+    why = model_kind_error(model)
+    if why:
+        raise ModelTypeError("model", why)
     if isinstance(model, nn.Module):
         return from_linen(model)
     if isinstance(model, nnx.Module):
         return from_nnx(model, mesh)
-    if isinstance(model, (tuple, list)) and len(model) == 2 and all(map(callable, model)):
+    if isinstance(model, (tuple, list)):
         return from_pure(model)
-    if isinstance(model, type) and issubclass(model, nnx.Module):
+    if isinstance(model, type):
         return from_nnx(nnx_class_factory(model), mesh)
-    if isinstance(model, type) and issubclass(model, nn.Module):
-        raise TypeError(f"model: {model.__name__} is a flax.linen.Module class; pass an "
-                        f"instance, e.g. model={model.__name__}(...)")
-    if callable(model) and not isinstance(model, type):
-        return from_nnx(model, mesh)
-    raise TypeError(
-        f"model: expected a flax.linen.Module, a flax.nnx.Module (an instance, a class "
-        f"taking rngs, or a function rngs -> nnx.Module), or an (init, apply) pair; "
-        f"got {type(model).__name__}")
+    return from_nnx(model, mesh)

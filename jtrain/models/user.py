@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 
-from jtrain.errors import ConfigError
+from jtrain.errors import ConfigError, first_line
 
 
 def build(model_cfg, *, dtype, param_dtype):
@@ -29,10 +29,23 @@ def build(model_cfg, *, dtype, param_dtype):
         if name in accepted and name not in kwargs:
             kwargs[name] = value
     try:
-        return factory(**kwargs)
+        model = factory(**kwargs)
+    except ConfigError:
+        raise
     except TypeError as e:  # wrong keyword arguments: the config's fault
         raise ConfigError("model.kwargs", f"{model_cfg.factory}(**{dict(model_cfg.kwargs)})"
                                           f" raised TypeError: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the user's factory: its first line
+        raise ConfigError("model.factory", f"{model_cfg.factory}(**{dict(model_cfg.kwargs)})"
+                                           f" raised {type(e).__name__}: {first_line(e)}"
+                          ) from None
+    from jtrain.models.adapters import model_kind_error
+
+    why = model_kind_error(model)
+    if why:
+        raise ConfigError("model.factory", f"{model_cfg.factory}(**{dict(model_cfg.kwargs)})"
+                                           f" returned no model: {why}")
+    return model
 
 
 def flops_per_example(model_cfg, input_shape):

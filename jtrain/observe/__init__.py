@@ -7,6 +7,7 @@
     layout    every file a run's workdir holds (docs/reference/workdir.md), start-up order
     liblogs   library logs (orbax, absl, grain) and error tracebacks into train.log
     writers   metric writers: JSONL, TensorBoard, MLflow, W&B (background thread)
+    writer_checks  each writer checked at start-up: the MLflow store, writable folders
     jsonl     the metrics.jsonl format; a resumed run's records truncated to its step
     hashes    hashes.jsonl (debug.hash_every_steps): exact on-device state digests and
               each recorded step's example indices, for jtrain diff / replay

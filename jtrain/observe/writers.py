@@ -18,7 +18,7 @@ from pathlib import Path
 
 # Redaction lives beside the console output that needs it most; it is part of this API.
 from jtrain import config as config_lib
-from jtrain.observe import jsonl, tbx
+from jtrain.observe import jsonl, tbx, writer_checks
 from jtrain.redact import redact, redact_text
 
 _MLFLOW_PARAM_MAX_LEN = 6000  # MLflow rejects longer parameter values.
@@ -58,6 +58,16 @@ def _import_extra(name: str):
         raise MissingExtraError(
             f"log.writers: {name!r} needs the {name} package: pip install 'jtrain[{name}]'"
         ) from None
+
+
+def check(workdir: str, log_cfg) -> None:
+    """Before data, build or any step: each writer in log.writers can start (one-line
+    ConfigError with the fix; jtrain.observe.writer_checks)."""
+    names = _writer_names(log_cfg)
+    for extra in ("mlflow", "wandb"):
+        if extra in names:
+            _import_extra(extra)
+    writer_checks.check(workdir, log_cfg, names)
 
 
 def _writer_names(log_cfg) -> tuple[str, ...]:
@@ -266,18 +276,22 @@ class MetricWriter:
             if extra in names:
                 _import_extra(extra)
         os.makedirs(workdir, exist_ok=True)
+        name = "jsonl"
         try:
             self._backends.append(_Jsonl(workdir, resumed_step))
             if "tensorboard" in names:
+                name = "tensorboard"
                 self._backends.append(_TensorBoard(workdir))
             for name, cls in (("mlflow", _MLflow), ("wandb", _Wandb)):
                 if name in names:
                     backend = cls(workdir, log_cfg, self._ids.get(name), run_name)
                     self._backends.append(backend)
                     self._ids[name] = backend.run_id
-        except BaseException:
+        except BaseException as e:
             for backend in self._backends:
                 backend.close()
+            if name != "jsonl" and isinstance(e, Exception) and not isinstance(e, OSError):
+                raise writer_checks.setup_error(name, e) from e
             raise
         self._queue: queue.Queue = queue.Queue()
         self._failed: set[str] = set()

@@ -151,6 +151,18 @@ CASES = [
     ("bench_unknown", ["bench", "nosuch"], {}, 2,
      "usage error: unknown benchmark 'nosuch'"),
     ("command_typo", ["trian"], {}, 2, 'jtrain trian: unknown command'),
+    # Writers that cannot start: found before the data, the build or any step; an
+    # existing run's files are left as they were (test_writer_failures_keep_the_run).
+    ("writer_mlflow_file_store", ["train", DEBUG, "--workdir=runs/mlf",
+                                  "--config.log.writers=mlflow",
+                                  "--config.log.mlflow_tracking_uri=file:mlruns"], {}, 2,
+     "config error: log.mlflow_tracking_uri: MLflow refuses a file: store unless "
+     "MLFLOW_ALLOW_FILE_STORE=true is set; use sqlite:///"),
+    ("writer_tensorboard_dir", ["train", DEBUG, "--workdir=runs/tbfile"], {}, 2,
+     "config error: log.writers: tensorboard cannot write its event files to "),
+    ("writer_wandb_dir", ["train", DEBUG, "--workdir=runs/wbfile",
+                          "--config.log.writers=wandb"], {"WANDB_SILENT": "true"}, 2,
+     "config error: log.writers: wandb cannot write its offline run to "),
 ]
 
 # The secret test's runs: (id, argv after `jtrain`).
@@ -238,6 +250,10 @@ def table(tmp_path_factory):
         (user / name).write_text(text)
     (user / "user_data.py").write_text(USER_DATA)
     (user / "afile").write_text("not a run")
+    for run, blocker in (("tbfile", "tb"), ("wbfile", "wandb")):  # a file where a writer's
+        (user / "runs" / run).mkdir(parents=True)                  # folder goes
+        (user / "runs" / run / blocker).write_text("not a folder")
+        (user / "runs" / run / "metrics.jsonl").write_text('{"step": 5}\n')
     mounts = {}
     try:
         if _mount(user / "ro", "ro,size=64k"):
@@ -309,6 +325,17 @@ def test_failures_leave_no_run_behind(table):
     assert not list(run.glob("checkpoints/*"))
     assert not (user / "exports").exists()  # a failed export writes nothing
     assert (user / "afile").read_text() == "not a run"  # a file as workdir is left alone
+
+
+def test_writer_failures_keep_the_run(table):
+    """A writer that cannot start fails before anything of the run is written: the
+    existing metrics.jsonl is untouched, no config.json, no MLflow store appears."""
+    _, _, user = table
+    for run in ("tbfile", "wbfile"):
+        assert sorted(p.name for p in (user / "runs" / run).iterdir()) == sorted(
+            ["metrics.jsonl", "tb" if run == "tbfile" else "wandb"])
+        assert (user / "runs" / run / "metrics.jsonl").read_text() == '{"step": 5}\n'
+    assert not (user / "mlruns").exists() and not (user / "runs" / "mlf").exists()
 
 
 def test_secrets_never_leak(table):

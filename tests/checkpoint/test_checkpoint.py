@@ -133,6 +133,13 @@ DAMAGE = {
     "empty_newer_step_dir": (lambda c, o: os.mkdir(f"{c}/3"), 2, "/3/jtrain_manifest.json"),
     "step_dir_renamed": (lambda c, o: shutil.copytree(f"{c}/2", f"{c}/5"), 2,
                          "records step 2, but the directory is step 5"),
+    # A step directory renamed with leading zeros: orbax addresses step 2 as "2", so
+    # "0002" is set aside (checkpoints.damaged/) like any damaged step, and the previous
+    # intact step restores; a zero-padded copy of step 2 as "0005" is set aside the same.
+    "step_dir_leading_zeros": (lambda c, o: os.rename(f"{c}/2", f"{c}/0002"), 1,
+                               "/0002: not a step directory name jtrain writes"),
+    "newer_step_dir_leading_zeros": (lambda c, o: shutil.copytree(f"{c}/2", f"{c}/0005"), 2,
+                                     "/0005: not a step directory name jtrain writes"),
     "all_damaged": (lambda c, o: [os.remove(f"{c}/{s}/{integrity.MANIFEST}") for s in (1, 2)],
                     None, "2/jtrain_manifest.json"),
     "unrelated_file_in_dir": (lambda c, o: open(f"{c}/notes.txt", "w").write("hi"), 2, None),
