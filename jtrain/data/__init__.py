@@ -210,6 +210,7 @@ def _mixture_sources(data_cfg, mix: Mixture, process_index: int, process_count: 
             "batches_per_epoch": None,
             "mixture": [{"name": n, "weight": float(w), "examples": len(checked[n])}
                         for n, w in zip(names, schedule[1][0])]}
+    info["components"] = mixture.components_line(info["mixture"])  # the header's data line
     return train, ev, info
 
 
