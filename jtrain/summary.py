@@ -14,6 +14,7 @@ from jtrain import errors
 from jtrain import evaluator
 from jtrain import population as population_lib
 from jtrain import state as state_lib
+from jtrain.data import mixture as mixture_lib
 from jtrain.observe import jsonl, plots
 
 
@@ -80,6 +81,11 @@ def summarize(cfg, run, state, session) -> dict:
                                      f"nats/byte vs unigram baseline {baseline:.4f}")
     if pop is not None and jax.process_index() == 0:
         _population_plot(run, session, pop.size)
+    mix = run.data.mixture_report(run.train_iter.get_state())
+    if mix is not None:  # each component's draws and epochs, also on the console
+        summary["data"] = {"mixture": mix}
+        run.out.progress.message(mixture_lib.report_line(
+            mix, int(run.train_iter.get_state()["position"])))
     summary["message"] = _final_line(summary, session)
     summary["exit_code"] = 0
     run.out.progress.final(summary["message"])

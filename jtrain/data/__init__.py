@@ -179,8 +179,10 @@ def _mixture_sources(data_cfg, mix: Mixture, process_index: int, process_count: 
         part = load.as_data(raw, where)
         part = dataclasses.replace(part, notes=part.notes + packing.note(raw))
         if not isinstance(part, MapData):
-            raise DataError(where, f"a {part.description} component: mixtures are "
-                                   "implemented for map-style data (len + getitem)")
+            raise DataError(where, f"a {part.description} component: stream components "
+                                   "are not implemented in a mixture, only map-style data "
+                                   "(len + getitem); pass its items as a list or a map-style "
+                                   "Dataset")
         ev_raw = mix.eval.get(name)
         if ev_raw is not None:
             ev = load.as_data(packing.pack(ev_raw, data_cfg, f"{where} (eval)"),
@@ -210,6 +212,7 @@ def _mixture_sources(data_cfg, mix: Mixture, process_index: int, process_count: 
             "batches_per_epoch": None,
             "mixture": [{"name": n, "weight": float(w), "examples": len(checked[n])}
                         for n, w in zip(names, schedule[1][0])]}
+    info["components"] = mixture.components_line(info["mixture"])  # the header's data line
     return train, ev, info
 
 

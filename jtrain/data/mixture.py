@@ -256,12 +256,37 @@ def combine(checked: dict, schedule: tuple, names: list) -> MixtureData:
         if why:
             raise DataError(f"data.mixture.{name}{why}")
     source = ConcatSource([checked[n].source for n in names], names)
-    sizes = ", ".join(f"{n} ({w:.2f}, {len(checked[n]):,} examples)"
-                      for n, w in zip(names, schedule[1][0]))
-    notes = [f"mixture of {len(names)}: {sizes}"] + [
-        f"{n}: {line}" for n in names for line in checked[n].notes]
+    notes = [f"{n}: {line}" for n in names for line in checked[n].notes]
     if len(schedule[0]) > 1:
         notes.append("weights change at steps " + ", ".join(map(str, schedule[0][1:].tolist())))
     return MixtureData("train_data", source, "mixture", ref=ref,
                        sample=checked[first].sample, notes=notes,
                        collate_fn=checked[first].collate_fn, schedule=schedule)
+
+
+def report(data_state: dict, schedule: tuple) -> dict | None:
+    """summary.json's `data.mixture` from a mixture's data state: per component the
+    weight of the last batch drawn, its size, its draws and its epochs run through
+    (draws / size); None for any other data."""
+    if not isinstance(data_state, dict) or data_state.get("kind") != "mixture":
+        return None
+    starts, table = schedule
+    last = max(int(data_state["position"]) - 1, 0)
+    weights = table[int(np.searchsorted(starts, last, side="right")) - 1]
+    return {name: {"weight": round(float(w), 6), "size": int(n), "draws": int(d),
+                   "epochs": round(int(d) / int(n), 3)}
+            for name, w, n, d in zip(data_state["components"], weights,
+                                     data_state["sizes"], data_state["draws"])}
+
+
+def report_line(block: dict, batches: int) -> str:
+    """`jtrain: mixture over 20 batches: a 170 drawn (0.85 epochs), b 150 drawn (1.5
+    epochs)`: the end-of-run console line."""
+    return f"jtrain: mixture over {batches:,} batches: " + ", ".join(
+        f"{n} {v['draws']:,} drawn ({v['epochs']:g} epochs)" for n, v in block.items())
+
+
+def components_line(info_mixture: list) -> str:
+    """The header's components (instead of one dataset's batches per epoch)."""
+    return f"mixture of {len(info_mixture)}: " + ", ".join(
+        f"{c['name']} ({c['weight']:.2f}, {c['examples']:,} examples)" for c in info_mixture)

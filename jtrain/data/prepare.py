@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from jtrain.data import load_user_data, make_sources, check_vocab, make_train_iterator
 from jtrain.data import device_prefetch, example_indices, load, torch_adapters
+from jtrain.data import mixture as mixture_lib
 from jtrain.data.dataset import Data
 from jtrain.data.items import DataError
 from jtrain.data.prefetch import DevicePrefetch
@@ -95,6 +96,12 @@ class RunData:
         if data_state is not None:
             it.set_state(data_state)
         return device_prefetch(it, put, d.device_prefetch)
+
+    def mixture_report(self, data_state: dict) -> dict | None:
+        """A mixture's components at `data_state` (summary.json's data.mixture: weight,
+        size, draws, epochs); None for other data."""
+        schedule = getattr(self.train, "schedule", None)
+        return None if schedule is None else mixture_lib.report(data_state, schedule)
 
     def batch_positions(self, first_state: dict, first_step: int):
         """(batch_of(step), indices_of(batch)) from the iterator's position before step

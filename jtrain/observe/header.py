@@ -45,16 +45,19 @@ def describe_run(cfg, build, data, *, workdir: str, origin: str, peak: float | N
         data_name=str(info.get("name")), train_size=data.train.known_size,
         eval_size=len(data.eval) if data.eval is not None else 0,
         global_batch=cfg.data.batch_size, workdir=workdir, origin=origin,
-        batches_per_epoch=info.get("batches_per_epoch"), extra=tuple(extra))
+        batches_per_epoch=info.get("batches_per_epoch"), components=info.get("components"),
+        extra=tuple(extra))
 
 
 def run_header(*, model: str, num_params: int, precision: str, mesh_shape: dict,
                data_name: str, train_size: int | None, eval_size: int, global_batch: int,
                workdir: str, origin: str, batches_per_epoch: int | None = None,
-               extra: tuple[str, ...] = ()) -> str:
+               components: str | None = None, extra: tuple[str, ...] = ()) -> str:
     """The lines printed before training: what, on what, with what data, where, and where
     the weights came from (`origin`: fresh start / resumed from / initialized from).
-    `train_size` None: a stream of unknown length (its epoch is learned as it runs)."""
+    `train_size` None: a stream of unknown length (its epoch is learned as it runs).
+    `components`: a mixture's components, said instead of batches per epoch (each
+    component runs through its own epochs)."""
     import jax
 
     devices = jax.devices()
@@ -74,8 +77,8 @@ def run_header(*, model: str, num_params: int, precision: str, mesh_shape: dict,
         f"{jax.process_count()} process(es), mesh {shape}",
         f"jtrain: data {data_name}: {size} train / {eval_size:,} eval examples, "
         f"global batch {global_batch}, "
-        + (f"{per_epoch:,} batches per epoch" if per_epoch else
-           "epoch length unknown until the first epoch ends"),
+        + (components if components else f"{per_epoch:,} batches per epoch" if per_epoch
+           else "epoch length unknown until the first epoch ends"),
         *extra,
         f"jtrain: workdir {workdir}; {origin}",
     ]

@@ -25,7 +25,7 @@ RUN = (
     ('checkpoints.damaged/', 'checkpoints.damaged',
      'damaged checkpoints moved aside at start-up (never deleted)'),
     ('summary.json', 'summary.json',
-     'at the end: step, state_sha256, final eval metrics (only an eval of that step; an older one is "last_eval" with its step), best_step / best_value, stopped_by / stop_reason, skipped_steps, lr_factor, rollbacks ([spike step, restored step]), message (the run\'s last line), exit_code and decided (as in run.json); after a non-finite halt: stopped_by "non-finite", message, exit_code 4, checkpoint_step; perf/*, startup/<phase>_sec (time to first step by phase), compile/* (count, seconds, cache hits / misses, compiles after the first step with their cause)'),
+     'at the end: step, state_sha256, final eval metrics (only an eval of that step; an older one is "last_eval" with its step), best_step / best_value, stopped_by / stop_reason, skipped_steps, lr_factor, rollbacks ([spike step, restored step]), message (the run\'s last line), exit_code and decided (as in run.json); after a non-finite halt: stopped_by "non-finite", message, exit_code 4, checkpoint_step; perf/*, startup/<phase>_sec (time to first step by phase), compile/* (count, seconds, cache hits / misses, compiles after the first step with their cause); with data.mixture, data.mixture: {component: {weight (at the last batch), size, draws, epochs (draws / size)}}'),
     ('population.png', 'population.png',
      'a population run (population.size > 1), at the end: per train / eval metric each member\'s curve, the mean over the members and the winner (the best last value; lower is better for losses)'),
     ('hang.log', 'hang.log',

@@ -102,6 +102,49 @@ def test_iterator_resumes_exactly_and_records_draws_and_epochs():
     assert sum(end["draws"]) == 96
 
 
+def test_report_gives_each_components_weight_draws_and_epochs():
+    train, _, info = make_sources(_cfg(mixture_schedule={3: {"a": 1.0}}), _mix_data())
+    assert info["components"] == ("mixture of 2: a (0.50, 40 examples), "
+                                  "b (0.50, 30 examples)")
+    it = make_train_iterator(train, local_batch=8, seed=1, shuffle=True, process_index=0,
+                             process_count=1)
+    for _ in range(7):
+        next(it)
+    state = it.get_state()
+    block = mixture.report(state, train.schedule)
+    assert list(block) == ["a", "b"]  # the weights in force at the last batch (step 6)
+    assert [c["weight"] for c in block.values()] == [1.0, 0.0]
+    assert [c["draws"] for c in block.values()] == state["draws"]
+    assert [c["size"] for c in block.values()] == [40, 30]
+    assert block["a"]["epochs"] == round(state["draws"][0] / 40, 3)
+    assert mixture.report({"kind": "map", "position": 3}, train.schedule) is None
+    line = mixture.report_line(block, 7)
+    assert line.startswith("jtrain: mixture over 7 batches: a ") and " drawn (" in line
+
+
+def test_mixture_header_names_the_components_not_batches_per_epoch():
+    from jtrain.observe import header
+
+    text = header.run_header(model="m", num_params=1, precision="f32", mesh_shape={"data": 1},
+                             data_name="mixture", train_size=60, eval_size=0, global_batch=8,
+                             workdir="w", origin="fresh start",
+                             components="mixture of 2: a (0.50, 40 examples), b (0.50, 20 "
+                                        "examples)")
+    line = next(ln for ln in text.splitlines() if ln.startswith("jtrain: data "))
+    assert line.endswith("global batch 8, mixture of 2: a (0.50, 40 examples), b (0.50, "
+                         "20 examples)") and "per epoch" not in text
+
+
+def test_a_stream_component_stops_with_not_implemented():
+    class Stream:  # re-iterable, no len: a stream
+        def __iter__(self):
+            return iter([{"inputs": np.zeros(4, np.float32), "targets": np.int32(0)}] * 9)
+
+    arrays = {"inputs": np.zeros((9, 4), np.float32), "targets": np.zeros(9, np.int32)}
+    with pytest.raises(DataError, match=r"data\.mixture\.s: .*not implemented in a mixture"):
+        make_sources(_cfg(), Mixture({"a": arrays, "s": Stream()}))
+
+
 def test_components_that_disagree_fail_naming_the_component():
     bad = Mixture({"a": {"inputs": np.zeros((10, 3), np.float32), "targets": np.zeros(10)},
                    "b": {"inputs": np.zeros((10, 4), np.float32), "targets": np.zeros(10)}})
