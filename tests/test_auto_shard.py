@@ -7,8 +7,9 @@ them, and an axis that shards nothing is a warning.
 All multidevice checks share one set of short runs in the suite's 8-device child: an
 unannotated NNX model under fsdp=8 (weight EMA, state hashes, train/accuracy) straight
 through, killed by SIGTERM and resumed (the same hashes.jsonl, byte for byte), its
-checkpoint resumed under data=2 x fsdp=4 (elastic), and the same run on one device
-(the same losses, params and EMA to float reduction order); and a Linen model with an
+checkpoint resumed under data=2 x fsdp=4 and on one device (elastic), and the same run
+on one device (the same losses, params and EMA to float reduction order); and a Linen
+model with an
 annotated kernel under optim.frozen and the EMA on data=2 x fsdp=4 with two
 microbatches and lr 0, whose train/accuracy is recomputed in numpy. LoRA's adapters
 are checked on the set-up alone (jtrain.build's abstract state and shardings)."""
@@ -166,15 +167,19 @@ def _train(workdir, cfg, model, devices=None, fault=None):
 def runs(tmp_path_factory):
     assert jax.device_count() == 8
     base = tmp_path_factory.mktemp("auto_shard")
-    out = {k: base / k for k in ("straight", "resumed", "elastic", "one", "linen")}
+    out = {k: base / k for k in ("straight", "resumed", "elastic", "elastic1", "one",
+                                 "linen")}
     out["state"] = _train(out["straight"], _nnx_config(fsdp=8), _mlp()).state
     out["stopped"] = _train(out["resumed"], _nnx_config(fsdp=8), _mlp(),
                             fault="step:2:TERM").summary
     shutil.copytree(out["resumed"], out["elastic"])
+    shutil.copytree(out["resumed"], out["elastic1"])
     out["resumed_summary"] = _train(out["resumed"], _nnx_config(fsdp=8), _mlp()).summary
     elastic = _train(out["elastic"], _nnx_config(data=2, fsdp=4), _mlp())
     out["elastic_state"], out["elastic_summary"] = elastic.state, elastic.summary
     out["one_state"] = _train(out["one"], _nnx_config(fsdp=1), _mlp(), devices=1).state
+    elastic1 = _train(out["elastic1"], _nnx_config(fsdp=1), _mlp(), devices=1)
+    out["elastic1_state"], out["elastic1_summary"] = elastic1.state, elastic1.summary
     net = _net()
     linen = _train(out["linen"], LINEN_CONFIG, net)
     out["net"], out["linen_state"], out["linen_history"] = net, linen.state, linen.train_history
@@ -250,22 +255,26 @@ def test_kill_and_resume_on_the_same_mesh_is_bitwise(runs):
 
 
 @pytest.mark.multidevice
-def test_an_auto_sharded_checkpoint_resumes_under_another_mesh(runs):
-    """fsdp=8 -> data=2 x fsdp=4: the params reshard (auto_shard's rule for fsdp=4) and
-    the run goes on to the straight run's losses and state."""
-    assert runs["elastic_summary"]["resumed_from"] == 2
-    state = runs["elastic_state"]
+@pytest.mark.parametrize("name,mesh_shape,kernel_shard", [
+    ("elastic", {"data": 2, "fsdp": 4, "tensor": 1}, (32, 16)),
+    ("elastic1", {"data": 1, "fsdp": 1, "tensor": 1}, (32, 64))])
+def test_an_auto_sharded_checkpoint_resumes_under_another_mesh(runs, name, mesh_shape,
+                                                              kernel_shard):
+    """fsdp=8 -> data=2 x fsdp=4, and -> one device: the params reshard (auto_shard's
+    rule for the new mesh) and the run goes on to the straight run's losses and state."""
+    assert runs[f"{name}_summary"]["resumed_from"] == 2
+    state = runs[f"{name}_state"]
     kernel = state.params["hidden"]["kernel"]
-    assert dict(kernel.sharding.mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
-    assert kernel.sharding.spec == P(None, "fsdp")
-    assert kernel.addressable_shards[0].data.shape == (32, 16)
+    assert dict(kernel.sharding.mesh.shape) == mesh_shape
+    assert kernel.addressable_shards[0].data.shape == kernel_shard
     assert _specs(state.ema) == _specs(state.params)
-    elastic, straight = _metrics(runs["elastic"]), _metrics(runs["straight"])
+    elastic, straight = _metrics(runs[name]), _metrics(runs["straight"])
     np.testing.assert_allclose([elastic[s] for s in (3, 4)], [straight[s] for s in (3, 4)],
                                rtol=1e-5, atol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(
-        np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6), state.params,
-        runs["state"].params)
+    for field in ("params", "ema"):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(
+            np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6), getattr(state, field),
+            getattr(runs["state"], field))
 
 
 def _moment_specs(opt_state):
