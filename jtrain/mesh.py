@@ -185,6 +185,10 @@ def logical_to_shardings(abstract_tree, mesh: Mesh, rules=LOGICAL_RULES, *,
     axes is replicated, so an odd-sized param never makes a mesh unusable. The result
     has the structure of the *unboxed* tree (plain arrays where the boxes were). A name
     that is neither is a ConfigError("model", ...) naming the parameter.
+
+    An annotated leaf's spec has one entry per dimension (`P(None, None)` when it is
+    replicated); an unannotated one's has `auto_dims`' entries, `P()` when replicated:
+    `layout` tells the two apart by that.
     """
     unknown = unknown_axes(abstract_tree, mesh, rules)
     if unknown:
@@ -225,18 +229,24 @@ PARAM_AXES = ("fsdp", "tensor")
 
 def layout(abstract_tree, shardings, min_bytes: int | None = None) -> dict:
     """How a tree of arrays lies on the devices: {"total_bytes", "per_device_bytes" (the
-    largest shard set one device holds), "sharded", "replicated", "small"} with leaf
-    counts; "small": replicated leaves under `min_bytes` (mesh.auto_shard's threshold),
-    counted apart from "replicated" when given."""
-    out = {"total_bytes": 0, "per_device_bytes": 0, "sharded": 0, "replicated": 0,
-           "small": 0}
+    largest shard set one device holds), "sharded", "annotated", "replicated", "small"}
+    with leaf counts ("sharded": split on some device axis of size > 1) and of the
+    replicated ones apart: "annotated" the model annotated (a spec with an entry per
+    dimension: `logical_to_shardings`) and that lies whole on each device,
+    "small" the other replicated leaves under `min_bytes` (mesh.auto_shard's threshold;
+    None = no threshold), "replicated" the rest."""
+    out = {"total_bytes": 0, "per_device_bytes": 0, "sharded": 0, "annotated": 0,
+           "replicated": 0, "small": 0}
     for leaf, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings)):
         shape, itemsize = tuple(leaf.shape), np.dtype(leaf.dtype).itemsize
         nbytes = math.prod(shape) * itemsize
         out["total_bytes"] += nbytes
-        out["per_device_bytes"] += math.prod(sharding.shard_shape(shape)) * itemsize
-        if any(a is not None for a in sharding.spec):
+        shard = tuple(sharding.shard_shape(shape))
+        out["per_device_bytes"] += math.prod(shard) * itemsize
+        if shard != shape:  # split (an axis of size 1 in its spec splits nothing)
             out["sharded"] += 1
+        elif shape and len(sharding.spec) == len(shape):
+            out["annotated"] += 1
         elif min_bytes is not None and nbytes < min_bytes:
             out["small"] += 1
         else:

@@ -133,16 +133,19 @@ def _optimizer_line(optim, total_steps: int, grad_accum_steps: int | None) -> st
 
 def sharding_lines(mesh_cfg, mesh, abstract, shardings) -> list[str]:
     """`jtrain: sharding: params 1,234 of 9,872 bytes per device (20 leaves sharded, 3
-    replicated, 7 too small: < 4,096 bytes, mesh.auto_shard_min_bytes); optimizer state
-    2,468 of 19,744 bytes per device`, and a warning for each parameter axis of size > 1
-    that shards nothing."""
+    replicated, 2 replicated (annotated), 7 too small (< 4,096 bytes,
+    mesh.auto_shard_min_bytes)); optimizer state 2,468 of 19,744 bytes per device`
+    ("replicated (annotated)": leaves the model annotated as replicated, any size; left
+    out when none), and a warning for each parameter axis of size > 1 that shards
+    nothing."""
     from jtrain import mesh as mesh_lib
 
     min_bytes = mesh_lib.auto_shard_bytes(mesh_cfg) if mesh.shape["fsdp"] > 1 else None
     p = mesh_lib.layout(abstract.params, shardings.params, min_bytes)
     o = mesh_lib.layout(abstract.opt_state, shardings.opt_state)
-    small = (f", {p['small']} too small (< {min_bytes:,} bytes, "
-             f"mesh.auto_shard_min_bytes)" if min_bytes else "")
+    small = (f", {p['annotated']} replicated (annotated)" if p["annotated"] else "") + (
+        f", {p['small']} too small (< {min_bytes:,} bytes, mesh.auto_shard_min_bytes)"
+        if min_bytes else "")
     auto = ("" if mesh.shape["fsdp"] == 1 else "; mesh.auto_shard on" if min_bytes is not None
             else "; mesh.auto_shard off")
     lines = [f"jtrain: sharding: params {p['per_device_bytes']:,} of {p['total_bytes']:,} "
