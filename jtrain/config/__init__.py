@@ -300,6 +300,7 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
     model = tree["model"]
     _check_family(model)
     space_lib.check(tree["tune"]["space"], schema_for(model["name"]), _check_value)
+    space_lib.check_population(tree["tune"])
     if model["name"] == "transformer" and tree["data"]["seq_len"] > model.get("max_len", 0):
         raise ConfigError("data.seq_len",
                           f"{tree['data']['seq_len']} exceeds model.max_len={model['max_len']}")

@@ -140,5 +140,9 @@ CONTROL_SECTIONS: dict[str, Any] = {
         "stale_after_s": F(float, 300.0, (1.0, INF), "a running trial whose worker has "
                            "not beaten its heartbeat this long is continued by another "
                            "(on the same host: as soon as the worker's process is gone)"),
+        "population": F(int, 1, (1, 1024), "trials trained together as one population "
+                        "run (population.*; every tune.space key must be one a population "
+                        "can vary); > 1: no pruning, one worker per study; 1 = one run "
+                        "per trial"),
     }),
 }

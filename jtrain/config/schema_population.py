@@ -56,10 +56,8 @@ def check(tree: dict) -> None:
     if seeds and len(seeds) != size:
         raise ConfigError("population.seeds", f"{len(seeds)} seeds for population.size="
                           f"{size}: give one per member or none (seed, seed+1, ...)")
-    if len(set(seeds)) != len(seeds):
-        raise ConfigError("population.seeds", f"repeated seeds {list(seeds)}: members with "
-                          "the same seed and hyperparameters would be identical")
-    for key, values in flat_vary(pop["vary"]).items():
+    vary = flat_vary(pop["vary"])
+    for key, values in vary.items():
         name = f"population.vary.{key}"
         if key not in VARY_KEYS:
             raise ConfigError(name, "cannot vary within a population (only values read "
@@ -68,6 +66,10 @@ def check(tree: dict) -> None:
             raise ConfigError(name, f"give one value per member (population.size={size}), "
                               f"got {values!r}")
         _check_values(name, key, values, tree["optim"])
+    rows = [(s, *(vary[k][i] for k in sorted(vary))) for i, s in enumerate(seeds)]
+    if len(set(rows)) != len(rows):
+        raise ConfigError("population.seeds", f"repeated seeds {list(seeds)}: members with "
+                          "the same seed and hyperparameters would be identical")
     if size == 1:
         return
     if pop["data"] != "shared":

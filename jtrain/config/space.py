@@ -19,6 +19,7 @@ import math
 from typing import Any, Callable
 
 from jtrain.config.schema import SPACE_KINDS, Field
+from jtrain.config.schema_population import VARY_KEYS
 from jtrain.errors import ConfigError
 
 _KINDS_FOR = {int: ("int", "log_int", "choice"), float: ("log_uniform", "uniform", "int",
@@ -126,3 +127,16 @@ def _field(key: str, schema: dict, name: str) -> Field | None:
     if key.startswith("tune."):
         raise ConfigError(name, "tune.* keys cannot be searched")
     return node
+
+
+def check_population(tune: dict) -> None:
+    """tune.population > 1 trains trials as the members of one population run: every
+    searched key must be one a population can vary (ConfigError naming tune.population)."""
+    if tune["population"] <= 1:
+        return
+    for key in flatten(tune["space"]):
+        if key not in VARY_KEYS:
+            raise ConfigError("tune.population", f"{tune['population']} trials per "
+                              f"population, and a population cannot vary tune.space key "
+                              f"{key} (only {', '.join(VARY_KEYS)}); search only those "
+                              "keys or set tune.population = 1")

@@ -13,6 +13,7 @@ WORKDIR/tune.png. Optuna is an extra: `pip install 'jtrain[tune]'`.
     command.py   flags, main(argv), the worker loop, the job broadcast
     study.py     storage, sampler, pruner, the next trial, killed trials, heartbeats
     trial.py     one trial: sampled params -> config -> jtrain.train -> outcome
+    batch.py     tune.population > 1: K trials as the members of one population run
     results.py   trials.jsonl, best_config.py, tune.png
 """
 

@@ -121,6 +121,11 @@ class Worker:
         self.space = self.base["tune"]["space"]
         self.primary = jax.process_index() == 0
         self.study = None
+        self.batched = self.tune.population > 1
+        if self.batched:
+            from jtrain.tune import batch
+
+            batch.check_base(self.base)
         if self.primary:
             from jtrain.tune import study as study_lib
 
@@ -133,6 +138,11 @@ class Worker:
             print(line, flush=True)
 
     def run(self) -> int:
+        if self.batched:
+            self.say(f"jtrain: tune: tune.population={self.tune.population}: up to "
+                     f"{self.tune.population} trials train as the members of one "
+                     "population run; no trial is pruned (a member cannot stop alone: "
+                     "every eval is still reported to the study); one worker per study")
         with self._signals_stop_between_trials():
             return self._loop()
 
@@ -147,10 +157,28 @@ class Worker:
                 self.say(f"jtrain: tune: {name} received: stopped before the next trial; "
                          "rerun the same command to continue")
                 return 0
-            trial, job = self._next() if self.primary else (None, None)
+            if self.batched:
+                trials, job = self._next_batch() if self.primary else (None, None)
+            else:
+                trial, job = self._next() if self.primary else (None, None)
+                trials = [trial]
             job = _share(job)
             if job is None:
                 break
+            if job.members is not None:
+                outcomes = self._run_batch(trials, job)
+                if self.primary:
+                    for t, outcome in zip(trials, outcomes):
+                        if t is not None:
+                            self._finish(t, outcome)
+                outcome = outcomes[0]
+                if outcome.fatal is not None:
+                    raise outcome.fatal
+                if outcome.state == "interrupted":
+                    self.say(f"jtrain: tune: stopped; the population in {job.workdir} saved "
+                             f"at step {outcome.step}: rerun the same command to continue it")
+                    return 0
+                continue
             how = (f" (continues trial {job.continues}" + (
                 f" from its step {job.resumed_from})" if job.resumed_from is not None
                 else ", from scratch: it had no checkpoint)")) if job.continues is not None \
@@ -229,6 +257,38 @@ class Worker:
             study_lib.copy_reports(self.study, trial, resumed)
         return trial, study_lib.Job(trial.number, rel, params,
                                     attrs.get(study_lib.CONTINUES), resumed)
+
+    def _next_batch(self):
+        from jtrain.tune import batch
+
+        return batch.next_batch(self.study, self.tune, self.space, self.workdir)
+
+    def _run_batch(self, trials, job) -> list:
+        from jtrain.multihost import preflight
+        from jtrain.tune import batch
+
+        for slot, m in enumerate(job.members):
+            if m["number"] is None:
+                continue
+            how = "" if m["continues"] is None else (
+                f", continues trial {m['continues']}" + (
+                    f" from its step {job.resumed_from}" if job.resumed_from is not None
+                    else ", from scratch: it had no checkpoint"))
+            self.say(f"jtrain: tune: trial {m['number']} (member {slot} of "
+                     f"{len(job.members)}{how}) in {job.workdir}: "
+                     + ", ".join(f"{k}={v!r}" for k, v in m["params"].items()))
+        report = None
+        if self.primary:
+            def report(slot, step, value):
+                if trials[slot] is not None:
+                    trials[slot].report(value, step)
+        with contextlib.ExitStack() as stack:
+            for t in trials or ():
+                stack.enter_context(self._heartbeat(t))
+            outcomes = batch.run(self.base, job, os.path.join(self.workdir, job.workdir),
+                                 self.tune.monitor, report)
+        preflight.forget()
+        return outcomes
 
     def _heartbeat(self, trial):
         if trial is None:

@@ -1,7 +1,8 @@
 """What a search leaves in its workdir (process 0 of a worker writes it):
 
     trials.jsonl    one line per trial: number, state, value, params, step, workdir,
-                    reason (failed / interrupted), continues / resumed_from (continued)
+                    reason (failed / interrupted), continues / resumed_from (continued),
+                    member (its member of a population run, tune.population > 1)
     best_config.py  get_config() of the best complete trial's values: retrain it with
                     python -m jtrain.main --config=WORKDIR/best_config.py --workdir=...
     tune.png        optimisation history and parameter importances
@@ -36,7 +37,8 @@ def records(study, space: dict) -> list[dict]:
                                           t.system_attrs.get("fixed_params", {})),
                "step": a.get(study_lib.STEP, t.last_step),
                "workdir": a.get(study_lib.WORKDIR, f"trials/{t.number}")}
-        for key in (study_lib.REASON, study_lib.CONTINUES, study_lib.RESUMED):
+        for key in (study_lib.REASON, study_lib.CONTINUES, study_lib.RESUMED,
+                    study_lib.MEMBER):
             if a.get(key) is not None:
                 rec[key] = a[key]
         out.append(rec)
@@ -67,8 +69,10 @@ def write_best_config(workdir: str, base: dict, rec: dict, monitor: str) -> str:
              "",
              "    python -m jtrain.main --config=best_config.py --workdir=runs/best",
              "",
-             "retrains it: with the same devices and steps it ends with the trial's "
-             "state_sha256.",
+             *(["retrains it: with the same devices and steps it ends with the trial's "
+                "state_sha256."] if rec.get("member") is None else
+               [f"retrains it alone: the trial was member {rec['member']} of the population "
+                f"run in {rec['workdir']}, which it matches to float32 rounding."]),
              f'Trial workdir: {rec["workdir"]}; params: {rec["params"]!r}.',
              '"""', "", "import ml_collections", "",
              "VALUES = " + pprint.pformat(values, sort_dicts=True, width=88), "", "",

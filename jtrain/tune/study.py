@@ -29,6 +29,10 @@ HOST, PID, BEAT = "jtrain_host", "jtrain_pid", "jtrain_heartbeat"
 WORKDIR, CONTINUES, RESUMED = "workdir", "continues", "resumed_from"
 INTERRUPTED, SURPLUS, REASON, STEP = "interrupted", "surplus", "reason", "step"
 STUDY_SPACE = "jtrain_space"
+# A trial trained as a member of a population run (tune.population > 1, jtrain.tune.batch):
+# its place in the batch and the batch's trials, in member order.
+# MEMBER: its member in that run (trials that sampled the same values share one).
+SLOT, BATCH, MEMBER = "population_slot", "population_batch", "member"
 
 
 @dataclasses.dataclass
@@ -39,6 +43,9 @@ class Job:
     params: dict  # dotted config key -> value
     continues: int | None = None
     resumed_from: int | None = None
+    # A population batch (jtrain.tune.batch): one dict per member, in member order
+    # (number, params, continues, resumed_from; number None = a member already told).
+    members: list | None = None
 
 
 def storage_url(tune_cfg, workdir: str) -> str:
@@ -147,14 +154,17 @@ def interrupt(study: optuna.Study, t, why: str) -> bool:
             return False
     except optuna.exceptions.UpdateFinishedTrialError:
         return False
-    study.enqueue_trial(dict(t.params), user_attrs={WORKDIR: first, CONTINUES: t.number},
-                        skip_if_exists=False)
+    batch = {k: t.user_attrs[k] for k in (SLOT, BATCH) if k in t.user_attrs}
+    study.enqueue_trial(dict(t.params), user_attrs={WORKDIR: first, CONTINUES: t.number,
+                                                    **batch}, skip_if_exists=False)
     return True
 
 
-def next_trial(study: optuna.Study, tune_cfg):
-    """(optuna Trial, Job) for this worker, or None when the study needs no more."""
-    requeue_orphans(study, tune_cfg.stale_after_s)
+def next_trial(study: optuna.Study, tune_cfg, requeue: bool = True):
+    """The optuna Trial this worker runs next, or None when the study needs no more.
+    `requeue=False` while this worker holds running trials (its own pid would look gone)."""
+    if requeue:
+        requeue_orphans(study, tune_cfg.stale_after_s)
     trials = study.get_trials(deepcopy=False)
     waiting = any(t.state == TrialState.WAITING for t in trials)
     if not waiting and len(counted(trials)) >= tune_cfg.trials:
@@ -169,7 +179,7 @@ def next_trial(study: optuna.Study, tune_cfg):
             trial.set_user_attr(SURPLUS, True)
             trial.set_user_attr(REASON, "surplus: tune.trials were all started")
             study.tell(trial, state=TrialState.FAIL)
-            return next_trial(study, tune_cfg)
+            return next_trial(study, tune_cfg, requeue)
     study.sampler = make_sampler(tune_cfg, trial.number)
     return trial
 

@@ -89,32 +89,44 @@ def last_checkpoint(workdir: str) -> int | None:
 
 def run(base: dict, params: dict, workdir: str, monitor: str, report=None) -> Outcome:
     """Trains the trial in `workdir`. `report(step, value) -> prune?` (process 0 only)."""
-    import jtrain
-
     def on_eval(step, metrics):
         value = metrics.get(monitor)
         return bool(report(step, float(value))) if report and value is not None else False
 
+    return train(trial_config(base, params), workdir, on_eval, [monitor])[0]
+
+
+def train(config: dict, workdir: str, on_eval, monitors: list[str]) -> list[Outcome]:
+    """One jtrain run in `workdir` and the outcome of each of `monitors` (one per trial
+    it trains: a population run trains several, jtrain.tune.batch)."""
+    import jtrain
+
+    n = len(monitors)
     try:
-        result = jtrain.train(trial_config(base, params), workdir, on_eval=on_eval)
+        result = jtrain.train(config, workdir, on_eval=on_eval)
     except errors.ConfigError as e:
         if e.key.startswith("tune."):  # the study's own config: no trial can succeed
-            return Outcome("failed", reason=errors.render(e), fatal=e)
-        return Outcome("failed", reason=errors.render(e))
+            return [Outcome("failed", reason=errors.render(e), fatal=e)] * n
+        return [Outcome("failed", reason=errors.render(e))] * n
     except errors.JtrainError as e:  # a bad value for this trial, a non-finite halt, ...
-        return Outcome("failed", reason=errors.render(e))
+        return [Outcome("failed", reason=errors.render(e))] * n
     except Exception as e:  # noqa: BLE001 - e.g. a user model failing for some params
-        return Outcome("failed", reason=errors.render(e))
+        return [Outcome("failed", reason=errors.render(e))] * n
     step = result.summary.get("step")
     if result.stopped_by in ("SIGTERM", "SIGINT"):
-        return Outcome("interrupted", step=step, reason=f"stopped by {result.stopped_by}")
-    value = final_value(workdir, monitor)
-    if result.stopped_by == "on_eval":
-        return Outcome("pruned", value=value, step=step)
-    if value is None or not math.isfinite(value):
-        return Outcome("failed", step=step, reason=f"jtrain: tune: {monitor} at the last "
-                       f"eval is {value} (no finite value to rank)")
-    return Outcome("complete", value=value, step=step)
+        return [Outcome("interrupted", step=step, reason=f"stopped by {result.stopped_by}")
+                for _ in monitors]
+    out = []
+    for monitor in monitors:
+        value = final_value(workdir, monitor)
+        if result.stopped_by == "on_eval":
+            out.append(Outcome("pruned", value=value, step=step))
+        elif value is None or not math.isfinite(value):
+            out.append(Outcome("failed", step=step, reason=f"jtrain: tune: {monitor} at the "
+                               f"last eval is {value} (no finite value to rank)"))
+        else:
+            out.append(Outcome("complete", value=value, step=step))
+    return out
 
 
 def final_value(workdir: str, monitor: str) -> float | None:
