@@ -102,7 +102,12 @@ def test_one_process_and_the_halves_of_two_give_the_same_global_batch():
     for _ in range(10):
         whole = next(one)["inputs"]
         assert np.array_equal(whole, np.concatenate([next(h)["inputs"] for h in halves]))
-    assert halves[0].get_state() == halves[1].get_state() == one.get_state()
+    state = halves[0].get_state()
+    assert state == halves[1].get_state() == one.get_state()
+    elastic = _iter(train())  # 2 processes' position resumed on 1
+    elastic.set_state(state)
+    for _ in range(5):
+        assert np.array_equal(next(elastic)["inputs"], next(one)["inputs"])
 
 
 def test_a_stream_that_cannot_start_another_pass_fails_naming_the_component():
@@ -114,6 +119,9 @@ def test_a_stream_that_cannot_start_another_pass_fails_naming_the_component():
                                         r"in epoch 1"):
         for _ in range(20):
             next(it)
+    loader = torch.utils.data.DataLoader(Stream(), batch_size=4)  # over a stream
+    train, _, _ = make_sources(_cfg(), Mixture({"a": arrays, "s": loader}))
+    assert train.stream_parts and next(_iter(train))["inputs"].shape == (8, 1)
     gen = (x for x in [{"inputs": np.zeros(1, np.float32), "targets": np.int32(0)}])
     with pytest.raises(DataError, match=r"data\.mixture\.s: an iterator or generator"):
         make_sources(_cfg(), Mixture({"a": arrays, "s": gen}))
