@@ -19,7 +19,8 @@ one place (the background device prefetch in prefetch.py is handed that function
     device_prefetch  the next batches on the devices, position kept exact (prefetch.py)
     eval_batches     every example once, padded, with a mask (evalsets.py)
     Mixture          several datasets sampled by weight, data.mixture_schedule, each
-                     component's eval set on its own (mixture.py)
+                     component's eval set on its own (mixture.py); stream components
+                     read in order by every process (mixture_streams.py)
     packing          token documents packed into data.seq_len windows with segment_ids
                      and positions (packing.py)
 
@@ -41,7 +42,7 @@ import numpy as np
 from jtrain.data import checks, evalsets, items as items_lib, load, mixture, packing
 from jtrain.data import pipeline, text, torch_adapters
 from jtrain.data.items import DataError
-from jtrain.data.dataset import Data, MapData
+from jtrain.data.dataset import Data, MapData, StreamData
 from jtrain.data.mixture import Mixture
 from jtrain.data.prefetch import DevicePrefetch
 from jtrain.data.sources import MapSource, item_rng, with_transform
@@ -178,11 +179,9 @@ def _mixture_sources(data_cfg, mix: Mixture, process_index: int, process_count: 
         raw = packing.pack(mix.components[name], data_cfg, where)
         part = load.as_data(raw, where)
         part = dataclasses.replace(part, notes=part.notes + packing.note(raw))
-        if not isinstance(part, MapData):
-            raise DataError(where, f"a {part.description} component: stream components "
-                                   "are not implemented in a mixture, only map-style data "
-                                   "(len + getitem); pass its items as a list or a map-style "
-                                   "Dataset")
+        if not isinstance(part, (MapData, StreamData)):
+            raise DataError(where, f"a {part.description} component: a mixture takes "
+                                   "map-style data or streams, not a loader of batches")
         ev_raw = mix.eval.get(name)
         if ev_raw is not None:
             ev = load.as_data(packing.pack(ev_raw, data_cfg, f"{where} (eval)"),
@@ -191,6 +190,12 @@ def _mixture_sources(data_cfg, mix: Mixture, process_index: int, process_count: 
             part, ev = part.split_off_eval(data_cfg.val_fraction, data_cfg.split_seed)
         else:
             ev = None
+        if isinstance(ev, StreamData):  # read whole, alike on every process
+            ev = load.as_data(ev.local_rows(0, 1, workers=1, limit=None), f"{where} (eval)")
+        if isinstance(part, StreamData):
+            part = dataclasses.replace(part, notes=part.notes + [
+                "a stream: read whole and in order by every process, in the main thread "
+                "(data.num_workers does not apply to this mixture)"])
         if data_cfg.transform:
             part = load.add_transform(part, load.load_named(data_cfg.transform,
                                                             "data.transform"))
@@ -210,7 +215,8 @@ def _mixture_sources(data_cfg, mix: Mixture, process_index: int, process_count: 
     info = {"name": "mixture", "kind": train.kind, "notes": list(train.notes),
             "num_examples": train.known_size, "num_eval_examples": len(ev) if ev else 0,
             "batches_per_epoch": None,
-            "mixture": [{"name": n, "weight": float(w), "examples": len(checked[n])}
+            "mixture": [{"name": n, "weight": float(w), "examples": checked[n].known_size
+                         if isinstance(checked[n], MapData) else None}
                         for n, w in zip(names, schedule[1][0])]}
     info["components"] = mixture.components_line(info["mixture"])  # the header's data line
     return train, ev, info

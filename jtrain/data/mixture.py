@@ -1,5 +1,5 @@
-"""Weighted data mixtures (data.mixture, jtrain.data.Mixture): several map-style
-datasets sampled by weight into one train stream, with exact positions.
+"""Weighted data mixtures (data.mixture, jtrain.data.Mixture): several datasets sampled
+by weight into one train stream, with exact positions.
 
 Global batch b, slot j takes component c with probability weights(b)[c] (the weights of
 data.mixture_schedule in force at batch b, which is the step that trains on it), drawn
@@ -11,8 +11,10 @@ runs through its own epochs. n is counted by replaying the draws (vectorised, ca
 chunk), so the position is still one integer; the data state also records each
 component's draws and epochs.
 
-Components are opened as any input (load.as_data), must be map-style and must agree on
-their fields, shapes and dtypes (a DataError names the component that differs).
+Components are opened as any input (load.as_data) and must agree on their fields, shapes
+and dtypes (a DataError names the component that differs). A stream component (no len)
+is consumed in order: its n-th draw is its n-th element, read by every process
+(mixture_streams.py).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from jtrain.data import items as items_lib, pipeline
-from jtrain.data.dataset import MapData
+from jtrain.data import items as items_lib, mixture_streams, pipeline
+from jtrain.data.dataset import MapData, StreamData
 from jtrain.data.items import DataError
 
 CHUNK = 256  # batches drawn together
@@ -93,11 +95,13 @@ def schedule_table(names: list, weights: dict, schedule: dict) -> tuple[np.ndarr
 
 
 class ConcatSource:
-    """The components side by side. Index = epoch * total + offset[c] + example."""
+    """The components side by side. Index = epoch * total + offset[c] + example. The
+    components numbered in `streams` are streams: size 0 here, never located."""
 
-    def __init__(self, sources: list, names: list):
-        self.sources, self.names = sources, names
-        self.sizes = np.array([len(s) for s in sources], np.int64)
+    def __init__(self, sources: list, names: list, streams: tuple = ()):
+        self.sources, self.names, self.streams = sources, names, tuple(streams)
+        self.sizes = np.array([0 if c in self.streams else len(s)
+                               for c, s in enumerate(sources)], np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]])
         self.total = int(self.sizes.sum())
         self.name = "train_data"
@@ -181,18 +185,25 @@ class MixturePlan:
                 .permutation(n)
         return self._orders[key]
 
-    def __call__(self, number: int):
+    def row(self, number: int) -> np.ndarray:
+        """The component of every slot of global batch `number` [B]."""
         chunk, k = divmod(int(number), CHUNK)
-        row = self.choices(chunk)[k]  # [B]
+        return self.choices(chunk)[k]
+
+    def index(self, c: int, n: int) -> int:
+        """The encoded index of the n-th draw of map-style component c."""
+        epoch, i = divmod(n, int(self.source.sizes[c]))
+        return (epoch * self.source.total + int(self.source.offsets[c])
+                + int(self.order(c, epoch)[i]))
+
+    def __call__(self, number: int):
+        row = self.row(number)  # [B]
         before = self.counts_before(number)
         indices = np.empty(self.local_batch, np.int64)
         for j in range(self.local_batch):
             slot = self.offset + j
             c = int(row[slot])
-            n = int(before[c]) + int(np.count_nonzero(row[:slot] == c))
-            epoch, i = divmod(n, int(self.source.sizes[c]))
-            indices[j] = (epoch * self.source.total + int(self.source.offsets[c])
-                          + int(self.order(c, epoch)[i]))
+            indices[j] = self.index(c, int(before[c]) + int(np.count_nonzero(row[:slot] == c)))
         return 0, int(number), indices, np.ones(self.local_batch, bool)
 
 
@@ -229,10 +240,18 @@ class MixtureData(MapData):
     """A mixture: `source` is a ConcatSource; `weights` (starts, table) its schedule."""
     schedule: Any = None
     eval_parts: dict = dataclasses.field(default_factory=dict)  # name -> checked eval Data
+    stream_parts: dict = dataclasses.field(default_factory=dict)  # c -> checked StreamData
     kind: ClassVar[str] = "mixture"
 
     def split_off_eval(self, fraction, split_seed):
         raise DataError("data.val_fraction", "a mixture is split per component (internal)")
+
+    @property
+    def known_size(self) -> int | None:
+        return None if self.stream_parts else len(self.source)
+
+    def __len__(self) -> int:  # the map-style components' examples (random access)
+        return len(self.source)
 
     def train_iterator(self, *, local_batch, seed, shuffle, process_index, process_count,
                        num_workers, drop_last, prefetch, num_threads):
@@ -241,6 +260,8 @@ class MixtureData(MapData):
         plan = MixturePlan(self.source, starts, table, global_batch=local_batch *
                            process_count, local_batch=local_batch,
                            process_index=process_index, seed=seed, shuffle=shuffle)
+        if self.stream_parts:
+            return mixture_streams.StreamMixtureIterator(plan, reader, self.stream_parts)
         return MixtureIterator(plan, reader, num_workers=num_workers,
                                num_threads=num_threads, prefetch=prefetch,
                                worker_init_fn=self.worker_init_fn)
@@ -255,28 +276,33 @@ def combine(checked: dict, schedule: tuple, names: list) -> MixtureData:
         why = items_lib.mismatch(ref, checked[name].ref, f"component {first!r}")
         if why:
             raise DataError(f"data.mixture.{name}{why}")
-    source = ConcatSource([checked[n].source for n in names], names)
+    streams = {c: checked[n] for c, n in enumerate(names)
+               if isinstance(checked[n], StreamData)}
+    source = ConcatSource([checked[n].source for n in names], names, tuple(streams))
     notes = [f"{n}: {line}" for n in names for line in checked[n].notes]
     if len(schedule[0]) > 1:
         notes.append("weights change at steps " + ", ".join(map(str, schedule[0][1:].tolist())))
     return MixtureData("train_data", source, "mixture", ref=ref,
                        sample=checked[first].sample, notes=notes,
-                       collate_fn=checked[first].collate_fn, schedule=schedule)
+                       collate_fn=checked[first].collate_fn, schedule=schedule,
+                       stream_parts=streams)
 
 
 def report(data_state: dict, schedule: tuple) -> dict | None:
     """summary.json's `data.mixture` from a mixture's data state: per component the
     weight of the last batch drawn, its size, its draws and its epochs run through
-    (draws / size); None for any other data."""
+    (draws / size; a stream component: size "stream", epochs its completed passes);
+    None for any other data."""
     if not isinstance(data_state, dict) or data_state.get("kind") != "mixture":
         return None
     starts, table = schedule
     last = max(int(data_state["position"]) - 1, 0)
     weights = table[int(np.searchsorted(starts, last, side="right")) - 1]
-    return {name: {"weight": round(float(w), 6), "size": int(n), "draws": int(d),
-                   "epochs": round(int(d) / int(n), 3)}
-            for name, w, n, d in zip(data_state["components"], weights,
-                                     data_state["sizes"], data_state["draws"])}
+    return {name: {"weight": round(float(w), 6), "size": n, "draws": int(d),
+                   "epochs": e if n == "stream" else round(int(d) / int(n), 3)}
+            for name, w, n, d, e in zip(data_state["components"], weights,
+                                        data_state["sizes"], data_state["draws"],
+                                        data_state["epochs"])}
 
 
 def report_line(block: dict, batches: int) -> str:
@@ -289,4 +315,6 @@ def report_line(block: dict, batches: int) -> str:
 def components_line(info_mixture: list) -> str:
     """The header's components (instead of one dataset's batches per epoch)."""
     return f"mixture of {len(info_mixture)}: " + ", ".join(
-        f"{c['name']} ({c['weight']:.2f}, {c['examples']:,} examples)" for c in info_mixture)
+        f"{c['name']} ({c['weight']:.2f}, " + (
+            "stream" if c["examples"] is None else f"{c['examples']:,} examples") + ")"
+        for c in info_mixture)

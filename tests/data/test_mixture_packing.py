@@ -135,16 +135,6 @@ def test_mixture_header_names_the_components_not_batches_per_epoch():
                          "20 examples)") and "per epoch" not in text
 
 
-def test_a_stream_component_stops_with_not_implemented():
-    class Stream:  # re-iterable, no len: a stream
-        def __iter__(self):
-            return iter([{"inputs": np.zeros(4, np.float32), "targets": np.int32(0)}] * 9)
-
-    arrays = {"inputs": np.zeros((9, 4), np.float32), "targets": np.zeros(9, np.int32)}
-    with pytest.raises(DataError, match=r"data\.mixture\.s: .*not implemented in a mixture"):
-        make_sources(_cfg(), Mixture({"a": arrays, "s": Stream()}))
-
-
 def test_components_that_disagree_fail_naming_the_component():
     bad = Mixture({"a": {"inputs": np.zeros((10, 3), np.float32), "targets": np.zeros(10)},
                    "b": {"inputs": np.zeros((10, 4), np.float32), "targets": np.zeros(10)}})
