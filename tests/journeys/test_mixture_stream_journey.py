@@ -19,7 +19,7 @@ def get_config(arg=None):
     c.data = dict(batch_size=8, val_fraction=0.0,
                   mixture={"table": {"source": "mydata:table", "weight": 0.6},
                            "sensor": {"source": "mydata:sensor", "weight": 0.4}})
-    c.checkpoint = dict(every_steps=2, async_save=False)  # one kill lands after a save
+    c.checkpoint = dict(every_steps=1, async_save=False)  # a step kill resumes from a save
     return c
 '''
 
