@@ -1,6 +1,8 @@
 """model.remat: per-block rematerialisation of the built-in transformer gives the same
 parameters, loss and gradients as no remat, for every policy (what XLA:CPU's compiled
-step keeps in temp memory is printed, not asserted: its scheduler does not shrink it)."""
+step keeps in temp memory is printed, not asserted: this process runs XLA:CPU's default
+concurrency-optimised scheduler, under which remat does not shrink it; the scheduler
+jtrain's entry points set on CPU does, see docs/guide/user-models-precision.md)."""
 
 import jax
 import jax.numpy as jnp
