@@ -221,10 +221,7 @@ class MixtureIterator(pipeline.MapIterator):
 
     def set_state(self, state: dict) -> None:
         p, name = self.plan, self.reader.name
-        if not isinstance(state, dict) or state.get("kind") != "mixture":
-            raise DataError(f"{name}: the checkpoint's data position is not one of a "
-                            "mixture; the data changed kind since it was saved (use a new "
-                            "workdir)")
+        mixture_streams.check_kind(state, name)
         saved = (state.get("components"), state.get("sizes"), state.get("global_batch"))
         now = (list(p.source.names), p.source.sizes.tolist(), p.global_batch)
         if saved != now:

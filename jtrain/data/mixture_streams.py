@@ -66,6 +66,14 @@ class StreamCursor:
         self.draws, self.in_epoch = int(state["draws"]), int(state["in_epoch"])
 
 
+def check_kind(state, name: str) -> None:
+    """A DataError unless `state` is a mixture's saved data position."""
+    if not isinstance(state, dict) or state.get("kind") != "mixture":
+        raise DataError(f"{name}: the checkpoint's data position is not one of a "
+                        "mixture; the data changed kind since it was saved (use a new "
+                        "workdir)")
+
+
 class StreamMixtureIterator:
     """Endless per-process batches of a mixture with stream components, read in order in
     the caller's thread. The position is the global batches consumed (as for any
@@ -125,10 +133,7 @@ class StreamMixtureIterator:
 
     def set_state(self, state: dict) -> None:
         p, name = self.plan, self.reader.name
-        if not isinstance(state, dict) or state.get("kind") != "mixture":
-            raise DataError(f"{name}: the checkpoint's data position is not one of a "
-                            "mixture; the data changed kind since it was saved (use a new "
-                            "workdir)")
+        check_kind(state, name)
         now = self.get_state()
         saved = (state.get("components"), state.get("sizes"), state.get("global_batch"))
         if saved != (now["components"], now["sizes"], now["global_batch"]):

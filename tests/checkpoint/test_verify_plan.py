@@ -123,7 +123,7 @@ def test_judge_pass_and_its_counts():
 
 
 def test_judge_a_kill_that_did_not_land_is_a_fail():
-    # The report of issue 10: --verify_kills=2 with one kill landed printed PASS.
+    # A reported case: --verify_kills=2 with one kill landed printed PASS.
     attempts = [Attempt("time:3.1", None, KILLED), Attempt("step:16", 20, 0)]
     verdict = verify.judge(REF, dict(REF), attempts, requested=2)
     assert not verdict.ok and verdict.line.startswith("FAIL: only 1/2 kills landed"), \
