@@ -71,6 +71,7 @@ def _main(fv, args) -> int:
     print(f"jtrain: exported step {record['step']}"
           + (f" of member {fv.member}" if fv.member is not None else "")
           + (" (the weight EMA)" if fv.weights == "ema" else "")
+          + (" (the schedule-free average)" if record.get("schedule_free_average") else "")
           + f": {record['num_params']:,} params in "
           f"{record['num_tensors']} tensors ({record['dtype']}) to "
           + (_hf_line(record["hf"], fv.out) if "hf" in record

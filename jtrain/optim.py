@@ -37,8 +37,8 @@ Choices worth knowing:
   both with the masked weight decay. The header counts the leaves of each.
 - "schedule_free_adamw" / "_sgd" (optax.contrib.schedule_free): `b1` in (0, 1) is the
   interpolation; constant schedule (+ warmup) only. The params are the gradient points
-  y; evaluation uses the average x (`schedule_free_eval_params`; export refuses such a
-  run). lr_mults and the plateau / spike factor scale the base step (z), so the average
+  y; evaluation uses the average x (`schedule_free_eval_params`), and so does the
+  export. lr_mults and the plateau / spike factor scale the base step (z), so the average
   stays consistent.
 - "prodigy": estimates the step size D from `prodigy_d0`; `lr` (usually 1.0) multiplies
   it; masked weight decay as prodigy's own. lr_mults and the factor scale the step.

@@ -224,17 +224,17 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
     from jtrain.optim import SCHEDULE_FREE
 
     optimizer = ((control.get("config") or {}).get("optim") or {}).get("name")
-    if optimizer in SCHEDULE_FREE:
-        raise ExportError(f"{step_dir}: optim.name={optimizer}: exporting a schedule-free "
-                          "run is not implemented (its evaluation params are an average "
-                          "kept in the optimizer state); evaluate it with jtrain evaluate")
+    averaged = optimizer in SCHEDULE_FREE and weights == "params"
     loaded = load_checkpoint_leaves(step_dir, ("params", "ema") if weights == "ema"
+                                    else ("params", "opt_state") if averaged
                                     else ("params",))
     config, loaded = _member_of(control.get("config") or {}, loaded, member, workdir)
     leaves = {name.split("/", 1)[1]: arr  # "params/body/kernel" -> "body/kernel"
               for name, arr in loaded.items() if name.startswith("params/")}
     if weights == "ema":
         leaves = _ema_as_params(loaded, leaves, workdir)
+    if averaged:  # what the optimizer evaluates at, as training and jtrain evaluate do
+        leaves = _schedule_free_average(loaded, leaves, step_dir)
     merged = _merge_lora(leaves, config, workdir) if merge_lora else None
     tensors = {}
     for name, arr in leaves.items():
@@ -252,6 +252,8 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
     }
     if member is not None:
         record["member"] = member
+    if averaged:
+        record["schedule_free_average"] = True
     if merged is not None:
         record["merged_lora"] = merged
     if writer is not None:
@@ -262,6 +264,21 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
     with open(os.path.join(out, INFO_FILE), "w") as f:
         json.dump(record, f, indent=2, sort_keys=True)
     return record
+
+
+def _schedule_free_average(loaded: dict, params: dict, step_dir: str) -> dict:
+    """A schedule-free run's evaluation params, x = (y - (1 - b1) z) / b1 from the saved
+    step's params y and the optimizer state's z and b1 (optax.contrib's
+    schedule_free_eval_params); leaves without a z (frozen) are exported as they are."""
+    state = {name: arr for name, arr in loaded.items() if name.startswith("opt_state/")}
+    b1 = [arr for name, arr in state.items() if name.endswith("/b1")]
+    z = {name.split("/z/", 1)[1]: arr for name, arr in state.items() if "/z/" in name}
+    if len(b1) != 1 or not z:
+        raise ExportError(f"{step_dir}: a schedule-free run whose optimizer state has no "
+                          "single b1 and z; export it from a checkpoint jtrain wrote")
+    b1 = np.float32(b1[0])
+    return {name: arr if name not in z else ((arr - (np.float32(1.0) - b1) * z[name]) / b1)
+            .astype(arr.dtype) for name, arr in params.items()}
 
 
 def _ema_as_params(loaded: dict, params: dict, workdir: str) -> dict:

@@ -102,7 +102,7 @@ def _optimizer_notes(optim, params) -> str:
 
     if optim.name in optim_lib.SCHEDULE_FREE:
         return ("; schedule-free: evaluation uses its averaged params "
-                "(schedule_free_eval_params); export is not implemented for it")
+                "(schedule_free_eval_params), and its export writes them")
     if optim.name != "muon" or params is None:
         return ""
     labels = optim_lib.trainable_labels(params, optim.trainable, optim.frozen)

@@ -116,3 +116,17 @@ def test_reader_is_read_only(run_dir):
     assert same(state, make_state(3, 3.0)) and data == {"pos": 3}
     assert control["config"]["total_steps"] == 90
     assert sorted(os.listdir(run_dir / "checkpoints")) == before
+
+
+def test_schedule_free_export_is_the_average_and_frozen_leaves_stay():
+    """x = (y - (1 - b1) z) / b1 per leaf with a z; a frozen leaf (no z) as saved."""
+    from jtrain.checkpoint.export import _schedule_free_average
+
+    y = {"a/kernel": np.array([1.0, 2.0], np.float32), "a/bias": np.array([3.0], np.float32)}
+    prefix = "opt_state/inner_states/train/inner_state/"
+    loaded = {prefix + "b1": np.float32(0.9), prefix + "z/a/kernel": np.array([0.5, 4.0],
+                                                                          np.float32)}
+    out = _schedule_free_average(loaded, y, "ckpt/4")
+    np.testing.assert_allclose(out["a/kernel"], (y["a/kernel"] - 0.1 * np.array([0.5, 4.0]))
+                               / 0.9, rtol=1e-6)
+    assert out["a/bias"] is y["a/bias"] and out["a/kernel"].dtype == np.float32

@@ -1,5 +1,5 @@
 """Today's optimizers as users run them: a schedule-free run killed and resumed from the
-CLI is bitwise the uninterrupted one, and evaluates at its averaged params; a plain
+CLI is bitwise the uninterrupted one, evaluates and exports its averaged params; a plain
 script trains the user's own model with optim.name="muon"."""
 
 import json
@@ -23,14 +23,15 @@ def test_schedule_free_resume_is_bitwise_and_eval_uses_the_average(tmp_path):
     log = (tmp_path / "runs" / "v" / "reference" / "train.log").read_text()
     assert "schedule-free: evaluation uses its averaged params" in log, log[-3000:]
     export = run_python(tmp_path, "-m", "jtrain.export", "runs/v/reference", "--out=x")
-    assert export.returncode == 3 and export.stderr.startswith(
-        "jtrain: export error: ") and "schedule-free run is not implemented" in export.stderr, \
-        export.stderr
+    assert export.returncode == 0, export.stderr
+    assert json.loads((tmp_path / "x" / "export.json").read_text())["schedule_free_average"]
     check = run_python(tmp_path, "-c", SF_EVAL_CHECK, timeout=600)
     assert check.returncode == 0, check.stderr[-3000:]
     result = json.loads(check.stdout.strip().splitlines()[-1])
     assert abs(result["evaluated"] - result["average"]) < 1e-5, result
     assert abs(result["evaluated"] - result["raw"]) > 1e-4, result
+    assert result["export_vs_average"] < 1e-6, result  # the export is the averaged params
+    assert result["export_vs_raw"] > 1e-5, result
 
 
 SF_EVAL_CHECK = '''
@@ -47,6 +48,7 @@ def eval_spy(step, params, *a, **k):
     sf = [s for s in jax.tree.leaves(seen["state"], is_leaf=lambda x: isinstance(
         x, optax.contrib.ScheduleFreeState)) if isinstance(s, optax.contrib.ScheduleFreeState)]
     average = optax.contrib.schedule_free_eval_params(sf[0], seen["raw"])
+    seen["average"] = average
     for name, p in (("raw", seen["raw"]), ("average", average)):
         losses[name] = real_eval(step, p, *a, **k).scalars["eval/loss"]
     result = real_eval(step, params, *a, **k)
@@ -54,6 +56,15 @@ def eval_spy(step, params, *a, **k):
     return result
 optim.schedule_free_eval_params, evaluator.run_eval = params_spy, eval_spy
 ev.evaluate_checkpoint("runs/v/reference", num_batches=2, plots=False)
+import numpy as np
+from jtrain.checkpoint import export as ex, integrity
+tensors, _ = ex.read_safetensors("x/params.safetensors")
+for name in ("average", "raw"):
+    flat = {integrity.leaf_path(p): np.asarray(v)
+            for p, v in jax.tree_util.tree_flatten_with_path(seen[name])[0]}
+    assert set(flat) == set(tensors), (sorted(flat), sorted(tensors))
+    losses[f"export_vs_{name}"] = max(float(np.max(np.abs(tensors[k] - flat[k])))
+                                      for k in tensors)
 print(json.dumps(losses))
 '''
 
