@@ -15,8 +15,8 @@ import optuna
 import pytest
 
 import jtrain
+from journey import run_python
 from jtrain import config as config_lib
-from jtrain import tune
 from jtrain.errors import ConfigError
 from jtrain.tune import batch
 from jtrain.tune import study as study_lib
@@ -57,15 +57,18 @@ def _records(path):
     return [json.loads(line) for line in open(path)]
 
 
-def test_a_population_search_tells_each_trial_its_members_value(tmp_path, monkeypatch,
-                                                                 capsys):
+def test_a_population_search_tells_each_trial_its_members_value(tmp_path, monkeypatch):
+    """From the command line, as a user runs it (a temp cwd, relative paths)."""
     (tmp_path / "tunepopdata.py").write_text(DATA)
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "search.py").write_text(CONFIG.format(data="tunepopdata"))
     work = tmp_path / "runs"
-    assert tune.main([f"--config={tmp_path}/search.py", f"--workdir={work}"]) == 0
-    out = capsys.readouterr().out
-    assert "tune.population=2" in out and "no trial is pruned" in out
+    proc = run_python(tmp_path, "-m", "jtrain.tune", "--config=search.py", "--workdir=runs",
+                      timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "tune.population=2" in out and "no trial is pruned" in out, out[-3000:]
+    assert "Traceback" not in out
     recs = _records(work / "trials.jsonl")
     assert [r["state"] for r in recs] == ["complete"] * 4
     assert [(r["workdir"], r["member"]) for r in recs] == [
