@@ -127,7 +127,7 @@ def _read_state(directory: str, step: int) -> dict:
         tree = ck.metadata(path).item_metadata.tree
         args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), tree)
         out = ck.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
-    return {hashes_lib.path_name(p): np.asarray(x)
+    return {hashes_lib.leaf_path(p): np.asarray(x)
             for p, x in jax.tree_util.tree_flatten_with_path(out)[0]}
 
 

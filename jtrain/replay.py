@@ -143,7 +143,7 @@ def _host(state) -> dict:
             x = jax.random.key_data(x)
         return np.asarray(x)
 
-    return {hashes_lib.path_name(p): fetch(x)
+    return {hashes_lib.leaf_path(p): fetch(x)
             for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
 
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtrain.observe import jsonl
+from jtrain.optim import leaf_path
 
 HASH_FILE = "hashes.jsonl"
 _GOLDEN = np.uint32(2654435761)  # Knuth's multiplicative hash constant
@@ -40,19 +41,7 @@ PARTS = ("params", "opt_state", "ema")  # the rest (step, rng, loss scale, ...) 
 
 def leaf_paths(state) -> list[str]:
     """The state's leaf paths, in tree order ("params/Dense_0/kernel", ...)."""
-    return [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-
-
-def path_name(path) -> str:
-    out = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                out.append(str(getattr(k, attr)))
-                break
-        else:
-            out.append(str(k))
-    return "/".join(out)
+    return [leaf_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
 
 
 def _bits(x) -> jax.Array:
@@ -96,7 +85,7 @@ def make_digest(mesh=None) -> Callable:
 
 def describe(state) -> list[tuple[str, str]]:
     """(path, "dtype[shape]") per leaf, in tree order: what the host hash covers."""
-    return [(path_name(p), f"{jnp.dtype(x.dtype).name}{list(x.shape)}")
+    return [(leaf_path(p), f"{jnp.dtype(x.dtype).name}{list(x.shape)}")
             for p, x in jax.tree_util.tree_flatten_with_path(state)[0]]
 
 
