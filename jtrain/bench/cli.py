@@ -276,6 +276,8 @@ def commands() -> dict:
         "peers": (_peers_flags, peers, "jtrain vs plain PyTorch and Lightning, same work"),
         "population": (_population_flags, _population, "K runs one after another vs one "
                        "population of K (one compiled step)"),
+        "profile": (_profile_flags, _profile, "the train step's time op by op (XLA:CPU "
+                    "trace), matmul GFLOP/s, copies"),
         "table": (lambda fv: None, table, "a benchmark's --out JSON as a markdown table"),
     }
 
@@ -284,6 +286,18 @@ def _population_flags(fv) -> None:
     from jtrain.bench import population as bpop
 
     bpop.define_flags(fv)
+
+
+def _profile_flags(fv) -> None:
+    from jtrain.bench import profile as bprof
+
+    bprof.define_flags(fv)
+
+
+def _profile(args) -> int:
+    from jtrain.bench import profile as bprof
+
+    return bprof.main(args)
 
 
 def _population(args) -> int:
@@ -311,7 +325,7 @@ def main(argv=None) -> int:
     name = argv[0] if argv and not argv[0].startswith("-") else None
     if name is None:
         usage = ("usage: python -m jtrain.bench {overhead,data,checkpoint,console,scaling,"
-                 "peers,population,table} [flags]\n\n"
+                 "peers,population,profile,table} [flags]\n\n"
                  + "".join(f"  {k:<11} {v[2]}\n" for k, v in benches.items()))
         if any(a in ("--help", "-h") for a in argv):
             sys.stdout.write(usage + "\n" + (__doc__ or "") + "\n")

@@ -44,6 +44,23 @@ def _param(module: nn.Module, name: str, shape, axes, init):
     return nn.with_logical_constraint(w, tuple(None if a == "embed" else a for a in axes))
 
 
+def _matmul(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
+    """x [..., K1..Kn] times w [K1..Kn, M...] -> [..., M...] with x's leading dims
+    flattened into one: a matmul over [N, K1..Kn], N = B*T.
+
+    The same contraction an einsum over [B, T, ...] writes, but its weight gradient
+    then contracts over one dimension N rather than two (B and T), and XLA:CPU forms it
+    from the activations as they are laid out; with the einsum over [B, T, ...] it wrote
+    transposed copies of the activations and of their gradients first (`docs/
+    benchmarks.md`, "Where the base model's step goes on CPU"). Sharding is unchanged:
+    B is the major part of N."""
+    lead = x.shape[:x.ndim - n_in]
+    x2 = x.reshape((-1,) + x.shape[x.ndim - n_in:])  # [N, K1..Kn]
+    contract = (tuple(range(1, n_in + 1)), tuple(range(n_in)))
+    y = jax.lax.dot_general(x2, w, (contract, ((), ())))  # [N, M...]
+    return y.reshape(lead + w.shape[n_in:])
+
+
 def _norm(param_dtype: Dtype, name: str) -> nn.RMSNorm:
     # Norms compute in float32 whatever the compute dtype: bf16 mean-squares are too coarse.
     return nn.RMSNorm(dtype=jnp.float32, param_dtype=param_dtype, name=name,
@@ -80,11 +97,9 @@ class CausalSelfAttention(nn.Module):
         in_init = nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2))
         out_init = nn.initializers.lecun_normal(in_axis=(0, 1), out_axis=2)
         x = x.astype(self.dtype)
-        qkv = []
-        for name in ("query", "key", "value"):
-            w = _param(self, name, (d, h, dh), ("embed", "heads", "kv"), in_init)
-            qkv.append(jnp.einsum("btd,dhk->bthk", x, w.astype(self.dtype)))  # [B, T, H, Dh]
-        q, k, v = qkv
+        q, k, v = (_matmul(x, _param(self, name, (d, h, dh), ("embed", "heads", "kv"),
+                                     in_init).astype(self.dtype))  # [B, T, H, Dh]
+                   for name in ("query", "key", "value"))
         q, k = _rope(q, positions), _rope(k, positions)
         if segment_ids is not None:  # packed: no attention across documents
             ctx = _attend(q, k, v, segment_ids)
@@ -95,7 +110,7 @@ class CausalSelfAttention(nn.Module):
         else:
             ctx = _attend(q, k, v)
         w_out = _param(self, "out", (h, dh, d), ("heads", "kv", "embed"), out_init)
-        return jnp.einsum("bthk,hkd->btd", ctx, w_out.astype(self.dtype))  # [B, T, D]
+        return _matmul(ctx, w_out.astype(self.dtype), n_in=2)  # [B, T, D]
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -134,13 +149,13 @@ class MlpBlock(nn.Module):
         w_in = _param(self, "wi", (d, self.d_ff), ("embed", "mlp"), init)
         w_out = _param(self, "wo", (self.d_ff, d), ("mlp", "embed"), init)
         x = x.astype(self.dtype)
-        h = jnp.einsum("btd,df->btf", x, w_in.astype(self.dtype))  # [B, T, F]
+        h = _matmul(x, w_in.astype(self.dtype))  # [B, T, F]
         if self.kind == "swiglu":  # created after wi, wo: the GELU MLP's init is unchanged
             w_gate = _param(self, "wi_gate", (d, self.d_ff), ("embed", "mlp"), init)
-            h = nn.silu(jnp.einsum("btd,df->btf", x, w_gate.astype(self.dtype))) * h
+            h = nn.silu(_matmul(x, w_gate.astype(self.dtype))) * h
         else:
             h = nn.gelu(h)  # the tanh approximation (flax's default)
-        return jnp.einsum("btf,fd->btd", h, w_out.astype(self.dtype))  # [B, T, D]
+        return _matmul(h, w_out.astype(self.dtype))  # [B, T, D]
 
 
 class Block(nn.Module):
@@ -235,11 +250,12 @@ class Transformer(nn.Module):
         x = nn.with_logical_constraint(x, ("batch", "length", None))
         x = _norm(self.param_dtype, "final_norm")(x)  # float32 [B, T, D]
         if self.tie_embeddings:
-            logits = embed.attend(x.astype(self.dtype))  # [B, T, V]
+            table = jnp.asarray(embed.embedding, self.dtype)  # [V, D]: what attend() uses
+            logits = _matmul(x.astype(self.dtype), table.T)  # [B, T, V]
         else:
             w = _param(self, "logits", (self.d_model, self.vocab_size), ("embed", "vocab"),
                        nn.initializers.lecun_normal())
-            logits = jnp.einsum("btd,dv->btv", x.astype(self.dtype), w.astype(self.dtype))
+            logits = _matmul(x.astype(self.dtype), w.astype(self.dtype))
         return logits.astype(jnp.float32)  # [B, T, V]
 
 
