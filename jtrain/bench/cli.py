@@ -47,6 +47,12 @@ and Checkpointer: the time an async save blocks the loop vs a synchronous save (
 a save is written vs without (goal >= 0.95x); medians over rounds (details in
 `jtrain.bench.checkpoint`).
 
+    python -m jtrain.bench profile --model=base                 # ~1 min on 2 CPU cores
+
+`profile`: the train step op by op (XLA:CPU's trace joined with the compiled HLO): time
+per op and per group (matmul, elementwise, copy/transpose), matmul GFLOP/s, the bytes
+copied into other layouts, the step's scratch (details in `jtrain.bench.profile`).
+
     python -m jtrain.bench table peers.json                     # --out JSON -> markdown
 
 Every benchmark records the machine (CPU model, cores), the jtrain commit, the date and the
@@ -274,36 +280,23 @@ def commands() -> dict:
         "scaling": (_scaling_flags, scaling, "examples/s per device at 1-8 devices; time "
                     "to first step, cold vs warm compile cache"),
         "peers": (_peers_flags, peers, "jtrain vs plain PyTorch and Lightning, same work"),
-        "population": (_population_flags, _population, "K runs one after another vs one "
+        "population": (*_module_bench("population"), "K runs one after another vs one "
                        "population of K (one compiled step)"),
-        "profile": (_profile_flags, _profile, "the train step's time op by op (XLA:CPU "
+        "profile": (*_module_bench("profile"), "the train step's time op by op (XLA:CPU "
                     "trace), matmul GFLOP/s, copies"),
         "table": (lambda fv: None, table, "a benchmark's --out JSON as a markdown table"),
     }
 
 
-def _population_flags(fv) -> None:
-    from jtrain.bench import population as bpop
+def _module_bench(name: str):
+    """(flags, bench) of a benchmark module defining define_flags(fv) and main(args),
+    imported only when that benchmark runs."""
+    import importlib
 
-    bpop.define_flags(fv)
+    def module():
+        return importlib.import_module(f"jtrain.bench.{name}")
 
-
-def _profile_flags(fv) -> None:
-    from jtrain.bench import profile as bprof
-
-    bprof.define_flags(fv)
-
-
-def _profile(args) -> int:
-    from jtrain.bench import profile as bprof
-
-    return bprof.main(args)
-
-
-def _population(args) -> int:
-    from jtrain.bench import population as bpop
-
-    return bpop.main(args)
+    return (lambda fv: module().define_flags(fv)), (lambda args: module().main(args))
 
 
 def table(args, files: list) -> int:
@@ -373,7 +366,6 @@ def data(args) -> int:
         return _fail(f"error: {e} (the data bench needs torch: pip install 'jtrain[torch]')")
     print(bd.format_report(res), flush=True)
     return _write_out(args.out, res)
-
 
 
 def peers(args) -> int:
