@@ -74,7 +74,7 @@ def get_config():
     config = defaults(model="mlp")
     config.model.hidden = (64, 64)
     config.model.num_outputs = 10
-    config.data.source = "jtrain.bench.peer_torch:digits"
+    config.data.source = "jtrain.bench.digits:digits"
     config.data.batch_size = 32
     config.optim.name = "adamw"
     config.optim.lr = 1e-3
