@@ -12,6 +12,8 @@ set up; importing jtrain (the package or any module) changes nothing about the p
    `glibc.malloc.hugetlb=1`; `JTRAIN_HUGETLB=0` turns it off), with SIGTERM / SIGINT
    held across the exec; then XLA:CPU options added to `XLA_FLAGS` unless it names
    them (`hostmem.CPU_FLAGS`: the scheduler that keeps the step's scratch smaller);
+   glibc's malloc arenas capped (`hostmem.limit_arenas`: `JTRAIN_MALLOC_ARENAS`, default
+   2; each thread's arena otherwise keeps its own high-water mark of XLA's buffers);
 2. for the commands that take them over (train, tune: `control.signals.Stopper`, the
    tune worker's loop), SIGTERM / SIGINT during the imports and start-up are recorded in
    `EARLY_SIGNALS` instead of killing the process with status 143: the run then stops
@@ -52,6 +54,7 @@ def start(command: str) -> None:
     """Set up this process for the jtrain command `command` (see the module doc)."""
     hostmem.maybe_reexec()  # returns only when no re-exec is needed (or possible)
     hostmem.set_cpu_flags()  # XLA:CPU's smaller-scratch scheduler, unless XLA_FLAGS says
+    hostmem.limit_arenas()  # malloc arenas capped before any thread starts
     _started[:] = [time.perf_counter()]
     early = command in STOPPABLE and threading.current_thread() is threading.main_thread()
     if early:

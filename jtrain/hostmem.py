@@ -27,6 +27,17 @@ at once, which keeps more buffers alive together (base LM: 328 MB of scratch; wi
 parameter after training). The same entry points add that flag to `XLA_FLAGS` before JAX
 starts (`cpu_flags`), unless `XLA_FLAGS` names the flag already (set it to `true` there
 to keep XLA's default). It is an XLA:CPU option: other backends ignore it.
+
+Malloc arenas: glibc gives each thread that allocates its own arena (up to 8 per core),
+and memory freed in one arena is not reused by another; XLA:CPU's worker threads each
+allocate the step's buffers below the mmap threshold, so every arena keeps its own
+high-water mark. Capped at 2 arenas (`mallopt(M_ARENA_MAX)`, before any thread starts:
+`limit_arenas`, called by `jtrain.boot.start`) the peak RSS of `bench peers` on 2 cores
+fell from 819-884 to 722-752 MB (lm_base) and from 415-451 to 390-392 MB (lm_debug), the
+same bits in every parameter (docs/benchmarks.md, "Memory and page faults of the base
+LM"). `JTRAIN_MALLOC_ARENAS=N` sets another cap, `0` keeps glibc's default; a cap the
+user set (`MALLOC_ARENA_MAX`, `glibc.malloc.arena_max` in `GLIBC_TUNABLES`) is kept.
+
 """
 
 from __future__ import annotations
@@ -42,6 +53,9 @@ HELD = (signal.SIGTERM, signal.SIGINT)
 THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 # XLA:CPU options the entry points set unless XLA_FLAGS names them (see the module doc).
 CPU_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
+ARENAS_ENV = "JTRAIN_MALLOC_ARENAS"
+DEFAULT_ARENAS = 2
+M_ARENA_MAX = -8  # glibc's mallopt parameter number
 
 
 def glibc_version() -> tuple[int, int] | None:
@@ -123,3 +137,39 @@ def set_cpu_flags() -> None:
     value = cpu_flags(os.environ)
     if value is not None:
         os.environ["XLA_FLAGS"] = value
+
+
+def arena_cap(environ) -> int | None:
+    """The malloc arena cap to set, or None: not glibc, `JTRAIN_MALLOC_ARENAS=0` (or not a
+    number), or the user capped the arenas already (see the module doc)."""
+    if "MALLOC_ARENA_MAX" in environ or \
+            "glibc.malloc.arena_max=" in environ.get("GLIBC_TUNABLES", ""):
+        return None
+    try:
+        cap = int(environ.get(ARENAS_ENV, DEFAULT_ARENAS))
+    except ValueError:
+        return None
+    if cap <= 0 or glibc_version() is None:
+        return None
+    return cap
+
+
+def limit_arenas() -> int | None:
+    """Caps glibc's malloc arenas (`arena_cap`); effective for arenas made afterwards, so
+    before the process starts threads (jtrain.boot.start calls it). The cap set, or None."""
+    cap = arena_cap(os.environ)
+    if cap is None:
+        return None
+    libc = _libc()
+    return cap if libc is not None and libc.mallopt(M_ARENA_MAX, cap) == 1 else None
+
+
+def _libc():
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt  # noqa: B018 - it exists (glibc)
+    except (OSError, AttributeError):
+        return None
+    return libc

@@ -75,3 +75,39 @@ def test_entry_points_start_with_the_cpu_flags(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["--xla_cpu_enable_concurrency_optimized_scheduler=false",
                                    "False"]
+
+
+def test_arena_cap_unless_the_user_chose():
+    if hostmem.glibc_version() is None:
+        pytest.skip("not glibc")
+    assert hostmem.arena_cap({}) == 2
+    assert hostmem.arena_cap({"JTRAIN_MALLOC_ARENAS": "4"}) == 4
+    for env in ({"JTRAIN_MALLOC_ARENAS": "0"}, {"JTRAIN_MALLOC_ARENAS": "x"},
+                {"MALLOC_ARENA_MAX": "8"}, {"GLIBC_TUNABLES": "glibc.malloc.arena_max=8"}):
+        assert hostmem.arena_cap(env) is None, env
+
+
+# Threads that allocate after boot.start: glibc's malloc_info lists one <heap> per arena.
+ARENAS = '''import ctypes, sys, threading
+from jtrain import boot
+boot.start("bench")
+def work():
+    blocks = [bytearray(200_000) for _ in range(50)]
+threads = [threading.Thread(target=work) for _ in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+libc = ctypes.CDLL(None)
+libc.fflush(None)
+libc.malloc_info(0, ctypes.c_void_p.in_dll(libc, "stdout"))
+'''
+
+
+def test_entry_points_cap_the_malloc_arenas(tmp_path):
+    if hostmem.glibc_version() is None:
+        pytest.skip("not glibc")
+    counts = []
+    for value in ("2", "0"):  # capped (the default), glibc's own (one per thread here)
+        proc = run_python(tmp_path, "-c", ARENAS, JTRAIN_MALLOC_ARENAS=value)
+        assert proc.returncode == 0, proc.stderr
+        counts.append(proc.stdout.count("<heap nr="))
+    assert counts[0] <= 2 < counts[1], counts

@@ -8,6 +8,7 @@
     scaling      examples/s per device at 1-8 fake devices; first step cold vs warm cache
     peers        jtrain vs plain PyTorch vs Lightning on the same work (whole processes)
     peer_torch   the PyTorch and Lightning side of `peers`, run as a script
+    digits       the mlp case's data as numpy arrays (no torch), for both sides
     population   K runs one after another vs one population of K (one compiled step)
     machine      what every benchmark records: machine, commit, date, load; unreliable
     profile      the train step's time op by op (XLA:CPU trace), matmul GFLOP/s, copies

@@ -1,7 +1,8 @@
 """The PyTorch side of `python -m jtrain.bench peers`: the same work in plain PyTorch and
 in PyTorch Lightning. Run as a script by path (`python .../peer_torch.py SPEC.json`) so
 that the process imports torch and Lightning only, never jtrain or JAX; it prints one
-JSON line of results. `digits()` is also the jtrain side's `data.source`.
+JSON line of results. `digits()` (torch Datasets) is a `data.source` too; the jtrain
+side of `peers` reads the same arrays through jtrain/bench/digits.py.
 
 The LM twin of jtrain.models.transformer at the same dimensions: byte embedding (normal,
 std d^-1/2) tied to the output projection, pre-norm blocks (RMSNorm eps 1e-6 -> causal
@@ -31,21 +32,25 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-DIGITS_SPLIT_SEED = 0
-DIGITS_EVAL = 297  # of sklearn's 1797 digits; the rest train
+
+def _digits_module():
+    """jtrain/bench/digits.py, loaded by path (this script imports no jtrain)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "digits.py")
+    spec = importlib.util.spec_from_file_location("jtrain_bench_digits", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 class Digits(torch.utils.data.Dataset):
-    """scikit-learn's 8x8 digits as (float32 [64] in [0, 1], int64 label); fixed split."""
+    """scikit-learn's 8x8 digits as (float32 [64] in [0, 1], int64 label); the fixed split
+    of digits.py, whose arrays the jtrain side reads directly."""
 
     def __init__(self, split: str):
-        from sklearn.datasets import load_digits
-
-        x, y = load_digits(return_X_y=True)
-        order = np.random.default_rng(DIGITS_SPLIT_SEED).permutation(len(y))
-        idx = order[:DIGITS_EVAL] if split == "eval" else order[DIGITS_EVAL:]
-        self.x = torch.from_numpy((x[idx] / 16.0).astype(np.float32))
-        self.y = torch.from_numpy(y[idx].astype(np.int64))
+        x, y = _digits_module().arrays(split)
+        self.x, self.y = torch.from_numpy(x), torch.from_numpy(y)
 
     def __len__(self):
         return len(self.y)

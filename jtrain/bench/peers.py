@@ -1,8 +1,9 @@
 """`python -m jtrain.bench peers`: the same work in jtrain, plain PyTorch and PyTorch
 Lightning, each run a whole separate process, alternating sides round by round.
 
-Cases: `mlp` (a 64-64 GELU MLP on scikit-learn's digits, the same torch `Dataset` for all
-three, batch 32, Adam 1e-3), `lm_debug` and `lm_base` (configs/base.py's transformer at
+Cases: `mlp` (a 64-64 GELU MLP on scikit-learn's digits, the same split for all three:
+jtrain reads the arrays (jtrain.bench.digits, no torch in its process), the PyTorch sides
+a torch `Dataset` over them; batch 32, Adam 1e-3), `lm_debug` and `lm_base` (configs/base.py's transformer at
 its debug and full size, jtrain.bench.peer_torch.TorchLM on the PyTorch sides, fed the
 byte windows jtrain's pipeline yields, in the same order), `lm_tiny` (a 1-layer d=32 LM:
 what the test suite runs). jtrain runs its own CLI (`python -m jtrain.main`, the user's
@@ -74,7 +75,7 @@ def get_config():
     config = defaults(model="mlp")
     config.model.hidden = (64, 64)
     config.model.num_outputs = 10
-    config.data.source = "jtrain.bench.peer_torch:digits"
+    config.data.source = "jtrain.bench.digits:digits"
     config.data.batch_size = 32
     config.optim.name = "adamw"
     config.optim.lr = 1e-3

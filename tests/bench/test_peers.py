@@ -54,6 +54,27 @@ def test_peers_tiny_run_trains_all_three_sides_alike(tmp_path):
     assert table.stdout.count("| step ms | ") == 2 and info["commit"][:12] in table.stdout
 
 
+def test_jtrain_side_reads_the_digits_without_torch(tmp_path):
+    """The mlp case's jtrain side reads the digits as numpy arrays: torch (~180 MB of
+    its process) is not imported there; the PyTorch sides wrap the same arrays."""
+    assert 'config.data.source = "jtrain.bench.digits:digits"' in bp.MLP_CONFIG
+    code = ("import sys; from jtrain.bench import digits; d = digits.digits(); "
+            "print(len(d['train'][0]), len(d['eval'][0]), 'torch' in sys.modules)")
+    proc = run_python(tmp_path, "-c", code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["1500", "297", "False"]
+    import runpy
+
+    import numpy as np
+
+    peer = runpy.run_path(str(bp.PEER_SCRIPT))  # not as __main__: defines, runs nothing
+    from jtrain.bench import digits
+
+    for split in ("train", "eval"):
+        ds, (x, y) = peer["Digits"](split), digits.arrays(split)
+        assert np.array_equal(ds.x.numpy(), x) and np.array_equal(ds.y.numpy(), y)
+
+
 def test_missing_peers_is_one_line_exit_2(monkeypatch, capsys):
     monkeypatch.setattr(bp, "missing_peers", lambda: ["lightning"])
     assert bench.main(["peers"]) == 2
