@@ -63,16 +63,26 @@ def _marked(item) -> bool:
     return item.get_closest_marker("multidevice") is not None
 
 
-# The groups that take longest (seconds, two workers on 2 cores, measured with
-# JTRAIN_TEST_TIMES), longest first: xdist hands out groups in the order of the items, so
+# The groups that take longest (per-file totals of a whole-suite run with
+# JTRAIN_TEST_TIMES set), longest first: xdist hands out groups in the order of the items, so
 # these start first and the short files fill in around them; a long group handed out last
 # would leave the other worker idle at the end. Groups not named keep their file order.
 SLOW_GROUPS = (
     "multidevice",
-    "tests/bad_input/test_failure_table.py",
-    "tests/bench/test_peers.py",
-    "tests/bench/test_scaling_bench.py",
+    "tests/recipes/test_recipes.py",
+    "tests/journeys/test_doc_examples.py",
     "tests/multihost/test_launch_runs.py",
+    "tests/checkpoint/test_resume_chaos.py",
+    "tests/tune/test_tune_journey.py",
+    "tests/checkpoint/test_elastic_resume.py",
+    "tests/journeys/test_journeys.py",
+    "tests/control/test_watchdog.py",
+    "tests/bench/test_peers.py",
+    "tests/journeys/test_papercuts_user.py",
+    "tests/observe/test_startup.py",
+    "tests/journeys/test_optimizers_journey.py",
+    "tests/multihost/test_launchers.py",
+    "tests/bench/test_scaling_bench.py",
 )
 
 
