@@ -63,17 +63,62 @@ def _marked(item) -> bool:
     return item.get_closest_marker("multidevice") is not None
 
 
+# The groups that take longest (per-file totals of a whole-suite run with
+# JTRAIN_TEST_TIMES set), longest first: xdist hands out groups in the order of the items, so
+# these start first and the short files fill in around them; a long group handed out last
+# would leave the other worker idle at the end. Groups not named keep their file order.
+SLOW_GROUPS = (
+    "multidevice",
+    "tests/recipes/test_recipes.py",
+    "tests/journeys/test_doc_examples.py",
+    "tests/multihost/test_launch_runs.py",
+    "tests/checkpoint/test_resume_chaos.py",
+    "tests/tune/test_tune_journey.py",
+    "tests/checkpoint/test_elastic_resume.py",
+    "tests/journeys/test_journeys.py",
+    "tests/control/test_watchdog.py",
+    "tests/bench/test_peers.py",
+    "tests/journeys/test_papercuts_user.py",
+    "tests/observe/test_startup.py",
+    "tests/journeys/test_optimizers_journey.py",
+    "tests/multihost/test_launchers.py",
+    "tests/bench/test_scaling_bench.py",
+)
+
+
+def _group(item) -> str:
+    return "multidevice" if _marked(item) else item.nodeid.split("::", 1)[0]
+
+
+def _suffix_group(item, group: str) -> None:
+    """What pytest-xdist's worker means to do with an `xdist_group` mark: append `@group`
+    to the node id it reports, which its scheduler groups by. pytest-xdist 3.8 assigns
+    `item._nodeid`, which pytest 9.2 no longer reads (node ids are structured: `item._id`),
+    so without this every test is scheduled alone: a file's module-scoped run is set up on
+    both workers and each worker starts its own multidevice child."""
+    if hasattr(item, "_id") and not item.nodeid.endswith("@" + group):
+        item._id = type(item._id).parse(f"{item.nodeid}@{group}")
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session, config, items):
+    # tryfirst: pytest-xdist's worker reads the xdist_group marks in its own hook (it
+    # appends `@group` to each node id), so they must be on the items before it runs.
     if CHILD_REPORTS:   # the child runs only what its parent handed it, all marked
         return
-    config._jtrain_marked = [i.nodeid for i in items if _marked(i)]
+    for item in items:
+        item._jtrain_id = item.nodeid  # before xdist's `@group` suffix: what the child runs
     # Under pytest-xdist (`--dist loadgroup`, pyproject's addopts): the marked tests go to
     # one worker (one child process for them all), the rest by file, so a file's shared
     # run (a module-scoped fixture) is trained once.
     if config.pluginmanager.hasplugin("xdist"):
+        rank = {g: i for i, g in enumerate(SLOW_GROUPS)}
         for item in items:
-            group = "multidevice" if _marked(item) else item.nodeid.split("::", 1)[0]
-            item.add_marker(pytest.mark.xdist_group(group))
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
+            if hasattr(config, "workerinput") and config.getvalue("loadgroup"):
+                _suffix_group(item, _group(item))
+        items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable: files stay
+                                                                         # in their order
 
 
 def pytest_runtest_logreport(report):
@@ -95,10 +140,11 @@ def pytest_runtest_protocol(item, nextitem):
         return None
     reports = _child_reports(item.session)
     item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-    mine = reports.get(item.nodeid)
+    mine = reports.get(item._jtrain_id)
     if not mine:
         mine = [_missing_report(item, item.session._jtrain_child_output)]
     for rep in mine:
+        rep.nodeid = item.nodeid  # under xdist, with its `@group` suffix
         item.ihook.pytest_runtest_logreport(report=rep)
     # What the skipped protocol's teardown would do: leave the fixtures and collectors
     # (module, class) that the next test does not share.
@@ -116,7 +162,7 @@ def _child_reports(session) -> dict:
     out = os.path.join(str(config._tmp_path_factory.getbasetemp()), "multidevice.jsonl")
     env = {**os.environ, "JTRAIN_TEST_REPORTS": out}
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
-            "--rootdir", root, *config._jtrain_marked]
+            "--rootdir", root, *[i._jtrain_id for i in session.items if _marked(i)]]
     proc = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True)
     by_id: dict = {}
     if os.path.exists(out):
@@ -151,3 +197,4 @@ def pytest_terminal_summary(terminalreporter):
             f"jtrain: {len(_SKIPPED)} test(s) skipped, which fails the run (a correctly "
             "set-up machine skips none; JTRAIN_TEST_ALLOW_SKIP=1 allows it): "
             + ", ".join(_SKIPPED[:5]), red=True)
+

@@ -20,7 +20,6 @@ def config(**mesh):
     c.eval.update(every_steps=0, num_batches=2)
     c.log.update(every_steps=1, writers=("jsonl",))
     c.checkpoint.every_steps = 0
-    c.compile.cache_dir = ""
     c.mesh.update({"data": 1, "fsdp": 1, "tensor": 1, **mesh})
     return c
 

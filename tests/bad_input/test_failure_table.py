@@ -11,8 +11,8 @@ the other commands' mistakes. Each row asserts: its exit code, exactly one line 
 stderr starting with `jtrain: <kind> error:` and containing the row's text, no
 `Traceback` anywhere, and nothing written to stdout.
 
-The rows run as real processes: one server process imports jtrain once and forks a
-child per row (the child chdirs, sets the row's environment, points fd 1 and 2 at
+The rows run as real processes: one server process imports jtrain (and what its
+commands import) once and forks a child per row (the child chdirs, sets the row's environment, points fd 1 and 2 at
 files and calls the `jtrain` console script's main), so the table costs one
 interpreter start-up, not thirty. test_console_script_* run the installed script itself.
 
@@ -189,7 +189,11 @@ LATE_CASES = [
 
 SERVER = textwrap.dedent('''
     import json, os, sys, time
-    import jtrain.command  # the imports, once; JAX's backend starts in the children
+    # The imports, once (what `jtrain train|evaluate|export` import; nothing printed: the
+    # test checks this process's stderr); JAX's backend starts in the children.
+    import jtrain.command, jtrain.main, jtrain.evaluate, jtrain.export
+    from jax._src import xla_bridge
+    assert not xla_bridge._backends, "a backend started before the fork"
     results = []
     for case in json.load(sys.stdin):
         sys.stdout.flush()
@@ -288,6 +292,7 @@ def _run_table(user: Path, mounts: dict):
     proc = subprocess.run([sys.executable, "-c", SERVER], input=json.dumps(jobs), cwd=user,
                           env=user_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == "", proc.stderr[-3000:]  # importing jtrain printed nothing
     codes = json.loads(proc.stdout.strip().splitlines()[-1])
     print("row seconds:", {job["id"]: t for job, (_, t) in zip(jobs, codes)})  # -s shows it
     results = {job["id"]: (code, Path(job["out"], "stdout").read_text(),

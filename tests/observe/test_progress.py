@@ -49,6 +49,7 @@ def test_loss_shown_is_the_window_mean_that_is_logged(clock):
     p.update(10, {"train/loss": 9.0, "train/loss_window": 2.5})
     assert "| loss 2.5 | ema 2.5 |" in out.getvalue()
     assert "loss_window" not in out.getvalue() and "9" not in out.getvalue().split("|")[1]
+    p.close()
 
 
 def test_ema_is_bias_corrected_and_skips_non_finite():
@@ -65,6 +66,7 @@ def test_resumed_run_counts_from_start_step(clock):
     p.update(502, {"train/loss": 0.25})
     assert out.getvalue() == ("step 502/1000 [##########----------] 50% | loss 0.25 | "
                               "ema 0.25 | 2.0 steps/s | ETA 0:04:09\n")
+    p.close()
 
 
 def test_message_lines_and_redaction(clock, monkeypatch):
@@ -74,6 +76,7 @@ def test_message_lines_and_redaction(clock, monkeypatch):
     p.message("training on 1 cpu with hf_abcdef123456")
     p.update(1, {"train/loss": 1.0})
     assert out.getvalue().splitlines()[0] == "training on 1 cpu with <redacted>"
+    p.close()
 
 
 @pytest.mark.parametrize("width", [80, 120, 150])
@@ -124,6 +127,7 @@ def test_non_primary_prints_nothing(capsys):
     p2 = Progress(10, start_step=0, is_primary=False)
     p2.update(1, {"train/loss": 1.0})
     assert out.getvalue() == "" and capsys.readouterr() == ("", "")
+    p2.close()
 
 
 def test_default_stream_is_stderr(capsys):
@@ -131,6 +135,8 @@ def test_default_stream_is_stderr(capsys):
     p.update(2, {"train/loss": 1.0})
     err = capsys.readouterr().err
     assert err.startswith("step 2/4 [##########----------] 50% | loss 1 | ema 1 |")
+    p.close()  # a Progress left open keeps its warning handler on the "jtrain" logger,
+    # writing to this test's stderr after it is closed
 
 
 def test_evaluate_png_train_curve_does_not_lag(tmp_path, monkeypatch):
