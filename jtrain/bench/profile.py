@@ -178,7 +178,7 @@ def format_report(res: dict, top: int) -> str:
     from jtrain.bench import machine as machine_lib
 
     lines = [f"profile {res['model']}: {res['steps']} steps, wall {res['wall_ms']} ms/step, "
-             f"ops {res['op_ms']} ms/step (summed over threads)",
+             f"ops {res['op_ms']} ms/step (each op's duration, summed)",
              f"matmuls {res['matmul_gflop']} GFLOP/step at {res['matmul_gflops_per_s']} "
              f"GFLOP/s of op time; copies/transposes write {res['copied_mib']} MiB/step; "
              f"scratch {res['scratch_mib']} MiB"]
