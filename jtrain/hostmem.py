@@ -37,7 +37,6 @@ fell from 819-884 to 722-752 MB (lm_base) and from 415-451 to 390-392 MB (lm_deb
 same bits in every parameter (docs/benchmarks.md, "Memory and page faults of the base
 LM"). `JTRAIN_MALLOC_ARENAS=N` sets another cap, `0` keeps glibc's default; a cap the
 user set (`MALLOC_ARENA_MAX`, `glibc.malloc.arena_max` in `GLIBC_TUNABLES`) is kept.
-
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@
     population   K runs one after another vs one population of K (one compiled step)
     machine      what every benchmark records: machine, commit, date, load; unreliable
     profile      the train step's time op by op (XLA:CPU trace), matmul GFLOP/s, copies
-table        a benchmark's --out JSON as the markdown tables of docs/benchmarks.md
+    table        a benchmark's --out JSON as the markdown tables of docs/benchmarks.md
 """
 
 from jtrain.bench.cli import main

@@ -14,14 +14,23 @@ EVAL_SIZE = 297  # of the 1797 digits; the rest train
 
 def arrays(split: str) -> tuple[np.ndarray, np.ndarray]:
     """(float32 [N, 64] in [0, 1], int64 [N] labels) of `split` ("train" or "eval")."""
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    order = np.random.default_rng(SPLIT_SEED).permutation(len(y))
-    idx = order[:EVAL_SIZE] if split == "eval" else order[EVAL_SIZE:]
-    return (x[idx] / 16.0).astype(np.float32), y[idx].astype(np.int64)
+    return _split(_load(), split)
 
 
 def digits() -> dict:
     """jtrain's `data.source` for the mlp case: {"train": (x, y), "eval": (x, y)}."""
-    return {"train": arrays("train"), "eval": arrays("eval")}
+    data = _load()
+    return {"train": _split(data, "train"), "eval": _split(data, "eval")}
+
+
+def _load():
+    from sklearn.datasets import load_digits
+
+    return load_digits(return_X_y=True)
+
+
+def _split(data, split: str) -> tuple[np.ndarray, np.ndarray]:
+    x, y = data
+    order = np.random.default_rng(SPLIT_SEED).permutation(len(y))
+    idx = order[:EVAL_SIZE] if split == "eval" else order[EVAL_SIZE:]
+    return (x[idx] / 16.0).astype(np.float32), y[idx].astype(np.int64)

@@ -216,15 +216,23 @@ class HandLoop:
         self.step = jax.jit(step, donate_argnums=0)
         self._iter_kwargs = iterator_kwargs(cfg)
 
+    def iterator(self):
+        """The training batches, as jtrain.train would read them (one process)."""
+        return data_lib.make_train_iterator(self.source, **self._iter_kwargs)
+
+    def init_state(self):
+        """(params, optimizer state) from jtrain's init key: the state every run starts at."""
+        params = self._init_params()
+        return params, self._tx.init(params)
+
     def run(self, steps: int, log_every: int) -> Sample:
         """Times `steps` steps after `log_every` warm-up steps. Like a loop that prints
         its loss every `log_every` steps, it stamps each interval (per-interval view)."""
         cfg, warmup = self.cfg, log_every
-        it = data_lib.make_train_iterator(self.source, **self._iter_kwargs)
+        it = self.iterator()
         step = self.step
         t0 = time.perf_counter()
-        params = self._init_params()
-        state = (params, self._tx.init(params))
+        state = self.init_state()
         for _ in range(warmup):
             state, loss = step(state, jax.device_put(next(it)))
         jax.block_until_ready(state)

@@ -92,7 +92,7 @@ def hlo_ops(text: str) -> dict:
     return ops
 
 
-def group(name: str, op: dict | None) -> str:
+def group(op: dict | None) -> str:
     if op is None:
         return "other"
     if op["flops"]:
@@ -123,36 +123,32 @@ def run(model: str, steps: int) -> dict:
         if xla_bridge.backends_are_initialized():
             raise RuntimeError("JAX started before the profile could set " + TRACEME)
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + TRACEME).strip()
-    from jtrain import data as data_lib
     from jtrain.bench import machine as machine_lib
     from jtrain.bench import overhead
 
-    cfg = overhead.bench_config(model, steps, 3)
-    loop = overhead.HandLoop(cfg)
-    it = data_lib.make_train_iterator(loop.source, **overhead.iterator_kwargs(cfg))
-    params = loop._init_params()
-    state = (params, loop._tx.init(params))
+    loop = overhead.HandLoop(overhead.bench_config(model, steps, 3))
+    it, state = loop.iterator(), loop.init_state()
     batches = [jax.device_put(next(it)) for _ in range(steps + 3)]
-    compiled = loop.step.lower(state, batches[0]).compile()
+    step = loop.step.lower(state, batches[0]).compile()  # run as compiled: one compile
     for b in batches[:3]:
-        state, loss = loop.step(state, b)
+        state, loss = step(state, b)
     jax.block_until_ready(state)
     with tempfile.TemporaryDirectory() as d, machine_lib.LoadWatch() as watch:
         jax.profiler.start_trace(d)
         t0 = time.perf_counter()
         for b in batches[3:]:
-            state, loss = loop.step(state, b)
+            state, loss = step(state, b)
         jax.block_until_ready((state, loss))
         wall = 1e3 * (time.perf_counter() - t0) / steps
         jax.profiler.stop_trace()
         times = trace_times(sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True))[-1],
                             steps)
-    ops = hlo_ops(compiled.as_text())
+    ops = hlo_ops(step.as_text())
     rows = []
     for name, op in ops.items():
         if name in times:
             ms = times[name]
-            rows.append({"op": name, "group": group(name, op), "ms": round(ms, 3),
+            rows.append({"op": name, "group": group(op), "ms": round(ms, 3),
                          "shape": op["shape"], "gflop": round(op["flops"] / 1e9, 4),
                          "gflops_per_s": round(op["flops"] / ms / 1e6, 1) if op["flops"]
                          and ms else None})
@@ -169,7 +165,7 @@ def run(model: str, steps: int) -> dict:
             "matmul_gflops_per_s": round(matmul_flops / groups["matmul"] / 1e6, 1)
             if groups.get("matmul") else None,
             "copied_mib": round(copied / 2**20, 1),
-            "scratch_mib": round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 1),
+            "scratch_mib": round(step.memory_analysis().temp_size_in_bytes / 2**20, 1),
             "final_loss": float(loss), "ops": rows, "load": watch.record,
             "machine": machine_lib.machine(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
 

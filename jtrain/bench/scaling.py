@@ -72,14 +72,9 @@ def _child_first_step(t0: float, preset: str, mode: str, workdir: str) -> dict:
         import jax
 
         from jtrain.bench import overhead as bo
-        from jtrain import data as data_lib
 
-        cfg = bench_config(preset, 1)
-        loop = bo.HandLoop(cfg)
-        it = data_lib.make_train_iterator(loop.source, **bo.iterator_kwargs(cfg))
-        params = loop._init_params()
-        state = (params, loop._tx.init(params))
-        state, loss = loop.step(state, jax.device_put(next(it)))
+        loop = bo.HandLoop(bench_config(preset, 1))
+        state, loss = loop.step(loop.init_state(), jax.device_put(next(loop.iterator())))
         jax.block_until_ready(loss)
         return {"time_to_first_step_sec": time.perf_counter() - t0}
     from jtrain.train import train
