@@ -48,6 +48,7 @@ class Build:
     train_step: Callable  # jit(state, batch) -> (state, metrics), state donated
     eval_step: Callable  # jit(params, batch) -> (metric states, batch rows)
     seed: int
+    eval_tail: Callable | None = None  # loss.eval_scope=batch: eval_step on replicated rows
     memory_plan: Any = None  # control.memory.Plan when a budget was given, else None
     trainable: dict | None = None  # optim.trainable_split: {"train"|"frozen": (leaves, n)}
     loss_fn: Callable | None = None  # the user's / the config's loss; None = default
@@ -149,6 +150,8 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
     except Exception as e:  # noqa: BLE001 - the user's model: one line, no traceback
         raise model_checks.model_call_error(e, sample_inputs, model=name.removeprefix("user ")) \
             from e
+    with mesh_lib.model_context(mesh):  # state a train-mode forward changes: refused
+        adapters.check_state_carried(model_fns, abstract.params, sample_inputs)
     policy = _measure_precision(policy, cfg, model_fns, abstract.params, sample_inputs, mesh)
     split = None
     if cfg.optim.trainable or cfg.optim.frozen or cfg.optim.lr_mults or extra_trainable:
@@ -194,16 +197,20 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
                                     eval_example, byte_level=byte_level,
                                     with_defaults=eval_defaults, predict_fn=predict_fn,
                                     model_inputs=model_inputs)
-    eval_step = jax.jit(step_lib.make_eval_step(
+    raw_eval_step = step_lib.make_eval_step(
         model_fns.apply, loss_fn or losses.default_loss, user_loss=loss_fn is not None,
         metrics=eval_spec, model_inputs=model_inputs, predict_fn=predict_fn,
-        batch_loss=batch_loss),
-                        in_shardings=(shardings.params, batch_sharding),
+        batch_loss=batch_loss)
+    eval_step = jax.jit(raw_eval_step, in_shardings=(shardings.params, batch_sharding),
                         out_shardings=(repl, batch_sharding, repl))
+    # A batch-level loss scores a partial batch at its true size (jtrain.evaluator).
+    eval_tail = (jax.jit(raw_eval_step, in_shardings=(shardings.params, repl),
+                         out_shardings=repl) if batch_loss and loss_fn is not None else None)
     return Build(mesh=mesh, policy=policy, model_fns=model_fns, model_name=name,
                  user_model=model, tx=tx, schedule=schedule, sample_inputs=sample_inputs,
                  abstract=abstract, shardings=shardings, eval_spec=eval_spec,
-                 train_step=train_step, eval_step=eval_step, seed=cfg.seed,
+                 train_step=train_step, eval_step=eval_step, eval_tail=eval_tail,
+                 seed=cfg.seed,
                  memory_plan=memory_plan, trainable=split, loss_fn=loss_fn,
                  grad_accum_steps=accum, extra_trainable=extra_trainable, ema_decay=ema_decay,
                  population=population,

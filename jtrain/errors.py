@@ -25,12 +25,13 @@ EXIT_CODES = {
        "`--stopped_exit_code=N` makes a signal's stop exit N (e.g. 75 for Kubernetes)",
     1: "a bug in jtrain or in user code: `jtrain: internal error: ...`, its traceback in "
        "`WORKDIR/train.log`; `--verify_resume` exits 1 on FAIL",
-    2: "a bad config, data, command line or workdir: one line naming the key, file or "
-       "field, before any training",
+    2: "a bad config, data, model, command line or workdir: one line naming the key, "
+       "file, field or model, before any training",
     3: "a checkpoint that cannot be restored (a changed config, another model, damaged "
        "with `--strict_restore`) or written; an export that cannot be written or read",
     4: "halted: non-finite loss or gradients (`nonfinite.*`) or repeated loss spikes "
-       "(`spike.max_rollbacks`)",
+       "(`spike.max_rollbacks`); or a run that ended with more than "
+       "`nonfinite.max_skipped_share` of its updates skipped (its checkpoints kept)",
     5: "a hang (`watchdog.timeout_s`), no clean stop within `checkpoint.grace_seconds`, "
        "or a peer process missing at start-up, failed, silent or running another config "
        "(one line; the process leaves at once instead of waiting for the dead peer)",
@@ -87,6 +88,13 @@ class DataError(JtrainError, ValueError):
     kind, exit_code = "data", 2
 
 
+class ModelError(JtrainError, ValueError):
+    """A model jtrain cannot train as it is (e.g. BatchNorm's running statistics, which
+    the train step does not carry yet): names the model and what to change."""
+
+    kind, exit_code = "model", 2
+
+
 class UsageError(JtrainError, ValueError):
     """A bad command line: an unknown flag, a missing or malformed argument."""
 
@@ -127,7 +135,8 @@ class CheckpointError(JtrainError):
 
 class NonFiniteError(JtrainError):
     """Training halted on a non-finite loss or gradient (`nonfinite.policy=halt`, or
-    `nonfinite.max_consecutive` skips in a row)."""
+    `nonfinite.max_consecutive` skips in a row), or a run ended with more than
+    `nonfinite.max_skipped_share` of its updates skipped (checkpoints kept)."""
 
     kind, exit_code = "non-finite", 4
 
@@ -153,8 +162,9 @@ class DiskFullError(JtrainError):
 
 
 # Every error class above, in the order docs/reference/exit_codes.md lists them.
-ERRORS = (ConfigError, DataError, UsageError, EvaluateError, WorkdirError, RestoreError,
-          ExportError, CheckpointError, NonFiniteError, HangError, PeerError, DiskFullError)
+ERRORS = (ConfigError, DataError, ModelError, UsageError, EvaluateError, WorkdirError,
+          RestoreError, ExportError, CheckpointError, NonFiniteError, HangError, PeerError,
+          DiskFullError)
 
 
 def first_line(e: BaseException) -> str:

@@ -103,7 +103,7 @@ def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data="eval"
     with jax.set_mesh(b.mesh), nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
         result = evaluate_weights(b.eval_step, state, source, weights=weights, mesh=b.mesh,
                                   local_batch=eval_batch, spec=b.eval_spec,
-                                  max_batches=num_batches)
+                                  max_batches=num_batches, tail_step=b.eval_tail)
     report = {
         "step": chosen, "data": data_name, "task": b.eval_spec.task, "weights": weights,
         "num_examples": result.num_examples,

@@ -18,7 +18,10 @@ from collections import deque
 import jax
 import numpy as np
 
+from jax.experimental import multihost_utils
+
 from jtrain import data as data_lib
+from jtrain import losses
 from jtrain import mesh as mesh_lib
 from jtrain import metrics as metrics_lib
 from jtrain import state as state_lib
@@ -111,12 +114,33 @@ def local_rows(x) -> np.ndarray:
     return np.concatenate([blocks[k] for k in sorted(blocks)])
 
 
-def run_eval(eval_step, params, source, *, mesh, local_batch: int, spec, max_batches: int = 0
-             ) -> Evaluation:
+def real_rows(batch: dict) -> dict | None:
+    """The real rows of the global batch, when any of its rows is padding (None when none
+    is), on every process alike: the rows of all processes in process order, less the
+    padding and the row mask."""
+    mask = batch.get(losses.ROW_MASK)
+    if mask is None:
+        return None
+    if jax.process_count() > 1:  # the decision and the rows must agree on every process
+        mask = np.asarray(multihost_utils.process_allgather(mask, tiled=True))
+    if mask.all():
+        return None
+    fields = {k: v for k, v in batch.items() if k != losses.ROW_MASK}
+    if jax.process_count() > 1:
+        fields = multihost_utils.process_allgather(fields, tiled=True)
+    keep = np.asarray(mask) > 0
+    return jax.tree.map(lambda x: np.asarray(x)[keep], fields)
+
+
+def run_eval(eval_step, params, source, *, mesh, local_batch: int, spec, max_batches: int = 0,
+             tail_step=None) -> Evaluation:
     """Metrics over every example of `source` (or the first `max_batches` global batches).
 
     `eval_step` = jit(jtrain.step.make_eval_step(..., metrics=spec)). A collective on
-    several processes: every process calls it with its own `local_batch` rows."""
+    several processes: every process calls it with its own `local_batch` rows.
+    `tail_step` (a loss scored over the whole batch, loss.eval_scope=batch): the same
+    step jitted for replicated batches; a batch holding padding is then scored at its
+    true size, its real rows only, so padding never reaches the loss."""
     device_total, host_total = metrics_lib.make_collection(spec).partition()
     pending: deque = deque()
 
@@ -137,6 +161,13 @@ def run_eval(eval_step, params, source, *, mesh, local_batch: int, spec, max_bat
         source, local_batch=local_batch, process_index=jax.process_index(),
         process_count=jax.process_count(), max_batches=max_batches)
     for batch in batches:
+        if tail_step is not None:
+            real = real_rows(batch)
+            if real is not None:
+                if jax.tree.leaves(real)[0].shape[0]:
+                    pending.append(tail_step(params, jax.device_put(
+                        real, mesh_lib.replicated(mesh))))
+                continue
         pending.append(eval_step(params, mesh_lib.host_to_device(batch, mesh)))
         if len(pending) > MAX_IN_FLIGHT:
             drain(pending.popleft())

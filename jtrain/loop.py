@@ -333,7 +333,8 @@ def _evaluator(cfg, run: Run):
             results = [evaluator.evaluate_weights(
                 run.build.eval_step, member, data, weights=cfg.eval.weights,
                 mesh=run.build.mesh, local_batch=run.data.eval_batch,
-                max_batches=cfg.eval.num_batches, spec=run.build.eval_spec)
+                max_batches=cfg.eval.num_batches, spec=run.build.eval_spec,
+                tail_step=run.build.eval_tail)
                 for member in members]
             if pop is None:
                 return results[0]

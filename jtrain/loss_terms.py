@@ -138,7 +138,8 @@ def make_multi_loss(terms: dict[str, dict]) -> Callable:
     """loss_fn(outputs, batch) -> ((sum, rows), {name: (sum, weight)}) for parsed terms."""
 
     def loss_fn(outputs, batch):
-        rows = jnp.asarray(batch["mask"], jnp.float32) if "mask" in batch else None
+        rows = losses.row_mask(batch)
+        rows = None if rows is None else jnp.asarray(rows, jnp.float32)
         total, named = 0.0, {}
         for name, t in terms.items():
             pred = _get(outputs, t["output"], "output", t["key"] + ".output")

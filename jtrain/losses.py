@@ -6,14 +6,18 @@ Batch conventions (numpy dicts from jtrain.data):
   inputs   model input
   targets  int labels -> softmax cross-entropy over the last output axis;
            float targets -> mean squared error
-  weights  optional per-example or per-token loss weights (e.g. an LM's loss mask)
-  mask     optional [B] validity of rows (0 = padding added by the eval pipeline)
+  weights  optional loss weights per example [B], per token [B, T] or per element
+           (the targets' shape); weight-0 elements count for nothing, even where the
+           target is NaN or inf (a missing value)
+Every other field is yours, whatever its name (`mask`, `valid`, ...): jtrain reads none
+of them. The engine's own row mask of padded batches (0 = a padding row) travels under
+`ROW_MASK`, a key no dataset may yield; `weights_for(batch, shape)` folds it in.
 
 Building blocks for custom losses (pure jax.numpy, jit-able, float32 math). Each takes
 arrays plus optional `weights` (broadcast over trailing axes, e.g. [B] weights for [B, T]
 elements) and returns float32 `(loss_sum, weight_sum)`; `loss_sum / weight_sum` is the
-mean over the counted elements. Elements with weight 0 count for nothing, even if their
-loss is NaN (in value: keep them finite where gradients are taken). Pass
+mean over the counted elements. Elements with weight 0 count for nothing, even where
+the target is NaN or inf (a missing value): in value and in the gradient. Pass
 `weights=weights_for(batch, shape)` to honour the batch's weights and row mask.
   weighted(per_element, batch)       reduce any per-element loss with the batch weights
   masked_cross_entropy(logits, labels, weights, ignore_index)   softmax CE, int labels
@@ -36,13 +40,26 @@ import jax.scipy.special
 import optax
 
 
+# The engine's row mask of padded batches ([B] float32, 0 = padding), beside the user's
+# fields: the data layer adds it, `jtrain.step` keeps it from the model, a dataset that
+# yields this key is refused (`jtrain.data.items`).
+ROW_MASK = "__jtrain_row_mask__"
+
+
+def row_mask(batch):
+    """The engine's [B] row mask of a batch, or None when no row is padding."""
+    return batch.get(ROW_MASK) if isinstance(batch, dict) else None
+
+
 def weights_for(batch, shape) -> jnp.ndarray:
-    """Per-element weights of shape `shape`: `weights` times the row `mask`."""
+    """Per-element weights of shape `shape`: `weights` (broadcast over trailing axes)
+    times the engine's row mask."""
     w = jnp.ones(shape, jnp.float32)
     if "weights" in batch:
         w = w * jnp.broadcast_to(_expand(batch["weights"], len(shape)), shape)
-    if "mask" in batch:
-        w = w * _expand(batch["mask"], len(shape))
+    rows = row_mask(batch)
+    if rows is not None:
+        w = w * _expand(rows, len(shape))
     return w
 
 
@@ -62,29 +79,50 @@ def per_example_loss(outputs, targets) -> jnp.ndarray:
 
 
 def default_loss(outputs, batch):
-    """Weighted sum of per-example (or per-token) losses, and the sum of weights."""
-    per = per_example_loss(outputs, batch["targets"])
-    w = weights_for(batch, per.shape)
-    return (per * w).sum(), w.sum()
+    """(weighted sum of the losses, sum of the weights): cross-entropy per example or
+    token for integer targets; for float targets the squared error averaged over the
+    trailing axes per example, or, with `weights` of more than one axis, per element
+    (weights broadcast over the targets' trailing axes: an availability mask).
+    Weight-0 elements are selected out, never multiplied: a NaN or inf target there
+    (a missing value) adds exactly 0 to the loss and its gradient."""
+    targets = batch["targets"]
+    if jnp.issubdtype(targets.dtype, jnp.integer):
+        per = per_example_loss(outputs, targets)
+        return _reduce(per, weights_for(batch, per.shape))
+    targets = jnp.asarray(targets, jnp.float32)
+    outputs = jnp.asarray(outputs, jnp.float32).reshape(targets.shape)
+    per_element = "weights" in batch and jnp.ndim(batch["weights"]) > 1
+    w = weights_for(batch, targets.shape if per_element else targets.shape[:1])
+    w_el = _expand(w, targets.ndim)
+    # The target where it counts, the output elsewhere: 0 error in value and gradient.
+    clean = jnp.where(w_el != 0, targets, jax.lax.stop_gradient(outputs))
+    per = (outputs - clean) ** 2
+    if not per_element:
+        per = per.reshape(per.shape[0], -1).mean(axis=1)  # [B]
+    return _reduce(per, w)
 
 
-def split_loss(result):
+def split_loss(result, rows=1):
     """A loss function's result as ((loss_sum, weight), {name: (sum, weight)}): the loss
     may be a scalar mean, a (sum, weight) pair, or either of those followed by a dict of
     named terms (`(loss, {"recon": ..., "kl": ...})`), each a scalar mean or a pair.
-    The terms are logged as train/<name> and eval/<name>; only the loss is optimized."""
+    A scalar mean counts with weight `rows` (the rows it averaged: means of batches of
+    different sizes then average exactly). The terms are logged as train/<name> and
+    eval/<name>; only the loss is optimized."""
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
-        return (as_sum_and_weight(result[0]),
-                {str(k): as_sum_and_weight(v) for k, v in result[1].items()})
-    return as_sum_and_weight(result), {}
+        return (as_sum_and_weight(result[0], rows),
+                {str(k): as_sum_and_weight(v, rows) for k, v in result[1].items()})
+    return as_sum_and_weight(result, rows), {}
 
 
-def as_sum_and_weight(result):
-    """Normalise a loss function's result to (loss_sum, weight_sum)."""
+def as_sum_and_weight(result, rows=1):
+    """Normalise a loss function's result to (loss_sum, weight_sum); a scalar mean
+    counts with weight `rows`."""
     if isinstance(result, tuple):
         loss_sum, weight = result
         return jnp.asarray(loss_sum, jnp.float32), jnp.asarray(weight, jnp.float32)
-    return jnp.asarray(result, jnp.float32), jnp.asarray(1.0, jnp.float32)
+    n = jnp.asarray(rows, jnp.float32)
+    return jnp.asarray(result, jnp.float32) * n, n
 
 
 def correct_count(outputs, batch):
@@ -112,6 +150,13 @@ def _reduce(per, w):
     `where`, so a NaN/inf loss in a padded element cannot leak into the sum."""
     per = per.astype(jnp.float32)
     return jnp.where(w != 0, per * w, 0.0).sum(), w.sum()
+
+
+def _kept(x, w):
+    """`x` where the weight is nonzero, 0 elsewhere: a NaN/inf target under weight 0
+    (a missing value) then gives a finite loss *and* gradient there (a `where` on the
+    loss alone still sends NaN through the gradient of the unselected branch)."""
+    return jnp.where(w != 0, x, 0.0)
 
 
 def weighted(per_element, batch):
@@ -143,21 +188,25 @@ def _pair(a, b):
 def mse(pred, target, weights=None):
     """Mean squared error per element; weight = sum of the (broadcast) element weights."""
     pred, target = _pair(pred, target)
-    return _reduce((pred - target) ** 2, _weights(weights, pred.shape))
+    w = _weights(weights, pred.shape)
+    return _reduce((pred - _kept(target, w)) ** 2, w)
 
 
 def mae(pred, target, weights=None):
     """Mean absolute error per element; weight = sum of the (broadcast) element weights."""
     pred, target = _pair(pred, target)
-    return _reduce(jnp.abs(pred - target), _weights(weights, pred.shape))
+    w = _weights(weights, pred.shape)
+    return _reduce(jnp.abs(pred - _kept(target, w)), w)
 
 
 def binary_cross_entropy(logits, targets, weights=None):
     """Sigmoid CE on logits, stable for large |logits| (torch BCE-with-logits)."""
     x, t = _pair(logits, targets)
+    w = _weights(weights, x.shape)
+    t = _kept(t, w)
     # -[t log s(x) + (1 - t) log(1 - s(x))] = max(x, 0) - x t + log(1 + e^-|x|)
     per = jnp.maximum(x, 0.0) - x * t + jnp.log1p(jnp.exp(-jnp.abs(x)))
-    return _reduce(per, _weights(weights, x.shape))
+    return _reduce(per, w)
 
 
 def negative_binomial_nll(counts, mean, dispersion, weights=None, eps=1e-8):
@@ -168,12 +217,14 @@ def negative_binomial_nll(counts, mean, dispersion, weights=None, eps=1e-8):
     theta = jnp.asarray(dispersion).astype(jnp.float32)
     shape = jnp.broadcast_shapes(x.shape, mu.shape, theta.shape)
     x, mu, theta = (jnp.broadcast_to(v, shape) for v in (x, mu, theta))
+    w = _weights(weights, shape)
+    x = _kept(x, w)
     # theta log(theta/(theta+mu)) + x log(mu/(theta+mu)) (eps as scVI puts it), as log1p
     # rather than a difference of logs; lgamma(x+theta) - lgamma(theta) - lgamma(x+1)
     # as -log(x+theta) - betaln(theta, x+1): both lose far less in float32
     log_lik = (-theta * jnp.log1p(mu / (theta + eps)) - x * jnp.log1p(theta / (mu + eps))
                - jnp.log(x + theta) - jax.scipy.special.betaln(theta, x + 1.0))
-    return _reduce(-log_lik, _weights(weights, shape))
+    return _reduce(-log_lik, w)
 
 
 def _clamp_min_straight_through(v, lo):
@@ -189,10 +240,11 @@ def gaussian_nll(target, mean, var, weights=None, eps=1e-6, full=False):
     if var.shape == target.shape[:-1]:  # torch: var may lack the last (feature) axis
         var = var[..., None]
     var = _clamp_min_straight_through(jnp.broadcast_to(var, target.shape), eps)
-    per = 0.5 * (jnp.log(var) + (target - mean) ** 2 / var)
+    w = _weights(weights, target.shape)
+    per = 0.5 * (jnp.log(var) + (_kept(target, w) - mean) ** 2 / var)
     if full:
         per = per + 0.5 * math.log(2.0 * math.pi)
-    return _reduce(per, _weights(weights, target.shape))
+    return _reduce(per, w)
 
 
 def poisson_nll(log_rate_or_rate, target, weights=None, log_input=True, full=False,
@@ -200,13 +252,15 @@ def poisson_nll(log_rate_or_rate, target, weights=None, log_input=True, full=Fal
     """Poisson NLL without the log(target!) term, or with its Stirling approximation
     (target > 1) if `full` (torch F.poisson_nll_loss)."""
     inp, t = _pair(log_rate_or_rate, target)
+    w = _weights(weights, t.shape)
+    t = _kept(t, w)
     per = jnp.exp(inp) - t * inp if log_input else inp - t * jnp.log(inp + eps)
     if full:
         safe_t = jnp.where(t > 1.0, t, 1.0)
         stirling = (safe_t * jnp.log(safe_t) - safe_t
                     + 0.5 * jnp.log(2.0 * math.pi * safe_t))
         per = per + jnp.where(t > 1.0, stirling, 0.0)
-    return _reduce(per, _weights(weights, t.shape))
+    return _reduce(per, w)
 
 
 def pearson_loss(pred, target, weights=None, axis=0, eps=1e-8):

@@ -42,8 +42,8 @@ Choices worth knowing:
   stays consistent.
 - "prodigy": estimates the step size D from `prodigy_d0`; `lr` (usually 1.0) multiplies
   it; masked weight decay as prodigy's own. lr_mults and the factor scale the step.
-- Freezing (`optim.trainable`, `optim.frozen`: regexes searched in leaf paths such as
-  `params/encoder/Dense_0/kernel`): the whole chain above runs inside
+- Freezing (`optim.trainable`, `optim.frozen`: regexes searched in parameter paths such
+  as `encoder/Dense_0/kernel`, `leaf_path`): the whole chain above runs inside
   `optax.multi_transform` on the trainable leaves only, the frozen ones get
   `optax.set_to_zero()`: frozen leaves never move (weight decay included), carry no
   optimizer state, and do not count in the clipping norm.
@@ -190,8 +190,24 @@ OPTIMIZERS = tuple(_OPTIMIZERS)
 
 
 def leaf_path(path) -> str:
-    """A leaf's path as the regexes of optim.trainable / frozen / lr_mults see it."""
+    """A parameter's path in the params tree (`blocks_0/attn/qkv/kernel`, no `params/`):
+    the one string every parameter pattern is matched against (optim.trainable / frozen /
+    lr_mults, checkpoint.init_exclude / init_map, finetune.lora.targets) and the tensor
+    name of an export."""
     return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def check_patterns(key: str, patterns, names, what: str = "parameter path",
+                   like: str = "paths") -> None:
+    """ConfigError naming `key` for the first regex in `patterns` that re.search finds in
+    none of `names` (parameter paths, unless `what` says otherwise): a pattern that
+    selects nothing is a typo or another convention, never a silent no-op."""
+    names = list(names)
+    for pattern in patterns:
+        if not any(re.search(pattern, name) for name in names):
+            example = ", ".join(repr(name) for name in names[:3]) or "none"
+            raise ConfigError(key, f"{pattern!r} matches no {what}; {like} look like "
+                                   f"{example}")
 
 
 def trainable_labels(params, trainable=(), frozen=()):
@@ -217,11 +233,7 @@ def trainable_split(params, optim_cfg, extra_trainable=()) -> dict:
     `decay_in_state`: the weight decay rate in the state (jtrain.optim_decay)."""
     flat = [(leaf_path(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]]
     for key in ("trainable", "frozen", "lr_mults"):
-        for pattern in optim_cfg[key]:
-            if not any(re.search(pattern, name) for name, _ in flat):
-                example = ", ".join(repr(name) for name, _ in flat[:3])
-                raise ConfigError(f"optim.{key}", f"{pattern!r} matches no parameter path; "
-                                                  f"paths look like {example}")
+        check_patterns(f"optim.{key}", optim_cfg[key], [name for name, _ in flat])
     labels = jax.tree.leaves(trainable_labels(
         params, (*optim_cfg["trainable"], *extra_trainable), optim_cfg["frozen"]))
     out = {"train": [0, 0], "frozen": [0, 0]}

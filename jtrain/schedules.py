@@ -4,6 +4,7 @@ at `decay_steps`, rsqrt) is described in jtrain.optim, their one reader.
 """
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jtrain.errors import ConfigError
@@ -67,3 +68,48 @@ def make_schedule(optim_cfg, total_steps):
     if warmup <= 0:
         return after_warmup
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after_warmup], [warmup])
+
+
+def horizon(optim_cfg, total_steps) -> tuple[int, int | None]:
+    """(warmup end, decay end) in steps; decay end None for schedules that ignore it."""
+    decays = _SCHEDULES.get(optim_cfg["schedule"], (None, False))[1]
+    decay_end = int(optim_cfg["decay_steps"]) or int(total_steps)
+    return int(optim_cfg["warmup_steps"]), decay_end if decays else None
+
+
+def _horizon_keys(cfg: dict) -> dict:
+    optim = cfg["optim"]
+    return {"total_steps": cfg["total_steps"], "optim.warmup_steps": optim["warmup_steps"],
+            "optim.decay_steps": optim["decay_steps"]}
+
+
+def replan_line(saved: dict, current: dict, step: int) -> str | None:
+    """The line a resume at `step` prints when its config moves the schedule's horizon
+    (`saved`: the checkpoint's config, `current`: this run's, both resolved dicts): the
+    lr of the next update under each plan, and the keys that keep the saved plan. None
+    when the horizon did not move. Raising total_steps re-plans a decay that ends at
+    total_steps, and the learning rate jumps back up: only the header's "decay until
+    step" would show it otherwise."""
+    old_keys, new_keys = _horizon_keys(saved), _horizon_keys(current)
+    moved = [k for k in old_keys if old_keys[k] != new_keys[k]]
+    (w0, d0), (w1, d1) = (horizon(saved["optim"], saved["total_steps"]),
+                          horizon(current["optim"], current["total_steps"]))
+    if not moved or (w0, d0) == (w1, d1):
+        return None
+    # As the step logs train/lr: float32, at the number of updates applied so far.
+    before, after = (float(np.float32(make_schedule(c["optim"], c["total_steps"])(step)))
+                     for c in (saved, current))
+    if before == after:
+        lr = f"lr at step {step} stays {before:.1e}" + (
+            f", the decay now ends at step {d1}, not {d0}" if d0 != d1 else "")
+    else:
+        a, b = f"{before:.1e}", f"{after:.1e}"
+        if a == b:  # apart below the digits shown: show enough of them to tell
+            a, b = f"{before:.6e}", f"{after:.6e}"
+        lr = f"lr at step {step} goes from {a} to {b}"
+    keep = ([f"optim.decay_steps={d0}"] if d0 is not None and d0 != d1 else []) + (
+        [f"optim.warmup_steps={w0}"] if w0 != w1 else [])
+    what = "schedule" if len(keep) != 1 else keep[0].split(".")[1].split("_")[0]
+    changed = ", ".join(f"{k} {old_keys[k]} -> {new_keys[k]}" for k in moved)
+    return (f"jtrain: {changed} re-plans the schedule: {lr}"
+            + (f" (set {', '.join(keep)} to keep the original {what})" if keep else ""))

@@ -38,7 +38,7 @@ def _split_microbatches(batch, k: int):
 
 
 # Keys the engine adds to a batch (the row mask of padded batches): never model inputs.
-ENGINE_KEYS = ("mask",)
+ENGINE_KEYS = (losses.ROW_MASK,)
 
 
 def inputs_of(batch, model_inputs: tuple = ()):
@@ -64,17 +64,20 @@ BAD_LOSS, BAD_GRADS, INVALID_BATCH, HALTED = 1, 2, 4, 8
 
 
 def row_validity(batch, valid_fn: Callable | None = None):
-    """[B] bool: a row is valid when every floating input / target value in it is finite,
-    its `valid` entry (a per-example mask a collate function may return) is nonzero, and
-    `valid_fn(batch)` (a scalar for the whole batch, or [B]) is true."""
+    """[B] bool: a row is valid when every floating value of its fields is finite (a
+    `targets` element under weight 0 is a missing value, exempt: the losses select it
+    out) and `valid_fn(batch)` (data.valid_fn: a scalar for the whole batch, or [B]) is
+    true. No field name has a meaning of its own here: a `valid` or `mask` field is the
+    user's data."""
     rows = None
     for key, leaf in _floating_leaves(batch):
-        ok = jnp.isfinite(leaf).reshape(leaf.shape[0], -1).all(axis=1)
+        finite = jnp.isfinite(leaf)
+        if key == "targets" and "weights" in batch:
+            finite = finite | (losses.weights_for(batch, leaf.shape) == 0)
+        ok = finite.reshape(leaf.shape[0], -1).all(axis=1)
         rows = ok if rows is None else rows & ok
     n = jax.tree.leaves(batch)[0].shape[0]
     rows = jnp.ones((n,), bool) if rows is None else rows
-    if "valid" in batch:
-        rows = rows & (jnp.asarray(batch["valid"]).reshape(n, -1) != 0).all(axis=1)
     if valid_fn is not None:
         user = jnp.asarray(valid_fn(batch)).astype(bool)
         rows = rows & (jnp.broadcast_to(user, (n,)) if user.ndim == 0 else user.reshape(n))
@@ -83,7 +86,7 @@ def row_validity(batch, valid_fn: Callable | None = None):
 
 def _floating_leaves(batch):
     for key in batch:
-        if key in ("mask", "valid"):
+        if key in ENGINE_KEYS:
             continue
         for leaf in jax.tree.leaves(batch[key]):
             if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim >= 1:
@@ -284,12 +287,13 @@ def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool,
     when the spec has host-side metrics (AUROC, Spearman) their batch inputs, else {},
     and the user loss's named terms {name: (sum, weight)} (`losses.split_loss`).
 
-    Rows with mask 0 (padding) contribute nothing. The default loss honours the mask
-    itself. A user loss is evaluated one example at a time (vmapped) and masked here, so
-    a user loss that returns a mean is still exact under padding; with `batch_loss` it is
-    called once on the whole batch, `batch["mask"]` marking the padding rows (exact for
-    a loss that honours `losses.weights_for(batch, ...)`, and the only way to score a
-    loss defined over the batch, such as a correlation). `predict_fn(outputs, batch)
+    Rows with row mask 0 (padding, `losses.ROW_MASK`) contribute nothing. The default
+    loss honours the mask itself. A user loss is evaluated one example at a time
+    (vmapped) and masked here, so a user loss that returns a mean is still exact under
+    padding; with `batch_loss` it is called once on the whole batch (the only way to
+    score a loss defined over the batch, such as a correlation): the evaluator gives it
+    batches without padding (a partial batch at its true size), and a mean it returns
+    counts once per row, so batch means average weighted by their row counts. `predict_fn(outputs, batch)
     -> (predictions, targets[, weights])` is what the metrics compare."""
     device_metrics = (None if metrics is None
                       else metrics_lib.make_collection(metrics).partition()[0])
@@ -298,15 +302,22 @@ def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool,
         outputs = apply_fn(params, inputs_of(batch, model_inputs), rng=None, train=False)
         terms = {}
         if user_loss and not batch_loss:
-            rows_n = jax.tree.leaves(outputs)[0].shape[0]  # outputs may be a dict of heads
-            mask = batch.get("mask", jnp.ones(rows_n, jnp.float32))
+            rows_n = batch_rows(batch)
+            mask = losses.row_mask(batch)
+            mask = jnp.ones(rows_n, jnp.float32) if mask is None else mask
+            # Output leaves without the batch axis (a scalar regulariser) go whole to
+            # every example: a mean over examples then adds them once, as in training.
+            per_row = jax.tree.map(lambda o: jnp.ndim(o) > 0 and o.shape[0] == rows_n,
+                                   outputs)
 
             def one(out, ex):
                 ex = jax.tree.map(lambda x: x[None], ex)
-                return losses.split_loss(loss_fn(jax.tree.map(lambda o: o[None], out), ex))
+                out = jax.tree.map(lambda o, b: o[None] if b else o, out, per_row)
+                return losses.split_loss(loss_fn(out, ex))
 
-            rows = {k: v for k, v in batch.items() if k != "mask"}
-            (ls, ws), per_terms = jax.vmap(one)(outputs, rows)  # [B] each
+            rows = {k: v for k, v in batch.items() if k not in ENGINE_KEYS}
+            in_axes = (jax.tree.map(lambda b: 0 if b else None, per_row), 0)
+            (ls, ws), per_terms = jax.vmap(one, in_axes=in_axes)(outputs, rows)  # [B] each
             keep = mask > 0  # `where`, not a product: a NaN in a padded row must not leak
 
             def masked(x):
@@ -314,8 +325,9 @@ def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool,
 
             sums = {"loss_sum": masked(ls), "weight": masked(ws)}
             terms = {k: (masked(s), masked(w)) for k, (s, w) in per_terms.items()}
-        elif user_loss:
-            (loss_sum, weight), terms = losses.split_loss(loss_fn(outputs, batch))
+        elif user_loss:  # batch scope: a batch without padding (`jtrain.evaluator`)
+            (loss_sum, weight), terms = losses.split_loss(loss_fn(outputs, batch),
+                                                          rows=batch_rows(batch))
             sums = {"loss_sum": loss_sum, "weight": weight}
         else:
             loss_sum, weight = losses.default_loss(outputs, batch)
@@ -347,6 +359,11 @@ def metric_view(outputs, batch, predict_fn: Callable | None = None):
     view = {"targets": result[1]}
     if len(result) == 3:
         view["weights"] = result[2]
-    if "mask" in batch:
-        view["mask"] = batch["mask"]
+    if losses.row_mask(batch) is not None:
+        view[losses.ROW_MASK] = losses.row_mask(batch)
     return result[0], view
+
+
+def batch_rows(batch) -> int:
+    """The number of rows of a batch (padding included)."""
+    return jax.tree.leaves(batch)[0].shape[0]

@@ -1,6 +1,7 @@
 """The end of a run: summary.json and the one final line (done, stopped by a signal,
-stopped early, already finished), the record of a non-finite halt, and the best step of
-the monitored metric. Called by train.py after jtrain.loop.run_loop returns."""
+stopped early, already finished, too many updates skipped), the record of a non-finite
+halt, and the best step of the monitored metric. Called by train.py after
+jtrain.loop.run_loop returns."""
 
 from __future__ import annotations
 
@@ -15,7 +16,12 @@ from jtrain import evaluator
 from jtrain import population as population_lib
 from jtrain import state as state_lib
 from jtrain.data import mixture as mixture_lib
+from jtrain.control import ledger as ledger_lib
 from jtrain.observe import jsonl, plots
+
+# summary.json's stopped_by when the run ended with more than nonfinite.max_skipped_share
+# of its updates skipped: not done (exit 4), its checkpoints kept.
+SKIPPED_SHARE = "max_skipped_share"
 
 
 def stored_summary(workdir: str, state) -> dict | None:
@@ -26,6 +32,8 @@ def stored_summary(workdir: str, state) -> dict | None:
     except (OSError, ValueError):
         return None
     if not isinstance(stored, dict) or stored.get("step") != int(jax.device_get(state.step)):
+        return None
+    if stored.get("stopped_by") == SKIPPED_SHARE:  # not done: judged again, with this config
         return None
     return stored if stored.get("state_sha256") == state_lib.state_sha256(state) else None
 
@@ -88,11 +96,37 @@ def summarize(cfg, run, state, session) -> dict:
             mix, int(run.train_iter.get_state()["position"])))
     summary["message"] = _final_line(summary, session)
     summary["exit_code"] = 0
-    run.out.progress.final(summary["message"])
+    failed = None if session.stopped_by in ("SIGINT", "SIGTERM") else skipped_share_error(
+        summary["step"], summary["skipped_steps"], cfg.nonfinite.max_skipped_share)
+    if failed is not None:  # the entry point prints the line (as after a halt)
+        summary.update(stopped_by=SKIPPED_SHARE, stop_reason=failed.why,
+                       message=errors.render(failed), exit_code=errors.exit_code(failed))
+        run.out.progress.record(summary["message"])
+    else:
+        run.out.progress.final(summary["message"])
     if jax.process_index() == 0:
         with open(os.path.join(run.workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2, sort_keys=True)
+    if failed is not None:
+        failed.summary = summary  # for a script that catches it: the run's result
+        raise failed
     return summary
+
+
+def skipped_share_error(step: int, skipped: int, max_share: float):
+    """A NonFiniteError when more than `max_share` of the run's `step` updates were
+    skipped (`skipped`), else None. Each skip is only a warning; a run that skipped most
+    of its updates ran to the end with a barely trained model, and must not end as done.
+    `max_share` 1 = off, 0 = any skipped update fails the run."""
+    if step <= 0 or max_share >= 1 or skipped <= max_share * step:
+        return None
+    error = errors.NonFiniteError(
+        f"{skipped} of {step} updates were skipped ({100 * skipped / step:.0f}%), more "
+        f"than nonfinite.max_skipped_share={max_share:g}: not done; the steps, reasons and "
+        f"examples are in WORKDIR/{ledger_lib.FILE}: fix the data (or raise "
+        "nonfinite.max_skipped_share, 1 = off); checkpoints kept")
+    error.step = step
+    return error
 
 
 def _population_plot(run, session, size: int) -> None:

@@ -225,7 +225,7 @@ def test_pearson_loss_padding_and_weights():
     clean = L.pearson_loss(pred, target, ones)
     garbage = np.full((6, 3), 1e6, np.float32)
     garbage[0, 0], garbage[1, 1] = np.nan, np.inf
-    batch = {"inputs": None, "mask": np.r_[np.ones(30), np.zeros(6)].astype(np.float32)}
+    batch = {"inputs": None, losses.ROW_MASK: np.r_[np.ones(30), np.zeros(6)].astype(np.float32)}
     pp, tt = np.concatenate([pred, garbage]), np.concatenate([target, -garbage])
     padded = L.pearson_loss(pp, tt, _weights_for(batch, pp.shape))
     _close(float(padded[0]), float(clean[0]))
@@ -265,7 +265,7 @@ def test_weight_zero_row_changes_nothing(name):
     _close(float(got[0]), float(base[0]))
     assert float(got[1]) == float(base[1])
     # same through a batch's row mask
-    batch = {"inputs": None, "mask": w}
+    batch = {"inputs": None, losses.ROW_MASK: w}
     shape = padded[1].shape if name == "masked_cross_entropy" else padded[0].shape
     got = fn(*padded, _weights_for(batch, shape), **kw)
     _close(float(got[0]), float(base[0]))
@@ -274,7 +274,7 @@ def test_weight_zero_row_changes_nothing(name):
 def test_weighted_uses_batch_weights_and_mask():
     per = np.array([[1.0, 2.0], [3.0, np.nan], [5.0, 6.0]], np.float32)
     batch = {"inputs": None, "weights": np.array([[1, 1], [1, 0], [2, 2]], np.float32),
-             "mask": np.array([1, 1, 0], np.float32)}
+             losses.ROW_MASK: np.array([1, 1, 0], np.float32)}
     s, w = L.weighted(per, batch)
     assert float(s) == 6.0 and float(w) == 3.0
 

@@ -108,7 +108,7 @@ def test_eval_step_ignores_padding_and_user_mean_loss():
     x = r.normal(size=(6, 4)).astype(np.float32)
     y = r.integers(0, 3, 6).astype(np.int32)
     mask = np.array([1, 1, 1, 1, 0, 0], np.float32)
-    garbage = dict(inputs=x.copy(), targets=y.copy(), mask=mask)
+    garbage = {"inputs": x.copy(), "targets": y.copy(), losses.ROW_MASK: mask}
     garbage["inputs"][4:] = 1e6  # padded rows with garbage must not matter
     clean = dict(inputs=x[:4], targets=y[:4])
 
@@ -139,7 +139,8 @@ def _adamw_run(batches, **kw):
 
 @pytest.mark.parametrize("how", ["valid_field", "valid_fn"])
 def test_invalid_rows_do_not_move_the_params(how):
-    """A batch whose rows are all invalid (`valid` 0, or data.valid_fn False) leaves
+    """A batch whose rows are all invalid (data.valid_fn False: on a `valid` field of
+    the user's, or on the inputs) leaves
     params and optimizer state as they were; so does one where only the invalid rows
     carry a huge (finite) loss: the next good step is the one a run without it takes."""
     clean, clean2 = _masked_lm_batch(10), _masked_lm_batch(11)
@@ -153,7 +154,7 @@ def test_invalid_rows_do_not_move_the_params(how):
         some_bad["valid"] = rows
         ones = np.ones(8, np.int32)
         clean, clean2 = dict(clean, valid=ones), dict(clean2, valid=ones)
-        kw = {}
+        kw = {"valid_fn": lambda b: b["valid"] != 0}  # a field has no meaning by its name
     else:  # rows whose inputs exceed 1e3 are invalid to the user's check
         kw = {"valid_fn": lambda b: (jnp.abs(b["inputs"]) < 1e3).reshape(
             b["inputs"].shape[0], -1).all(axis=1)}

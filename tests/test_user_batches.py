@@ -82,8 +82,12 @@ def test_whole_batch_model_with_predict_fn_metrics(tmp_path, monkeypatch):
     keep = ev["x_avail"] > 0
     pred, y = np.asarray(out["mean"], np.float64)[keep], ev["y_data"][keep]
     np.testing.assert_allclose(m["eval/mse"], np.mean((pred - y) ** 2), rtol=1e-5)
-    np.testing.assert_allclose(m["eval/r2"], 1 - np.sum((y - pred) ** 2)
-                               / np.sum((y - y.mean()) ** 2), rtol=1e-4, atol=1e-6)
+    # r2: the F features are F outputs (scikit-learn's default), each over its available
+    # entries, averaged.
+    mean, ys = np.asarray(out["mean"], np.float64), ev["y_data"]
+    per_feature = [1 - np.sum((ys[k, f] - mean[k, f]) ** 2)
+                   / np.sum((ys[k, f] - ys[k, f].mean()) ** 2) for f, k in enumerate(keep.T)]
+    np.testing.assert_allclose(m["eval/r2"], np.mean(per_feature), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(m["eval/pearson"], scipy.stats.pearsonr(pred, y)[0],
                                rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(m["eval/spearman"], scipy.stats.spearmanr(pred, y)[0],
@@ -107,7 +111,8 @@ def test_model_inputs_picks_fields():
     b = tracks(n=2)
     assert inputs_of(b, ("x_data",)) is b["x_data"]
     assert set(inputs_of(b, ("x_data", "meta"))) == {"x_data", "meta"}
-    assert set(inputs_of({**b, "mask": np.ones(2)})) == set(b)  # the row mask is not input
+    assert set(inputs_of({**b, losses.ROW_MASK: np.ones(2)})) == set(b)  # the row mask: no input
+    assert set(inputs_of({**b, "mask": np.ones(2)})) == {*b, "mask"}  # the user's field is
     with pytest.raises(ConfigError, match="data.model_inputs: no field 'x'"):
         jtrain.train(_cfg(data={"batch_size": 8, "model_inputs": ("x",)}), "/tmp/unused-x",
                      model=nn.Dense(F), train_data=tracks(), loss_fn=nb_loss)

@@ -136,7 +136,7 @@ def from_hf(tensors: dict[str, np.ndarray], target: dict, where: str, skip=()
             a = a.reshape(want)  # the heads split out
         if tuple(a.shape) != want:
             raise ExportError(f"{where}: {name} {tuple(tensors[name].shape)} does not fit "
-                              f"params/{path} {want} (checkpoint.init_exclude keeps a "
+                              f"{path} {want} (checkpoint.init_exclude keeps a "
                               "leaf's fresh init)")
         out[f"params/{path}"] = np.ascontiguousarray(a)
     if dims["tie_embeddings"]:
@@ -219,31 +219,69 @@ def read_dir(directory: str) -> tuple[dict, dict[str, np.ndarray]]:
     return config, tensors
 
 
-def parse_map(init_map) -> list[tuple[re.Pattern, str]]:
-    """checkpoint.init_map (a dict {regex: replacement} or a list of pairs) -> pairs."""
+def parse_map(init_map, compiled: bool = True) -> list[tuple]:
+    """checkpoint.init_map (a dict {regex: replacement} or a list of pairs) -> pairs, the
+    regexes compiled unless `compiled` is False."""
     items = init_map.items() if isinstance(init_map, dict) else init_map
-    return [(re.compile(pattern), replacement) for pattern, replacement in items]
+    return [(re.compile(pattern) if compiled else pattern, replacement)
+            for pattern, replacement in items]
 
 
-def rename(loaded: dict[str, np.ndarray], pairs, prefix: str = "params/"
-           ) -> dict[str, np.ndarray]:
-    """Source leaves renamed by the first pair whose regex matches (re.sub, once); a
-    replacement ending in `.T` also transposes (torch Linear [out, in] -> flax kernel
-    [in, out]). Names that no pair matches are kept; a result without a state prefix
-    gets `prefix`."""
-    out, origin = {}, {}
-    for name, arr in loaded.items():
-        new = name
+_PARAMS = "params/"
+_STATE = ("opt_state/", "ema/")  # a run's other leaves that belong to parameters
+
+
+def source_params(loaded: dict) -> list[str]:
+    """The names init_map's regexes see: a run's or an export's parameter paths (without
+    "params/"), or a Hugging Face checkpoint's tensor names."""
+    return sorted(k[len(_PARAMS):] if k.startswith(_PARAMS) else k
+                  for k in loaded if not k.startswith(_STATE))
+
+
+def _parameter(key: str, names: set) -> tuple[str, str | None]:
+    """(state prefix, parameter name) of a source leaf: ("params/", "o/kernel"),
+    ("opt_state/.../mu/", "o/kernel"), ("", "proj.weight") for a Hugging Face tensor;
+    (key, None) for a leaf of no parameter."""
+    if key.startswith(_PARAMS):
+        return _PARAMS, key[len(_PARAMS):]
+    if not key.startswith(_STATE):
+        return "", key
+    parts = key.split("/")
+    for i in range(1, len(parts)):
+        if (tail := "/".join(parts[i:])) in names:
+            return "/".join(parts[:i]) + "/", tail
+    return key, None
+
+
+def rename(loaded: dict[str, np.ndarray], pairs) -> dict[str, np.ndarray]:
+    """Source leaves renamed parameter by parameter: the first pair whose regex matches
+    a parameter's name (`source_params`) rewrites it (re.sub, once) into the model's
+    parameter path (a leading "params/" is dropped); a replacement ending in `.T` also
+    transposes (torch Linear [out, in] -> flax kernel [in, out]). A run's optimizer state
+    and average of that parameter follow it. Names that no pair matches are kept."""
+    names = set(source_params(loaded))
+    new_names = {}
+    for name in names:
         for rx, replacement in pairs:
             if rx.search(name):
                 new = rx.sub(replacement, name, count=1)
-                if new.endswith(".T"):
-                    new, arr = new[:-2], np.ascontiguousarray(arr.T)
-                if not new.startswith(("params/", "opt_state/", "ema/")):
-                    new = prefix + new
+                new = new[len(_PARAMS):] if new.startswith(_PARAMS) else new
+                new_names[name] = (new[:-2], True) if new.endswith(".T") else (new, False)
                 break
-        if new in out:
-            raise ExportError(f"checkpoint.init_map: {origin[new]} and {name} both map "
-                              f"to {new}")
-        out[new], origin[new] = arr, name
+    out, origin = {}, {}
+    for key, arr in loaded.items():
+        head, name = _parameter(key, names)
+        new_key = key
+        if name in new_names:
+            new, transpose = new_names[name]
+            new_key = (head or _PARAMS) + new
+            arr = np.ascontiguousarray(arr.T) if transpose else arr
+        if new_key in out:
+            raise ExportError(f"checkpoint.init_map: {_shown(origin[new_key])} and "
+                              f"{_shown(key)} both map to {_shown(new_key)}")
+        out[new_key], origin[new_key] = arr, key
     return out
+
+
+def _shown(key: str) -> str:
+    return key[len(_PARAMS):] if key.startswith(_PARAMS) else key

@@ -3,16 +3,21 @@
 The source is an export (`python -m jtrain.export`: a directory with params.safetensors,
 or the file) or another run's checkpoint (its workdir, its checkpoints/ directory, or a
 step directory; the newest intact step, or `checkpoint.init_from_step` = N or best;
-nothing there is modified). Parameters
-are taken by path (`params/blocks_0/attn/qkv/kernel`); with `checkpoint.init_from_opt`
-the optimizer state is taken too (`opt_state/...`, a checkpoint source only). Leaves whose
-path matches a regex in `checkpoint.init_exclude` (re.search) keep their fresh init, as
-does everything else (step, rng, loss scale). A leaf the model needs that the source
-lacks, or a shape that differs, is an error naming the leaf (exit 3). A floating dtype
-that differs (a bfloat16 export into float32 parameters) is cast, and said so. LoRA
-adapters (`*_lora_a` / `*_lora_b`, jtrain.models.lora) that the source lacks are expected:
-a LoRA fine-tune of a plain run or export keeps their fresh init. One line reports the
-leaves loaded, excluded, fresh adapters and unused in the source, with the first paths.
+nothing there is modified). Parameters are taken by path; with
+`checkpoint.init_from_opt` the optimizer state is taken too (a checkpoint source only).
+Internally leaves are keyed `params/<path>`, `opt_state/...`, `ema/<path>`; what the user
+writes and reads is the parameter path alone (`blocks_0/attn/qkv/kernel`,
+jtrain.optim.leaf_path). A parameter whose path matches a regex in
+`checkpoint.init_exclude` (re.search) keeps its fresh init, with its optimizer state and
+its average; so does everything else (step, rng, loss scale). A regex that matches no
+parameter is a ConfigError naming the key. One written for the old `params/...` paths
+(`^params/head/`) that matches nothing as written is read without the prefix
+(`^head/`), with a note. A leaf the model needs that the source lacks, or a shape that
+differs, is an error naming the leaf (exit 3). A floating dtype that differs (a
+bfloat16 export into float32 parameters) is cast, and said so. LoRA adapters
+(`*_lora_a` / `*_lora_b`, jtrain.models.lora) that the source lacks are expected: a LoRA
+fine-tune of a plain run or export keeps their fresh init. One line reports the leaves
+loaded, excluded, fresh adapters and unused in the source, with the first paths.
 A run with a weight EMA (`optim.ema.decay` > 0) takes the source checkpoint's average of
 each parameter it loads, and starts the average at the loaded parameters where the source
 has none (an export, a run without EMA) or the parameter was excluded.
@@ -21,9 +26,10 @@ has none (an export, a run without EMA) or the parameter was excluded.
 shards): a llama (model.mlp=swiglu) or arcee (model.mlp=gelu) checkpoint loads into the
 built-in transformer through jtrain.checkpoint.hf's mapping, after a check of its
 config.json that names the first field the built-in model cannot represent. Into your own
-model, `checkpoint.init_map` renames the HF tensors to your leaf paths ((regex,
+model, `checkpoint.init_map` renames the HF tensors to your parameter paths ((regex,
 replacement) pairs; a trailing `.T` transposes a torch Linear weight into a kernel);
-`init_map` renames the leaves of any other source the same way.
+`init_map` renames the parameters of any other source the same way (its regexes see the
+source's parameter paths; a parameter's optimizer state and average follow it).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import re
 
 import jax
 
+from jtrain import optim
 from jtrain import state as state_lib
 from jtrain.checkpoint import export as export_lib
 from jtrain.checkpoint import hf
@@ -51,66 +58,24 @@ def init_from(ckpt_cfg, abstract_state, init_fn):
     if not os.path.exists(local):
         raise ConfigError("checkpoint.init_from", f"{local}: no such file or directory")
     with_opt = ckpt_cfg.init_from_opt
-    excludes = [re.compile(p) for p in ckpt_cfg.init_exclude]
     target = integrity.tree_spec(abstract_state)
-    init_map = hf.parse_map(ckpt_cfg.get("init_map") or ())
+    params = [p[len(_PARAMS):] for p in target if p.startswith(_PARAMS)]
+    # Checked before anything is read: a pattern that excludes nothing is a config error.
+    excludes = [re.compile(p) for p in _param_patterns(
+        "checkpoint.init_exclude", ckpt_cfg.init_exclude, params)]
     try:
         if from_hf:
-            loaded, source, source_step = _load_hf(ckpt_cfg, local, target, excludes,
-                                                   init_map)
-        elif export_lib.is_export(path):
-            if with_opt:
-                raise RestoreError(f"checkpoint.init_from={path} is an export (parameters "
-                                   "only); init_from_opt needs a checkpoint")
-            if ckpt_cfg.init_from_step not in ("", "latest"):
-                raise RestoreError(f"checkpoint.init_from={path} is an export (one step); "
-                                   "checkpoint.init_from_step applies to a run")
-            file = (path if path.endswith(".safetensors")
-                    else os.path.join(path, export_lib.PARAMS_FILE))
-            tensors, metadata = export_lib.read_safetensors(file)
-            loaded = {f"params/{k}": v for k, v in tensors.items()}
-            source, source_step = path, metadata.get("step", "?")
+            loaded, source, source_step = _load_hf(ckpt_cfg, local, target, excludes)
         else:
-            source = export_lib.find_step_dir(path, ckpt_cfg.init_from_step)
-            source_step = os.path.basename(os.path.normpath(source))
-            prefixes = ("params", "opt_state") if with_opt else ("params",)
-            if abstract_state.ema is not None:
-                prefixes += ("ema",)
-            loaded = export_lib.load_checkpoint_leaves(source, prefixes)
-        if init_map and not from_hf:
-            loaded = hf.rename(loaded, init_map)
+            loaded, source, source_step = _load(ckpt_cfg, abstract_state.ema is not None)
     except ExportError as e:
         raise RestoreError(f"checkpoint.init_from: {e}") from None
 
     fresh = init_fn()
-    wanted = [p for p in target if p.startswith("params/")
+    wanted = [p for p in target if p.startswith(_PARAMS)
               or (with_opt and p.startswith("opt_state/"))]
-    taken, excluded, adapters, cast = {}, [], [], set()
-    for p in wanted:
-        if any(rx.search(p) for rx in excludes):
-            excluded.append(p)
-            continue
-        if p not in loaded and p.startswith("params/") and lora.is_adapter(p):
-            adapters.append(p)  # a LoRA fine-tune of a plain model: fresh adapters
-            continue
-        if p not in loaded:
-            raise RestoreError(f"checkpoint.init_from {source}: {p} ({tuple(target[p][0])} "
-                               f"{target[p][1]}) is not in the source; exclude it with "
-                               "checkpoint.init_exclude to keep its fresh init")
-        arr = loaded[p]
-        shape, dtype = target[p]
-        if list(arr.shape) != list(shape):
-            raise RestoreError(f"checkpoint.init_from {source}: {p}: source has "
-                               f"{tuple(arr.shape)} {arr.dtype.name}, the model "
-                               f"{tuple(shape)} {dtype}; exclude it with "
-                               "checkpoint.init_exclude")
-        if arr.dtype.name != dtype:
-            floats = all(n.startswith(("float", "bfloat")) for n in (arr.dtype.name, dtype))
-            if not floats:
-                raise RestoreError(f"checkpoint.init_from {source}: {p}: source dtype "
-                                   f"{arr.dtype.name}, the model {dtype}")
-            cast.add(f"{arr.dtype.name}->{dtype}")
-        taken[p] = arr
+    taken, excluded, adapters, cast = _take(wanted, loaded, target, excludes, set(params),
+                                            source)
 
     def pick(kp, leaf):
         arr = taken.get(integrity.leaf_path(kp))
@@ -140,7 +105,68 @@ def init_from(ckpt_cfg, abstract_state, init_fn):
     return state, origin
 
 
-def _load_hf(ckpt_cfg, directory: str, target: dict, excludes, init_map):
+def _load(ckpt_cfg, with_ema: bool):
+    """(leaves as "params/<path>", "opt_state/...", "ema/<path>", source, step) of an
+    export or a run, renamed by checkpoint.init_map."""
+    path, with_opt = ckpt_cfg.init_from, ckpt_cfg.init_from_opt
+    if export_lib.is_export(path):
+        if with_opt:
+            raise RestoreError(f"checkpoint.init_from={path} is an export (parameters "
+                               "only); init_from_opt needs a checkpoint")
+        if ckpt_cfg.init_from_step not in ("", "latest"):
+            raise RestoreError(f"checkpoint.init_from={path} is an export (one step); "
+                               "checkpoint.init_from_step applies to a run")
+        file = (path if path.endswith(".safetensors")
+                else os.path.join(path, export_lib.PARAMS_FILE))
+        tensors, metadata = export_lib.read_safetensors(file)
+        loaded = {f"{_PARAMS}{k}": v for k, v in tensors.items()}
+        source, source_step = path, metadata.get("step", "?")
+    else:
+        source = export_lib.find_step_dir(path, ckpt_cfg.init_from_step)
+        source_step = os.path.basename(os.path.normpath(source))
+        prefixes = ("params", "opt_state") if with_opt else ("params",)
+        if with_ema:
+            prefixes += ("ema",)
+        loaded = export_lib.load_checkpoint_leaves(source, prefixes)
+    init_map = ckpt_cfg.get("init_map") or ()
+    return (_renamed(loaded, init_map) if init_map else loaded), source, source_step
+
+
+def _take(wanted, loaded: dict, target: dict, excludes, params: set, source: str):
+    """(taken {leaf: array}, excluded, fresh LoRA adapters, casts) of the `wanted` leaves;
+    a leaf the source lacks or holds in another shape is a RestoreError naming it."""
+    taken, excluded, adapters, cast = {}, [], [], set()
+    for p in wanted:
+        param = _param_of(p, params)
+        if param is not None and any(rx.search(param) for rx in excludes):
+            excluded.append(p)
+            continue
+        if p not in loaded and p.startswith(_PARAMS) and lora.is_adapter(p):
+            adapters.append(p)  # a LoRA fine-tune of a plain model: fresh adapters
+            continue
+        if p not in loaded:
+            raise RestoreError(f"checkpoint.init_from {source}: {_shown(p)} "
+                               f"({tuple(target[p][0])} {target[p][1]}) is not in the "
+                               "source; exclude it with checkpoint.init_exclude to keep "
+                               "its fresh init")
+        arr = loaded[p]
+        shape, dtype = target[p]
+        if list(arr.shape) != list(shape):
+            raise RestoreError(f"checkpoint.init_from {source}: {_shown(p)}: source has "
+                               f"{tuple(arr.shape)} {arr.dtype.name}, the model "
+                               f"{tuple(shape)} {dtype}; exclude it with "
+                               "checkpoint.init_exclude")
+        if arr.dtype.name != dtype:
+            floats = all(n.startswith(("float", "bfloat")) for n in (arr.dtype.name, dtype))
+            if not floats:
+                raise RestoreError(f"checkpoint.init_from {source}: {_shown(p)}: source "
+                                   f"dtype {arr.dtype.name}, the model {dtype}")
+            cast.add(f"{arr.dtype.name}->{dtype}")
+        taken[p] = arr
+    return taken, excluded, adapters, cast
+
+
+def _load_hf(ckpt_cfg, directory: str, target: dict, excludes):
     """(leaves as "params/<path>", source, step "hf") of a Hugging Face checkpoint."""
     where = f"hf:{directory}"
     if ckpt_cfg.init_from_opt:
@@ -150,16 +176,17 @@ def _load_hf(ckpt_cfg, directory: str, target: dict, excludes, init_map):
         raise RestoreError(f"checkpoint.init_from={where} is one set of weights; checkpoint.init_from_step "
                            "applies to a run")
     config, tensors = hf.read_dir(directory)
+    init_map = ckpt_cfg.get("init_map") or ()
     if init_map:
-        return hf.rename(tensors, init_map), where, "hf"
-    params = {p.split("/", 1)[1]: spec[0] for p, spec in target.items()
-              if p.startswith("params/")}
+        return _renamed(tensors, init_map), where, "hf"
+    params = {p[len(_PARAMS):]: spec[0] for p, spec in target.items()
+              if p.startswith(_PARAMS)}
     if hf.layout(params) is None:
         raise ConfigError("checkpoint.init_map", f"required to load hf:{directory} into a "
                           "model other than the built-in transformer: (regex, "
                           "replacement) pairs from its tensor names to your leaf paths")
     hf.check_config(config, where, params)
-    skip = {p for p in params if any(rx.search(f"params/{p}") for rx in excludes)}
+    skip = {p for p in params if any(rx.search(p) for rx in excludes)}
     return hf.from_hf(tensors, params, where, skip), where, "hf"
 
 
@@ -181,4 +208,52 @@ def _ema_from(loaded: dict, taken: dict, state):
 
 
 def _first(paths: list, n: int = 3) -> str:
-    return ", ".join(paths[:n]) + (", ..." if len(paths) > n else "")
+    return ", ".join(map(_shown, paths[:n])) + (", ..." if len(paths) > n else "")
+
+
+_PARAMS = "params/"
+_OLD_PREFIX = re.compile(r"^\^?params/")  # how patterns were written for these keys once
+
+
+def _shown(key: str) -> str:
+    """A leaf as the user writes it: a parameter by its path, other leaves in full."""
+    return key[len(_PARAMS):] if key.startswith(_PARAMS) else key
+
+
+def _param_of(key: str, params: set) -> str | None:
+    """The parameter path a state leaf belongs to: `params/X` and `ema/X` are X, an
+    optimizer state leaf (`opt_state/.../mu/X`) the longest parameter path it ends with;
+    None for a leaf of no parameter (the optimizer's step count)."""
+    head, _, rest = key.partition("/")
+    if head in ("params", "ema"):
+        return rest
+    parts = rest.split("/")
+    return next((tail for i in range(len(parts))
+                 if (tail := "/".join(parts[i:])) in params), None)
+
+
+def _param_patterns(key: str, patterns, names, what: str = "parameter path",
+                    like: str = "paths") -> list[str]:
+    """`patterns` as matched against the parameter paths `names`: each must match one;
+    a pattern written for the old `params/...` paths that matches nothing as written is
+    read without the prefix (anchored, which it was: every path began with it)."""
+    out = []
+    for pattern in patterns:
+        if _OLD_PREFIX.match(pattern) and not any(re.search(pattern, n) for n in names):
+            new = "^" + _OLD_PREFIX.sub("", pattern, count=1)
+            say(f"note: {key}: {pattern!r} is read as {new!r}; parameter patterns are "
+                "written without 'params/' (docs/guide/user-models.md, Parameter paths)")
+            pattern = new
+        out.append(pattern)
+    optim.check_patterns(key, out, names, what, like)
+    return out
+
+
+def _renamed(loaded: dict, init_map) -> dict:
+    """checkpoint.init_map applied to the source's parameters (each regex must match one
+    of their names: a Hugging Face tensor name, or a run's parameter path)."""
+    names = hf.source_params(loaded)
+    pairs = [(_param_patterns("checkpoint.init_map", [pattern], names,
+                              "parameter name in the source", "names")[0], replacement)
+             for pattern, replacement in hf.parse_map(init_map, compiled=False)]
+    return hf.rename(loaded, hf.parse_map(pairs))

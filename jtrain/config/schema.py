@@ -159,9 +159,9 @@ SCHEMA: dict[str, Any] = {
                       "train; 0 = off (needs qwix: pip install 'jtrain[lora]')"),
             "alpha": F(float, 16.0, (0.0, INF), "LoRA scale: a weight W acts as "
                        "W + alpha/rank * A @ B (python -m jtrain.export --merge_lora)"),
-            "targets": F(str, "^(?!.*embed)", None, "regex (re.search) of module paths "
-                         "whose matmul weights get adapters, e.g. 'attn|mlp'; default: "
-                         "every module whose path has no 'embed'"),
+            "targets": F(str, "^(?!.*embed)", None, "regex (re.search) of the parameter "
+                         "paths of the matmul weights that get adapters, e.g. 'attn|mlp'; "
+                         "default: every weight whose path has no 'embed'"),
         },
     },
     "log": _resume_safe({

@@ -46,10 +46,11 @@ CONTROL_SECTIONS: dict[str, Any] = {
         "init_from_step": F(str, "", None, "init_from a run: its step N, latest (\"\" = "
                             "the newest intact) or best (by its checkpoint.monitor)"),
         "init_from_opt": F(bool, False, None, "also take the optimizer state"),
-        "init_exclude": F("strs", (), None, "regexes of leaf paths that keep a fresh init"),
+        "init_exclude": F("strs", (), None, "regexes of parameter paths (o/kernel, no "
+                          "params/) that keep a fresh init"),
         "init_map": F("pairs", (), None, "(regex, replacement) pairs renaming the source's "
-                      "leaves to the model's (re.sub, first match; a trailing .T "
-                      "transposes): hf:DIR into your own model"),
+                      "parameter paths (or HF tensor names) to the model's (re.sub, first "
+                      "match; a trailing .T transposes): hf:DIR into your own model"),
         "writer_nice": F(int, 19, (0, 19), "Linux nice of background-write threads"),
         "save_on_best": F(bool, True, None, "an eval that enters the keep_top_k best saves "
                           "its step (when keep_top_k > 0)"),
@@ -81,6 +82,11 @@ CONTROL_SECTIONS: dict[str, Any] = {
         "policy": F(str, "skip", ("skip", "halt"), "a non-finite loss or gradient norm: "
                     "skip the update, or halt (exit 4)"),
         "max_consecutive": F(int, 8, (1, INF), "skip: halt after this many skips in a row"),
+        "max_skipped_share": F(float, 0.5, (0.0, 1.0), "a run that ends with more than "
+                               "this share of its updates skipped (skipped_steps / step: "
+                               "invalid batches, non-finite steps, rolled-back steps) fails "
+                               "(exit 4, checkpoints kept) instead of ending done; 1 = off, "
+                               "0 = any skipped update fails it"),
     }),
     "spike": {  # changes the trajectory: not resume-safe
         "zscore": F(float, 0.0, (0.0, INF), "a train loss this many standard deviations "

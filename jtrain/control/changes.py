@@ -38,6 +38,32 @@ def schedule_uses_total_steps(config: dict) -> bool:
     return optim.get("decay_steps", 0) == 0 and optim.get("schedule") not in ("constant", "rsqrt")
 
 
+def saved_config(changes: dict, config: dict) -> dict:
+    """The config `changes` were made from (the checkpoint's): `config` (a resolved dict)
+    with each changed key's saved value; a key the checkpoint lacked keeps its value."""
+    out = json.loads(json.dumps(config, default=str))
+    for key, (old, _) in changes.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and old != _ABSENT:
+            node[leaf] = old
+    return out
+
+
+def _keeps_decay_end(changes: dict, config: dict) -> bool:
+    """optim.decay_steps changed, the step where the decay ends did not: a run extended
+    with its decay pinned where total_steps used to end it (decay_steps 0 -> old
+    total_steps) trains on the schedule it saved."""
+    saved = saved_config(changes, config)
+    ends = [(c.get("optim", {}).get("decay_steps"), c.get("total_steps")) for c in (saved, config)]
+    if not all(isinstance(v, int) for pair in ends for v in pair):
+        return False
+    (d0, t0), (d1, t1) = ends
+    return (d0 or t0) == (d1 or t1)
+
+
 def unallowed_changes(changes: dict, allowed, config: dict) -> list[str]:
     """The changed keys that need `checkpoint.allow_changes` (fnmatch patterns)."""
     out = []
@@ -48,6 +74,8 @@ def unallowed_changes(changes: dict, allowed, config: dict) -> list[str]:
             continue
         if key == "total_steps" and not schedule_uses_total_steps(config):
             continue  # extending (or shortening) a run whose schedule ignores it
+        if key == "optim.decay_steps" and _keeps_decay_end(changes, config):
+            continue  # the decay ends where it did: the same schedule
         if any(fnmatch.fnmatchcase(key, pattern) for pattern in allowed):
             continue
         out.append(key)

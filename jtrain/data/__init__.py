@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from jtrain.data import checks, evalsets, items as items_lib, load, mixture, packing
-from jtrain.data import pipeline, text, torch_adapters
+from jtrain.data import pipeline, sources as sources_lib, text, torch_adapters
 from jtrain.data.items import DataError
 from jtrain.data.dataset import Data, MapData, StreamData
 from jtrain.data.mixture import Mixture
@@ -112,7 +112,17 @@ def make_sources(data_cfg, train_data=None, eval_data=None, *, process_index: in
                  process_count: int = 1, gather=None) -> tuple[Data, Data | None, dict]:
     """(train, eval or None, info) from user data, data.source, or data.name. `gather(n)`
     returns n from every process (`jtrain.mesh.process_values`): needed with several
-    processes and a stream eval set, which must agree on its batch count."""
+    processes and a stream eval set, which must agree on its batch count. info's
+    "warnings": lines the run's header shows (datasets drawing from a global RNG)."""
+    with sources_lib.watch_global_rng() as seen:
+        train, ev, info = _make_sources(data_cfg, train_data, eval_data, process_index,
+                                        process_count, gather)
+    line = sources_lib.global_rng_warning(seen)
+    info["warnings"] = [line] if line else []
+    return train, ev, info
+
+
+def _make_sources(data_cfg, train_data, eval_data, process_index, process_count, gather):
     if train_data is None and data_cfg.source:
         train_data, eval_data, _ = load_user_data(data_cfg, None, eval_data,
                                                   process_index=process_index,

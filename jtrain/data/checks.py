@@ -23,6 +23,7 @@ import numpy as np
 
 from jtrain.data import items as items_lib, pipeline
 from jtrain.data.items import DataError
+from jtrain.losses import ROW_MASK
 from jtrain.data.dataset import Data, ListData, LoaderData, MapData, StreamData
 from jtrain.data.sources import ArraySource, Subset
 
@@ -310,17 +311,30 @@ def _one_example(example: dict) -> tuple:
     return np.asarray(t)[None], None if w is None else np.asarray(w)[None]
 
 
+def _weighted_only(targets: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """The targets with weight-0 elements zeroed: a NaN there is a missing value that
+    the losses and metrics select out (as `jtrain.step.row_validity` does)."""
+    try:
+        w = np.broadcast_to(
+            weights.reshape(weights.shape + (1,) * (targets.ndim - weights.ndim)), targets.shape)
+    except ValueError:  # a weights shape that does not fit: the shape check says so
+        return targets
+    return np.where(w != 0, targets, 0)
+
+
 def check_finite(data: Data, *, train: bool) -> None:
     """NaN / inf in the first batch's floating fields. Training skips a batch with such
     an example (`jtrain.step.row_validity`, logged in WORKDIR/skipped.jsonl), so the
     train split fails only when every example of its first batch has one (nothing would
     train); eval skips nothing (every metric would be NaN), so one is enough there."""
-    batch = {k: v for k, v in first_batch(data).items() if k not in ("mask", "valid")}
+    batch = {k: v for k, v in first_batch(data).items() if k != ROW_MASK}
     rows, fields = None, []
     for path, leaf in items_lib.flatten(batch):
         x = np.asarray(leaf)
         if x.dtype.kind not in "fc" or x.ndim == 0:
             continue
+        if path.lstrip(".") == "targets" and "weights" in batch:
+            x = _weighted_only(x, np.asarray(batch["weights"]))
         bad = ~np.isfinite(x).reshape(len(x), -1).all(axis=1)  # [rows]
         if bad.any():
             fields.append((path.lstrip("."), bad, x))

@@ -23,6 +23,7 @@ import numpy as np
 
 
 from jtrain.errors import DataError, first_line  # noqa: F401  (used across jtrain.data)
+from jtrain.losses import ROW_MASK
 
 
 TUPLE_KEYS = ("inputs", "targets", "weights")
@@ -50,6 +51,9 @@ def as_dict(raw, where: str) -> dict:
         if not raw:
             raise DataError(f"{where}: an empty dict item; items need fields such as "
                             "'inputs' and 'targets'")
+        if ROW_MASK in raw:
+            raise DataError(f"{where}: the field {ROW_MASK!r} is the engine's row mask; "
+                            "rename it")
         return raw
     raise DataError(f"{where}: items must be dicts or (inputs, targets) tuples, got "
                     f"{type(raw).__name__}")

@@ -22,6 +22,7 @@ import numpy as np
 
 from jtrain.data import pipeline, streams
 from jtrain.data.items import DataError
+from jtrain.losses import ROW_MASK
 
 
 class StreamCursor:
@@ -115,7 +116,7 @@ class StreamMixtureIterator:
         batch = pipeline.collate(raws, keys, name=r.name, collate_fn=r.collate_fn,
                                  ref=r.ref, keep_64bit=r.keep_64bit)
         if r.mask:
-            batch["mask"] = np.ones(p.local_batch, np.float32)
+            batch[ROW_MASK] = np.ones(p.local_batch, np.float32)
         self.position += 1
         return batch
 

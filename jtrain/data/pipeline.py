@@ -30,6 +30,7 @@ import numpy as np
 
 from jtrain.data import items as items_lib
 from jtrain.data.items import DataError
+from jtrain.losses import ROW_MASK
 
 END = 2**62  # "forever" in batch numbers
 
@@ -76,7 +77,7 @@ class BatchReader:
         batch = collate(raws, indices, name=self.name, collate_fn=self.collate_fn,
                         ref=self.ref, keep_64bit=self.keep_64bit)
         if self.mask:
-            batch["mask"] = valid.astype(np.float32)
+            batch[ROW_MASK] = valid.astype(np.float32)
         return batch
 
 

@@ -9,13 +9,13 @@ resumed run and a run with worker processes read exactly the same items:
   * a dataset seen (by the checks before training) drawing from torch's or numpy's
     global RNG (torchvision's random transforms do) gets that generator seeded once per
     batch from (seed, epoch, batch number, process) and the batch read in order under a
-    lock (torch's generator is restored after), and a warning, once.
+    lock (torch's generator is restored after); `watch_global_rng` collects the
+    datasets seen, for the one warning line of the run (`global_rng_warning`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import sys
 import threading
 from typing import Any, Callable
@@ -24,9 +24,7 @@ import numpy as np
 
 from jtrain.errors import DataError, first_line
 
-log = logging.getLogger("jtrain")
 _MASK63 = (1 << 63) - 1
-_WARNED: set[str] = set()
 _GLOBAL_RNG_LOCK = threading.RLock()
 
 
@@ -67,10 +65,36 @@ def item_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     return np.random.Generator(np.random.Philox(key=item_seed(seed, epoch, index)))
 
 
-def warn_once(key: str, message: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        log.warning(message)
+# The open watches (watch_global_rng), innermost last. A run's header says what its own
+# checks saw: a logging record would reach the console only if something had configured
+# logging (the command line sends it to train.log, a script shows it by accident).
+_WATCHES: list[dict] = []
+
+
+@contextlib.contextmanager
+def watch_global_rng():
+    """Collects, while open, the datasets the checks see drawing from a global RNG:
+    {key: (name, class name, set of "torch" / "numpy")}."""
+    seen: dict = {}
+    _WATCHES.append(seen)
+    try:
+        yield seen
+    finally:
+        _WATCHES.remove(seen)
+
+
+def global_rng_warning(seen: dict) -> str | None:
+    """One line for the datasets `watch_global_rng` saw, None for none."""
+    if not seen:
+        return None
+    names = ", ".join(f"{name} ({cls})" for name, cls, _ in seen.values())
+    kinds = sorted(set().union(*(used for _, _, used in seen.values())), reverse=True)
+    return (f"{names} {'draws' if len(seen) == 1 else 'draw'} from "
+            f"{' and '.join(kinds)}'s global RNG when an item is read (torch.rand without a "
+            "generator, say): jtrain seeds it once per batch from (seed, epoch, batch), so "
+            "the run repeats and resumes exactly, but an item's draws depend on the batch "
+            "size and the number of processes; use jtrain.data.with_transform(dataset, "
+            "fn(item, rng)) for draws seeded per item")
 
 
 def _is_torch_dataset(ds) -> bool:
@@ -86,7 +110,8 @@ class GlobalRng:
     def __init__(self, dataset, always: bool = False):
         self.torch = always and _is_torch_dataset(dataset)
         self.numpy = False
-        self.key = f"{type(dataset).__qualname__}@{id(dataset):x}"  # warn once per dataset
+        self.cls = type(dataset).__qualname__
+        self.key = f"{self.cls}@{id(dataset):x}"  # one dataset, however many sources read it
 
     @property
     def active(self) -> bool:
@@ -137,13 +162,8 @@ class GlobalRng:
             np.random.set_state(np_saved)
         self.numpy |= "numpy" in used
         self.torch |= "torch" in used
-        if used:
-            warn_once(f"rng:{self.key}", (
-                f"{name}: reading items draws from {' and '.join(used)}'s global RNG; jtrain "
-                "seeds it for each batch from (seed, epoch, batch), so runs are reproducible "
-                "and resume exactly (for the same number of processes), but per-example "
-                "transforms are better written as jtrain.data.with_transform(dataset, "
-                "fn(item, rng))"))
+        for seen in _WATCHES if used else ():
+            seen.setdefault(self.key, (name, self.cls, set()))[2].update(used)
         return out
 
 

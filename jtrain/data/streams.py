@@ -27,6 +27,7 @@ from jtrain.data import pipeline
 from jtrain.data.sources import (DOMAIN_HOLDOUT, DOMAIN_STREAM, DOMAIN_WORKER, GlobalRng,
                                  call_item, item_seed)
 from jtrain.errors import DataError, first_line
+from jtrain.losses import ROW_MASK
 
 
 class EpochEnd(Exception):
@@ -218,7 +219,7 @@ class StreamBatchIterator(grain.DatasetIterator):
                                  collate_fn=reader.collate_fn, ref=reader.ref,
                                  keep_64bit=reader.keep_64bit)
         if reader.mask:
-            batch["mask"] = valid.astype(np.float32)
+            batch[ROW_MASK] = valid.astype(np.float32)
         self.batches_this_epoch += 1
         if pad:  # the padded batch closed this epoch
             self.shard.end_epoch()

@@ -47,7 +47,8 @@ METRICS: dict[str, tuple[str, str]] = {
            ("perplexity", "exp of the train loss"),
            ("bits_per_byte", "the train loss in bits per byte"),
            ("mse", "mean squared error"), ("mae", "mean absolute error"),
-           ("r2", "coefficient of determination"), ("pearson", "Pearson correlation"))},
+           ("r2", "coefficient of determination (several outputs: their R² averaged, "
+            "as scikit-learn's r2_score)"), ("pearson", "Pearson correlation"))},
     "eval/loss": ("evals", "loss over every eval example, exactly (padding masked)"),
     "eval/<term>": ("evals", "a named loss term over the eval set"),
     "eval/accuracy": ("evals", "classification / sequence: share of correct predictions"),
@@ -66,7 +67,9 @@ METRICS: dict[str, tuple[str, str]] = {
     "eval/bits_per_byte": ("evals", "byte-level language models: loss in bits per byte"),
     "eval/mse": ("evals", "regression: mean squared error"),
     "eval/mae": ("evals", "regression: mean absolute error"),
-    "eval/r2": ("evals", "regression: coefficient of determination"),
+    "eval/r2": ("evals", "regression: coefficient of determination; targets [..., k]: "
+                "each of the k outputs' R² averaged uniformly (scikit-learn's r2_score "
+                "default, multioutput='uniform_average')"),
     "eval/pearson": ("evals", "regression: Pearson correlation"),
     "eval/spearman": ("evals", "regression: Spearman rank correlation (exact, host side)"),
     "eval/<metric>/m<m>": ("evals (population.size > 1)", "member m's eval/<metric>; the "

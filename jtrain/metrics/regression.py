@@ -96,33 +96,67 @@ def _regression_batch(metric, batch):
 
 @struct.dataclass
 class R2:
-    """Coefficient of determination, pooled over all entries (sklearn's r2_score on the
-    flattened arrays): nan for n < 2; 1.0 / 0.0 for constant labels (force_finite)."""
-    moments: Moments
-    sse: Array
+    """Coefficient of determination as scikit-learn's r2_score computes it by default
+    (multioutput="uniform_average"): labels [...] scored as `num_outputs` outputs, the last
+    axis (sklearn's columns; with 1, every entry is a sample of one output), every other
+    axis indexing samples; R² of each output, then their plain mean. Pooling the entries
+    of several outputs instead would count the differences between the outputs' means as
+    explained variance. Per output: nan for fewer than 2 counted entries (left out of the
+    mean; nan if every output is); 1.0 / 0.0 for constant labels (force_finite).
+
+    The state, per output: the count, the label mean, the centred label sum of squares
+    and the residual sum of squares, merged with Chan's formula (exact across batches,
+    devices and hosts)."""
+    n: Array      # [k] counted entries
+    mean: Array   # [k] label mean
+    m2: Array     # [k] sum (label - mean)^2
+    sse: Array    # [k] sum (pred - label)^2
+    num_outputs: int = struct.field(pytree_node=False, default=1)
     JITTABLE: ClassVar[bool] = True
 
     @classmethod
-    def empty(cls):
-        return cls(moments=Moments.empty(), sse=zeros(np.float32))
+    def empty(cls, num_outputs: int = 1):
+        if num_outputs < 1:
+            raise ValueError(f"R2: num_outputs must be >= 1, got {num_outputs}")
+        return cls(*(zeros(np.float32, (num_outputs,)) for _ in range(4)),
+                   num_outputs=num_outputs)
 
     def update(self, **batch):
         preds, labels, valid = _regression_batch(self, batch)
-        part = R2(moments=Moments.of_batch(preds, labels, valid),
-                  sse=masked_sum(jnp.square(preds - labels), valid))
+        k = self.num_outputs
+        last = labels.shape[-1] if labels.ndim > 1 else 1
+        if last != k:
+            raise ValueError(f"R2(num_outputs={k}): labels {tuple(labels.shape)}: their last "
+                             f"axis holds the outputs; R2.empty(num_outputs={last}) scores "
+                             f"{last} outputs, flattened labels one")
+        y, p, v = (a.reshape(-1, k) for a in (labels, preds, valid))
+        n = jnp.sum(v, axis=0, dtype=jnp.float32)
+        mean = jnp.sum(jnp.where(v, y, 0.0), axis=0) / jnp.maximum(n, 1.0)
+        dy = jnp.where(v, y - mean, 0.0)
+        part = self.replace(n=n, mean=mean, m2=jnp.sum(dy * dy, axis=0),
+                            sse=jnp.sum(jnp.where(v, jnp.square(p - y), 0.0), axis=0))
         return self.merge(part)
 
     def merge(self, other):
         check_mergeable(self, other)
-        return R2(moments=self.moments.merge(other.moments), sse=add_leaves(self.sse, other.sse))
+        if any(is_tracer(x) for x in jax.tree.leaves((self, other))):
+            xp, a, b = jnp, self, other
+        else:
+            xp, a, b = np, jax.tree.map(to_host, self), jax.tree.map(to_host, other)
+        n = a.n + b.n
+        frac = b.n / xp.where(n > 0, n, 1.0)  # weight of b in the merged mean
+        d = b.mean - a.mean
+        return self.replace(n=n, mean=a.mean + d * frac, m2=a.m2 + b.m2 + d * d * a.n * frac,
+                            sse=a.sse + b.sse)
 
     def compute(self) -> float:
-        n, sst, sse = (float(to_host(v)) for v in (self.moments.n, self.moments.m2y, self.sse))
-        if n < 2:
+        n, sst, sse = (to_host(v).reshape(-1) for v in (self.n, self.m2, self.sse))
+        defined = n >= 2
+        if not defined.any():
             return math.nan
-        if sst == 0.0:
-            return 1.0 if sse == 0.0 else 0.0
-        return 1.0 - sse / sst
+        constant = (sse == 0.0).astype(np.float64)  # constant labels: sklearn's force_finite
+        per_output = np.where(sst > 0, 1.0 - sse / np.where(sst > 0, sst, 1.0), constant)
+        return float(np.mean(per_output[defined]))
 
 
 @struct.dataclass

@@ -49,6 +49,7 @@ class EvalSpec:
     num_classes: int = 0            # classification / sequence: size of the last output axis
     top_k: int = 5
     max_gathered: int = 1_000_000   # AUROC / Spearman keep at most this many examples
+    num_outputs: int = 1            # regression: outputs r2 scores apart (targets' last axis)
 
     @classmethod
     def create(cls, output_shape, targets_shape, targets_dtype, *, names=(), top_k: int = 5,
@@ -64,8 +65,12 @@ class EvalSpec:
                               f"run's {task} outputs (outputs {tuple(output_shape or ())}, "
                               f"targets {tuple(targets_shape)} {np.dtype(targets_dtype).name});"
                               f" choose from {', '.join(sorted(_ALLOWED[task]))}")
+        # Regression targets [..., k] per example are k outputs (scikit-learn's columns),
+        # scalar targets one: r2 averages the outputs' R² as r2_score does by default.
+        num_outputs = int(targets_shape[-1]) if task == "regression" and len(
+            targets_shape) else 1
         return cls(task=task, names=names, num_classes=num_classes, top_k=top_k,
-                   max_gathered=max_gathered)
+                   max_gathered=max_gathered, num_outputs=num_outputs)
 
     @property
     def gathers(self) -> bool:
@@ -120,7 +125,7 @@ def make_collection(spec: EvalSpec) -> MetricCollection:
         "auroc": lambda: ("auroc", AUROC.empty(c, max_examples=spec.max_gathered)),
         "mse": lambda: ("mse", MSE.empty()),
         "mae": lambda: ("mae", MAE.empty()),
-        "r2": lambda: ("r2", R2.empty()),
+        "r2": lambda: ("r2", R2.empty(spec.num_outputs)),
         "pearson": lambda: ("pearson", Pearson.empty()),
         "spearman": lambda: ("spearman", Spearman.empty(max_examples=spec.max_gathered)),
     }

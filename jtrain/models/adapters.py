@@ -16,6 +16,9 @@ Accepted user models:
     `apply(params, inputs[, rng=..., train=...]) -> outputs`.
 Models are called with `batch["inputs"]`. If the call signature has `train` (or
 `deterministic`) it is passed; dropout draws from the `"dropout"` rng stream.
+Only parameters are trained and carried from step to step: a model with other state
+(BatchNorm's running statistics: nnx.BatchStat, Linen's batch_stats; any variable a
+forward pass changes) is refused with a ModelError before the first step.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from flax import linen as nn
 from flax import nnx
 
 from jtrain import mesh as mesh_lib
-from jtrain.errors import ConfigError
+from jtrain.errors import ConfigError, ModelError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +100,12 @@ def from_linen(module: nn.Module) -> ModelFns:
         variables = module.init({"params": rng, "dropout": rng}, inputs,
                                 **_mode_kwargs(module.__call__, False))
         extra = sorted(set(variables) - {"params"})
-        if extra:
-            raise NotImplementedError(
-                f"model: Linen variable collections other than 'params' ({', '.join(extra)}) "
-                "are not supported yet (e.g. BatchNorm batch_stats); use LayerNorm/RMSNorm")
+        if extra:  # apply() passes only params: any other collection would be lost
+            raise state_error(type(module).__name__, "Linen variable collection"
+                              + ("s " if len(extra) > 1 else " ")
+                              + ", ".join(map(repr, extra))
+                              + (" (BatchNorm)" if "batch_stats" in extra else ""),
+                              stats="batch_stats" in extra)
         return variables["params"]
 
     def apply(params, inputs, rng=None, train=False):
@@ -123,6 +128,7 @@ def from_nnx(model_or_factory, mesh=None) -> ModelFns:
     else:
         factory, existing = model_or_factory, None
         graph = _abstract_graph(factory, mesh)
+    _refuse_batch_stats(graph)
 
     def init(rng, inputs):
         del inputs
@@ -140,6 +146,74 @@ def from_nnx(model_or_factory, mesh=None) -> ModelFns:
 
     return ModelFns(init=init, apply=apply, kind="nnx", existing_params=existing,
                     nnx_graph=graph)
+
+
+# apply() merges the state other than parameters as it was when the model was split, and
+# the train step carries only parameters: running statistics updated in a forward pass
+# would be dropped after every step, and evaluation would use their initial values.
+_STATS_HINT = ("running statistics are not carried by the train step yet; use "
+               "LayerNorm/RMSNorm or GroupNorm, or write the model without BatchNorm")
+_STATE_HINT = ("state other than parameters is not carried by the train step yet (each "
+               "step would start from its initial value); keep it outside the model or "
+               "compute it from the inputs")
+
+
+def state_error(model: str, what: str, *, stats: bool) -> ModelError:
+    """The one line for a model holding state the train step would drop: `what` names
+    the variables or collections; `stats`: BatchNorm's running statistics among them."""
+    return ModelError(model, f"{what}: {_STATS_HINT if stats else _STATE_HINT}")
+
+
+def _names(paths) -> str:
+    shown = [".".join(map(str, p)) for p in paths[:4]]
+    return ", ".join(shown) + (f", ... ({len(paths)})" if len(paths) > 4 else "")
+
+
+def _root_name(graph: NnxGraph) -> str:
+    built = getattr(graph.graphdef.nodes[0], "type", None)
+    return built.__name__ if isinstance(built, type) else "the model"
+
+
+def _refuse_batch_stats(graph: NnxGraph) -> None:
+    """A ModelError for nnx.BatchStat variables (BatchNorm's running statistics), found
+    by type before anything is traced."""
+    stats = [p for p, v in nnx.to_flat_state(graph.rest) if isinstance(v, nnx.BatchStat)]
+    if stats:
+        raise state_error(_root_name(graph), f"nnx.BatchStat variables {_names(stats)} "
+                          "(BatchNorm)", stats=True)
+
+
+def check_state_carried(fns: ModelFns, params, inputs) -> None:
+    """NNX: a ModelError when a forward pass in train mode changes a variable other than
+    an nnx.Param (RNG state aside: the step draws its own keys), e.g. a counter or
+    statistics kept by hand. Traced on shapes (`params`, `inputs`: ShapeDtypeStructs);
+    a model that cannot be called here is left to the pre-flight checks
+    (jtrain.model_checks), which say why."""
+    graph = fns.nnx_graph
+    if graph is None or not any(not isinstance(v, nnx.RngState)
+                                for _, v in nnx.to_flat_state(graph.rest)):
+        return
+    changed = []
+
+    def forward(params, rest, inputs):
+        before = {p: v.get_raw_value() for p, v in nnx.to_flat_state(rest)}
+        model = nnx.merge(graph.graphdef, params, rest)
+        model.train()
+        model(inputs, **_mode_kwargs(type(model).__call__, True))
+        for path, v in nnx.to_flat_state(nnx.split(model, nnx.Param, ...)[2]):
+            if (path in before and not isinstance(v, nnx.RngState)
+                    and v.get_raw_value() is not before[path]):
+                changed.append((path, type(v).__name__))
+
+    try:
+        jax.eval_shape(forward, params, graph.rest, inputs)
+    except Exception:  # noqa: BLE001 - model_checks reports a model it cannot call
+        return
+    if changed:
+        kinds = ", ".join(sorted({k for _, k in changed}))
+        plural = "s" if len(changed) > 1 else ""
+        raise state_error(_root_name(graph), f"variable{plural} {_names([p for p, _ in changed])}"
+                          f" ({kinds}) changed by a forward pass in train mode", stats=False)
 
 
 def _abstract_graph(factory, mesh) -> NnxGraph:

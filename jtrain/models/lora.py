@@ -1,11 +1,13 @@
 """LoRA fine-tuning through qwix: the only reader of `config.finetune`.
 
 With `finetune.lora.rank` r > 0 the model (a user's Linen or NNX model, or a built-in
-family) goes through qwix's `LoraProvider`: each matmul weight `W` of a module whose path
-matches `finetune.lora.targets` (re.search on paths such as `layer_0/attn` or `encoder`)
-gets two adapters beside it, `<name>_lora_a` [in..., r] (he-uniform) and `<name>_lora_b`
-[r, out...] (zeros), and the matmul computes `x W + alpha/r * (x A) B` (qwix's names,
-shapes and scale). B starts at zero, so step 0 is the base model exactly.
+family) goes through qwix's `LoraProvider`: each matmul weight `W` whose parameter path
+matches `finetune.lora.targets` (re.search on the path every parameter pattern sees,
+jtrain.optim.leaf_path: `layer_0/attn/query`, so `attn` or `encoder` name a module's
+weights and `query$` one kind of weight) gets two adapters beside it, `<name>_lora_a`
+[in..., r] (he-uniform) and `<name>_lora_b` [r, out...] (zeros), and the matmul
+computes `x W + alpha/r * (x A) B` (qwix's names, shapes and scale). B starts at zero,
+so step 0 is the base model exactly.
 
 Only the adapters train: `to_model_fns` hands back `ADAPTERS` as the trainable patterns
 the run adds to `optim.trainable` (build.py passes them to the optimizer explicitly and
@@ -43,6 +45,7 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
+from jtrain import optim
 from jtrain.errors import ConfigError
 from jtrain.models import adapters
 
@@ -54,7 +57,7 @@ _SAME_LAYOUT = frozenset({"convert_element_type", "sharding_constraint", "copy",
 
 
 def is_adapter(path: str) -> bool:
-    """Is the parameter path (`params/.../kernel_lora_a`) a LoRA adapter?"""
+    """Is the parameter path (`.../kernel_lora_a`) a LoRA adapter?"""
     return re.search(ADAPTERS, path) is not None
 
 
@@ -76,7 +79,9 @@ def to_model_fns(module, cfg, sample, mesh):
         raise ConfigError("finetune.lora.targets",
                           f"bad regex {lora.targets!r}: {e}") from None
     try:
-        provider = _provider_class()(module_path=f".*(?:{lora.targets}).*", rank=lora.rank,
+        # qwix's rule takes every module: the targets are matched on each weight's
+        # parameter path (Provider._adapt), the convention of every parameter pattern.
+        provider = _provider_class()(lora.targets, module_path=".*", rank=lora.rank,
                                      alpha=float(lora.alpha))
     except ImportError as e:
         raise ConfigError("finetune.lora.rank", f"LoRA needs qwix ({e}): pip install "
@@ -146,10 +151,10 @@ def _check(provider, fns, sample, mesh, lora, batch_size):
                           "but not when differentiated, or the other way round; leave its "
                           "module out of finetune.lora.targets")
     if not provider.layouts:
-        seen = ", ".join(repr(p) if p else "'' (the model itself)"
-                         for p in sorted(provider.seen)[:6]) or "none"
-        raise ConfigError("finetune.lora.targets", f"{lora.targets!r} matches no module with "
-                                                   f"a matmul weight (such modules: {seen})")
+        optim.check_patterns("finetune.lora.targets", [lora.targets], sorted(provider.seen),
+                             "parameter path of a matmul weight")
+        raise ConfigError("finetune.lora.targets", f"{lora.targets!r}: no matmul weight it "
+                                                   "matches could be adapted")
     for path, why in sorted(provider.layouts.items()):
         if why:
             raise ConfigError("finetune.lora.targets", f"{path} {why}, so its adapter could "
@@ -207,11 +212,18 @@ def _provider_class():
     from qwix._src.utils import flax_util
 
     class Provider(qwix.LoraProvider):
-        def __init__(self, **rule):
+        def __init__(self, targets: str, **rule):
             super().__init__(**rule)
+            self.targets = re.compile(targets)  # searched in a weight's parameter path
             self.layouts = {}  # adapted weight path -> None, or why it cannot be merged
             self.adapted = set()  # the weight paths adapted (since the caller reset it)
-            self.seen = set()  # module paths with a matmul weight
+            self.seen = set()  # the parameter paths of matmul weights
+
+        def _targeted(self, name: str) -> str | None:
+            """The parameter path of the current module's weight `name`, when the
+            targets match it."""
+            path = "/".join((*map(str, flax_util.get_current_module_path()), name))
+            return path if self.targets.search(path) else None
 
         def _adapt(self, op, rhs, inputs_first: bool):
             """(rule, weight name) when the matmul operand `rhs` is a weight to adapt,
@@ -227,12 +239,11 @@ def _provider_class():
                 name = flax_util.find_param(rhs, ptq.WithAux)  # eager: qwix's own search
             if name is None or is_adapter(name):
                 return None
-            module_path = tuple(map(str, flax_util.get_current_module_path()))
-            self.seen.add("/".join(module_path))
+            self.seen.add("/".join((*map(str, flax_util.get_current_module_path()), name)))
             rule = self._get_current_rule_and_op_id(op, only_rule=True)[0]
-            if not isinstance(rule, qlora.LoraRule):
+            path = self._targeted(name)
+            if not isinstance(rule, qlora.LoraRule) or path is None:
                 return None
-            path = "/".join((*module_path, name))
             self.adapted.add(path)
             if isinstance(rhs, jax.core.Tracer) and not self.layouts.get(path):
                 self.layouts[path] = None if inputs_first and as_stored else (
@@ -246,6 +257,14 @@ def _provider_class():
             return super().get_intercept_map() | {
                 "jax.numpy.matmul": self.matmul,
                 "jax._src.numpy.tensor_contractions.matmul": self.matmul}
+
+        def conv_general_dilated(self, lhs, rhs, *args, **kwargs):
+            # qwix's own conv path adapts whatever its rule takes (every module here):
+            # only a targeted weight gets adapters, as in _adapt.
+            name = flax_util.find_param(rhs, ptq.WithAux)
+            if name is None or is_adapter(name) or self._targeted(name) is None:
+                return ptq.PtqProvider.conv_general_dilated(self, lhs, rhs, *args, **kwargs)
+            return super().conv_general_dilated(lhs, rhs, *args, **kwargs)
 
         def matmul(self, a, b, **kwargs):
             if jnp.ndim(a) >= 1 and jnp.ndim(b) == 2:

@@ -19,6 +19,7 @@ def describe_run(cfg, build, data, *, workdir: str, origin: str, peak: float | N
         extra.append(f"jtrain: corpus sha256 {info['fingerprint'][:16]}..., "
                      f"{info['num_bytes']:,} bytes from {info['num_files']} files")
     extra += [f"jtrain: data: {note}" for note in info.get("notes", ())]
+    extra += [f"jtrain: warning: {line}" for line in info.get("warnings", ())]
     mfu = f"MFU vs peak {peak:.3g} FLOP/s/device" if peak else "MFU n/a (set perf.peak_flops)"
     if determinism:
         extra.append(f"jtrain: {determinism}")

@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 import jax
 
+from jtrain import schedules
+from jtrain.control import changes as changes_lib
 from jtrain.observe import console, header as header_lib, perf as perf_lib
 from jtrain.observe import writers as writers_lib
 from jtrain.redact import redact
@@ -76,6 +78,19 @@ def read_run_record(workdir: str) -> dict:
     return {}
 
 
+def replan_line(start, resolved: dict) -> str | None:
+    """What this resume's config changes do to the learning-rate schedule (None: nothing,
+    or not a resume). The record's last accepted change at the resumed step is this
+    resume's: a checkpoint is never re-saved at the step it was restored from."""
+    history = getattr(start.control, "config_changes", None) or []
+    if start.step is None or not history or history[-1].get("step") != start.step:
+        return None
+    changes = {k: tuple(v) for k, v in history[-1]["changes"].items()}
+    saved = changes_lib.saved_config(changes, resolved)
+    return schedules.replan_line(saved, json.loads(json.dumps(resolved, default=str)),
+                                 start.step)
+
+
 def open_outputs(cfg, workdir: str, *, build, data, start, record: dict,
                  run_ids: dict | None, determinism: str | None,
                  t_start: float) -> Outputs:
@@ -100,6 +115,9 @@ def open_outputs(cfg, workdir: str, *, build, data, start, record: dict,
     peak = perf_lib.peak_flops_per_device(cfg.perf.peak_flops)
     header = header_lib.describe_run(cfg, build, data, workdir=workdir, origin=start.origin,
                                      peak=peak, determinism=determinism)
+    replan = replan_line(start, resolved)
+    if replan:  # right under "resumed from step N"
+        header += "\n" + replan
     progress.message(header)
     writer.write_text(start.step or 0, "run/header", header)  # TensorBoard's text tab
     progress.message(header_lib.parameter_table(build.abstract.params), level=2)

@@ -179,8 +179,7 @@ def make_model(width=64, layers=2):
 
 def loss(outputs, batch):
     """loss.fn: imputed + 0.5 observed, NB NLL on counts and Gaussian NLL on p-values."""
-    rows = batch["mask"].astype(jnp.float32) if "mask" in batch else jnp.ones(
-        outputs["hidden"].shape[0], jnp.float32)
+    rows = losses.weights_for(batch, outputs["hidden"].shape[:1])  # the row mask
     P = batch["counts"].shape[1]
     terms = {}
     for kind, w_feat in (("imputed", outputs["hidden"]), ("observed", outputs["visible"])):

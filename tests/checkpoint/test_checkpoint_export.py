@@ -75,7 +75,7 @@ def test_init_from_export_casts_and_excludes(run_dir, tmp_path, capfd):
     np.testing.assert_array_equal(s.params["dense"]["bias"], make_state().params["dense"]["bias"])
     assert int(s.step) == 0
     err = capfd.readouterr().err
-    assert "1 excluded (fresh init: params/dense/bias)" in err and "bfloat16->float32" in err
+    assert "1 excluded (fresh init: dense/bias)" in err and "bfloat16->float32" in err
 
 
 def test_init_from_checkpoint_with_optimizer_state(run_dir, tmp_path):
@@ -97,10 +97,10 @@ def test_workdir_checkpoint_wins_over_init_from(run_dir, tmp_path):
 def test_init_from_mismatch_and_missing_path(run_dir, tmp_path):
     cfg = make_config(init_from=str(run_dir))
     with pytest.raises(checkpoint.RestoreError,
-                       match=re.escape("params/dense/bias: source has (16,) float32, the "
+                       match=re.escape(": dense/bias: source has (16,) float32, the "
                                        "model (32,) float32")):
         open_run(tmp_path / "a", cfg, state=make_state(width=32))
-    with pytest.raises(checkpoint.RestoreError, match="params/head/kernel .* is not in the source"):
+    with pytest.raises(checkpoint.RestoreError, match=": head/kernel .* is not in the source"):
         open_run(tmp_path / "b", cfg, state=make_state(extra=True))
     from jtrain.config import ConfigError
 

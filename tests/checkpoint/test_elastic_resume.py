@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import flax.linen as nn
 import jtrain
+from jtrain.losses import ROW_MASK
 
 workdir, total = sys.argv[1], int(sys.argv[2])
 if len(sys.argv) > 3:  # address, number of processes, this process's id
@@ -47,7 +48,7 @@ def log_indices(idx):
 
 
 def loss_fn(outputs, batch):
-    if "mask" not in batch:  # training batches (eval batches carry a mask)
+    if ROW_MASK not in batch:  # training batches (eval ones carry a row mask)
         jax.debug.callback(log_indices, batch["idx"])
     logp = jax.nn.log_softmax(outputs.astype(jnp.float32))
     nll = -jnp.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]

@@ -1,6 +1,7 @@
 """Run control as a user meets it: the CLI and a plain script, each in a subprocess from a
 temp cwd with relative paths and no test helpers: a user's data module with overflowing
-rows (skipped, ledger; `nonfinite.policy=halt` exits 4 with one line), early stopping on
+rows (skipped, ledger; `nonfinite.policy=halt` exits 4 with one line; most updates
+skipped by missing inputs: exit 4, not done, checkpoints kept), early stopping on
 a threshold, a mistyped monitor and an impossible memory budget (exit 2, one line), a
 user's NNX model stopped by `on_eval` with a plateau, and two processes where only one
 holds the bad rows (both skip the same step; nothing hangs)."""
@@ -16,11 +17,12 @@ from journey import copy_project
 DATA_MODULE = '''
 import numpy as np
 
-def make(n=64, bad=(), spike=(0, 0)):
+def make(n=64, bad=(), spike=(0, 0), missing=()):
     r = np.random.default_rng(0)
     x = r.normal(size=(n, 4)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int32)
     x[list(bad)] = 3e38  # finite inputs whose loss overflows
+    x[list(missing), 1] = np.nan  # a missing input: its batch's update is skipped
     x[spike[0]:spike[1]] *= 300.0  # a finite loss far above the rest
     return {"train": {"inputs": x, "targets": y}, "eval": {"inputs": x[:16], "targets": y[:16]}}
 '''
@@ -108,6 +110,47 @@ def test_cli_bad_rows_skip_then_halt_and_early_stop(tmp_path):
     assert (summary["message"], summary["exit_code"]) == (last, 0)
     assert (cwd / "runs/es/train.log").read_text().splitlines()[-1].endswith(" " + last)
     assert summary["best_metric"] == "eval/accuracy" and summary["best_step"] == 4
+
+
+def test_cli_most_updates_skipped_is_not_done(tmp_path):
+    """Rows with a NaN input in 6 of the 8 batches (each skipped with a warning): the run
+    reaches step 8 with 2 updates applied, more than nonfinite.max_skipped_share (0.5)
+    skipped: one error line, exit 4, summary.json not done, its checkpoints kept. With
+    2 such batches it ends done, exit 0, as before."""
+    cwd = _cwd(tmp_path)
+    many = "--config.data.kwargs={'missing': (17, 25, 33, 41, 49, 57)}"  # not in eval's 16
+    proc = _cli(cwd, "--workdir=runs/many", many, "--config.checkpoint.every_steps=4")
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    line = ("jtrain: non-finite error: 6 of 8 updates were skipped (75%), more than "
+            "nonfinite.max_skipped_share=0.5: not done; the steps, reasons and examples are "
+            "in WORKDIR/skipped.jsonl: fix the data (or raise nonfinite.max_skipped_share, "
+            "1 = off); checkpoints kept")
+    assert _errors(proc.stderr) == [line]
+    assert proc.stderr.rstrip().splitlines()[-1] == line and "done at step" not in proc.stderr
+    summary = json.load(open(cwd / "runs/many/summary.json"))
+    assert (summary["stopped_by"], summary["step"], summary["skipped_steps"],
+            summary["exit_code"], summary["message"]) == ("max_skipped_share", 8, 6, 4, line)
+    assert "eval/loss" in summary  # the full summary: the final eval is there
+    assert sorted(os.listdir(cwd / "runs/many/checkpoints")) == ["4", "8"]
+    ledger = [json.loads(ln) for ln in open(cwd / "runs/many/skipped.jsonl")]
+    assert [(e["step"], e["reason"], e["examples"]) for e in ledger] == [
+        (s, "invalid batch", [8 * s - 7]) for s in range(3, 9)]
+    assert (cwd / "runs/many/train.log").read_text().splitlines()[-1].endswith(" " + line)
+    # Rerun: judged again (not "already finished"); a higher share: done, exit 0.
+    proc = _cli(cwd, "--workdir=runs/many", many, "--config.checkpoint.every_steps=4")
+    assert proc.returncode == 4 and _errors(proc.stderr) == [line], proc.stderr[-3000:]
+    proc = _cli(cwd, "--workdir=runs/many", many, "--config.checkpoint.every_steps=4",
+                "--config.nonfinite.max_skipped_share=0.8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.load(open(cwd / "runs/many/summary.json"))["stopped_by"] is None
+    # Below the share: done, exit 0, as before.
+    proc = _cli(cwd, "--workdir=runs/few", "--config.data.kwargs={'missing': (17, 25)}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stderr.rstrip().splitlines()[-1]
+    assert last.startswith("jtrain: done at step 8") and last.endswith("; 2 skipped steps")
+    summary = json.load(open(cwd / "runs/few/summary.json"))
+    assert (summary["stopped_by"], summary["exit_code"]) == (None, 0)
 
 
 def test_cli_loss_spike_rolls_back(tmp_path):

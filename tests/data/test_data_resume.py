@@ -18,6 +18,7 @@ from jtrain import config as config_lib
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
 from jtrain.data import streams
+from jtrain.losses import ROW_MASK
 
 STEPS = 50
 N = 45  # not a multiple of the batch: epochs end mid-stream, partial batches dropped
@@ -161,11 +162,11 @@ def test_two_workers_stream_restores_exactly():
 def test_padded_last_batch_keeps_every_example_with_a_mask():
     it = iterator("arrays", batch=4, drop_last=False)
     epoch = take(it, 12)  # ceil(45 / 4) = 12 batches
-    masks = np.concatenate([b["mask"] for b in epoch])
+    masks = np.concatenate([b[ROW_MASK] for b in epoch])
     targets = np.concatenate([b["targets"] for b in epoch])
     assert masks.sum() == N and masks[-3:].tolist() == [0, 0, 0]
     assert sorted(targets[masks == 1].tolist()) == list(range(N))
-    assert "mask" in next(it)  # every batch has the same fields
+    assert ROW_MASK in next(it)  # every batch has the same fields
 
 
 class Reads:

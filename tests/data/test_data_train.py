@@ -21,6 +21,7 @@ from flax import nnx
 import jtrain
 from jtrain import config as config_lib
 from jtrain import data as data_lib
+from jtrain.losses import ROW_MASK
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N, BATCH, STEPS = 64, 16, 8  # two epochs of four global batches
@@ -167,7 +168,7 @@ def test_padded_eval_is_exact_and_compiles_once(processes):
         logits = batch["inputs"] @ w  # [b, 3]
         loss = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["targets"][:, None], 1)
         hits = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
-        m = batch["mask"]
+        m = batch[ROW_MASK]
         return {"loss": (loss[:, 0] * m).sum(), "hits": (hits * m).sum(), "n": m.sum()}
 
     d = config_lib.resolve({"data": {"batch_size": local * processes}}).data

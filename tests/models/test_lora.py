@@ -191,7 +191,7 @@ def test_lora_finetune_of_a_pretrained_run_and_merged_export(tmp_path, capfd):
     ft = jtrain.train(cfg, str(tmp_path / "ft"), model=LinenNet(), train_data=_data())
     err = capfd.readouterr().err
     assert "4 leaves (params), 4 LoRA adapter leaves not in the source (fresh init: " \
-           "params/body/kernel_lora_a" in err, err
+           "body/kernel_lora_a" in err, err
     pretrained, tuned = _leaves(base.state.params), _leaves(ft.state.params)
     for name, value in tuned.items():  # the base weights are the pretrained run's
         if not lora.is_adapter(name):
@@ -218,7 +218,8 @@ def test_lora_finetune_of_a_pretrained_run_and_merged_export(tmp_path, capfd):
     ({"rank": 64}, LinenNet(), "finetune.lora.rank", "64 is above the dimensions of every "
      "adapted weight (the largest: 4, body/kernel (4, 16)); use a rank <= 4"),
     ({"rank": 2, "targets": "decoder"}, LinenNet(), "finetune.lora.targets",
-     "'decoder' matches no module with a matmul weight (such modules: 'body', 'head')"),
+     "'decoder' matches no parameter path of a matmul weight; paths look like "
+     "'body/kernel', 'head/kernel'"),
     ({"rank": 2, "targets": "("}, LinenNet(), "finetune.lora.targets", "bad regex"),
     ({"rank": 2, "alpha": 0.0}, LinenNet(), "finetune.lora.alpha", "must be > 0"),
     ({"rank": 2}, (lambda rng, x: {"w": np.ones((4, 3), np.float32)},
@@ -363,8 +364,8 @@ def test_user_pretrains_lora_finetunes_and_exports_merged(tmp_path):
                 "--config.finetune.lora.targets=decoder")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert _error_lines(proc) == ["jtrain: config error: finetune.lora.targets: 'decoder' "
-                                  "matches no module with a matmul weight (such modules: "
-                                  "'encoder', 'head')"]
+                                  "matches no parameter path of a matmul weight; paths "
+                                  "look like 'encoder/kernel', 'head/kernel'"]
 
     # the merged export in the plain model = the fine-tuned LoRA model
     sys.path.insert(0, str(tmp_path))
