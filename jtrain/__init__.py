@@ -19,15 +19,13 @@ set-up of the command-line entry points is `jtrain.boot`.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 
 __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "Build": "jtrain.train", "TrainResult": "jtrain.train", "build": "jtrain.train",
-    "train": "jtrain.train",
+    "Build": "jtrain.engine.assemble", "build": "jtrain.engine.assemble",
+    "TrainResult": "jtrain.engine.run", "train": "jtrain.engine.run",
     "ConfigError": "jtrain.errors", "DataError": "jtrain.errors",
     "ModelFns": "jtrain.models.adapters", "to_model_fns": "jtrain.models.adapters",
     "defaults": "jtrain.config", "resolve": "jtrain.config",
@@ -60,19 +58,3 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
-
-
-class _Package(types.ModuleType):
-    """Importing a submodule sets it as an attribute of its package: `import
-    jtrain.train` would make `jtrain.train` the module, not the function. The public
-    names win (`jtrain.train`, `jtrain.build` are the functions, as when the package
-    imported them eagerly); the modules stay in sys.modules, where `from jtrain.train
-    import x` finds them."""
-
-    def __setattr__(self, name, value):
-        if name in _EXPORTS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -8,7 +8,7 @@ message, `DataError(message)` (`e.key` is None, `e.why` the message). Code that 
 the key reads `e.key`; no one parses an error's text.
 
 `EXIT_CODES` says what each exit code means; docs/reference/exit_codes.md is written from it and
-from the classes below (`python -m jtrain.exit_codes --markdown`). Entry points print
+from the classes below (`python -m jtrain.cli.exit_codes --markdown`). Entry points print
 `render(e)` on stderr and exit with `exit_code(e)`; no traceback for any of these.
 `classify(e)` turns what libraries raise (OSError, orbax's wrapped I/O errors) into the
 error that says what to change. Every rendered line passes through the redactor (jtrain.redact).

@@ -20,7 +20,7 @@ from jtrain import precision
 
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-    step: jax.Array  # int32 [], number of optimizer updates applied
+    step: jax.Array  # int32 [], batches consumed (skipped updates included: skipped_steps)
     params: Any  # the model's parameters (plain arrays, no metadata boxes)
     opt_state: Any  # optax state
     rng: jax.Array  # uint32 [2], raw key data; per-step keys are fold_in(rng, step)

@@ -325,7 +325,7 @@ def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool,
 
             sums = {"loss_sum": masked(ls), "weight": masked(ws)}
             terms = {k: (masked(s), masked(w)) for k, (s, w) in per_terms.items()}
-        elif user_loss:  # batch scope: a batch without padding (`jtrain.evaluator`)
+        elif user_loss:  # batch scope: a batch without padding (`jtrain.engine.evaluation`)
             (loss_sum, weight), terms = losses.split_loss(loss_fn(outputs, batch),
                                                           rows=batch_rows(batch))
             sums = {"loss_sum": loss_sum, "weight": weight}

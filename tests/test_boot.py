@@ -68,9 +68,9 @@ before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
 import jtrain
 assert "jax" not in sys.modules, "import jtrain imported jax"
 assert jtrain.__version__ and "train" in dir(jtrain) and "train" in jtrain.__all__
-import jtrain.train, jtrain.build  # submodules named like public functions
+import jtrain.engine.run, jtrain.engine.assemble  # the modules behind train() and build()
 from jtrain import make_mesh, train
-import jtrain.main, jtrain.cli, jtrain.command
+import jtrain.main, jtrain.cli, jtrain.evaluate
 assert callable(train) and jtrain.train is train and callable(make_mesh)
 assert callable(jtrain.build) and not isinstance(jtrain.build, type(sys))
 assert {s: signal.getsignal(s) for s in before} == before, "signal handlers changed"

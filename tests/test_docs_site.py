@@ -30,7 +30,7 @@ def test_the_site_builds_strictly_with_every_page(tmp_path):
              for p in (tmp_path / "site").rglob("index.html")}
     assert {p for p in pages if p != "index"} <= built  # no nav list to forget a page in
     api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
-    for name in ("jtrain.train.train", "jtrain.build.build", "jtrain.mesh.make_mesh",
+    for name in ("jtrain.engine.run.train", "jtrain.engine.assemble.build", "jtrain.mesh.make_mesh",
                  "jtrain.optim.make_optimizer", "jtrain.config.resolve"):
         assert f'id="{name}"' in api, name
     assert "Resumes from the newest checkpoint" in api  # train()'s docstring, rendered

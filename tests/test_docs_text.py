@@ -118,3 +118,18 @@ def test_design_module_table_names_every_top_level_module_and_only_those():
         p.name + "/" for p in package.iterdir() if (p / "__init__.py").is_file()}
     assert sorted(named - actual) == [], "named in docs/design.md but not in jtrain/"
     assert sorted(actual - named) == [], "add these to docs/design.md's module table"
+
+
+def test_design_names_the_state_fields():
+    """docs/design.md's rule 4 lists TrainState's fields, all of them and in order."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from jtrain.state import TrainState
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    rule = re.search(r"4\. \*\*State is a dumb pytree\.\*\*(.*?)\n5\. ", text, re.S).group(1)
+    listed = re.search(r"of arrays: (.*?)\(None unless", " ".join(rule.split())).group(1)
+    names = [n.strip(" ,") for n in listed.split(",")]
+    assert names == [f.name for f in dataclasses.fields(TrainState)]

@@ -1,6 +1,6 @@
 """Errors keep what they name as fields: `e.key`, `e.why`; the one line is built from
 them (`errors.render`), and no module of jtrain recovers a key by splitting an error's
-text. docs/reference/exit_codes.md is what `python -m jtrain.exit_codes --markdown` writes."""
+text. docs/reference/exit_codes.md is what `python -m jtrain.cli.exit_codes --markdown` writes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from absl import flags
 
-from jtrain import cli, errors, exit_codes
+from jtrain import errors
+from jtrain.cli import runner as cli
+from jtrain.cli import exit_codes
 from jtrain.data.load import load_named
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,7 +54,7 @@ def test_render_uses_the_fields_first_line_and_masks_secrets():
 def test_exit_codes_doc_matches_the_generator():
     on_disk = (REPO / "docs" / "reference" / "exit_codes.md").read_text()
     assert on_disk == exit_codes.markdown(), (
-        "docs/reference/exit_codes.md is stale: python -m jtrain.exit_codes --markdown > "
+        "docs/reference/exit_codes.md is stale: python -m jtrain.cli.exit_codes --markdown > "
         "docs/reference/exit_codes.md")
 
 

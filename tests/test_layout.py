@@ -8,7 +8,8 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jtrain"
-MAX_LINES = 400
+MAX_LINES = 600  # a failure; past WARN_LINES a module is a signal to look
+WARN_LINES = 400
 
 
 def _modules() -> dict[str, Path]:
@@ -74,10 +75,18 @@ def test_no_import_cycles():
     assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_no_module_over_400_lines():
-    long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+def test_no_module_over_600_lines():
+    """Past 600 lines a module fails; past 400 the suite warns (a signal, not a splitter:
+    split by concern, never to get under the line)."""
+    import warnings
+
+    sizes = {str(p.relative_to(PACKAGE.parent)): len(p.read_text().splitlines())
+             for p in PACKAGE.rglob("*.py")}
+    long = {k: n for k, n in sizes.items() if n > MAX_LINES}
     assert not long, f"split these by concern: {long}"
+    near = {k: n for k, n in sizes.items() if n > WARN_LINES}
+    if near:
+        warnings.warn(f"modules past {WARN_LINES} lines (look at them): {near}", stacklevel=1)
 
 
 def test_subsystem_packages_say_what_they_own():
@@ -167,16 +176,13 @@ def test_tests_need_no_convenience_a_user_lacks():
 FLOORS = {
     0: ("jtrain.boot", "jtrain.errors", "jtrain.redact", "jtrain.hostmem"),
     1: ("jtrain.config", "jtrain.step", "jtrain.state", "jtrain.optim", "jtrain.precision",
-        "jtrain.mesh", "jtrain.losses", "jtrain.loss_terms", "jtrain.metrics",
-        "jtrain.population", "jtrain.optim_decay", "jtrain.schedules"),
+        "jtrain.mesh", "jtrain.losses", "jtrain.metrics"),
     2: ("jtrain.multihost",),
     3: ("jtrain.data", "jtrain.models", "jtrain.control", "jtrain.checkpoint",
         "jtrain.observe", "jtrain.recipes"),
-    4: ("jtrain.train", "jtrain.build", "jtrain.loop", "jtrain.summary", "jtrain.eval_loop",
-        "jtrain.evaluator", "jtrain.model_checks", "jtrain.preflight"),
-    5: ("jtrain", "jtrain.main", "jtrain.cli", "jtrain.exits", "jtrain.command",
-        "jtrain.train_command", "jtrain.evaluate", "jtrain.export", "jtrain.dry_run",
-        "jtrain.tune", "jtrain.bench"),
+    4: ("jtrain.engine",),
+    5: ("jtrain", "jtrain.main", "jtrain.cli", "jtrain.evaluate", "jtrain.export",
+        "jtrain.diff", "jtrain.replay", "jtrain.tune", "jtrain.bench", "jtrain.__main__"),
 }
 # (importer, imported) pairs allowed to go up, each with why.
 UPWARD_EXCEPTIONS: set[tuple[str, str]] = set()
@@ -212,11 +218,11 @@ def upward_edges(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 def test_floor_table_and_checker():
     assert floor("jtrain") == 5 and floor("jtrain.tune.trial") == 5
     assert floor("jtrain.redact") == 0 and floor("jtrain.control.monitors") == 3
-    assert floor("jtrain.multihost.heartbeat") == 2 and floor("jtrain.evaluator") == 4
-    planted = {"jtrain.errors": {"jtrain.cli"}, "jtrain.cli": {"jtrain.errors"},
+    assert floor("jtrain.multihost.heartbeat") == 2 and floor("jtrain.engine.evaluation") == 4
+    planted = {"jtrain.errors": {"jtrain.cli.runner"}, "jtrain.cli.runner": {"jtrain.errors"},
                "jtrain.data.load": {"jtrain"}}
     assert upward_edges(planted) == [("jtrain.data.load", "jtrain"),
-                                     ("jtrain.errors", "jtrain.cli")]
+                                     ("jtrain.errors", "jtrain.cli.runner")]
     graph = layered_graph(_modules())
     signals = graph["jtrain.control.signals"]  # `from jtrain import boot`: a module
     assert "jtrain.boot" in signals and "jtrain" not in signals

@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 
 import jtrain
-from jtrain import evaluate as evaluate_lib
-from jtrain import population as population_lib
+from jtrain.engine import checkpoint_eval as evaluate_lib
+from jtrain.engine import population as population_lib
 from jtrain.checkpoint import export as export_lib
 from jtrain.errors import ConfigError, UsageError
 

@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 import jtrain
-from jtrain import errors, summary
+from jtrain import errors
+from jtrain.engine import summary
 
 
 @pytest.mark.parametrize("step, skipped, share, fails", [

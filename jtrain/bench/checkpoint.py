@@ -40,7 +40,7 @@ from jtrain import checkpoint
 from jtrain import config as config_lib
 from jtrain import mesh as mesh_lib
 from jtrain import state as state_lib
-from jtrain.train import build
+from jtrain.engine.run import build
 
 IN_FEATURES, WIDTH, OUTPUTS, BATCH = 1024, 4096, 16, 8
 GOALS = {"block_ratio": 0.25, "save_s": 5.0, "restore_s": 5.0, "steps_ratio": 0.95}
@@ -62,7 +62,7 @@ def run_checkpoint_bench(params: float = 100e6, rounds: int = 3, steps: int = 8,
                          writer_nice: int = 19, workdir: str | None = None,
                          progress=print) -> dict:
     cfg = _config(params, writer_nice)
-    # The very set-up training uses (jtrain.train.build): model, state, jitted step.
+    # The very set-up training uses (jtrain.engine.run.build): model, state, jitted step.
     b = build(cfg, sample=np.zeros((IN_FEATURES,), np.float32),
               eval_example={"targets": np.int32(0)})
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(b.abstract.params))

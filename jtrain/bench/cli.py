@@ -78,7 +78,7 @@ import sys
 
 from absl import flags
 
-from jtrain import cli
+from jtrain.cli import runner as cli
 from jtrain.bench import machine as machine_lib
 
 NOT_IMPLEMENTED: tuple = ()

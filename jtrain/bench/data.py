@@ -147,7 +147,7 @@ class StepBench:
     def __init__(self, ds, batch: int, workers: int):
 
         from jtrain import config as config_lib, data as data_lib, mesh as mesh_lib
-        from jtrain.train import build
+        from jtrain.engine.run import build
 
         self.cfg = cfg = config_lib.resolve({
             "total_steps": 1000, "data": {"batch_size": batch, "num_workers": workers,
@@ -155,7 +155,7 @@ class StepBench:
             "model": {"dtype": "float32"}, "optim": {"lr": 1e-3}})
         self.ds, self.data_lib, self.mesh_lib = ds, data_lib, mesh_lib
         self.train, _, _ = data_lib.make_sources(cfg.data, ds)
-        # The very set-up training uses (jtrain.train.build): model, state, jitted step.
+        # The very set-up training uses (jtrain.engine.run.build): model, state, jitted step.
         b = build(cfg, sample=self.train[0]["inputs"], eval_example=self.train[0],
                   model=make_model())
         self.mesh, self.init, self.step = b.mesh, b.init, b.train_step

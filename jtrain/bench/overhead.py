@@ -64,7 +64,7 @@ from jtrain.bench import machine as machine_lib
 from jtrain import models as models_lib
 from jtrain import optim as optim_lib
 from jtrain import precision as precision_lib
-from jtrain.train import train as jtrain_train  # `jtrain.train` itself is this function
+from jtrain.engine.run import train as jtrain_train  # `jtrain.train` itself is this function
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 BASE_CONFIG = CONFIGS / "base.py"

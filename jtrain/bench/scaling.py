@@ -56,7 +56,7 @@ def _child_rates(preset: str, steps: int, strategies: list[str], workroot: str) 
     """In a process with n devices: examples/s per device for each strategy."""
     import jax
 
-    from jtrain.train import train
+    from jtrain.engine.run import train
 
     n, out = jax.device_count(), {}
     for s in strategies:
@@ -77,7 +77,7 @@ def _child_first_step(t0: float, preset: str, mode: str, workdir: str) -> dict:
         state, loss = loop.step(loop.init_state(), jax.device_put(next(loop.iterator())))
         jax.block_until_ready(loss)
         return {"time_to_first_step_sec": time.perf_counter() - t0}
-    from jtrain.train import train
+    from jtrain.engine.run import train
 
     cfg = bench_config(preset, 1)
     cfg.total_steps, cfg.optim.warmup_steps = 1, 0

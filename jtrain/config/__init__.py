@@ -22,8 +22,7 @@ partial dict; `resolve` fills in the defaults and returns a new validated Config
     rules    the rules of single sections (mesh, optim, early_stop, checkpoint)
     named    `load_named("pkg.mod:fn", key)`: the object a config key names
     fields   `Field` and the choice tuples the schema draws from
-    schema_control  the run-control sections of the schema (checkpoint ... tune)
-    schema_debug    the debug section of the schema (debug.hash_every_steps)
+    schema_control  the run-control sections of the schema (checkpoint ... tune, debug)
     schema_population  the population section, its rules, each member's seed and values
 """
 

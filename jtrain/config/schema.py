@@ -11,7 +11,6 @@ from jtrain.config.fields import (ACTIVATIONS, DTYPES, INF, INT_MAX, METRIC_NAME
                                   OPTIMIZERS, SCHEDULES, SPACE_KINDS, WRITERS, F, Field,
                                   _resume_safe)
 from jtrain.config.schema_control import CONTROL_SECTIONS
-from jtrain.config.schema_debug import DEBUG_SECTIONS
 from jtrain.config.schema_population import POPULATION_SECTIONS
 
 SCHEMA: dict[str, Any] = {
@@ -183,7 +182,6 @@ SCHEMA: dict[str, Any] = {
         "wandb_mode": F(str, "offline", ("offline", "online", "disabled"), "W&B mode"),
     }),
     **CONTROL_SECTIONS,
-    **DEBUG_SECTIONS,
     **POPULATION_SECTIONS,
 }
 

@@ -151,4 +151,10 @@ CONTROL_SECTIONS: dict[str, Any] = {
                         "can vary); > 1: no pruning, one worker per study; 1 = one run "
                         "per trial"),
     }),
+    # Run forensics (WORKDIR/hashes.jsonl, read by `jtrain diff` and `jtrain replay`).
+    "debug": _resume_safe({  # read by jtrain.observe.hashes (the loop records)
+        "hash_every_steps": F(int, 0, (0, INF), "every N steps, record an exact digest of "
+                              "the whole train state and the step's example indices in "
+                              "WORKDIR/hashes.jsonl (jtrain diff, jtrain replay); 0 = off"),
+    }),
 }

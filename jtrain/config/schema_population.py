@@ -1,5 +1,5 @@
 """The schema's `population` section (K variants of one run trained as one jitted program,
-jtrain.population) and its rules: which keys may vary, the members' seeds and learning
+jtrain.engine.population) and its rules: which keys may vary, the members' seeds and learning
 rates, the run-control features a population does not support. jtrain.config.schema
 places the section after the run-control ones."""
 
@@ -26,7 +26,7 @@ POPULATION_SECTIONS: dict[str, Any] = {
 
 # Keys whose values can differ between members without a recompile: read inside the step.
 VARY_KEYS = ("optim.lr", "optim.weight_decay")
-# Optimizers whose weight decay can be a per-member rate (jtrain.optim_decay.NAMES).
+# Optimizers whose weight decay can be a per-member rate (jtrain.optim.decay.NAMES).
 _DECAY_OPTIMIZERS = ("adamw", "lion", "sgd")
 # Settings whose host-side decisions are made for one run, not per member.
 _REFUSED = {

@@ -1,7 +1,7 @@
 """Decisions taken on eval metrics: early stopping and ReduceLROnPlateau.
 
 Both are plain host-side state machines fed one evaluation at a time with the globally
-reduced eval metrics (`jtrain.evaluator` reduces over all processes), so every process
+reduced eval metrics (`jtrain.engine.evaluation` reduces over all processes), so every process
 would decide the same; the loop still broadcasts process 0's decision (`agree`) so that
 float noise or a user hook can never split them. Their state is JSON and lives in the
 checkpoint's run-control record (`RunControl.monitors`): a run killed between evals and
@@ -23,7 +23,7 @@ schedule, so `train/lr` logs the effective rate and no recompile happens. optax'
 
 Loss spikes (`spike.*`, `Spike`): the train loss of every step, read when the loop
 drains it, against the mean and standard deviation of the last `window` kept steps; the
-loop rolls back (jtrain.loop). Losses are global values, so every process sees the same
+loop rolls back (jtrain.engine.loop). Losses are global values, so every process sees the same
 spike at the same step; the window is in the checkpoint like the rest.
 """
 

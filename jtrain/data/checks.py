@@ -9,7 +9,7 @@ within the first batch. With a collate_fn, its output on the first and the last 
 must agree. `check` returns a checked copy of the `Data` carrying `ref` (the signature
 every batch must match) and `sample` (a batch, for shapes); the input is left as it was.
 
-Once the model's output shape is known (`jtrain.model_checks.check_targets`), the first
+Once the model's output shape is known (`jtrain.engine.checks.check_targets`), the first
 batches of each split against it: targets the default loss would score wrong or fail
 on, class labels out of range (every example of in-memory arrays, else the first
 LABEL_SCAN), and NaN / inf (`check_finite` gives the policy).
@@ -141,7 +141,7 @@ def batches_per_epoch(data: Data, global_batch: int, drop_last: bool) -> int | N
 
 
 # ---------------------------------------------------------------------------------------
-# The first batches against the model and the loss (called by jtrain.model_checks.
+# The first batches against the model and the loss (called by jtrain.engine.checks.
 # check_targets once the model's output shape is known; numpy only).
 
 LABEL_SCAN = 256  # examples whose labels are read one by one (arrays: every example)

@@ -188,7 +188,7 @@ def check_state_carried(fns: ModelFns, params, inputs) -> None:
     an nnx.Param (RNG state aside: the step draws its own keys), e.g. a counter or
     statistics kept by hand. Traced on shapes (`params`, `inputs`: ShapeDtypeStructs);
     a model that cannot be called here is left to the pre-flight checks
-    (jtrain.model_checks), which say why."""
+    (jtrain.engine.checks), which say why."""
     graph = fns.nnx_graph
     if graph is None or not any(not isinstance(v, nnx.RngState)
                                 for _, v in nnx.to_flat_state(graph.rest)):

@@ -7,7 +7,7 @@ import math
 
 def describe_run(cfg, build, data, *, workdir: str, origin: str, peak: float | None,
                  determinism: str | None = None) -> str:
-    """The run's header from its pieces: `build` (a jtrain.build.Build: model, params,
+    """The run's header from its pieces: `build` (a jtrain.engine.assemble.Build: model, params,
     precision, mesh, optimizer split, memory plan, eval spec, FLOPs) and `data` (a
     jtrain.data.RunData: sources and their info)."""
     import jax

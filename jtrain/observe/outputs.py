@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import jax
 
-from jtrain import schedules
+from jtrain.optim import schedules
 from jtrain.control import changes as changes_lib
 from jtrain.observe import console, header as header_lib, perf as perf_lib
 from jtrain.observe import writers as writers_lib
@@ -95,7 +95,7 @@ def open_outputs(cfg, workdir: str, *, build, data, start, record: dict,
                  run_ids: dict | None, determinism: str | None,
                  t_start: float) -> Outputs:
     """Writes config.json and run.json, opens the writers, prints the header. `build`: a
-    jtrain.build.Build, `data`: a jtrain.data.RunData, `start`: the restore-or-init
+    jtrain.engine.assemble.Build, `data`: a jtrain.data.RunData, `start`: the restore-or-init
     result (its step, origin)."""
     primary = jax.process_index() == 0
     resolved = cfg.to_dict()

@@ -1,5 +1,5 @@
 """`tune.population = K > 1`: up to K trials trained as the members of one population run
-(jtrain.population: one vmapped, jitted step), possible when every `tune.space` key is one
+(jtrain.engine.population: one vmapped, jitted step), possible when every `tune.space` key is one
 a population can vary (jtrain.config.schema_population.VARY_KEYS; checked with the config).
 
 - A batch: the study is asked for up to K new trials, one after another (each sampled

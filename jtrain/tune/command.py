@@ -18,7 +18,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from jtrain import cli
+from jtrain.cli import runner as cli
 from jtrain.errors import ConfigError, UsageError
 
 PROG = "python -m jtrain.tune"
@@ -92,7 +92,7 @@ def _main(fv, args, argv) -> int:
     from jtrain import config as config_lib
     from jtrain.config import space as space_lib
     from jtrain.observe import startup
-    from jtrain.train import check_workdir
+    from jtrain.engine.run import check_workdir
 
     startup.mark("imports", boot.since_start())  # flags, config file and imports
     absl_logging.set_verbosity(absl_logging.WARNING)

@@ -17,7 +17,7 @@ import pytest
 
 from jtrain import config as config_lib
 from jtrain import main as main_lib
-from jtrain import loop as loop_lib
+from jtrain.engine import loop as loop_lib
 
 REPO = Path(__file__).resolve().parents[2]
 DEBUG = "--config=configs/base.py:debug"

@@ -191,7 +191,7 @@ SERVER = textwrap.dedent('''
     import json, os, sys, time
     # The imports, once (what `jtrain train|evaluate|export` import; nothing printed: the
     # test checks this process's stderr); JAX's backend starts in the children.
-    import jtrain.command, jtrain.main, jtrain.evaluate, jtrain.export
+    import jtrain.cli, jtrain.main, jtrain.evaluate, jtrain.export
     from jax._src import xla_bridge
     assert not xla_bridge._backends, "a backend started before the fork"
     results = []
@@ -210,7 +210,7 @@ SERVER = textwrap.dedent('''
                                   os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                     os.dup2(out, fd)
                 sys.argv = ["jtrain", *case["argv"]]
-                code = jtrain.command.main(case["argv"])
+                code = jtrain.cli.main(case["argv"])
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
             except BaseException:

@@ -256,7 +256,7 @@ except errors.JtrainError as e:
 
 SERVER = textwrap.dedent('''
     import json, os, runpy, sys, time
-    import jtrain.command, jtrain.train  # the imports, once; JAX's backend starts in children
+    import jtrain.cli, jtrain.engine.run  # the imports, once; JAX's backend starts in children
     import flax.linen, flax.nnx, optax, torch
     jobs, running, results = json.load(sys.stdin), {}, {}
 
@@ -278,7 +278,7 @@ SERVER = textwrap.dedent('''
                 os.dup2(out, fd)
             sys.argv = list(job["argv"])
             if job["argv"][0] == "jtrain":
-                code = jtrain.command.main(job["argv"][1:])
+                code = jtrain.cli.main(job["argv"][1:])
             else:
                 runpy.run_path(job["argv"][0], run_name="__main__")
                 code = 0

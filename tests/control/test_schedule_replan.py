@@ -9,7 +9,7 @@ import shutil
 
 from journey import run_python
 
-from jtrain import schedules
+from jtrain.optim import schedules
 
 SCRIPT = """\
 import sys

@@ -36,8 +36,8 @@ def test_schedule_free_resume_is_bitwise_and_eval_uses_the_average(tmp_path):
 
 SF_EVAL_CHECK = '''
 import json, jax, optax
-import jtrain.evaluate as ev
-import jtrain.evaluator as evaluator
+import jtrain.engine.checkpoint_eval as ev
+import jtrain.engine.evaluation as evaluator
 from jtrain import optim
 seen, losses = {}, {}
 real_params, real_eval = optim.schedule_free_eval_params, evaluator.run_eval

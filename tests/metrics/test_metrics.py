@@ -457,7 +457,8 @@ out["spearman_first_only"] = M.reduce_across_processes(only_first).compute()
 # The eval loop itself: a jitted eval step over global batches (1 device per process), the
 # host-side AUROC fed each process's rows of them and gathered at the end.
 import jax.numpy as jnp
-from jtrain import config as config_lib, data as data_lib, evaluate, losses
+from jtrain import config as config_lib, data as data_lib, losses
+from jtrain.engine import checkpoint_eval as evaluate
 from jtrain import mesh as mesh_lib, step as step_lib
 cfg = config_lib.resolve({"eval": {"metrics": ["loss", "accuracy", "auroc"]}})
 apply = lambda p, x, rng=None, train=False: x @ p  # identity weights: outputs = logits

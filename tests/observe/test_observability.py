@@ -23,7 +23,7 @@ from sklearn import metrics as skm
 
 import jtrain
 from jtrain import config as config_lib
-from jtrain import evaluate
+from jtrain.engine import checkpoint_eval as evaluate
 from jtrain.observe import perf, plots
 from jtrain import metrics as M
 from jtrain import mesh as mesh_lib
@@ -411,7 +411,7 @@ def test_model_flops_declared_by_user_model():
     class Model:
         def flops_per_example(self, shape):
             return 6.0 * shape[0]
-    from jtrain.build import model_flops_per_example
+    from jtrain.engine.assemble import model_flops_per_example
 
     assert model_flops_per_example(Model(), None, (4,)) == 24.0
     assert model_flops_per_example(object(), None, (4,)) is None

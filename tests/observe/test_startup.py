@@ -98,7 +98,7 @@ def test_a_compile_after_the_first_step_is_named_with_its_new_shapes():
     import jax
     import numpy as np
 
-    from jtrain.loop import _changed
+    from jtrain.engine.loop import _changed
     from jtrain.observe import compiles
 
     def double_it(x):

@@ -22,9 +22,27 @@ from absl import flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from jtrain import cli, errors
+from jtrain import errors
+from jtrain.cli import runner as cli
 
 DEBUG_MULTIHOST_EVERY = 10
+
+PROG = "python -m jtrain.main"
+DESCRIPTION = """absl flags + ml_collections config files (`--config=configs/x.py:variant`,
+`--config.optim.lr=3e-4`). Multi-host: pass --coordinator_address, --num_processes and
+--process_id (or set JTRAIN_COORDINATOR, JTRAIN_NUM_PROCESSES, JTRAIN_PROCESS_ID), or
+--distributed=auto on SLURM / Cloud TPU, where JAX finds its peers itself.
+
+Every failure is one line on stderr and an exit code (docs/reference/exit_codes.md); its
+traceback, and the logs of orbax, absl and grain, go to WORKDIR/train.log (on the
+console too with --verbosity=2). A SIGTERM / SIGINT stops the run with its current step
+saved, exit 0 (a signal during start-up: nothing new to save);
+`--stopped_exit_code=N`: N instead (schedulers rerun it).
+`--print_config` prints every key of the resolved config with its type, default, range
+and description, and exits 0. stdout carries one JSON line, the run's result
+(summary.json's scalars); everything else is on stderr.
+`--verify_resume`: see jtrain.checkpoint.verify (exit 1 on FAIL).
+"""
 
 
 def define_flags(fv: flags.FlagValues, sys_argv=None) -> None:
@@ -72,7 +90,7 @@ def define_flags(fv: flags.FlagValues, sys_argv=None) -> None:
                       "Build the mesh, abstract state and shardings, compile the train and "
                       "eval steps without running them; print per-device memory and every "
                       "parameter's sharding; exit 2 naming a parameter the mesh cannot "
-                      "shard as asked (jtrain.dry_run).", flag_values=fv)
+                      "shard as asked (jtrain.engine.dry_run).", flag_values=fv)
     flags.DEFINE_integer("dry_run_devices", 0,
                          "--dry_run on this many fake CPU devices (e.g. 64 for a big "
                          "topology); 0 = the devices this machine has.", flag_values=fv)
@@ -153,10 +171,10 @@ def _run(fv) -> int:
 
     from jtrain import boot
     from jtrain import config as config_lib
+    from jtrain.engine.run import check_workdir, run_from_cli
     from jtrain.multihost import start
     from jtrain.observe import startup
     from jtrain.redact import redact_text
-    from jtrain.train import check_workdir, run_from_cli
 
     startup.mark("imports", boot.since_start())  # flags, config file and imports
     config = _config_dict(fv)
@@ -207,7 +225,7 @@ def _dry_run(fv) -> None:
     if fv.dry_run_devices:  # fake CPU devices: only before JAX starts its backend
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", fv.dry_run_devices)
-    from jtrain import dry_run
+    from jtrain.engine import dry_run
 
     dry_run.run(fv.config.to_dict() if hasattr(fv.config, "to_dict") else dict(fv.config))
 

@@ -1,7 +1,7 @@
 """The end of a run: summary.json and the one final line (done, stopped by a signal,
 stopped early, already finished, too many updates skipped), the record of a non-finite
 halt, and the best step of the monitored metric. Called by train.py after
-jtrain.loop.run_loop returns."""
+jtrain.engine.loop.run_loop returns."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import jax
 import numpy as np
 
 from jtrain import errors
-from jtrain import evaluator
-from jtrain import population as population_lib
 from jtrain import state as state_lib
-from jtrain.data import mixture as mixture_lib
 from jtrain.control import ledger as ledger_lib
+from jtrain.data import mixture as mixture_lib
+from jtrain.engine import evaluation as evaluator
+from jtrain.engine import population as population_lib
 from jtrain.observe import jsonl, plots
 
 # summary.json's stopped_by when the run ended with more than nonfinite.max_skipped_share
@@ -39,7 +39,7 @@ def stored_summary(workdir: str, state) -> dict | None:
 
 
 def summarize(cfg, run, state, session) -> dict:
-    """summary.json (process 0) and the final line; `run` is a jtrain.loop.Run, `session`
+    """summary.json (process 0) and the final line; `run` is a jtrain.engine.loop.Run, `session`
     the loop's _Session."""
     step = int(jax.device_get(state.step))
     if session.stored is not None:  # finished before: say so, return what it recorded

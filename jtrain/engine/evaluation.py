@@ -17,7 +17,6 @@ from collections import deque
 
 import jax
 import numpy as np
-
 from jax.experimental import multihost_utils
 
 from jtrain import data as data_lib
@@ -26,7 +25,7 @@ from jtrain import mesh as mesh_lib
 from jtrain import metrics as metrics_lib
 from jtrain import state as state_lib
 from jtrain import step as step_lib
-from jtrain.model_checks import example_batch, output_shape_of
+from jtrain.engine.checks import example_batch, output_shape_of
 
 MAX_IN_FLIGHT = 8
 
@@ -94,7 +93,7 @@ def metric_keys(spec, terms=(), weights: str = "params") -> set[str]:
     """The names ("eval/<name>", the EMA's "eval/ema/<name>") an evaluation with
     `spec` reports, known before any eval runs (checked against early_stop / plateau /
     checkpoint monitors); `terms`: the user loss's named terms
-    (`jtrain.model_checks.loss_term_names`); `weights`: eval.weights."""
+    (`jtrain.engine.checks.loss_term_names`); `weights`: eval.weights."""
     device, host = metrics_lib.make_collection(spec).partition()
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore")

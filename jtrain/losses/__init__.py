@@ -28,6 +28,8 @@ the target is NaN or inf (a missing value): in value and in the gradient. Pass
   poisson_nll(log_rate_or_rate, target, weights, log_input, full, eps)  as torch's
   pearson_loss(pred, target, weights, axis, eps)   1 - Pearson r over the batch axis
                                                    (batch-level: see its docstring)
+
+terms.py: the loss a config names (loss.fn, loss.terms: a weighted multi-loss).
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.special
 import optax
-
 
 # The engine's row mask of padded batches ([B] float32, 0 = padding), beside the user's
 # fields: the data layer adds it, `jtrain.step` keeps it from the model, a dataset that

@@ -27,7 +27,7 @@ import numpy as np
 from jtrain import config as config_lib
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
-from jtrain.build import build, model_sample
+from jtrain.engine.assemble import build, model_sample
 from jtrain.errors import ConfigError
 from jtrain.observe import compiles as compiles_lib
 

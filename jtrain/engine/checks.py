@@ -15,7 +15,8 @@ import numpy as np
 
 from jtrain import data as data_lib
 from jtrain import step as step_lib
-from jtrain.data import checks as data_checks, items as items_lib
+from jtrain.data import checks as data_checks
+from jtrain.data import items as items_lib
 from jtrain.errors import ConfigError, JtrainError, first_line
 
 

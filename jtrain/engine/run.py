@@ -21,25 +21,26 @@ from typing import Any, Callable, Sequence
 import jax
 from flax import linen as nn
 
-from jtrain import checkpoint
-from jtrain import loop as loop_lib
-from jtrain import summary as summary_lib
+from jtrain import checkpoint, multihost
 from jtrain import config as config_lib
 from jtrain import control as control_lib
+from jtrain import data as data_lib
+from jtrain import mesh as mesh_lib
+from jtrain import precision as precision_lib
+from jtrain import state as state_lib
 from jtrain.control import decide as decide_lib
 from jtrain.control import ledger as ledger_lib
 from jtrain.control import watchdog as watchdog_lib
-from jtrain import data as data_lib
-from jtrain import mesh as mesh_lib
-from jtrain import multihost
-from jtrain import precision as precision_lib
-from jtrain import state as state_lib
-from jtrain.observe import compiles as compiles_lib, outputs as outputs_lib
-from jtrain.observe import startup as startup_lib, writers as writers_lib
+from jtrain.engine import loop as loop_lib
+from jtrain.engine import summary as summary_lib
+from jtrain.engine.assemble import (LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, Build, build,  # noqa: F401
+                                    check_run, model_sample)
 from jtrain.errors import NonFiniteError, RestoreError, WorkdirError
+from jtrain.observe import compiles as compiles_lib
+from jtrain.observe import outputs as outputs_lib
+from jtrain.observe import startup as startup_lib
+from jtrain.observe import writers as writers_lib
 from jtrain.redact import redact
-from jtrain.build import (LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, Build, build,  # noqa: F401
-                          check_run, model_sample)
 
 
 @dataclasses.dataclass

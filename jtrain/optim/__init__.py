@@ -50,6 +50,9 @@ Choices worth knowing:
 - `optim.lr_mults` ({regex: factor}, first match wins) multiplies the updates of matching
   leaves, which for these optimizers is multiplying their learning rate (weight decay
   included, as it is scaled by the learning rate).
+
+Its modules: schedules.py (optim.schedule) and decay.py (weight decay whose rate is
+in the optimizer state, one per population member).
 """
 
 import functools
@@ -60,10 +63,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jtrain import optim_decay
 from jtrain.config import sections
 from jtrain.errors import ConfigError
-from jtrain.schedules import _SCHEDULES, SCHEDULES, make_schedule  # noqa: F401
+from jtrain.optim import decay as optim_decay
+from jtrain.optim.schedules import _SCHEDULES, SCHEDULES, make_schedule  # noqa: F401
 
 
 def _key_name(key):
@@ -230,7 +233,7 @@ def trainable_split(params, optim_cfg, extra_trainable=()) -> dict:
     """{"train": (leaves, values), "frozen": (leaves, values)} for the header; raises
     ConfigError naming a regex that matches no leaf, or when nothing would train.
     `extra_trainable`: patterns added to optim.trainable by the run (LoRA's adapters).
-    `decay_in_state`: the weight decay rate in the state (jtrain.optim_decay)."""
+    `decay_in_state`: the weight decay rate in the state (jtrain.optim.decay)."""
     flat = [(leaf_path(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]]
     for key in ("trainable", "frozen", "lr_mults"):
         check_patterns(f"optim.{key}", optim_cfg[key], [name for name, _ in flat])
@@ -329,7 +332,7 @@ def make_optimizer(optim_cfg, total_steps, *, extra_trainable=(), decay_in_state
     the schema's defaults fill the rest; a ConfigError names an unknown key or a bad
     value.
     `extra_trainable`: patterns added to optim.trainable by the run (LoRA's adapters).
-    `decay_in_state`: the weight decay rate in the state (jtrain.optim_decay)."""
+    `decay_in_state`: the weight decay rate in the state (jtrain.optim.decay)."""
     _check_names(optim_cfg)
     optim_cfg = sections.section("optim", optim_cfg, total_steps=total_steps)
     name = optim_cfg["name"]

@@ -16,7 +16,7 @@ its exit code; a bad flag is a `UsageError` (exit 2). Anything else is a bug: it
 traceback, then `jtrain: internal error: ...`, exit 1. `run_log(fv) -> (workdir,
 verbosity) | None` (the train command): library logs go to WORKDIR/train.log (below
 verbosity 2), and so does the traceback behind an error line. How a command ends (its
-peers told, a multi-process run leaving at once) is jtrain.exits.
+peers told, a multi-process run leaving at once) is jtrain.cli.exits.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from collections.abc import Callable
 
 from absl import flags
 
-from jtrain import boot, errors, exits
+from jtrain import boot, errors
+from jtrain.cli import exits
 
 
 def wants_help(argv) -> bool:

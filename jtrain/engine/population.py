@@ -6,7 +6,7 @@ init and train step over it, so one compile trains every member on the same batc
   learning rate enters as the state's `lr_factor` (= its lr / optim.lr), which the step
   already multiplies into the update, so varying it needs no recompile. Its
   `optim.weight_decay` (when population.vary has it) is a rate in its optimizer state
-  (jtrain.optim_decay), set at init.
+  (jtrain.optim.decay), set at init.
 - Metrics: the step's per-member values are written as `train/<name>/m<i>`; the plain
   `train/<name>` is the mean over members (what the progress line, the loss window and
   the skip checks read; `train/status` is the OR of the members' bits).
@@ -25,12 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jtrain import optim_decay
 from jtrain import state as state_lib
 from jtrain.config import schema_population
 from jtrain.errors import ConfigError
+from jtrain.optim import decay as optim_decay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +145,7 @@ def init(pop: Population, model_fns, tx, policy, sample_inputs, mesh, out_shardi
             jnp.asarray(pop.weight_decays or (0.0,) * pop.size, jnp.float32))
 
 
-# Per-step values that are not written (jtrain.loop reads them reduced).
+# Per-step values that are not written (jtrain.engine.loop reads them reduced).
 _HOST_ONLY = ("train/status", "train/rows_ok", "train/consecutive_skips")
 
 

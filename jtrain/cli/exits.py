@@ -33,7 +33,9 @@ def fail(e: BaseException, workdir: str = "") -> int:
     line = errors.render(known)
     if isinstance(known, errors.JtrainError):
         if workdir and os.path.isfile(os.path.join(workdir, "train.log")):
-            from jtrain.observe import liblogs  # once the run has a log, it has the line
+            from jtrain.observe import (
+                liblogs,  # once the run has a log, it has the line
+            )
 
             liblogs.append_traceback(workdir, line, known)
     else:
@@ -46,7 +48,9 @@ def fail(e: BaseException, workdir: str = "") -> int:
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
     code = errors.exit_code(known)
-    from jtrain.multihost import heartbeat  # peers report this status, not a dead process
+    from jtrain.multihost import (
+        heartbeat,  # peers report this status, not a dead process
+    )
 
     heartbeat.finished(code, linger_s=EXIT_LINGER_S)  # process 0 leaves last
     return _leave(code)

@@ -1,6 +1,6 @@
 """Decoupled weight decay whose rate lives in the optimizer state, so a population's
 members can each have their own `optim.weight_decay` in one compiled step
-(population.vary; jtrain.population sets each member's rate at init).
+(population.vary; jtrain.engine.population sets each member's rate at init).
 
 `optimizer(name, cfg, schedule, wd, mask)` builds adamw, lion or sgd as optax builds
 them, with optax's `add_decayed_weights(wd, mask)` replaced by `decay_from_state`:

@@ -21,25 +21,27 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jtrain import checkpoint, control as control_lib
+from jtrain import checkpoint, multihost
 from jtrain import config as config_lib
-from jtrain import evaluator
-from jtrain import multihost
-from jtrain import population as population_lib
+from jtrain import control as control_lib
 from jtrain import state as state_lib
 from jtrain import step as step_lib
-from jtrain.build import Build
 from jtrain.control import decide as decide_lib
 from jtrain.control.faults import fault_point, perturb
-from jtrain import summary as summary_lib
 from jtrain.data import RunData
 from jtrain.data.prefetch import DevicePrefetch
+from jtrain.engine import evaluation as evaluator
+from jtrain.engine import population as population_lib
+from jtrain.engine import summary as summary_lib
+from jtrain.engine.assemble import Build
 from jtrain.errors import NonFiniteError
-from jtrain.observe import hashes as hashes_lib, startup as startup_lib
+from jtrain.observe import hashes as hashes_lib
+from jtrain.observe import startup as startup_lib
 from jtrain.observe.outputs import Outputs
 
 

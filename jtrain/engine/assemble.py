@@ -13,21 +13,24 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jtrain import checkpoint, evaluator, loss_terms, losses, model_checks
-from jtrain.control import decide as decide_lib, memory as memory_lib
+from jtrain import checkpoint, losses
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
 from jtrain import models as models_lib
 from jtrain import optim as optim_lib
-from jtrain import population as population_lib
 from jtrain import precision as precision_lib
 from jtrain import state as state_lib
 from jtrain import step as step_lib
-from jtrain.models import adapters, lora as lora_lib
-from jtrain.observe.outputs import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY  # noqa: F401
+from jtrain.control import decide as decide_lib
+from jtrain.control import memory as memory_lib
+from jtrain.engine import checks as model_checks
+from jtrain.engine import evaluation as evaluator
+from jtrain.engine import population as population_lib
 from jtrain.errors import ConfigError, JtrainError
-
-
+from jtrain.losses import terms as loss_terms
+from jtrain.models import adapters
+from jtrain.models import lora as lora_lib
+from jtrain.observe.outputs import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +59,7 @@ class Build:
     extra_trainable: tuple[str, ...] = ()  # added to optim.trainable (LoRA's adapters)
     flops_per_example: float | None = None  # training FLOPs of one example, if known
     ema_decay: float = 0.0  # optim.ema.decay: the state keeps a weight EMA when > 0
-    # population.size > 1: the state has a leading member axis (jtrain.population);
+    # population.size > 1: the state has a leading member axis (jtrain.engine.population);
     # `abstract` / `shardings` stay one member's, `init` and `abstract_with_shardings`
     # are the population's, `train_step` steps every member, `eval_step` takes one's.
     population: Any = None
@@ -203,7 +206,7 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
         batch_loss=batch_loss)
     eval_step = jax.jit(raw_eval_step, in_shardings=(shardings.params, batch_sharding),
                         out_shardings=(repl, batch_sharding, repl))
-    # A batch-level loss scores a partial batch at its true size (jtrain.evaluator).
+    # A batch-level loss scores a partial batch at its true size (jtrain.engine.evaluation).
     eval_tail = (jax.jit(raw_eval_step, in_shardings=(shardings.params, repl),
                          out_shardings=repl) if batch_loss and loss_fn is not None else None)
     return Build(mesh=mesh, policy=policy, model_fns=model_fns, model_name=name,

@@ -1,0 +1,17 @@
+"""The engine: a run from its config to its summary, and the library halves of the
+commands that read a run.
+
+    run.py              train() and run_from_cli(): resolve once, data, build, restore,
+                        loop, summary (TrainResult)
+    assemble.py         build(): model, mesh, loss, optimizer, state, jitted steps (Build)
+    checks.py           pre-flight: the model takes each split's inputs, the loss scores
+                        them, targets fit the outputs
+    loop.py             the loop: dispatch, drain, eval before save, decide, save
+    evaluation.py       the eval pass shared by training and jtrain evaluate
+    summary.py          the end of a run: summary.json, the final line, a halt's record
+    population.py       population.size > 1: the member axis, vmapped init and step
+    checkpoint_eval.py  evaluate_checkpoint(): a saved step scored, its report written
+    diff.py             diff_runs(): where two runs part
+    replay.py           replay(): a recorded step re-run, its state hash compared
+    dry_run.py          --dry_run: the steps compiled for a topology, memory reported
+"""
