@@ -9,3 +9,12 @@ if __name__ == "__main__":
     _cli.module_main("diff")
 
 from jtrain.engine.diff import diff_runs, lines  # noqa: E402,F401
+
+
+def main(argv=None) -> int:
+    """`jtrain diff ARGS` from Python: the exit code (after the one line of a failure)."""
+    import sys
+
+    from jtrain import cli
+
+    return cli.run_command("diff", sys.argv[1:] if argv is None else argv)

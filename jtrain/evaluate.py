@@ -13,3 +13,12 @@ from jtrain.engine.checkpoint_eval import (evaluate_checkpoint, read_jsonl,  # n
                                            resolve_step, write_report)
 from jtrain.engine.evaluation import (Evaluation, evaluate_weights, format_line,  # noqa: E402,F401
                                       headline, make_spec, run_eval)
+
+
+def main(argv=None) -> int:
+    """`jtrain evaluate ARGS` from Python: the exit code (after the one line of a failure)."""
+    import sys
+
+    from jtrain import cli
+
+    return cli.run_command("evaluate", sys.argv[1:] if argv is None else argv)

@@ -7,3 +7,12 @@ if __name__ == "__main__":
     from jtrain import cli as _cli
 
     _cli.module_main("export")
+
+
+def main(argv=None) -> int:
+    """`jtrain export ARGS` from Python: the exit code (after the one line of a failure)."""
+    import sys
+
+    from jtrain import cli
+
+    return cli.run_command("export", sys.argv[1:] if argv is None else argv)

@@ -9,3 +9,12 @@ if __name__ == "__main__":
     _cli.module_main("replay")
 
 from jtrain.engine.replay import read_run, replay  # noqa: E402,F401
+
+
+def main(argv=None) -> int:
+    """`jtrain replay ARGS` from Python: the exit code (after the one line of a failure)."""
+    import sys
+
+    from jtrain import cli
+
+    return cli.run_command("replay", sys.argv[1:] if argv is None else argv)

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import jtrain
-from jtrain.engine import diff as diff_lib
-from jtrain.engine import replay as replay_lib
+from jtrain import diff as diff_lib
+from jtrain import replay as replay_lib
 from jtrain.errors import UsageError
 from jtrain.observe import hashes
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jtrain
-from jtrain.engine import checkpoint_eval as evaluate
+from jtrain import evaluate
 from jtrain.control import faults
 from jtrain.errors import ConfigError, NonFiniteError
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jtrain
-from jtrain.engine import diff
+from jtrain import diff
 from jtrain import mesh as mesh_lib
 from jtrain.control import faults
 

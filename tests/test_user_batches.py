@@ -93,7 +93,7 @@ def test_whole_batch_model_with_predict_fn_metrics(tmp_path, monkeypatch):
     np.testing.assert_allclose(m["eval/spearman"], scipy.stats.spearmanr(pred, y)[0],
                                rtol=1e-4, atol=1e-6)
     # The loss_fn came from Python: the evaluate CLI cannot rebuild it and says how.
-    from jtrain.engine import checkpoint_eval as evaluate
+    from jtrain import evaluate
     from jtrain.errors import EvaluateError
 
     assert json.load(open(tmp_path / "r" / "run.json"))["loss_source"] == "python: nb_loss"

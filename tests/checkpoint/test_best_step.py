@@ -14,9 +14,9 @@ import pytest
 from journey import run_python
 
 import jtrain
-from jtrain.engine import checkpoint_eval as evaluate
+from jtrain import evaluate
 from jtrain.checkpoint import export, policy
-from jtrain.cli import export as export_command
+from jtrain import export as export_command
 
 
 class Net(nn.Module):

@@ -12,7 +12,7 @@ import pytest
 
 from jtrain import checkpoint
 from jtrain.checkpoint import export
-from jtrain.cli import export as export_command
+from jtrain import export as export_command
 from test_checkpoint import abstract, make_config, make_state, open_run, same
 
 

@@ -211,7 +211,7 @@ def test_fsdp_run_imports_and_exports_the_same_bytes(tmp_path):
     """An FSDP run (8 devices) started from an export (lr 0: the params stay) exports
     byte-identical weights: import and export ignore how the params are sharded."""
     import jtrain
-    from jtrain.cli import export as export_command
+    from jtrain import export as export_command
 
     assert len(jax.devices()) == 8
     _, leaves = builtin("swiglu", tie=True, seed=3)
@@ -233,7 +233,7 @@ def test_fsdp_run_imports_and_exports_the_same_bytes(tmp_path):
 
 
 def test_format_hf_without_transformers_is_one_line(tmp_path, monkeypatch, capsys):
-    from jtrain.cli import export as export_command
+    from jtrain import export as export_command
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
     assert export_command.main([str(tmp_path), f"--out={tmp_path / 'o'}", "--format=hf"]) == 3

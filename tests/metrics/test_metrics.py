@@ -458,7 +458,7 @@ out["spearman_first_only"] = M.reduce_across_processes(only_first).compute()
 # host-side AUROC fed each process's rows of them and gathered at the end.
 import jax.numpy as jnp
 from jtrain import config as config_lib, data as data_lib, losses
-from jtrain.engine import checkpoint_eval as evaluate
+from jtrain import evaluate
 from jtrain import mesh as mesh_lib, step as step_lib
 cfg = config_lib.resolve({"eval": {"metrics": ["loss", "accuracy", "auroc"]}})
 apply = lambda p, x, rng=None, train=False: x @ p  # identity weights: outputs = logits

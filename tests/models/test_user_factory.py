@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jtrain
-from jtrain.engine import checkpoint_eval as evaluate
+from jtrain import evaluate
 from jtrain.errors import ConfigError, EvaluateError
 from journey import run_python
 

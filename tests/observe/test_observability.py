@@ -23,7 +23,7 @@ from sklearn import metrics as skm
 
 import jtrain
 from jtrain import config as config_lib
-from jtrain.engine import checkpoint_eval as evaluate
+from jtrain import evaluate
 from jtrain.observe import perf, plots
 from jtrain import metrics as M
 from jtrain import mesh as mesh_lib
