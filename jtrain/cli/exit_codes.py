@@ -1,5 +1,5 @@
-"""`python -m jtrain.cli.exit_codes --markdown > docs/reference/exit_codes.md`: the exit-code table of
-every command, written from jtrain.errors (`EXIT_CODES` and the error classes); without
+"""`python -m jtrain.cli.exit_codes --markdown > docs/reference/exit_codes.md`: the exit-code table
+of every command, written from jtrain.errors (`EXIT_CODES` and the error classes); without
 --markdown, the same as plain text."""
 
 from __future__ import annotations

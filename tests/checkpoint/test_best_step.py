@@ -15,7 +15,7 @@ from journey import run_python
 
 import jtrain
 from jtrain.engine import checkpoint_eval as evaluate
-from jtrain.checkpoint import export, policy
+from jtrain.checkpoint import policy
 from jtrain.cli import export as export_command
 
 
