@@ -61,7 +61,7 @@ def unknown_axes(annotated_tree, mesh: Mesh, rules=LOGICAL_RULES) -> list[str]:
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(annotated_tree,
                                                              is_leaf=_is_annotated)[0]:
-        shape = getattr(leaf.value if _is_annotated(leaf) else leaf, "shape", ())
+        shape = getattr(_unboxed(leaf), "shape", ())
         for i, name in enumerate(_spec_of(leaf)[:len(shape)]):
             if name is not None and name not in mesh.shape and name not in table:
                 out.append(f"{_path_str(path)} {list(shape)}: unknown logical axis {name!r} "
@@ -83,7 +83,8 @@ def resolve_axis_sizes(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
     sizes = {a: int(mesh_cfg[a]) for a in MESH_AXES}
     free = [a for a, s in sizes.items() if s == -1]
     if len(free) > 1:
-        raise ConfigError(f"mesh.{free[1]}", f"only one axis may be -1, got -1 for {', '.join(free)}")
+        raise ConfigError(f"mesh.{free[1]}",
+                          f"only one axis may be -1, got -1 for {', '.join(free)}")
     fixed = math.prod(s for s in sizes.values() if s != -1)
     # The key to change: a set axis that does not divide the devices, else any set axis.
     set_axes = [a for a, s in sizes.items() if s not in (-1, 1)]
@@ -112,8 +113,11 @@ def make_mesh(mesh_cfg=None, devices=None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     shape = resolve_axis_sizes(sections.section("mesh", mesh_cfg), len(devices))
     try:
-        # Topology-aware device order where the platform knows one (GPU/TPU).
-        dev_array = jax.experimental.mesh_utils.create_device_mesh(shape, devices=devices)
+        # Topology-aware device order where the platform knows one (GPU/TPU); `import jax`
+        # alone does not load this submodule.
+        from jax.experimental import mesh_utils
+
+        dev_array = mesh_utils.create_device_mesh(shape, devices=devices)
     except Exception:  # CPU fakes and odd counts: plain order is the right answer.
         dev_array = np.asarray(devices).reshape(shape)
     return Mesh(dev_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
@@ -147,6 +151,14 @@ def _spec_of(leaf):
 
 def _is_annotated(x) -> bool:
     return isinstance(x, (nn.Partitioned, nnx.Variable))
+
+
+def _unboxed(x):
+    """The value inside a Linen Partitioned box or an NNX Variable (`get_value()`:
+    flax deprecates `Variable.value`); anything else as it is."""
+    if isinstance(x, nnx.Variable):
+        return x.get_value()
+    return x.value if isinstance(x, nn.Partitioned) else x
 
 
 def auto_shard_bytes(mesh_cfg=None) -> int | None:
@@ -202,7 +214,7 @@ def logical_to_shardings(abstract_tree, mesh: Mesh, rules=LOGICAL_RULES, *,
 
     def fit(leaf):
         names = _spec_of(leaf)
-        value = leaf.value if _is_annotated(leaf) else leaf
+        value = _unboxed(leaf)
         shape = getattr(value, "shape", ())
         if not names and shape:  # not annotated: mesh.auto_shard's rule
             return NamedSharding(mesh, P(*auto_dims(shape, value.dtype, mesh,
@@ -237,7 +249,8 @@ def layout(abstract_tree, shardings, min_bytes: int | None = None) -> dict:
     None = no threshold), "replicated" the rest."""
     out = {"total_bytes": 0, "per_device_bytes": 0, "sharded": 0, "annotated": 0,
            "replicated": 0, "small": 0}
-    for leaf, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings)):
+    for leaf, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings),
+                              strict=True):
         shape, itemsize = tuple(leaf.shape), np.dtype(leaf.dtype).itemsize
         nbytes = math.prod(shape) * itemsize
         out["total_bytes"] += nbytes
@@ -264,7 +277,8 @@ def idle_axes(shardings, mesh: Mesh) -> list[str]:
     return [a for a in PARAM_AXES if mesh.shape.get(a, 1) > 1 and a not in used]
 
 
-def sharding_conflicts(annotated_tree, mesh: Mesh, rules=LOGICAL_RULES) -> list[str]:
+def sharding_conflicts(annotated_tree, mesh: Mesh, rules=LOGICAL_RULES
+                       ) -> list[tuple[str, str]]:
     """Where `logical_to_shardings` falls back to replicating a dimension the model
     asked to shard: ("mesh.<axis>", "<param path> [shape]: <why>"), one per dimension
     (for the dry run)."""
@@ -273,7 +287,7 @@ def sharding_conflicts(annotated_tree, mesh: Mesh, rules=LOGICAL_RULES) -> list[
     leaves = jax.tree_util.tree_flatten_with_path(annotated_tree, is_leaf=_is_annotated)[0]
     for path, leaf in leaves:
         names = _spec_of(leaf)
-        shape = getattr(leaf.value if _is_annotated(leaf) else leaf, "shape", ())
+        shape = getattr(_unboxed(leaf), "shape", ())
         where = _path_str(path)
         used: dict[str, str] = {}
         for i, name in enumerate(names[:len(shape)]):

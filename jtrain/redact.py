@@ -1,8 +1,9 @@
 """Redaction of secrets from everything jtrain prints or writes.
 
 `redact(tree)` copies a config with values under secret-looking keys replaced;
-`redact_text(s)` masks URI userinfo (passwords, tokens), secret environment values and secrets `redact` has
-seen. The console, the log file, the metric writers and config.json all go through them.
+`redact_text(s)` masks URI userinfo (passwords, tokens), secret environment values and secrets
+`redact` has seen. The console, the log file, the metric writers and config.json all go through
+them.
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ def _flatten(state: TrainState):
 
 
 jax.tree_util.register_pytree_with_keys(
-    TrainState, _flatten, lambda names, children: TrainState(**dict(zip(names, children))))
+    TrainState, _flatten,
+    lambda names, children: TrainState(**dict(zip(names, children, strict=True))))
 
 
 def make_abstract_state(model_fns, tx, policy, sample_inputs, mesh, seed: int, *,
@@ -93,7 +94,7 @@ def _shardings_by_path(abstract, param_shardings, repl):
     that parameter's take its sharding; the rest are replicated."""
     by_path = {jax.tree_util.keystr(p): (leaf.shape, s) for (p, leaf), s in zip(
         jax.tree_util.tree_flatten_with_path(abstract.params)[0],
-        jax.tree.leaves(param_shardings))}
+        jax.tree.leaves(param_shardings), strict=True)}
 
     def pick(path, leaf):
         name = jax.tree_util.keystr(path)
@@ -138,8 +139,8 @@ EVAL_WEIGHTS = ("params", "ema")
 
 def eval_params(state: TrainState, which: str = "params"):
     """The parameters an evaluation uses: `which` = "params" (the trained ones; for a
-    schedule-free optimizer the average it defines for evaluation) or "ema" (the weight EMA, in the params' dtypes; a ValueError when the state
-    has none: optim.ema.decay = 0)."""
+    schedule-free optimizer the average it defines for evaluation) or "ema" (the weight EMA, in the
+    params' dtypes; a ValueError when the state has none: optim.ema.decay = 0)."""
     if which == "params":  # a schedule-free optimizer's own evaluation point
         from jtrain import optim as optim_lib
 
@@ -239,7 +240,8 @@ def ema_as_params(ema, params):
 def ema_bytes_per_device(abstract_ema, shardings) -> int:
     """The average's memory on one device: its shards' bytes (the header says it)."""
     total = 0
-    for leaf, sharding in zip(jax.tree.leaves(abstract_ema), jax.tree.leaves(shardings)):
+    for leaf, sharding in zip(jax.tree.leaves(abstract_ema), jax.tree.leaves(shardings),
+                              strict=True):
         shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
         total += int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
     return total

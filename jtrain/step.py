@@ -246,8 +246,8 @@ def guarded_update(state: TrainState, update: Callable, loss, grad_norm, rows_ok
     The update is applied only when the loss and the gradient norm are finite (global
     values: the same decision on every device and process) and every row of the batch is
     valid (`rows_ok` [B]). Otherwise params, optimizer state, the weight EMA and the
-    schedule's position are untouched, `skipped_steps` counts it, and `train/status` says why. Non-finite
-    skips in a row are counted; at `max_consecutive` (or at the first one with
+    schedule's position are untouched, `skipped_steps` counts it, and `train/status` says why.
+    Non-finite skips in a row are counted; at `max_consecutive` (or at the first one with
     `halt_on_nonfinite`) the state records `halted_at` and no later update is applied,
     so the host can stop with the params of the last good step (fp16 loss-scale
     overflows are expected and never count; the loss scale moves here)."""
@@ -293,8 +293,8 @@ def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool,
     padding; with `batch_loss` it is called once on the whole batch (the only way to
     score a loss defined over the batch, such as a correlation): the evaluator gives it
     batches without padding (a partial batch at its true size), and a mean it returns
-    counts once per row, so batch means average weighted by their row counts. `predict_fn(outputs, batch)
-    -> (predictions, targets[, weights])` is what the metrics compare."""
+    counts once per row, so batch means average weighted by their row counts. `predict_fn(outputs,
+    batch) -> (predictions, targets[, weights])` is what the metrics compare."""
     device_metrics = (None if metrics is None
                       else metrics_lib.make_collection(metrics).partition()[0])
 

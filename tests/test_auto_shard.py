@@ -92,7 +92,7 @@ def test_an_axis_that_shards_nothing_is_a_warning():
 
 X = np.random.default_rng(0).normal(size=(96, 32)).astype(np.float32)
 Y = ((X[:, 0] > 0).astype(np.int32) + 2 * (X[:, 1] > 0)).astype(np.int32)
-DATA = [{"inputs": a, "targets": b} for a, b in zip(X, Y)]
+DATA = [{"inputs": a, "targets": b} for a, b in zip(X, Y, strict=True)]
 STEPS = 4
 
 

@@ -18,7 +18,7 @@ import pytest
 import jtrain
 from jtrain import losses
 
-F, O = 3, 2  # features in, outputs
+F, OUT = 3, 2  # features in, outputs
 W = np.array([[0.5, -1.0], [2.0, 0.25], [-0.75, 1.5]], np.float32)
 B0 = np.array([0.1, -0.2], np.float32)
 
@@ -48,7 +48,7 @@ def cfg(batch=8, **over):
 def data(n, seed=0):
     r = np.random.default_rng(seed)
     x = r.normal(size=(n, F)).astype(np.float32)
-    y = (x @ W + B0 + r.normal(size=(n, O))).astype(np.float32)
+    y = (x @ W + B0 + r.normal(size=(n, OUT))).astype(np.float32)
     return {"x": x, "targets": y, "mask": (r.random(n) > 0.4).astype(np.float32),
             "valid": np.zeros(n, np.float32), "weights": r.random(n).astype(np.float32)}
 
@@ -60,7 +60,7 @@ def final_eval(tmp_path, config, eval_data, **kw):
 
 
 def err2(d):
-    return ((d["x"] @ W + B0 - d["targets"]) ** 2).astype(np.float64)  # [n, O]
+    return ((d["x"] @ W + B0 - d["targets"]) ** 2).astype(np.float64)  # [n, OUT]
 
 
 SIZES = (1, 7, 9, 28)  # 1, batch - 1, batch + 1, 3 * batch + 4 with batches of 8
@@ -107,7 +107,7 @@ def test_a_field_named_mask_is_the_users(tmp_path, scope):
 
     got = final_eval(tmp_path, cfg(loss={"eval_scope": scope}), ev, loss_fn=loss_fn)
     m = ev["mask"][:, None]
-    want = (err2(ev) * m).sum() / (m.sum() * O)
+    want = (err2(ev) * m).sum() / (m.sum() * OUT)
     np.testing.assert_allclose(got["eval/loss"], want, rtol=2e-6)
 
 
@@ -172,10 +172,10 @@ def test_scalar_output_passes_through_eval(tmp_path):
 
 
 def test_elementwise_weights_with_the_default_loss(tmp_path):
-    """`weights` [B, O] matching the targets: the default MSE weighs each element
+    """`weights` [B, OUT] matching the targets: the default MSE weighs each element
     (it used to fail at step 1: the weights were broadcast to [B])."""
     ev = data(9, seed=6)
-    w = (np.random.default_rng(6).random((9, O)) > 0.3).astype(np.float32)
+    w = (np.random.default_rng(6).random((9, OUT)) > 0.3).astype(np.float32)
     d = {"inputs": ev["x"], "targets": ev["targets"], "weights": w}
     got = final_eval(tmp_path, cfg(), d, train_data=d)
     np.testing.assert_allclose(got["eval/loss"], (err2(ev) * w).sum() / w.sum(), rtol=2e-6)
@@ -187,7 +187,7 @@ def test_nan_targets_under_weight_zero_are_missing_values(tmp_path):
     update: the run trains exactly as the same data with those targets set to 0, and
     the eval loss is the weighted MSE over the present values."""
     d = data(32, seed=7)
-    w = (np.random.default_rng(7).random((32, O)) > 0.3).astype(np.float32)
+    w = (np.random.default_rng(7).random((32, OUT)) > 0.3).astype(np.float32)
     holes = {"inputs": d["x"], "targets": np.where(w > 0, d["targets"], np.nan), "weights": w}
     zeros = dict(holes, targets=np.where(w > 0, d["targets"], 0.0).astype(np.float32))
     config = cfg(total_steps=6, optim={"lr": 0.05})

@@ -5,7 +5,6 @@ say; a name that is neither a rule nor a mesh axis is a one-line ConfigError nam
 parameter (NNX and Linen)."""
 
 import flax.linen as nn
-import jax
 import numpy as np
 import pytest
 from flax import nnx

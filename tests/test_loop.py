@@ -6,7 +6,6 @@ metrics.jsonl without replayed steps."""
 
 import json
 import os
-import signal
 
 import flax.linen as nn
 import jax
@@ -170,7 +169,7 @@ def test_nonfinite_skips_are_exact_and_params_stay_finite(tmp_path):
     res = jtrain.train(config(total_steps=6, data__val_fraction=0.0, eval__every_steps=0),
                        str(tmp_path / "run"), model=Net(),
                        train_data=arrays(n=48, bad_nan=[9], bad_inf=[24, 25, 33]))
-    ledger = [json.loads(l) for l in open(tmp_path / "run" / "skipped.jsonl")]
+    ledger = [json.loads(line) for line in open(tmp_path / "run" / "skipped.jsonl")]
     assert [(e["step"], e["reason"]) for e in ledger] == [
         (2, "invalid batch"), (4, "non-finite loss"), (5, "non-finite loss")]
     assert ledger[0]["examples"] == [9] and ledger[1]["examples"] == list(range(24, 32))

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import flax.linen as nn
-import jax
 import numpy as np
 import pytest
 

@@ -65,7 +65,10 @@ def _close(got, want):
 def _cases():
     r = _rng(1)
     B, F_ = 12, 5
-    f32 = lambda *s, lo=-3.0, hi=3.0: r.uniform(lo, hi, s).astype(np.float32)
+
+    def f32(*s, lo=-3.0, hi=3.0):
+        return r.uniform(lo, hi, s).astype(np.float32)
+
     counts = r.poisson(4.0, (B, F_)).astype(np.float32)
     return {
         "masked_cross_entropy": (losses.masked_cross_entropy,

@@ -55,7 +55,8 @@ def expected_mask(decay_embeddings):
 
 
 def test_warmup_cosine_values():
-    s = optim.make_schedule(cfg(lr=1.0, schedule="warmup_cosine", warmup_steps=10, end_lr_factor=0.1), 110)
+    s = optim.make_schedule(
+        cfg(lr=1.0, schedule="warmup_cosine", warmup_steps=10, end_lr_factor=0.1), 110)
     # warmup midpoint, warmup end, cosine midpoint (step 60: half of 100 decay steps),
     # end (step 110) and after the end (held).
     got = sched_at(s, [0, 5, 10, 60, 110, 500])
@@ -66,13 +67,16 @@ def test_warmup_cosine_values():
 def test_warmup_cosine_explicit_decay_steps():
     # decay_steps counts from step 0, warmup included; total_steps is then irrelevant.
     s = optim.make_schedule(cfg(lr=2.0, warmup_steps=4, decay_steps=24), 1000)
-    np.testing.assert_allclose(sched_at(s, [2, 4, 14, 24, 999]), [1.0, 2.0, 1.0, 0.0, 0.0], atol=1e-6)
+    np.testing.assert_allclose(sched_at(s, [2, 4, 14, 24, 999]), [1.0, 2.0, 1.0, 0.0, 0.0],
+                               atol=1e-6)
 
 
 def test_warmup_linear_values():
-    s = optim.make_schedule(cfg(lr=1.0, schedule="warmup_linear", warmup_steps=10, end_lr_factor=0.2), 50)
+    s = optim.make_schedule(
+        cfg(lr=1.0, schedule="warmup_linear", warmup_steps=10, end_lr_factor=0.2), 50)
     # decay from 1.0 at step 10 to 0.2 at step 50: 0.6 at step 30.
-    np.testing.assert_allclose(sched_at(s, [5, 10, 30, 50, 80]), [0.5, 1.0, 0.6, 0.2, 0.2], rtol=1e-6)
+    np.testing.assert_allclose(sched_at(s, [5, 10, 30, 50, 80]), [0.5, 1.0, 0.6, 0.2, 0.2],
+                               rtol=1e-6)
 
 
 def test_linear_and_cosine_without_warmup():
@@ -100,7 +104,8 @@ def test_cosine_with_warmup_equals_warmup_cosine():
 def test_rsqrt_values():
     s = optim.make_schedule(cfg(lr=1.0, schedule="rsqrt", warmup_steps=10), 100)
     # warmup, then lr * sqrt(10 / step): 1 at warmup end, 1/2 at 4 * warmup.
-    np.testing.assert_allclose(sched_at(s, [0, 5, 10, 40, 90]), [0.0, 0.5, 1.0, 0.5, 1 / 3], rtol=1e-6)
+    np.testing.assert_allclose(sched_at(s, [0, 5, 10, 40, 90]), [0.0, 0.5, 1.0, 0.5, 1 / 3],
+                               rtol=1e-6)
     s = optim.make_schedule(cfg(lr=1.0, schedule="rsqrt"), 100)  # no warmup: sqrt(1 / max(step, 1))
     np.testing.assert_allclose(sched_at(s, [0, 1, 4, 16]), [1.0, 1.0, 0.5, 0.25], rtol=1e-6)
 
@@ -121,12 +126,15 @@ def test_decay_must_end_after_warmup():
 @pytest.mark.parametrize("name", optim.OPTIMIZERS)
 def test_each_optimizer_decreases_a_quadratic(name):
     tx, _ = optim.make_optimizer(
-        cfg(name=name, lr=1.0 if name == "prodigy" else 0.05, schedule="constant", weight_decay=0.0 if name == "adam" else 1e-4), 50
+        cfg(name=name, lr=1.0 if name == "prodigy" else 0.05, schedule="constant",
+            weight_decay=0.0 if name == "adam" else 1e-4), 50
     )
     target = jnp.linspace(0.0, 2.0, 3 * 130).reshape(3, 130)  # [3, 130]: factored in adafactor
     # Start away from zero: adafactor scales its steps by the parameters' RMS.
     params = {"w": jnp.ones((3, 130)), "b": jnp.ones((130,))}
-    loss = lambda p: jnp.sum((p["w"] - target) ** 2) + jnp.sum((p["b"] - 2.0) ** 2)
+
+    def loss(p):
+        return jnp.sum((p["w"] - target) ** 2) + jnp.sum((p["b"] - 2.0) ** 2)
 
     @jax.jit
     def step(params, opt_state):
@@ -142,32 +150,36 @@ def test_each_optimizer_decreases_a_quadratic(name):
 
 
 def test_unknown_names_raise():
-    with pytest.raises(ValueError, match=r"^optim\.name: unknown optimizer 'adamx'; choose one of: adamw, adam"):
+    with pytest.raises(ValueError, match=r"^optim\.name: unknown optimizer 'adamx'; "
+                                         r"choose one of: adamw, adam"):
         optim.make_optimizer(cfg(name="adamx"), 10)
-    with pytest.raises(ValueError, match=r"^optim\.schedule: unknown schedule 'cosin'; choose one of: constant"):
+    with pytest.raises(ValueError, match=r"^optim\.schedule: unknown schedule 'cosin'; "
+                                         r"choose one of: constant"):
         optim.make_optimizer(cfg(schedule="cosin"), 10)
     with pytest.raises(ValueError, match=r"^optim\.schedule: unknown schedule"):
         optim.make_schedule(cfg(schedule="cosin"), 10)
 
 
 def test_adam_with_weight_decay_raises():
-    with pytest.raises(ValueError, match=r"^optim\.weight_decay: adam has no weight decay.*use adamw"):
+    with pytest.raises(ValueError,
+                       match=r"^optim\.weight_decay: adam has no weight decay.*use adamw"):
         optim.make_optimizer(cfg(name="adam", weight_decay=0.1), 10)
 
 
 def test_clip_rescales_global_norm_to_clip_norm():
-    tx, _ = optim.make_optimizer(cfg(name="sgd", lr=1.0, schedule="constant", momentum=0.0, clip_norm=1.0), 10)
+    tx, _ = optim.make_optimizer(
+        cfg(name="sgd", lr=1.0, schedule="constant", momentum=0.0, clip_norm=1.0), 10)
     params = {"a": jnp.zeros((2, 3)), "b": jnp.zeros((3,))}
     grads = {"a": jnp.full((2, 3), 1e6), "b": jnp.arange(3.0) * 1e6}
     norm = math.sqrt(sum(float(jnp.sum(g**2)) for g in jax.tree.leaves(grads)))
     updates, _ = tx.update(grads, tx.init(params), params)
-    for u, g in zip(jax.tree.leaves(updates), jax.tree.leaves(grads)):
+    for u, g in zip(jax.tree.leaves(updates), jax.tree.leaves(grads), strict=True):
         np.testing.assert_allclose(u, -g / norm, rtol=1e-6)
     assert float(optax.tree.norm(updates)) == pytest.approx(1.0, rel=1e-6)
     # A gradient already inside the ball passes untouched.
     small = jax.tree.map(lambda g: g * 1e-7, grads)
     updates, _ = tx.update(small, tx.init(params), params)
-    for u, g in zip(jax.tree.leaves(updates), jax.tree.leaves(small)):
+    for u, g in zip(jax.tree.leaves(updates), jax.tree.leaves(small), strict=True):
         np.testing.assert_allclose(u, -g, rtol=1e-6)
 
 
@@ -230,7 +242,8 @@ def test_mask_on_linen_tree(decay_embeddings):
 
 
 def test_mask_embed_match_is_case_insensitive_and_on_any_key():
-    params = {"TokenEmbedder": {"w": jnp.zeros((3, 2))}, "pos_Embed": jnp.zeros((5, 2)), "dense": {"w": jnp.zeros((2, 2))}}
+    params = {"TokenEmbedder": {"w": jnp.zeros((3, 2))}, "pos_Embed": jnp.zeros((5, 2)),
+              "dense": {"w": jnp.zeros((2, 2))}}
     mask = optim.weight_decay_mask(params, decay_embeddings=False)
     assert mask == {"TokenEmbedder": {"w": False}, "pos_Embed": False, "dense": {"w": True}}
 
@@ -246,14 +259,16 @@ def test_mask_on_abstract_and_boxed_trees():
 @pytest.mark.parametrize("decay_embeddings", [False, True])
 def test_adamw_decays_only_masked_leaves(decay_embeddings):
     wd, lr = 0.1, 0.5
-    c = cfg(name="adamw", lr=lr, schedule="constant", weight_decay=wd, decay_embeddings=decay_embeddings)
+    c = cfg(name="adamw", lr=lr, schedule="constant", weight_decay=wd,
+            decay_embeddings=decay_embeddings)
     tx, _ = optim.make_optimizer(c, 10)
     params = linen_params()
     zeros = jax.tree.map(jnp.zeros_like, params)
     updates, _ = tx.update(zeros, tx.init(params), params)
     new = optax.apply_updates(params, updates)
     mask = expected_mask(decay_embeddings)
-    for m, p, q in zip(jax.tree.leaves(mask), jax.tree.leaves(params), jax.tree.leaves(new)):
+    for m, p, q in zip(jax.tree.leaves(mask), jax.tree.leaves(params), jax.tree.leaves(new),
+                       strict=True):
         if m:
             np.testing.assert_allclose(q, p * (1 - lr * wd), rtol=1e-6)
         else:
@@ -262,7 +277,8 @@ def test_adamw_decays_only_masked_leaves(decay_embeddings):
 
 @pytest.mark.parametrize("name", ["sgd", "lion", "adafactor"])
 def test_other_optimizers_decay_only_masked_leaves(name):
-    tx, _ = optim.make_optimizer(cfg(name=name, lr=0.5, schedule="constant", weight_decay=0.1, momentum=0.0), 10)
+    tx, _ = optim.make_optimizer(
+        cfg(name=name, lr=0.5, schedule="constant", weight_decay=0.1, momentum=0.0), 10)
     params = linen_params()
     zeros = jax.tree.map(jnp.zeros_like, params)
     new = optax.apply_updates(params, tx.update(zeros, tx.init(params), params)[0])
@@ -277,12 +293,14 @@ def test_other_optimizers_decay_only_masked_leaves(name):
 
 
 def test_adamw_on_linen_boxed_tree():
-    tx, _ = optim.make_optimizer(cfg(name="adamw", lr=0.5, schedule="constant", weight_decay=0.1), 10)
+    tx, _ = optim.make_optimizer(
+        cfg(name="adamw", lr=0.5, schedule="constant", weight_decay=0.1), 10)
     params = jax.tree.map(lambda x: nn.LogicallyPartitioned(x, (None,) * x.ndim), linen_params())
     zeros = jax.tree.map(jnp.zeros_like, params)
     new = nn.unbox(optax.apply_updates(params, tx.update(zeros, tx.init(params), params)[0]))
     plain = linen_params()["params"]
-    np.testing.assert_allclose(new["params"]["block_0"]["attn"]["kernel"], plain["block_0"]["attn"]["kernel"] * 0.95, rtol=1e-6)
+    np.testing.assert_allclose(new["params"]["block_0"]["attn"]["kernel"],
+                               plain["block_0"]["attn"]["kernel"] * 0.95, rtol=1e-6)
     assert np.array_equal(new["params"]["embed"]["embedding"], plain["embed"]["embedding"])
 
 
@@ -295,12 +313,16 @@ def test_adamw_on_nnx_state():
 
     state = nnx.state(Tiny(nnx.Rngs(0)), nnx.Param)
     mask = optim.weight_decay_mask(state, decay_embeddings=False)
-    flat = {"/".join(str(k.key) for k in path[:-1]): v for path, v in jax.tree_util.tree_flatten_with_path(mask)[0]}
-    assert flat == {"dense/bias": False, "dense/kernel": True, "embed/embedding": False, "norm/bias": False, "norm/scale": False}
+    flat = {"/".join(str(k.key) for k in path[:-1]): v
+            for path, v in jax.tree_util.tree_flatten_with_path(mask)[0]}
+    assert flat == {"dense/bias": False, "dense/kernel": True, "embed/embedding": False,
+                    "norm/bias": False, "norm/scale": False}
 
-    tx, _ = optim.make_optimizer(cfg(name="adamw", lr=0.5, schedule="constant", weight_decay=0.1), 10)
+    tx, _ = optim.make_optimizer(
+        cfg(name="adamw", lr=0.5, schedule="constant", weight_decay=0.1), 10)
     zeros = jax.tree.map(jnp.zeros_like, state)
     new = optax.apply_updates(state, tx.update(zeros, tx.init(state), state)[0])
-    np.testing.assert_allclose(new["dense"]["kernel"][...], state["dense"]["kernel"][...] * 0.95, rtol=1e-6)
+    np.testing.assert_allclose(new["dense"]["kernel"][...], state["dense"]["kernel"][...] * 0.95,
+                               rtol=1e-6)
     assert np.array_equal(new["embed"]["embedding"][...], state["embed"]["embedding"][...])
     assert np.array_equal(new["norm"]["scale"][...], state["norm"]["scale"][...])

@@ -94,7 +94,7 @@ def test_ema_and_optimizer_state_are_sharded_like_the_params(runs):
     assert any("fsdp" in spec for spec in specs), specs  # really sharded, not replicated
     sf = [s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: hasattr(x, "z"))
           if hasattr(s, "z")][0]  # schedule-free's z: sharded like the params too
-    for (path, p), z in zip(params, jax.tree.leaves(sf.z)):
+    for (path, p), z in zip(params, jax.tree.leaves(sf.z), strict=True):
         assert z.sharding == p.sharding, jax.tree_util.keystr(path)
 
 

@@ -82,7 +82,7 @@ REFERENCES = {  # jtrain's optim section -> the same optimizer written with opta
 
 
 def _close(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
 
 

@@ -73,7 +73,7 @@ def test_member_i_equals_the_single_run_with_its_seed_lr_and_weight_decay(model,
     seed, lr, wd = seeds[member], lrs[member], wds[member]
     single, single_metrics = _train(_build(_cfg(seed=seed, optim={
         **_cfg()["optim"], "lr": lr, "weight_decay": wd}), model))
-    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(single.params)):
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(single.params), strict=True):
         np.testing.assert_allclose(np.asarray(a)[member], np.asarray(b), atol=1e-6, rtol=0)
     for name in ("train/loss", "train/lr", "train/grad_norm"):
         np.testing.assert_allclose(float(metrics[f"{name}/m{member}"]),

@@ -74,6 +74,6 @@ def test_fsdp_and_tensor_parallel_shard_shapes_and_losses(tmp_path):
         dp = out["dp"]
         assert len(out[layout]["losses"]) == len(dp["losses"]) == 4
         for a, b in zip(out[layout]["losses"] + [out[layout]["eval"]],
-                        dp["losses"] + [dp["eval"]]):
+                        dp["losses"] + [dp["eval"]], strict=True):
             assert abs(a - b) <= 1e-6 * max(1.0, abs(b)), (layout, a, b)
     assert out["dp"]["shards"]["params['embed']['embedding']"] == [256, 32]

@@ -44,11 +44,11 @@ def test_grad_accumulation_equals_full_batch_token_weighted(k):
     s1, m1 = jax.jit(full)(_state(params, tx), batch)
     s2, m2 = jax.jit(accum)(_state(params, tx), batch)
     np.testing.assert_allclose(m1["train/loss"], m2["train/loss"], rtol=1e-6, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
+    for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     # Plain per-microbatch averaging (what optax.MultiSteps does) is NOT equal here: the
     # microbatches hold different numbers of tokens. This guards the test's power.
-    micro = [jax.tree.map(lambda x: x[j::k], batch) for j in range(k)]
+    micro = [jax.tree.map(lambda x, j=j: x[j::k], batch) for j in range(k)]
     mean_of_means = np.nanmean([losses.default_loss(_linear_apply(params, mb["inputs"]), mb)[0]
                              / losses.default_loss(_linear_apply(params, mb["inputs"]), mb)[1]
                              for mb in micro])
@@ -66,7 +66,7 @@ def test_accumulation_with_adamw_matches_full_batch():
     for _ in range(3):
         s_full, _ = full(s_full, batch)
         s_acc, _ = acc(s_acc, batch)
-    for a, b in zip(jax.tree.leaves(s_full.params), jax.tree.leaves(s_acc.params)):
+    for a, b in zip(jax.tree.leaves(s_full.params), jax.tree.leaves(s_acc.params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
@@ -161,7 +161,7 @@ def test_invalid_rows_do_not_move_the_params(how):
     params, _, _ = _adamw_run([], **kw)
     for bad in (all_bad, some_bad):
         _, state, (m,) = _adamw_run([bad], **kw)
-        for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)):
+        for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params), strict=True):
             np.testing.assert_array_equal(a, b)
         assert int(state.skipped_steps) == 1 and int(state.step) == 1
         assert int(m["train/status"]) & step_lib.INVALID_BATCH
@@ -170,7 +170,8 @@ def test_invalid_rows_do_not_move_the_params(how):
         # optimizer state untouched too: the next good batches give the run without `bad`
         _, with_bad, _ = _adamw_run([clean, bad, clean2], **kw)
         _, without, _ = _adamw_run([clean, clean2], **kw)
-        for a, b in zip(jax.tree.leaves(with_bad.params), jax.tree.leaves(without.params)):
+        for a, b in zip(jax.tree.leaves(with_bad.params), jax.tree.leaves(without.params),
+                        strict=True):
             np.testing.assert_array_equal(a, b)
         assert int(with_bad.step) == 3 and int(without.step) == 2
 
@@ -203,7 +204,7 @@ def test_loss_terms_are_summed_exactly_across_microbatches():
         (s, w), = [two_terms(out, batch)[1][name]]
         np.testing.assert_allclose(got[2][f"train/{name}"], s / w, rtol=1e-6)
         np.testing.assert_allclose(got[2][f"train/{name}"], got[1][f"train/{name}"], rtol=1e-6)
-        micro = [jax.tree.map(lambda x: x[j::2], batch) for j in range(2)]
+        micro = [jax.tree.map(lambda x, j=j: x[j::2], batch) for j in range(2)]
         means = [float(np.divide(*two_terms(_linear_apply(params, mb["inputs"]), mb)[1][name]))
                  for mb in micro]
         assert abs(np.mean(means) - float(s / w)) > 1e-3  # the test can tell them apart

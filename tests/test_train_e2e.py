@@ -7,7 +7,6 @@ import re
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 
@@ -102,8 +101,9 @@ def test_same_seed_same_hash_and_resume_is_bitwise(tmp_path):
 
 
 def _readme_examples():
-    """The python blocks of docs/guide/user-models.md's "Library examples" section (other sections' examples
-    have tests of their own, e.g. tests/recipes, tests/journeys/test_readme_user_model.py)."""
+    """The python blocks of docs/guide/user-models.md's "Library examples" section (other sections'
+    examples have tests of their own, e.g. tests/recipes,
+    tests/journeys/test_readme_user_model.py)."""
     text = open(os.path.join(REPO, "docs", "guide", "user-models.md")).read()
     section = text.split("\n## Library examples\n", 1)[1].split("\n## ", 1)[0]
     return [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "jtrain.train(" in b]

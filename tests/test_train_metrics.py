@@ -12,7 +12,7 @@ from jtrain.errors import ConfigError
 
 X = np.random.default_rng(1).normal(size=(64, 8)).astype(np.float32)
 Y = ((X[:, 0] > 0).astype(np.int32) + 2 * (X[:, 1] > 0.5)).astype(np.int32)
-DATA = [{"inputs": a, "targets": b} for a, b in zip(X, Y)]
+DATA = [{"inputs": a, "targets": b} for a, b in zip(X, Y, strict=True)]
 
 
 def _run(tmp_path, accum):

@@ -1,9 +1,9 @@
 """`python -m jtrain.bench checkpoint`: what checkpointing costs a training loop.
 
-A ~100 M-parameter MLP (1024 -> 4096 x 7 -> 16; `--params` scales the depth) with AdamW state (~1.3 GB of arrays),
-the real train step (jitted, donating its state) and the real `jtrain.checkpoint`
-Checkpointer (orbax async save + our manifest of CRC-32s, preservation policy, integrity
-checks on restore). Per round:
+A ~100 M-parameter MLP (1024 -> 4096 x 7 -> 16; `--params` scales the depth) with AdamW state
+(~1.3 GB of arrays), the real train step (jitted, donating its state) and the real
+`jtrain.checkpoint` Checkpointer (orbax async save + our manifest of CRC-32s, preservation
+policy, integrity checks on restore). Per round:
 
   baseline   `--steps` train steps without a save: steps/s (each step blocked on);
   async      `save()` then train steps until the background write (and manifest) is
@@ -106,8 +106,8 @@ def run_checkpoint_bench(params: float = 100e6, rounds: int = 3, steps: int = 8,
             ck.save(step, state, {})
             row["block_async_s"] = time.perf_counter() - t0
             done = {}
-            waiter = threading.Thread(target=lambda: (ck.wait(), done.setdefault(
-                "t", time.perf_counter())))
+            waiter = threading.Thread(target=lambda ck=ck, done=done: (
+                ck.wait(), done.setdefault("t", time.perf_counter())))
             waiter.start()
             n, t1 = 0, time.perf_counter()
             while "t" not in done:

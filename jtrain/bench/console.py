@@ -62,7 +62,7 @@ def format_report(res: dict) -> str:
     lines = [f"console: {res['rounds']} rounds x {res['updates']} updates, terminal "
              f"{res['columns']} columns",
              f"{'round':>6} {'rich pty us':>12} {'plain us':>9}"]
-    for i, (r, p) in enumerate(zip(res["rich_us"], res["plain_us"])):
+    for i, (r, p) in enumerate(zip(res["rich_us"], res["plain_us"], strict=True)):
         lines.append(f"{i + 1:>6} {r:>12.0f} {p:>9.0f}")
     lines.append(f"console: rich bar {statistics.median(res['rich_us']):.0f} us/update, plain "
                  f"line {statistics.median(res['plain_us']):.0f} us/update (medians), ratio "

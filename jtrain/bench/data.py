@@ -118,19 +118,19 @@ def torch_examples(ds, batch: int, workers: int, batches: int) -> tuple[float, f
                                          num_workers=workers)
     it = iter(loader)
 
-    def numpy_batch():
+    def numpy_batch(it):
         x, y = next(it)
         return {"inputs": x.numpy(), "targets": y.numpy()}
 
-    numpy_batch()
+    numpy_batch(it)
     ttfb = time.perf_counter() - t0
     for _ in range(warmup_batches(workers) - 1):
-        numpy_batch()
+        numpy_batch(it)
     t1 = time.perf_counter()
     for _ in range(batches):
-        numpy_batch()
+        numpy_batch(it)
     rate = batches * batch / (time.perf_counter() - t1)
-    del it
+    del it  # the last reference: the DataLoader's worker processes end here
     return rate, ttfb
 
 
@@ -262,7 +262,7 @@ def format_report(res: dict) -> str:
                 f"{r['real_ms_per_step'] / r['synthetic_ms_per_step']:>6.3f}")
 
     lines += [row(f"{machine_lib.mark(ld)}{i + 1}", r)
-              for i, (r, ld) in enumerate(zip(res["rows"], res["load"]))]
+              for i, (r, ld) in enumerate(zip(res["rows"], res["load"], strict=True))]
     lines.append(row("med", res["median"]))
     lines.append(f"per-round ratios, median: examples/s {res['examples_ratio_paired']:.3f}, "
                  f"step time {res['step_ratio_paired']:.3f}")

@@ -107,7 +107,8 @@ def preset_config(name: str):
         cfg.data.update(seq_len=32, batch_size=8)
         return cfg
     if name in ("gpt2", "gpt2_debug"):
-        return load_base_config(CONFIGS / "gpt2_small.py", "debug" if name == "gpt2_debug" else None)
+        return load_base_config(CONFIGS / "gpt2_small.py",
+                                "debug" if name == "gpt2_debug" else None)
     raise BenchError(f"--model: unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
 
 
@@ -164,9 +165,9 @@ def jtrain_sample(logs: list[dict], log_every: int, total: int, wall: float) -> 
     steady_s = last["time"] - first["time"]
     steps = total - log_every
     intervals = [1e3 * (b["time"] - a["time"]) / (b["step"] - a["step"])
-                 for a, b in zip([first] + steady[:-1], steady)]
+                 for a, b in zip([first] + steady[:-1], steady, strict=True)]
     rate_s = sum((b["step"] - a["step"]) / b["perf/steps_per_sec"]
-                 for a, b in zip([first] + steady[:-1], steady))
+                 for a, b in zip([first] + steady[:-1], steady, strict=True))
     return Sample(ms_per_step=1e3 * steady_s / steps, final_loss=float(last["train/loss"]),
                   wall_s=wall, fixed_s=wall - steady_s, intervals_ms=intervals,
                   rate_ms=1e3 * rate_s / steps)
@@ -228,7 +229,7 @@ class HandLoop:
     def run(self, steps: int, log_every: int) -> Sample:
         """Times `steps` steps after `log_every` warm-up steps. Like a loop that prints
         its loss every `log_every` steps, it stamps each interval (per-interval view)."""
-        cfg, warmup = self.cfg, log_every
+        warmup = log_every
         it = self.iterator()
         step = self.step
         t0 = time.perf_counter()
@@ -251,7 +252,9 @@ class HandLoop:
         marks.append((steps, t2))
         if hasattr(it, "close"):
             it.close()
-        intervals = [1e3 * (tb - ta) / (sb - sa) for (sa, ta), (sb, tb) in zip(marks, marks[1:])]
+        # neighbouring marks: one interval fewer than marks
+        intervals = [1e3 * (tb - ta) / (sb - sa)
+                     for (sa, ta), (sb, tb) in zip(marks, marks[1:], strict=False)]
         return Sample(ms_per_step=1e3 * (t2 - t1) / steps, final_loss=float(loss),
                       wall_s=t2 - t0, intervals_ms=intervals)
 
@@ -327,7 +330,7 @@ def run_overhead(model: str, *, rounds: int, steps: int, log_every: int, workdir
         if workdir is None:
             shutil.rmtree(root, ignore_errors=True)
     j, h = side_summary(jt, cfg), side_summary(hd, cfg)
-    paired = [a.ms_per_step / b.ms_per_step for a, b in zip(jt, hd)]
+    paired = [a.ms_per_step / b.ms_per_step for a, b in zip(jt, hd, strict=True)]
     return {
         "bench": "overhead", "model": model, "goal": GOALS[model], "machine": info,
         "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,

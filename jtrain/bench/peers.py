@@ -3,9 +3,9 @@ Lightning, each run a whole separate process, alternating sides round by round.
 
 Cases: `mlp` (a 64-64 GELU MLP on scikit-learn's digits, the same split for all three:
 jtrain reads the arrays (jtrain.bench.digits, no torch in its process), the PyTorch sides
-a torch `Dataset` over them; batch 32, Adam 1e-3), `lm_debug` and `lm_base` (configs/base.py's transformer at
-its debug and full size, jtrain.bench.peer_torch.TorchLM on the PyTorch sides, fed the
-byte windows jtrain's pipeline yields, in the same order), `lm_tiny` (a 1-layer d=32 LM:
+a torch `Dataset` over them; batch 32, Adam 1e-3), `lm_debug` and `lm_base` (configs/base.py's
+transformer at its debug and full size, jtrain.bench.peer_torch.TorchLM on the PyTorch sides, fed
+the byte windows jtrain's pipeline yields, in the same order), `lm_tiny` (a 1-layer d=32 LM:
 what the test suite runs). jtrain runs its own CLI (`python -m jtrain.main`, the user's
 command); the PyTorch sides run `jtrain/bench/peer_torch.py` as a script (no jtrain or
 JAX in that process). Everything on the CPU (`JAX_PLATFORMS=cpu`).
@@ -217,7 +217,7 @@ def _blocks(stamps: list[tuple[int, float]], log_every: int, eval_steps: set) ->
     """ms/step per log interval from (step, time) stamps at interval ends; the first
     interval (compilation, warm-up) and the intervals right after an eval dropped."""
     out = []
-    for (s0, t0), (s1, t1) in zip(stamps, stamps[1:]):
+    for (s0, t0), (s1, t1) in zip(stamps, stamps[1:], strict=False):  # neighbours
         if s0 >= log_every and s0 not in eval_steps:  # an eval at s0 runs after its stamp
             out.append(1e3 * (t1 - t0) / (s1 - s0))
     return out
@@ -321,7 +321,7 @@ def format_case(res: dict) -> str:
     for label, key, fmt in ROWS:
         j, t, lt = (s[x][key] for x in SIDES)
         lines.append(f"  {label:<14}" + "".join(f"{fmt.format(v) + m:>11}"
-                                                for v, m in zip((j, t, lt), marks))
+                                                for v, m in zip((j, t, lt), marks, strict=True))
                      + f"{j / t if t else float('nan'):>9.3f}"
                      + f"{j / lt if lt else float('nan'):>9.3f}")
     lines.append("  " + machine_lib.loads_line([r["load"] for x in SIDES

@@ -26,7 +26,8 @@ def _cell(fmt: str, values: list, loads: list) -> str:
     med = _v(fmt, statistics.median(vals)) if vals else "n/a"
     if len(values) < 2:
         return med + machine_lib.mark(loads[0] if loads else None)
-    rounds = ", ".join(_v(fmt, v) + machine_lib.mark(ld) for v, ld in zip(values, loads))
+    rounds = ", ".join(_v(fmt, v) + machine_lib.mark(ld)
+                       for v, ld in zip(values, loads, strict=True))
     return f"{med} ({rounds})"
 
 

@@ -116,9 +116,9 @@ def to_hf(leaves: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def from_hf(tensors: dict[str, np.ndarray], target: dict, where: str, skip=()
             ) -> dict[str, np.ndarray]:
     """HF tensors -> {"params/<path>": array} for the built-in layout `target` ({path
-    without "params/": shape}; paths in `skip` are left out, unchecked); a shape that does not fit is an ExportError naming both
-    tensors and shapes. HF tensors it has no place for keep their HF names (the report
-    lists them unused)."""
+    without "params/": shape}; paths in `skip` are left out, unchecked); a shape that does not fit
+    is an ExportError naming both tensors and shapes. HF tensors it has no place for keep their HF
+    names (the report lists them unused)."""
     dims = layout(target)
     out, used = {}, set()
     for path, name, kind in _pairs(dims["num_layers"], dims["mlp"]):

@@ -170,11 +170,11 @@ def _load_hf(ckpt_cfg, directory: str, target: dict, excludes):
     """(leaves as "params/<path>", source, step "hf") of a Hugging Face checkpoint."""
     where = f"hf:{directory}"
     if ckpt_cfg.init_from_opt:
-        raise RestoreError(f"checkpoint.init_from={where} holds parameters only; init_from_opt needs a "
-                           "jtrain checkpoint")
+        raise RestoreError(f"checkpoint.init_from={where} holds parameters only; init_from_opt "
+                           "needs a jtrain checkpoint")
     if ckpt_cfg.init_from_step not in ("", "latest"):
-        raise RestoreError(f"checkpoint.init_from={where} is one set of weights; checkpoint.init_from_step "
-                           "applies to a run")
+        raise RestoreError(f"checkpoint.init_from={where} is one set of weights; "
+                           "checkpoint.init_from_step applies to a run")
     config, tensors = hf.read_dir(directory)
     init_map = ckpt_cfg.get("init_map") or ()
     if init_map:

@@ -5,8 +5,9 @@ was written.
 The manifest: while orbax finalizes a save (its post-finalization callback, in the
 background thread, before the temporary directory is renamed into place) we write
 `jtrain_manifest.json` into the step directory: the size and CRC-32 of every file in it
-(orbax's own step metadata, rewritten after us, must only parse), the step, and the tree spec (path -> shape, dtype) of the saved TrainState. The rename
-makes the manifest part of the atomic commit, so "has a valid manifest" means "finished".
+(orbax's own step metadata, rewritten after us, must only parse), the step, and the tree spec
+(path -> shape, dtype) of the saved TrainState. The rename makes the manifest part of the
+atomic commit, so "has a valid manifest" means "finished".
 
 Checks, newest step first (`check_step`): the step directory is a real directory (not a
 file, not a symlink), the manifest parses and its own CRC matches, every listed file

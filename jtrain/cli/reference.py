@@ -89,7 +89,9 @@ def commands_markdown() -> str:
     out = ["# Command-line flags", "", _GENERATED, "",
            "Every command takes `--flag=value`, `--flag value` and, for booleans, "
            "`--flag` / `--noflag`; `--help` lists the flags and exits 0. The `jtrain` "
-           "script runs the same commands: `jtrain train|evaluate|export|diff|replay|tune|bench`, as does `python -m jtrain CMD`. "
+           "script runs the same commands: "
+           "`jtrain train|evaluate|export|diff|replay|tune|bench`, as does "
+           "`python -m jtrain CMD`. "
            "Commands with `--config` also take `--config.KEY=VALUE` for any key of "
            "[the config](config.md); exit codes: [exit_codes.md](exit_codes.md).", ""]
     for prog, about, define in _commands():

@@ -33,6 +33,8 @@ import hashlib
 import json
 import math
 import re
+from typing import Any
+
 import ml_collections
 
 from jtrain.config.schema import (ACTIVATIONS, DTYPES, INT_MAX, METRIC_NAMES,  # noqa: F401
@@ -180,6 +182,7 @@ def validate(config, num_devices: int | None = None) -> None:
     tree = _as_dict(config)
     model_name = (tree.get("model") or {}).get("name")
     _check_value("model.name", str, tuple(MODEL_FAMILIES), model_name)
+    assert isinstance(model_name, str)  # _check_value raised ConfigError otherwise
     schema = schema_for(model_name)
     _validate_tree(tree, schema, prefix="")
     _check_cross(tree, num_devices)
@@ -229,7 +232,7 @@ def _check_value(key: str, typ, check, value) -> None:
     elif typ in ("strs", "ints"):
         if isinstance(value, str) or not isinstance(value, (tuple, list)):
             raise ConfigError(key, f"must be a list, got {value!r}")
-        want = str if typ == "strs" else int
+        want: type[Any] = str if typ == "strs" else int
         for v in value:
             if not isinstance(v, want) or isinstance(v, bool):
                 raise ConfigError(key, f"items must be {want.__name__}, got {v!r}")

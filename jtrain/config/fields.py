@@ -8,11 +8,11 @@ from typing import Any, NamedTuple
 
 class Field(NamedTuple):
     """One config key. `type`: int, float, bool, str, "strs" / "ints" (tuples), "dict"
-    (free-form kwargs), "pairs" (a list of (str, str)), "optfloat" (a number or None = off; an ml_collections float
-    placeholder in config files, so `--config.x=0.5` works). `check`: a range (lo, hi) with None for an open end (inclusive),
-    a tuple of choices, or None. `resume`: True when the key may differ on resume without
-    `checkpoint.allow_changes` (it cannot change the trained state, or, for mesh.*, only
-    the float reduction order)."""
+    (free-form kwargs), "pairs" (a list of (str, str)), "optfloat" (a number or None = off; an
+    ml_collections float placeholder in config files, so `--config.x=0.5` works). `check`: a range
+    (lo, hi) with None for an open end (inclusive), a tuple of choices, or None. `resume`: True when
+    the key may differ on resume without `checkpoint.allow_changes` (it cannot change the trained
+    state, or, for mesh.*, only the float reduction order)."""
     type: Any
     default: Any
     check: Any

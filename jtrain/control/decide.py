@@ -147,7 +147,7 @@ class Decisions:
 
     def best(self) -> dict:
         """The monitored metric's best step and value, for the summary."""
-        for name, watch in (("early_stop", self.early), ("plateau", self.plateau)):
+        for watch in (self.early, self.plateau):  # early_stop first, then plateau
             if watch.enabled and watch.best.step is not None:
                 return {"best_metric": watch.cfg.monitor, "best_step": watch.best.step,
                         "best_value": watch.best.value}

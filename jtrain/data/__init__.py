@@ -227,7 +227,7 @@ def _mixture_sources(data_cfg, mix: Mixture, process_index: int, process_count: 
             "batches_per_epoch": None,
             "mixture": [{"name": n, "weight": float(w), "examples": checked[n].known_size
                          if isinstance(checked[n], MapData) else None}
-                        for n, w in zip(names, schedule[1][0])]}
+                        for n, w in zip(names, schedule[1][0], strict=True)]}
     info["components"] = mixture.components_line(info["mixture"])  # the header's data line
     return train, ev, info
 

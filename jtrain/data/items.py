@@ -46,7 +46,7 @@ def as_dict(raw, where: str) -> dict:
         if len(raw) not in (2, 3):
             raise DataError(f"{where}: a tuple item must be (inputs, targets) or (inputs, "
                             f"targets, weights), got {len(raw)} elements")
-        return dict(zip(TUPLE_KEYS, raw))
+        return dict(zip(TUPLE_KEYS, raw, strict=False))  # 2 or 3 of the 3 keys
     if isinstance(raw, dict):
         if not raw:
             raise DataError(f"{where}: an empty dict item; items need fields such as "
@@ -103,7 +103,7 @@ def tree_map(fn: Callable, *trees):
     if isinstance(first, dict):
         return {k: tree_map(fn, *(t[k] for t in trees)) for k in first}
     if isinstance(first, (list, tuple)):
-        return type(first)(tree_map(fn, *xs) for xs in zip(*trees))
+        return type(first)(tree_map(fn, *xs) for xs in zip(*trees, strict=True))
     return fn(*trees)
 
 
@@ -132,7 +132,7 @@ def mismatch(ref: dict, sig: dict, ref_name: str) -> str | None:
 def stack(items: Sequence[dict], indices: Sequence[int], name: str, ref: dict) -> dict:
     """The default collate: numpy items -> a batch, each item checked against `ref`
     (item 0's signature) so that a bad item is named by its index."""
-    for item, i in zip(items, indices):
+    for item, i in zip(items, indices, strict=True):
         why = mismatch(ref, signature(item), "item 0")
         if why:
             raise DataError(f"{name}[{int(i)}]{why}")
@@ -149,15 +149,17 @@ def stack_raw(raws: Sequence, indices: Sequence[int], name: str, ref: dict,
         if isinstance(first, tuple) and len(first) in (2, 3):  # (x, y[, w]): by column
             if set(map(len, raws)) != {len(first)}:
                 raise ValueError("ragged tuples")
-            columns = list(zip(*raws))
-            batch = {k: _stack_fields(list(c), keep_64bit) for k, c in zip(TUPLE_KEYS, columns)}
+            columns = list(zip(*raws, strict=True))
+            batch = {k: _stack_fields(list(c), keep_64bit)  # 2 or 3 of the 3 keys
+                     for k, c in zip(TUPLE_KEYS, columns, strict=False)}
         else:
             batch = _stack_fields([as_dict(r, name) for r in raws], keep_64bit)
         if mismatch(ref, signature(batch, batched=True), "") is None:
             return batch
     except Exception:  # named precisely below
         pass
-    items = [to_numpy_item(r, f"{name}[{int(i)}]", keep_64bit) for r, i in zip(raws, indices)]
+    items = [to_numpy_item(r, f"{name}[{int(i)}]", keep_64bit)
+             for r, i in zip(raws, indices, strict=True)]
     return stack(items, indices, name, ref)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from jtrain.data import grain_sources, items as items_lib, torch_adapters
 from jtrain.data.dataset import Data, LoaderData, MapData, StreamData
-from jtrain.data.items import DataError, first_line
+from jtrain.data.items import DataError
 from jtrain.data.sources import ArraySource, MapSource, WithTransform, call_item, is_array_tree
 from jtrain.data.streams import IterableStream
 from jtrain.config.named import load_named  # noqa: F401  (data.load_named)
@@ -70,7 +70,7 @@ def as_data(obj, name: str) -> Data:
         raise DataError(name, "a bare array has no targets; pass (inputs, targets) or a "
                               "dict with 'inputs' and 'targets'")
     if isinstance(obj, tuple) and len(obj) in (2, 3) and all(hasattr(a, "shape") for a in obj):
-        obj = dict(zip(items_lib.TUPLE_KEYS, obj))
+        obj = dict(zip(items_lib.TUPLE_KEYS, obj, strict=False))  # 2 or 3 of the 3 keys
     if isinstance(obj, dict) and obj and all(is_array_tree(v) for v in obj.values()):
         return MapData(name, ArraySource(obj, name), "arrays")
     if grain_sources.is_grain_loader(obj):
@@ -82,7 +82,8 @@ def as_data(obj, name: str) -> Data:
     kind = type(obj).__name__
     if torch_adapters.is_iterable_dataset(obj):
         return _stream(obj, name, f"torch {kind} (stream)")
-    if hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not isinstance(obj, (str, bytes, dict)):
+    if hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and \
+            not isinstance(obj, (str, bytes, dict)):
         return MapData(name, MapSource(obj, name),
                     ("torch " if type(obj).__module__.startswith("torch") or
                      _is_torch(obj) else "") + kind)

@@ -90,7 +90,7 @@ def schedule_table(names: list, weights: dict, schedule: dict) -> tuple[np.ndarr
     table = np.array([rows[s] for s in starts], np.float64)
     if not np.all(np.isfinite(table)) or (table < 0).any() or (table.sum(1) <= 0).any():
         raise DataError("data.mixture", f"weights must be >= 0 with a positive sum, got "
-                        f"{dict(zip(starts.tolist(), table.tolist()))}")
+                        f"{dict(zip(starts.tolist(), table.tolist(), strict=True))}")
     return starts, table / table.sum(1, keepdims=True)
 
 
@@ -126,7 +126,7 @@ class ConcatSource:
             groups.setdefault((c, e), []).append((j, i))
         for (c, e), rows in groups.items():
             items = self.sources[c].read_batch([i for _, i in rows], e, seed, key, stream)
-            for (j, _), item in zip(rows, items):
+            for (j, _), item in zip(rows, items, strict=True):
                 out[j] = item
         return out
 
@@ -217,7 +217,7 @@ class MixtureIterator(pipeline.MapIterator):
                 "components": list(p.source.names),
                 "sizes": p.source.sizes.tolist(), "global_batch": p.global_batch,
                 "draws": draws.tolist(),
-                "epochs": [int(d) // int(n) for d, n in zip(draws, p.source.sizes)]}
+                "epochs": [int(d) // int(n) for d, n in zip(draws, p.source.sizes, strict=True)]}
 
     def set_state(self, state: dict) -> None:
         p, name = self.plan, self.reader.name
@@ -299,7 +299,7 @@ def report(data_state: dict, schedule: tuple) -> dict | None:
                    "epochs": e if n == "stream" else round(int(d) / int(n), 3)}
             for name, w, n, d, e in zip(data_state["components"], weights,
                                         data_state["sizes"], data_state["draws"],
-                                        data_state["epochs"])}
+                                        data_state["epochs"], strict=True)}
 
 
 def report_line(block: dict, batches: int) -> str:

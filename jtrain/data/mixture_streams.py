@@ -100,7 +100,7 @@ class StreamMixtureIterator:
             slots = np.flatnonzero(row == c)
             if cursor.draws != before[c]:  # a bug, never the user's data
                 raise RuntimeError(f"stream cursor {c} at {cursor.draws}, plan {before[c]}")
-            for rank, (slot, item) in enumerate(zip(slots, cursor.take(len(slots)))):
+            for rank, (slot, item) in enumerate(zip(slots, cursor.take(len(slots)), strict=True)):
                 if lo <= slot < hi:  # this process's slot: keep the element
                     raws[slot - lo], keys[slot - lo] = item, int(before[c]) + rank
         mine = [j for j in range(p.local_batch) if int(row[lo + j]) not in self.cursors]
@@ -110,7 +110,7 @@ class StreamMixtureIterator:
             keys[j] = p.index(c, int(before[c]) + int(np.count_nonzero(row[:slot] == c)))
         items = p.source.read_batch(keys[mine], 0, self.reader.seed, number,
                                     self.reader.stream) if mine else []
-        for j, item in zip(mine, items):
+        for j, item in zip(mine, items, strict=True):
             raws[j] = item
         r = self.reader
         batch = pipeline.collate(raws, keys, name=r.name, collate_fn=r.collate_fn,
@@ -129,7 +129,7 @@ class StreamMixtureIterator:
                 "components": list(p.source.names), "sizes": sizes,
                 "global_batch": p.global_batch, "draws": draws.tolist(),
                 "epochs": [self.cursors[c].epochs if c in self.cursors else int(d) // int(n)
-                           for c, (d, n) in enumerate(zip(draws, p.source.sizes))],
+                           for c, (d, n) in enumerate(zip(draws, p.source.sizes, strict=True))],
                 "streams": {p.source.names[c]: cur.state() for c, cur in self.cursors.items()}}
 
     def set_state(self, state: dict) -> None:

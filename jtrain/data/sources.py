@@ -198,7 +198,7 @@ class MapSource:
         except Exception:
             pass
         for i in indices:  # again, one by one, to name the item that fails
-            call_item(lambda: ds[i], f"{self.name}[{i}]")
+            call_item(lambda i=i: ds[i], f"{self.name}[{i}]")
         return [ds[i] for i in indices]
 
     def check_read(self, index: int):
@@ -306,8 +306,9 @@ class Transformed:
 
     def read_batch(self, indices, epoch: int, seed: int, key: int, stream: int = 0) -> list:
         raws = self.source.read_batch(indices, epoch, seed, key, stream)
-        return [call_item(lambda: self.fn(item, item_rng(seed, epoch, int(i))),
-                          f"{self.name}[{int(i)}] (transform)") for item, i in zip(raws, indices)]
+        return [call_item(lambda item=item, i=i: self.fn(item, item_rng(seed, epoch, int(i))),
+                          f"{self.name}[{int(i)}] (transform)")
+                for item, i in zip(raws, indices, strict=True)]
 
     def check_read(self, index: int):
         item = self.source.check_read(index)

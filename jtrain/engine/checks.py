@@ -63,7 +63,8 @@ def describe_inputs(inputs) -> str:
     parts = [f"{np.dtype(x.dtype).name} {tuple(x.shape[1:])}" for _, x in leaves]
     if len(leaves) == 1 and not leaves[0][0]:
         return parts[0]
-    return "{" + ", ".join(f"{p.lstrip('.')}: {d}" for (p, _), d in zip(leaves, parts)) + "}"
+    return "{" + ", ".join(f"{p.lstrip('.')}: {d}"
+                           for (p, _), d in zip(leaves, parts, strict=True)) + "}"
 
 
 def traced_outputs(apply_fn, abstract_params, inputs, where: str = "the first batch",

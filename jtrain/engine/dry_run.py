@@ -112,7 +112,7 @@ def _memory(compiled) -> dict:
 
 def _per_device_bytes(abstract, shardings) -> int:
     total = 0
-    for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
+    for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings), strict=True):
         total += int(np.prod(s.shard_shape(a.shape))) * np.dtype(a.dtype).itemsize
     return total
 
@@ -124,7 +124,7 @@ def _param_groups(params, shardings) -> list[str]:
 
     rows: dict[tuple, list[int]] = {}
     for (path, a), s in zip(jax.tree_util.tree_flatten_with_path(params)[0],
-                            jax.tree.leaves(shardings)):
+                            jax.tree.leaves(shardings), strict=True):
         name = "/".join(str(getattr(k, "key", k)) for k in path)
         m = re.search(r"(\d+)", name)
         key = (re.sub(r"\d+", "#", name, count=1) if m else name, tuple(a.shape),

@@ -80,7 +80,7 @@ def _allgather_exact(tree):
     words = [np.ascontiguousarray(x.reshape(-1)).view(np.uint32) for x in host]
     gathered = multihost_utils.process_allgather(words)
     out = [np.ascontiguousarray(np.asarray(g, np.uint32)).view(x.dtype).reshape((-1,) + x.shape)
-           for g, x in zip(gathered, host)]
+           for g, x in zip(gathered, host, strict=True)]
     return jax.tree.unflatten(treedef, out)
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jtrain.metrics.base import (Array, add_leaves, check_mergeable, is_tracer, masked_sum,
+from jtrain.metrics.base import (Array, check_mergeable, is_tracer, masked_sum,
                                  ratio, require, sum_merge, to_host, valid_mask, zeros)
 
 

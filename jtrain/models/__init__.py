@@ -15,8 +15,6 @@ it here and its keys there.
 
 from __future__ import annotations
 
-from flax import linen as nn
-
 from jtrain import config as config_lib
 from jtrain.errors import ConfigError
 from jtrain.models import mlp, transformer, user

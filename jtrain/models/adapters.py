@@ -48,7 +48,8 @@ class NnxGraph:
 
     @classmethod
     def of(cls, model: nnx.Module) -> NnxGraph:
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        # flax types split's result as variadic; with two filters it is exactly three
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
         return cls(graphdef, params, rest)
 
 
@@ -71,8 +72,8 @@ class ModelFns:
             annotated, mesh, auto_shard_min_bytes=auto_shard_min_bytes)
         if self.kind == "nnx":
             abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                    annotated.to_pure_dict())
-            return abstract, shardings.to_pure_dict()
+                                    nnx.to_pure_dict(annotated))
+            return abstract, nnx.to_pure_dict(shardings)
         return nn.unbox(annotated), shardings
 
     def annotated(self, rng, inputs):
@@ -117,14 +118,14 @@ def from_linen(module: nn.Module) -> ModelFns:
 
 
 def from_nnx(model_or_factory, mesh=None) -> ModelFns:
-    """NNX parameters travel as plain nested dicts of arrays (`State.to_pure_dict()`),
+    """NNX parameters travel as plain nested dicts of arrays (`nnx.to_pure_dict`),
     so optimizer masks, checkpoints and hashes see the same tree for every model kind.
     The model is split once, here: an instance as it is, a factory shapes-first
     (`nnx.eval_shape`) under `jax.set_mesh(mesh)`, which NNX needs for parameters
     annotated with `nnx.with_partitioning` (without a mesh: the caller's mesh context)."""
     if isinstance(model_or_factory, nnx.Module):
         graph, factory = NnxGraph.of(model_or_factory), None
-        existing = graph.template.to_pure_dict()
+        existing = nnx.to_pure_dict(graph.template)
     else:
         factory, existing = model_or_factory, None
         graph = _abstract_graph(factory, mesh)
@@ -134,7 +135,7 @@ def from_nnx(model_or_factory, mesh=None) -> ModelFns:
         del inputs
         with mesh_lib.model_context():  # logical names -> the caller's mesh
             model = factory(nnx.Rngs(rng))
-        return nnx.split(model, nnx.Param, ...)[1].to_pure_dict()
+        return nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[1])
 
     def apply(params, inputs, rng=None, train=False):
         rest = graph.rest
@@ -310,7 +311,7 @@ def from_pure(init_apply) -> ModelFns:
     return ModelFns(init=user_init, apply=apply, kind="pure")
 
 
-def nnx_class_factory(cls: type) -> Callable[[nnx.Rngs], nnx.Module]:
+def nnx_class_factory(cls: type[Any]) -> Callable[[nnx.Rngs], nnx.Module]:
     """An NNX Module class as the factory `rngs -> cls(rngs=rngs)` (a TypeError naming
     the class when its constructor needs more than `rngs`)."""
     try:  # the constructor's own signature (the class's is its metaclass's *args, **kwargs)

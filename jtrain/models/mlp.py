@@ -68,7 +68,7 @@ def num_params(model_cfg, input_shape) -> int:
     """Kernels plus biases for one example of shape `input_shape` (no batch axis)."""
     c = model_cfg
     widths = [math.prod(int(s) for s in input_shape), *c["hidden"], c["num_outputs"]]
-    return int(sum(a * b + b for a, b in zip(widths[:-1], widths[1:])))
+    return int(sum(a * b + b for a, b in zip(widths[:-1], widths[1:], strict=True)))
 
 
 def flops_per_example(model_cfg, input_shape) -> float:

@@ -2,9 +2,9 @@
 
 Pre-norm blocks (RMSNorm -> causal self-attention -> residual, RMSNorm -> MLP ->
 residual; `model.mlp`: "gelu" = up, GELU, down; "swiglu" = down(silu(gate) * up), the
-Llama MLP; jtrain.checkpoint.hf maps both to Hugging Face architectures), rotary position embeddings (no position parameters, so nothing to resize),
-no biases, a final RMSNorm and an output projection that is the embedding table when
-`tie_embeddings` is on.
+Llama MLP; jtrain.checkpoint.hf maps both to Hugging Face architectures), rotary position embeddings
+(no position parameters, so nothing to resize), no biases, a final RMSNorm and an output projection
+that is the embedding table when `tie_embeddings` is on.
 
 Precision: parameters are stored in `param_dtype`; every matmul runs in `dtype`; norms,
 the softmax and the returned logits are float32.

@@ -92,7 +92,7 @@ def describe(state) -> list[tuple[str, str]]:
 def finish(sums: np.ndarray, layout: list[tuple[str, str]]) -> dict:
     """{"hash": 64 hex, "parts": {part: 16 hex}} from the fetched sums and the layout."""
     whole, parts = hashlib.sha256(), {}
-    for (path, shape), row in zip(layout, np.asarray(sums, np.uint32)):
+    for (path, shape), row in zip(layout, np.asarray(sums, np.uint32), strict=True):
         piece = f"{path}:{shape}:{int(row[0]):08x}{int(row[1]):08x};".encode()
         whole.update(piece)
         part = path.split("/", 1)[0]

@@ -109,7 +109,7 @@ def _optimizer_notes(optim, params) -> str:
     labels = optim_lib.trainable_labels(params, optim.trainable, optim.frozen)
     counts = {"muon": [0, 0], "adam": [0, 0]}
     for kind, label, leaf in zip(jax.tree.leaves(optim_lib.muon_labels(params)),
-                                 jax.tree.leaves(labels), jax.tree.leaves(params)):
+                                 jax.tree.leaves(labels), jax.tree.leaves(params), strict=True):
         if label == "train":
             counts[kind][0] += 1
             counts[kind][1] += int(math.prod(leaf.shape))

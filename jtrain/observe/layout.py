@@ -9,33 +9,60 @@ import fnmatch
 # (shown name, fnmatch patterns of the top-level entries it stands for, what it holds)
 RUN = (
     ('config.json', 'config.json',
-     'exactly the resolved config (secrets redacted), written at start; it feeds back unchanged into jtrain.train / jtrain.resolve'),
+     'exactly the resolved config (secrets redacted), written at start; it feeds back unchanged '
+     'into jtrain.train / jtrain.resolve'),
     ('run.json', 'run.json',
-     'the run\'s records beside the config: "model_source" / "loss_source" when the model / loss_fn came from Python (not rebuildable), and "decided": what the set-up chose beyond the config, e.g. {"optim.grad_accum_steps": {"value": 2, "from": "memory plan", ...}, "data.batch_size": {"value": 32, "from": "DataLoader"}} (also in summary.json); older runs kept model_source in config.json'),
+     'the run\'s records beside the config: "model_source" / "loss_source" when the model / '
+     'loss_fn came from Python (not rebuildable), and "decided": what the set-up chose beyond '
+     'the config, e.g. {"optim.grad_accum_steps": {"value": 2, "from": "memory plan", ...}, '
+     '"data.batch_size": {"value": 32, "from": "DataLoader"}} (also in summary.json); older runs '
+     'kept model_source in config.json'),
     ('metrics.jsonl', 'metrics.jsonl',
-     'one JSON object per log step / eval: {"step", "time", "train/loss", ...}; train/loss is the log step\'s own batch, train/loss_window the mean over the log window\'s applied steps (what the progress bar shows; after a resume the first window starts at the restored step); a resumed run first drops the records after its restored step'),
+     'one JSON object per log step / eval: {"step", "time", "train/loss", ...}; train/loss is '
+     'the log step\'s own batch, train/loss_window the mean over the log window\'s applied steps '
+     '(what the progress bar shows; after a resume the first window starts at the restored '
+     'step); a resumed run first drops the records after its restored step'),
     ('skipped.jsonl', 'skipped.jsonl',
      'the skip ledger: every skipped update (step, reason, batch, examples)'),
     ('hashes.jsonl', 'hashes.jsonl',
-     'with debug.hash_every_steps = N: every N steps {"step", "hash" (the whole train state, exact), "parts" (params, opt_state, ema, rest), "examples" (the batch\'s global example indices)}; read by jtrain diff and jtrain replay; a resumed run first drops the records after its restored step'),
+     'with debug.hash_every_steps = N: every N steps {"step", "hash" (the whole train state, '
+     'exact), "parts" (params, opt_state, ema, rest), "examples" (the batch\'s global example '
+     'indices)}; read by jtrain diff and jtrain replay; a resumed run first drops the records '
+     'after its restored step'),
     ('tb/', 'tb',
      'TensorBoard event files (tensorboard --logdir WORKDIR/tb)'),
     ('checkpoints/N/', 'checkpoints',
-     'orbax step directories: state (TrainState), data (iterator position), control (run-control record: config + hash, versions, writer run ids, best-k registry, eval history, early-stop / plateau / spike state, skip ledger), jtrain_manifest.json (checksums)'),
+     'orbax step directories: state (TrainState), data (iterator position), control (run-control '
+     'record: config + hash, versions, writer run ids, best-k registry, eval history, early-stop '
+     '/ plateau / spike state, skip ledger), jtrain_manifest.json (checksums)'),
     ('checkpoints.damaged/', 'checkpoints.damaged',
      'damaged checkpoints moved aside at start-up (never deleted)'),
     ('summary.json', 'summary.json',
-     'at the end: step, state_sha256, final eval metrics (only an eval of that step; an older one is "last_eval" with its step), best_step / best_value, stopped_by / stop_reason, skipped_steps, lr_factor, rollbacks ([spike step, restored step]), message (the run\'s last line), exit_code and decided (as in run.json); after a non-finite halt: stopped_by "non-finite", message, exit_code 4, checkpoint_step; a run that ended with more than nonfinite.max_skipped_share of its updates skipped: the full summary with stopped_by "max_skipped_share", exit_code 4; perf/*, startup/<phase>_sec (time to first step by phase), compile/* (count, seconds, cache hits / misses, compiles after the first step with their cause); with data.mixture, data.mixture: {component: {weight (at the last batch), size ("stream" for a stream component), draws, epochs (draws / size; a stream: its completed passes)}}'),
+     'at the end: step, state_sha256, final eval metrics (only an eval of that step; an older '
+     'one is "last_eval" with its step), best_step / best_value, stopped_by / stop_reason, '
+     'skipped_steps, lr_factor, rollbacks ([spike step, restored step]), message (the run\'s '
+     'last line), exit_code and decided (as in run.json); after a non-finite halt: stopped_by '
+     '"non-finite", message, exit_code 4, checkpoint_step; a run that ended with more than '
+     'nonfinite.max_skipped_share of its updates skipped: the full summary with stopped_by '
+     '"max_skipped_share", exit_code 4; perf/*, startup/<phase>_sec (time to first step by '
+     'phase), compile/* (count, seconds, cache hits / misses, compiles after the first step with '
+     'their cause); with data.mixture, data.mixture: {component: {weight (at the last batch), '
+     'size ("stream" for a stream component), draws, epochs (draws / size; a stream: its '
+     'completed passes)}}'),
     ('population.png', 'population.png',
-     'a population run (population.size > 1), at the end: per train / eval metric each member\'s curve, the mean over the members and the winner (the best last value; lower is better for losses)'),
+     'a population run (population.size > 1), at the end: per train / eval metric each member\'s '
+     'curve, the mean over the members and the winner (the best last value; lower is better for '
+     'losses)'),
     ('hang.log', 'hang.log',
      'the line and the stacks of all threads when the watchdog fired (exit 5)'),
     ('train.log', 'train.log',
-     'everything printed at verbosity >= 1, warnings de-duplicated; below verbosity 2 also the logs of orbax / absl / grain and the traceback behind an error line'),
+     'everything printed at verbosity >= 1, warnings de-duplicated; below verbosity 2 also the '
+     'logs of orbax / absl / grain and the traceback behind an error line'),
     ('profile/', 'profile',
      'jax.profiler traces when profile.num_steps > 0 (TensorBoard profile plugin)'),
     ('eval_<step>.json', 'eval_*',
-     'from python -m jtrain.evaluate, with eval_<step>_curves.png (and eval_<step>_confusion.png for classification)'),
+     'from python -m jtrain.evaluate, with eval_<step>_curves.png (and eval_<step>_confusion.png '
+     'for classification)'),
     ('logs/', 'logs',
      'per-process logs of launch/local.sh'),
     ('mlflow.db, wandb/', 'mlflow.db wandb',
@@ -46,9 +73,11 @@ SEARCH = (
     ('study.db', 'study.db',
      'the Optuna study (SQLite) unless tune.storage names another database'),
     ('trials/<n>/', 'trials',
-     "trial n's jtrain run (a run's workdir, as above); a killed trial's continuation keeps the first trial's folder"),
+     "trial n's jtrain run (a run's workdir, as above); a killed trial's continuation keeps the "
+     "first trial's folder"),
     ('trials.jsonl', 'trials.jsonl',
-     'every trial: number, state (complete, pruned, failed, interrupted, running, waiting), value, params, step, workdir, reason, continues, resumed_from; rewritten after each trial'),
+     'every trial: number, state (complete, pruned, failed, interrupted, running, waiting), '
+     'value, params, step, workdir, reason, continues, resumed_from; rewritten after each trial'),
     ('best_config.py', 'best_config.py',
      'get_config() of the best complete trial (tune.* left out)'),
     ('tune.png', 'tune.png',

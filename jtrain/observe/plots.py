@@ -126,7 +126,7 @@ def population_curves(records: list[dict], path: str, size: int,
     rows = -(-len(names) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.4 * rows),
                              constrained_layout=True, squeeze=False)
-    for ax, name in zip(axes.flat, names):
+    for ax, name in zip(axes.flat, names, strict=False):  # the grid may have spare axes
         best = winners.get(name)
         marker = "o" if name.startswith("eval/") else None
         for i in range(size):

@@ -1,7 +1,7 @@
 """The metric writers checked at start-up, before data, build or any step: each failure
 one line (`ConfigError` naming the `log.*` key) with the fix; nothing is created (a
-folder is probed with a temporary file). `MetricWriter` turns what still fails when a writer opens into the same
-kind of line (`setup_error`).
+folder is probed with a temporary file). `MetricWriter` turns what still fails when a writer opens
+into the same kind of line (`setup_error`).
 """
 
 from __future__ import annotations

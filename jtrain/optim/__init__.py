@@ -240,7 +240,7 @@ def trainable_split(params, optim_cfg, extra_trainable=()) -> dict:
     labels = jax.tree.leaves(trainable_labels(
         params, (*optim_cfg["trainable"], *extra_trainable), optim_cfg["frozen"]))
     out = {"train": [0, 0], "frozen": [0, 0]}
-    for label, (_, leaf) in zip(labels, flat):
+    for label, (_, leaf) in zip(labels, flat, strict=True):
         out[label][0] += 1
         out[label][1] += int(math.prod(leaf.shape))
     if not out["train"][0]:
@@ -338,7 +338,8 @@ def make_optimizer(optim_cfg, total_steps, *, extra_trainable=(), decay_in_state
     name = optim_cfg["name"]
     schedule = make_schedule(optim_cfg, total_steps)
     wd = float(optim_cfg["weight_decay"])
-    mask = functools.partial(weight_decay_mask, decay_embeddings=bool(optim_cfg["decay_embeddings"]))
+    mask = functools.partial(weight_decay_mask,
+                             decay_embeddings=bool(optim_cfg["decay_embeddings"]))
     mults = (_scale_by_path(dict(optim_cfg["lr_mults"])),) if optim_cfg["lr_mults"] else ()
     if name in SCHEDULE_FREE:  # lr_mults and the plateau factor scale the base step
         tx = _OPTIMIZERS[name](optim_cfg, schedule, wd, mask,

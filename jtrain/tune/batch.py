@@ -124,7 +124,8 @@ def next_batch(study, tune_cfg, space: dict, workdir: str):
         t.set_user_attr(study_lib.WORKDIR, rel)
         t.set_user_attr(study_lib.SLOT, slot)
         t.set_user_attr(study_lib.BATCH, numbers)
-    members = [{"number": n, "params": p, "continues": None} for n, p in zip(numbers, params)]
+    members = [{"number": n, "params": p, "continues": None}
+               for n, p in zip(numbers, params, strict=True)]
     _mark_members(trials, members)
     return trials, study_lib.Job(first.number, rel, params[0], members=members)
 
@@ -161,7 +162,7 @@ def _continuation(study, first, space: dict, workdir: str):
                         "continues": t.user_attrs[study_lib.CONTINUES]})
         trials.append(t)
     numbers = [m["number"] if m["number"] is not None else n
-               for m, n in zip(members, batch)]
+               for m, n in zip(members, batch, strict=True)]
     for t in trials:
         if t is not None:
             t.set_user_attr(study_lib.BATCH, numbers)
@@ -172,7 +173,7 @@ def _continuation(study, first, space: dict, workdir: str):
 
 def _mark_members(trials: list, members: list[dict]) -> None:
     _, index = unique([m["params"] for m in members])
-    for t, i in zip(trials, index):
+    for t, i in zip(trials, index, strict=True):
         if t is not None:
             t.set_user_attr(study_lib.MEMBER, i)
 

@@ -168,7 +168,7 @@ class Worker:
             if job.members is not None:
                 outcomes = self._run_batch(trials, job)
                 if self.primary:
-                    for t, outcome in zip(trials, outcomes):
+                    for t, outcome in zip(trials, outcomes, strict=True):
                         if t is not None:
                             self._finish(t, outcome)
                 outcome = outcomes[0]

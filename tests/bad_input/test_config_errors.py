@@ -35,8 +35,8 @@ CONFIG_FILES = {
                         "    return ml_collections.ConfigDict({'optimizer': {'lr': 0.1}})\n"),
 }
 
-# (argv after the program name, expected key or file, a substring of the reason: every case says why).
-# The workdir is appended by the test; a later --workdir= overrides it.
+# (argv after the program name, expected key or file, a substring of the reason: every case says
+# why). The workdir is appended by the test; a later --workdir= overrides it.
 CASES = [
     # The config file itself.
     (["--config={cfg}/nope.py"], "{cfg}/nope.py", "no such file"),

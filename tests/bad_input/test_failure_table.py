@@ -12,8 +12,8 @@ stderr starting with `jtrain: <kind> error:` and containing the row's text, no
 `Traceback` anywhere, and nothing written to stdout.
 
 The rows run as real processes: one server process imports jtrain (and what its
-commands import) once and forks a child per row (the child chdirs, sets the row's environment, points fd 1 and 2 at
-files and calls the `jtrain` console script's main), so the table costs one
+commands import) once and forks a child per row (the child chdirs, sets the row's environment,
+points fd 1 and 2 at files and calls the `jtrain` console script's main), so the table costs one
 interpreter start-up, not thirty. test_console_script_* run the installed script itself.
 
 test_secrets_never_leak plants secrets in config keys (data.kwargs.auth /
@@ -48,7 +48,7 @@ CONFIG_FILES = {
 SECRETS = {"auth": "S3cr3tAuthValue1", "passphrase": "S3cr3tPassphrase2",
            "private_key": "S3cr3tPrivKey3", "env": "S3cr3tEnvToken4", "uri": "S3cr3tUriPass5"}
 
-USER_DATA = f'''
+USER_DATA = '''
 """A user's data factory (data.source) and a tiny model config for the secret test."""
 import os
 
@@ -59,12 +59,12 @@ from jtrain.config import defaults
 
 def make(auth="", passphrase="", private_key="", fail=False):
     if fail:  # an error that echoes what it was given
-        raise ValueError(f"login refused for {{auth}} {{passphrase}} {{private_key}} "
-                         f"token={{os.environ.get('MY_API_TOKEN')}}")
+        raise ValueError(f"login refused for {auth} {passphrase} {private_key} "
+                         f"token={os.environ.get('MY_API_TOKEN')}")
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 4)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int32)
-    return {{"train": {{"inputs": x, "targets": y}}, "eval": {{"inputs": x[:16], "targets": y[:16]}}}}
+    return {"train": {"inputs": x, "targets": y}, "eval": {"inputs": x[:16], "targets": y[:16]}}
 
 
 def get_config():
@@ -294,10 +294,11 @@ def _run_table(user: Path, mounts: dict):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr == "", proc.stderr[-3000:]  # importing jtrain printed nothing
     codes = json.loads(proc.stdout.strip().splitlines()[-1])
-    print("row seconds:", {job["id"]: t for job, (_, t) in zip(jobs, codes)})  # -s shows it
+    print("row seconds:",  # -s shows it
+          {job["id"]: t for job, (_, t) in zip(jobs, codes, strict=True)})
     results = {job["id"]: (code, Path(job["out"], "stdout").read_text(),
                            Path(job["out"], "stderr").read_text())
-               for job, (code, _) in zip(jobs, codes)}
+               for job, (code, _) in zip(jobs, codes, strict=True)}
     return results, skipped, user
 
 

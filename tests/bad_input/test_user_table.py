@@ -1,8 +1,9 @@
 """Every bad input a user's model, data or loss can have is caught before the first
 step, in one line naming the field or key, with its exit code.
 
-TABLE lists the inputs (docs/guide/troubleshooting.md shows the same table, checked below); USER_MODULE below builds each row's data, model (a Linen and an NNX version of
-each, alternating between rows) and loss. Each row runs as real processes:
+TABLE lists the inputs (docs/guide/troubleshooting.md shows the same table, checked below);
+USER_MODULE below builds each row's data, model (a Linen and an NNX version of each, alternating
+between rows) and loss. Each row runs as real processes:
 
 * `cli`: `jtrain train --config=cfg.py:<row>` (the config names the row's functions in
   data.source, model.factory and loss.fn);

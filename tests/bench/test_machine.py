@@ -44,7 +44,7 @@ def _run(step_ms, load):
 
 def _peers_json(tmp_path):
     sides = {}
-    for side, base in zip(bp.SIDES, (300.0, 200.0, 250.0)):
+    for side, base in zip(bp.SIDES, (300.0, 200.0, 250.0), strict=True):
         runs = [_run(base, [0.5, 1.0]), _run(base + 10, [0.5, 3.0])]  # round 2: loaded
         sides[side] = {"step_ms": base + 5, "wall_s": 10.0, "final_metric": 2.0,
                        "time_to_target_s": 1.0, "maxrss_mb": 500.0, "faults": 1000,

@@ -15,8 +15,8 @@ from journey import run_python
 
 import jtrain
 from jtrain import evaluate
-from jtrain.checkpoint import export, policy
 from jtrain import export as export_command
+from jtrain.checkpoint import policy
 
 
 class Net(nn.Module):

@@ -54,7 +54,7 @@ def open_run(workdir, cfg=None, state=None):
 
 def same(a, b):
     return all(np.array_equal(np.asarray(x), np.asarray(y))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
 @pytest.fixture(scope="module")

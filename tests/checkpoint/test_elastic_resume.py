@@ -1,8 +1,8 @@
 """Elastic resume as a user does it: the same command on 4, then 2, then 1 (fake CPU)
 devices, and on 2 processes then 1, each resuming the previous checkpoint. The params
-reshard onto the new mesh and the data order goes on: the global example indices the train steps see, in order, are
-those of the uninterrupted 4-device run (none skipped or repeated), and the final loss
-agrees within float tolerance (the reduction order differs across topologies)."""
+reshard onto the new mesh and the data order goes on: the global example indices the train steps
+see, in order, are those of the uninterrupted 4-device run (none skipped or repeated), and the final
+loss agrees within float tolerance (the reduction order differs across topologies)."""
 
 import json
 import socket

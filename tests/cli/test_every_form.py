@@ -62,7 +62,8 @@ def get_config():
 '''
 
 FORMS = {  # how each form spells command CMD
-    "module": lambda cmd: [sys.executable, "-m", {"train": "jtrain.main"}.get(cmd, f"jtrain.{cmd}")],
+    "module": lambda cmd: [sys.executable, "-m",
+                           {"train": "jtrain.main"}.get(cmd, f"jtrain.{cmd}")],
     "package": lambda cmd: [sys.executable, "-m", "jtrain", cmd],
     "script": lambda cmd: [os.path.join(os.path.dirname(sys.executable), "jtrain"), cmd],
 }

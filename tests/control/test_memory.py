@@ -100,5 +100,6 @@ def test_planned_run_matches_the_unplanned_one(tmp_path):
     header = (tmp_path / "planned" / "train.log").read_text()
     assert f"planned grad_accum_steps={expected} (microbatch {32 // expected} per device)" \
         in header
-    for a, b in zip(jax.tree.leaves(planned.state.params), jax.tree.leaves(plain.state.params)):
+    for a, b in zip(jax.tree.leaves(planned.state.params), jax.tree.leaves(plain.state.params),
+                    strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)

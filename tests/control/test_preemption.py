@@ -123,8 +123,9 @@ def test_a_stop_that_jax_rewraps_inside_an_eval_is_still_a_stop():
         try:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(5)
-        except StopRequested:
-            raise TypeError("'NoneType' object cannot be interpreted as an integer")
+        except StopRequested:  # as JAX does: implicitly chained (__context__), no `from`
+            raise TypeError(  # noqa: B904
+                "'NoneType' object cannot be interpreted as an integer")
 
     def a_real_bug():
         raise TypeError("a bug in the eval")

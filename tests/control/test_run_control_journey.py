@@ -247,7 +247,7 @@ def test_two_processes_bad_rows_in_one_shard_skip_the_same_step(tmp_path):
         cwd=cwd, env={**env, "JTRAIN_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = [p.communicate()[1] for p in procs]
-    for p, out in zip(procs, outs):
+    for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-3000:]  # 124 would be a hang
     summary = json.load(open(cwd / "runs/two/summary.json"))
     assert summary["step"] == 8 and summary["skipped_steps"] == 1

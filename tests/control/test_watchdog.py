@@ -13,7 +13,6 @@ import textwrap
 import threading
 import time
 
-import pytest
 
 from jtrain.control import faults
 from jtrain.control.watchdog import AUTO_TIMEOUT_S, Watchdog, effective_timeout

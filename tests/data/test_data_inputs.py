@@ -67,7 +67,7 @@ class Stream(torch.utils.data.IterableDataset):
 
 
 def pair_collate(items):  # a PyTorch-style collate_fn
-    xs, ys = zip(*items)
+    xs, ys = zip(*items, strict=True)
     return {"inputs": torch.stack(xs), "targets": torch.tensor(ys)}
 
 
@@ -304,7 +304,8 @@ BAD = [  # (data, config overrides, the error must contain)
      "train_data[0..3] (collate_fn).inputs: leading dim of shape (3, 2) is not the batch"),
     (_grain_loader(shard=(0, 2)), {}, "train_data: the grain DataLoader reads shard 0 of 2"),
     (_grain_loader(batch=3), {}, "train_data: the grain DataLoader's batches do not have"),
-    (None, {"source": "no_such_module_xyz:make"}, "data.source: cannot import 'no_such_module_xyz'"),
+    (None, {"source": "no_such_module_xyz:make"},
+     "data.source: cannot import 'no_such_module_xyz'"),
     (None, {"source": "json:no_such_factory"}, "data.source: 'json' has no attribute"),
     (None, {"source": "json:dumps"}, "data.source: json:dumps(**data.kwargs): TypeError"),
 ]
@@ -367,7 +368,7 @@ def test_stream_eval_set_over_two_processes_agrees_through_the_gather_it_is_give
                                               process_count=2))
         sizes.add(len(batches_))
         for b in batches_:
-            seen += [int(t) for t, m in zip(b["targets"], b[ROW_MASK]) if m]
+            seen += [int(t) for t, m in zip(b["targets"], b[ROW_MASK], strict=True) if m]
     assert sorted(seen) == list(range(9)) and len(sizes) == 1
     with pytest.raises(ValueError, match="gather"):
         data_lib.make_sources(d, Stream(16), Stream(9), process_index=0, process_count=2)

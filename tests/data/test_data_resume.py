@@ -86,7 +86,7 @@ def take(it, n):
 
 def assert_same(a, b):
     assert len(a) == len(b)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert sorted(x) == sorted(y)
         for k in x:
             np.testing.assert_array_equal(x[k], y[k])

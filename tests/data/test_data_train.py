@@ -45,7 +45,7 @@ class Points(torch.utils.data.Dataset):
 
 
 def collate(items):  # PyTorch-style: a list of (x, y) tuples -> a dict of tensors
-    xs, ys = zip(*items)
+    xs, ys = zip(*items, strict=True)
     return {"inputs": torch.stack(xs), "targets": torch.stack(ys)}
 
 
@@ -136,7 +136,7 @@ def test_two_processes_read_disjoint_shards_covering_each_epoch(tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
     outs = [p.communicate()[0] for p in procs]
-    for p, out in zip(procs, outs):
+    for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-3000:]
     got = [json.loads((tmp_path / f"reads_{i}.json").read_text()) for i in range(2)]
     per_process = [epochs(g["reads"], N // 2) for g in got]

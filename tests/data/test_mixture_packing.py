@@ -23,7 +23,8 @@ def _cfg(**data):
 def _plan(sizes, weights, schedule=None, *, batch=64, local=64, p=0, seed=3):
     names = [f"c{i}" for i in range(len(sizes))]
     src = mixture.ConcatSource([np.zeros(n) for n in sizes], names)
-    starts, table = mixture.schedule_table(names, dict(zip(names, weights)), schedule or {})
+    starts, table = mixture.schedule_table(names, dict(zip(names, weights, strict=True)),
+                                           schedule or {})
     return mixture.MixturePlan(src, starts, table, global_batch=batch, local_batch=local,
                                process_index=p, seed=seed, shuffle=True)
 
@@ -98,7 +99,7 @@ def test_iterator_resumes_exactly_and_records_draws_and_epochs():
     for want in batches[5:]:
         assert np.array_equal(next(resumed)["inputs"], want)
     end = resumed.get_state()
-    assert end["epochs"] == [d // n for d, n in zip(end["draws"], end["sizes"])]
+    assert end["epochs"] == [d // n for d, n in zip(end["draws"], end["sizes"], strict=True)]
     assert sum(end["draws"]) == 96
 
 

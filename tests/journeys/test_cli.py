@@ -46,8 +46,8 @@ def test_help_exits_0(tmp_path, module):
 def test_jtrain_console_script(tmp_path):
     """The installed `jtrain` script: its usage (exit 0 on --help) and a subcommand's
     --help (exit 0: the `python -m` form's flags behind it). Every subcommand's errors:
-    tests/bad_input/test_failure_table.py; the whole journey (train, Ctrl-C, resume, evaluate, export, init_from) is
-    tests/journeys/test_readme_commands.py."""
+    tests/bad_input/test_failure_table.py; the whole journey (train, Ctrl-C, resume, evaluate,
+    export, init_from) is tests/journeys/test_readme_commands.py."""
     jtrain = os.path.join(os.path.dirname(sys.executable), "jtrain")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 

@@ -91,7 +91,7 @@ def test_page_examples_run_as_pasted(page, tmp_path):
 def test_every_example_is_run_or_plainly_not_runnable(page):
     """A `tested: PATH` block names a test file that exists and reads this page (or holds
     the example's longest line)."""
-    for marker, lang, body in blocks(page):
+    for marker, _lang, body in blocks(page):
         if marker and marker.startswith("tested: "):
             test = REPO / marker[len("tested: "):].strip()
             assert test.is_file(), (_name(page), marker)

@@ -1,8 +1,8 @@
 """Run forensics as a user meets it, from the CLI in a temp cwd with their own Linen
 model (model.factory) and data module: a run trained straight through and the same
-command SIGKILLed after step 5 and rerun (resumed from its last finished checkpoint) record identical hashes.jsonl; `jtrain diff`
-says identical (exit 0, one JSON line); `jtrain replay --step 5` reproduces the step
-bitwise from the checkpoint before it."""
+command SIGKILLed after step 5 and rerun (resumed from its last finished checkpoint) record
+identical hashes.jsonl; `jtrain diff` says identical (exit 0, one JSON line); `jtrain replay
+--step 5` reproduces the step bitwise from the checkpoint before it."""
 
 import json
 

@@ -204,7 +204,7 @@ def test_external_sigterm_at_startup_and_sigint_inside_an_eval_lose_nothing(user
                              f"--workdir=runs/{name}", *extra)
                  for name, extra in (("term", TERM_ARGS), ("int", ()))]  # eval.*, log.*: resumable
         again = [f.result() for f in again]
-    for name, proc in zip(("term", "int"), again):
+    for name, proc in zip(("term", "int"), again, strict=True):
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
         final = read_json(cwd / "runs" / name / "summary.json")
         assert final["step"] == 6 and final["state_sha256"] == reference, (name, delay, final)

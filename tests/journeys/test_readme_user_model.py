@@ -1,6 +1,6 @@
-"""The walk-through of docs/guide/user-models.md ("A walk-through"), executed as written: its `# file:`
-blocks are written into an empty directory and its `# run:` commands run there, one by
-one, as a user types them (relative paths, no test helpers, the user's module on
+"""The walk-through of docs/guide/user-models.md ("A walk-through"), executed as written: its
+`# file:` blocks are written into an empty directory and its `# run:` commands run there, one
+by one, as a user types them (relative paths, no test helpers, the user's module on
 PYTHONPATH=. only)."""
 
 import json

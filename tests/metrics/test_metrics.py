@@ -516,7 +516,7 @@ def test_two_processes_reduce(tmp_path):
                 # processes in jax.distributed catch SIGTERM (preemption notifier).
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-    for p, log in zip(procs, logs):
+    for p, log in zip(procs, logs, strict=True):
         assert p.returncode == 0, log[-3000:]
 
     ref = reference(d)

@@ -135,7 +135,7 @@ def test_every_param_is_logically_partitioned(cfg):
     x = _tokens() if cfg["name"] == "transformer" else jnp.ones((2, 6))
     abstract = jax.eval_shape(model.init, jax.random.key(0), x)
     leaves = jax.tree.leaves(abstract["params"],
-                             is_leaf=lambda l: isinstance(l, nn.LogicallyPartitioned))
+                             is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
     assert leaves
     for leaf in leaves:
         assert isinstance(leaf, nn.LogicallyPartitioned), leaf

@@ -43,7 +43,7 @@ def test_remat_gives_the_same_loss_and_gradients(remat):
     params, loss, grads = _loss_and_grads(remat)
     assert jax.tree.structure(params) == jax.tree.structure(params0)  # same names
     np.testing.assert_allclose(loss, loss0, rtol=1e-6)
-    for g, g0 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads0)):
+    for g, g0 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads0), strict=True):
         np.testing.assert_allclose(g, g0, rtol=1e-5, atol=1e-7)
 
 

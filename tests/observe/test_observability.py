@@ -91,7 +91,7 @@ def two_process_run(tmp_path_factory):
 
 def test_non_tty_one_line_per_log_step_and_quiet_other_process(two_process_run):
     workdir, procs, outs = two_process_run
-    for p, (out, err) in zip(procs, outs):
+    for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, (out + err)[-3000:]
     out0 = outs[0][0] + outs[0][1]
     steps = [ln for ln in out0.splitlines() if STEP_LINE.match(ln)]
@@ -327,7 +327,7 @@ def test_verbosity_log_file_and_deduplicated_warnings(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("always")  # Python itself would show it once per location
         for _ in range(3):
-            warnings.warn("disk almost full", UserWarning)
+            warnings.warn("disk almost full", UserWarning, stacklevel=1)  # from this line
     logging.getLogger("jtrain").warning("checkpoint 7 does not restore")
     logging.getLogger("jtrain").warning("checkpoint 7 does not restore")
     p.message("jtrain: done", level=0)
@@ -360,7 +360,7 @@ def test_all_hosts_prefix_and_quiet_warnings(tmp_path):
     assert "4.0 steps/s | mfu 25.0%" in lines[1]
     quiet = io.StringIO()
     p = Progress(10, start_step=0, is_primary=False, stream=quiet)
-    warnings.warn("from process 1")
+    warnings.warn("from process 1", stacklevel=1)
     logging.getLogger("jtrain").warning("from process 1")
     p.close()
     assert quiet.getvalue() == ""

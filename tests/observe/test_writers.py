@@ -302,7 +302,8 @@ def test_mlflow_params_metrics_and_resume(tmp_path):
     w.write_hparams({"optim": {"lr": 0.2, "warmup": 5}})
     w.write_scalars(2, {"train/loss": 1.0})
     w.close()
-    client = MlflowClient(tracking_uri="sqlite:///" + os.path.join(os.path.abspath(wd), "mlflow.db"))
+    client = MlflowClient(
+        tracking_uri="sqlite:///" + os.path.join(os.path.abspath(wd), "mlflow.db"))
     run = client.get_run(run_id)
     assert run.data.params == {"optim.lr": "0.1", "log.api_key": "<redacted>", "optim.warmup": "5"}
     assert run.data.tags["jtrain.changed_param.optim.lr"] == "0.2"

@@ -144,7 +144,7 @@ def test_two_tuners_on_one_sqlite_study_run_disjoint_trials(tmp_path):
     procs = [subprocess.Popen(args, cwd=cwd, env=user_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-2000:]
     ran = [sorted(int(line.split()[3]) for line in out.splitlines()
                   if line.startswith("jtrain: tune: trial ") and " in trials/" in line)
@@ -176,7 +176,7 @@ def test_a_two_process_trial_runs_and_stops_the_same_on_both(tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
     outs = [p.communicate() for p in procs]
-    for p, (_, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]  # 124: a hang
     recs = _records(cwd / "runs/mp/trials.jsonl")
     assert [(x["state"], x["step"]) for x in recs] == [("complete", 8), ("pruned", 2)]

@@ -74,7 +74,7 @@ def test_a_population_search_tells_each_trial_its_members_value(tmp_path, monkey
     assert [(r["workdir"], r["member"]) for r in recs] == [
         ("populations/0", 0), ("populations/0", 1), ("populations/2", 0), ("populations/2", 1)]
     study = optuna.load_study(study_name="runs", storage=f"sqlite:///{work}/study.db")
-    for r, t in zip(recs, study.get_trials()):
+    for r, t in zip(recs, study.get_trials(), strict=True):
         logged = [x for x in _records(work / r["workdir"] / "metrics.jsonl")
                   if f"eval/loss/m{r['member']}" in x]
         assert r["value"] == logged[-1][f"eval/loss/m{r['member']}"]  # its member's own
