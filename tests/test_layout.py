@@ -134,7 +134,9 @@ def test_workspace_module_map_matches_the_tree():
 # tests/ folders that are not a subsystem's: grouped by what they prove, or shared files
 BY_WHAT = {"journeys": "user journeys: jtrain run as its user runs it, in a subprocess",
            "bad_input": "tables of bad input: one line and an exit code per row",
-           "projects": "shared user projects that tests copy into their temp dir"}
+           "projects": "shared user projects that tests copy into their temp dir",
+           "core": "units of the pure core at the package's top level: step, state, mesh, "
+                   "precision, errors, host memory"}
 
 
 def test_tests_are_laid_out_like_the_package():

@@ -6,7 +6,7 @@
                             default
     markdown()              docs/reference/config.md: every key of every section and model family
                             (`python -m jtrain.config --markdown > docs/reference/config.md`;
-                            tests/test_config_reference.py fails when the file drifts)
+                            tests/config/test_config_reference.py fails when the file drifts)
 """
 
 from __future__ import annotations

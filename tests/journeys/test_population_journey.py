@@ -2,7 +2,7 @@
 (model.factory) and `population.size=4` varying optim.lr and optim.weight_decay, under
 `--verify_resume` (killed once and restarted, bitwise identical; population.png
 written); then `python -m jtrain.export --member=2` on that run. (jtrain.evaluate's
-refusal of a whole population: tests/test_population.py.)"""
+refusal of a whole population: tests/engine/test_population.py.)"""
 
 import json
 

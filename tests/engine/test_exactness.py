@@ -6,7 +6,7 @@ weights work with the default loss, and a NaN target under weight 0 is a missing
 (no skipped update). The model is a pure (init, apply) pair with fixed parameters and
 the optimizer's learning rate is 0, so numpy knows the parameters eval used.
 
-`tests/test_exactness_multidevice.py` runs the eval-size rows on 8 devices."""
+`tests/engine/test_exactness_multidevice.py` runs the eval-size rows on 8 devices."""
 
 from __future__ import annotations
 

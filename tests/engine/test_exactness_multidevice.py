@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from test_exactness import O, cfg, data, err2, final_eval
+from test_exactness import OUT, cfg, data, err2, final_eval
 
 pytestmark = pytest.mark.multidevice
 
@@ -28,7 +28,7 @@ def test_batch_scope_exact_on_8_devices(tmp_path, n):
 
 def test_elementwise_weights_on_8_devices(tmp_path):
     ev = data(21, seed=12)
-    w = (np.random.default_rng(12).random((21, O)) > 0.3).astype(np.float32)
+    w = (np.random.default_rng(12).random((21, OUT)) > 0.3).astype(np.float32)
     d = {"inputs": ev["x"], "targets": ev["targets"], "weights": w}
     got = final_eval(tmp_path, cfg(batch=16), d, train_data=d)
     np.testing.assert_allclose(got["eval/loss"], (err2(ev) * w).sum() / w.sum(), rtol=2e-6)

@@ -13,7 +13,7 @@ from jtrain.config import reference
 from jtrain.config.schema import MODEL_FAMILIES, SCHEMA, describe
 from journey import user_env
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_docs_config_md_matches_the_schema():

@@ -141,7 +141,7 @@ def test_script_nnx_model_frozen_encoder(tmp_path):
 
 def test_cli_frozen_with_a_bad_regex_is_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run(
         [sys.executable, "-m", "jtrain.main", f"--config={repo}/configs/base.py:debug",
          "--workdir=runs/x", "--config.optim.frozen=('decoder',)"],

@@ -1,7 +1,7 @@
 """log.train_metrics: train/accuracy at a log step is the log step's own batch, computed
 in the step from the training forward's outputs with eval's metric definitions, exact
 over gradient-accumulation microbatches (counts, not means of means) and devices (two
-microbatches on 8 devices: tests/test_auto_shard.py); a gathered metric is a one-line
+microbatches on 8 devices: tests/engine/test_auto_shard.py); a gathered metric is a one-line
 config error naming the key."""
 
 import numpy as np

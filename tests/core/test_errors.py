@@ -16,7 +16,7 @@ from jtrain.cli import runner as cli
 from jtrain.cli import exit_codes
 from jtrain.data.load import load_named
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "jtrain"
 
 

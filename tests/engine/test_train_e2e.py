@@ -12,7 +12,7 @@ import pytest
 
 import jtrain
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHORT = ["--config.total_steps=60", "--config.eval.every_steps=30",
          "--config.log.every_steps=10", "--config.checkpoint.every_steps=30",
          "--config.optim.decay_steps=60"]

@@ -13,7 +13,7 @@ from jtrain.metrics import tasks
 from jtrain.models import mlp
 from jtrain.observe import writers
 
-PACKAGE = Path(__file__).resolve().parents[1] / "jtrain"
+PACKAGE = Path(__file__).resolve().parents[2] / "jtrain"
 
 
 def test_every_key_has_a_doc_and_a_resume_rule():
