@@ -1,5 +1,5 @@
 """The train command (`python -m jtrain.main`, `jtrain train`): its flags and what it does
-with them, from the parsed flags to `train.run_from_cli`.
+with them, from the parsed flags to `engine.run.train_and_evaluate` (`jtrain.train`'s page).
 
     define_flags(fv, sys_argv)   the flags (`--config`, `--workdir`, multi-host, ...)
     run_log(fv)                  (workdir, verbosity): where library logs and tracebacks go
@@ -9,7 +9,7 @@ with them, from the parsed flags to `train.run_from_cli`.
 Errors, exit codes and the way out are `cli.run`'s, as for every command. Start-up order
 of a run: the config resolved (a bad key fails here, before any peer is awaited), the
 workdir checked, `multihost.start` (roll call, timeouts, peer heartbeat), processes other
-than 0 quieted, then `train.run_from_cli`.
+than 0 quieted, then `engine.run.train_and_evaluate`.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def _run(fv) -> int:
 
     from jtrain import boot
     from jtrain import config as config_lib
-    from jtrain.engine.run import check_workdir, run_from_cli
+    from jtrain.engine.run import check_workdir, train_and_evaluate
     from jtrain.multihost import start
     from jtrain.observe import startup
     from jtrain.redact import redact_text
@@ -191,7 +191,7 @@ def _run(fv) -> int:
         _quiet()
     startup.mark("distributed", time.perf_counter() - t_distributed)  # + backend start
 
-    result = run_from_cli(config, fv.workdir, resolved=resolved)  # like train()
+    result = train_and_evaluate(config, fv.workdir, resolved=resolved)  # = train()'s page
     if jax.process_index() == 0:  # the machine-readable result: one JSON line on stdout
         scalars = {k: v for k, v in result.summary.items()
                    if isinstance(v, (int, float, str, bool)) or v is None}

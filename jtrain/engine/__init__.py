@@ -1,15 +1,18 @@
 """The engine: a run from its config to its summary, and the library halves of the
 commands that read a run.
 
-    run.py              train() and run_from_cli(): resolve once, data, build, restore,
-                        loop, summary (TrainResult)
-    assemble.py         build(): model, mesh, loss, optimizer, state, jitted steps (Build)
+    run.py              train() and its page, train_and_evaluate() (the train command
+                        calls it): resolve once, data, build, restore, loop, summary
+    assemble.py         build(): the parts applied in order (Build); check_run
+    parts.py            Build, Setup and the parts: model, LoRA, optimizer, EMA, state,
+                        population, train metrics, memory plan, the jitted steps
     checks.py           pre-flight: the model takes each split's inputs, the loss scores
                         them, targets fit the outputs
     loop.py             the loop: dispatch, drain, eval before save, decide, save
     evaluation.py       the eval pass shared by training and jtrain evaluate
     summary.py          the end of a run: summary.json, the final line, a halt's record
-    population.py       population.size > 1: the member axis, vmapped init and step
+    population.py       population.size > 1: the member axis, vmapped init and step,
+                        each member evaluated, the summary's block and plot
     checkpoint_eval.py  evaluate_checkpoint(): a saved step scored, its report written
     diff.py             diff_runs(): where two runs part
     replay.py           replay(): a recorded step re-run, its state hash compared

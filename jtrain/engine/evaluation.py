@@ -142,20 +142,7 @@ def run_eval(eval_step, params, source, *, mesh, local_batch: int, spec, max_bat
     true size, its real rows only, so padding never reaches the loss."""
     device_total, host_total = metrics_lib.make_collection(spec).partition()
     pending: deque = deque()
-
     terms: dict[str, list] = {}  # the loss's named terms: [sum, weight] in float64
-
-    def drain(out):
-        nonlocal device_total, host_total
-        state, inputs, batch_terms = out
-        for name, pair in jax.device_get(batch_terms).items():
-            acc = terms.setdefault(name, [0.0, 0.0])
-            acc[0] += float(pair[0])
-            acc[1] += float(pair[1])
-        device_total = device_total.merge(state)  # float64 / int64 on the host
-        if host_total.metrics:
-            host_total = host_total.update(**{k: local_rows(v) for k, v in inputs.items()})
-
     batches = data_lib.eval_batches(
         source, local_batch=local_batch, process_index=jax.process_index(),
         process_count=jax.process_count(), max_batches=max_batches)
@@ -169,9 +156,10 @@ def run_eval(eval_step, params, source, *, mesh, local_batch: int, spec, max_bat
                 continue
         pending.append(eval_step(params, mesh_lib.host_to_device(batch, mesh)))
         if len(pending) > MAX_IN_FLIGHT:
-            drain(pending.popleft())
+            device_total, host_total = _merged(device_total, host_total, terms,
+                                               pending.popleft())
     while pending:
-        drain(pending.popleft())
+        device_total, host_total = _merged(device_total, host_total, terms, pending.popleft())
     # The device states came from global batches and already cover every process; the
     # host-side buffers hold this process's rows only.
     host_total = metrics_lib.reduce_across_processes(host_total)
@@ -180,6 +168,20 @@ def run_eval(eval_step, params, source, *, mesh, local_batch: int, spec, max_bat
     n = data_lib.num_eval_examples(source, max_batches, local_batch * jax.process_count())
     return Evaluation(scalars={f"eval/{k}": v for k, v in scalars.items()},
                       arrays=device_total.compute_arrays(), num_examples=n)
+
+
+def _merged(device_total, host_total, terms: dict, out):
+    """One eval step's output merged into the totals (returned) and the loss's named
+    terms (`terms`, updated)."""
+    state, inputs, batch_terms = out
+    for name, pair in jax.device_get(batch_terms).items():
+        acc = terms.setdefault(name, [0.0, 0.0])
+        acc[0] += float(pair[0])
+        acc[1] += float(pair[1])
+    device_total = device_total.merge(state)  # float64 / int64 on the host
+    if host_total.metrics:
+        host_total = host_total.update(**{k: local_rows(v) for k, v in inputs.items()})
+    return device_total, host_total
 
 
 def evaluate_weights(eval_step, state, source, *, weights: str = "params", **kwargs

@@ -14,13 +14,20 @@ never checkpointed) and the params are checked finite.
 
 With `spike.zscore`, a drained step whose train loss spikes makes the loop roll back to
 the newest checkpoint before it (`_rollback`) before it evaluates, saves or goes on.
+
+The train state passes through module-level functions that return it (a drain may roll
+it back, an eval may set its learning-rate factor); the host's bookkeeping (evals, the
+steps in flight, the stop) is the session's (`_Session`). No closure holds the state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import time
 from collections import deque
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +43,6 @@ from jtrain.control.faults import fault_point, perturb
 from jtrain.data import RunData
 from jtrain.data.prefetch import DevicePrefetch
 from jtrain.engine import evaluation as evaluator
-from jtrain.engine import population as population_lib
 from jtrain.engine import summary as summary_lib
 from jtrain.engine.assemble import Build
 from jtrain.errors import NonFiniteError
@@ -83,147 +89,192 @@ class _Session:
     saved: int | None = None  # the last step this session saved
     stored: dict | None = None  # summary.json of a run that had finished already
     hashes: hashes_lib.Recorder | None = None  # debug.hash_every_steps (hashes.jsonl)
+    pending: deque = dataclasses.field(default_factory=deque)  # (step, metrics on
+    #                                    device): the steps in flight, oldest first
+    config_hash: str = ""  # --debug_multihost's (the config is fixed)
+    set_factor: Callable | None = None  # jit(state, factor) -> state (plateau)
+    all_finite: Callable | None = None  # jit(params) -> bool (before a save)
 
 
 def run_loop(cfg, run: Run):
-    """Returns (state, session); `train()` turns them into a TrainResult."""
+    """Returns (state, session); `train()` turns them into a TrainResult. The state goes
+    through the functions below, each returning it (a drain may roll it back)."""
     state, total = run.state, cfg.total_steps
     start = int(jax.device_get(state.step))
-    pending: deque = deque()  # (step, metrics on device): bounded steps in flight
-    session = _Session(hashes=hashes_lib.Recorder(
-        run.workdir, cfg.debug.hash_every_steps, primary=jax.process_index() == 0,
-        resumed_step=run.resumed_from, mesh=run.build.mesh,
-        examples_of=lambda s: run.decisions.indices_of(run.decisions.batch_of(s))))
-    evaluate_now = _evaluator(cfg, run)
-    def set_lr_factor(s, f):
-        return s.replace(lr_factor=f.astype(jnp.float32))
-
-    def params_finite(params):
-        return jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]))
-
-    set_factor = jax.jit(set_lr_factor, donate_argnums=0, out_shardings=run.build.shardings)
-    all_finite = jax.jit(params_finite)
-
-    def drain_all():
-        while pending:
-            _drain(pending.popleft(), cfg, run, session)
-        settle()
-
-    def settle():  # a spike found while draining: roll back before anything else
-        nonlocal state
-        if session.rollback is not None:
-            while pending:  # the rest of the undone steps (no spike checks)
-                _drain(pending.popleft(), cfg, run, session)
-            state = _rollback(cfg, run, state, *session.rollback)
-            session.rollback = None
-
-    def save(step):
-        drain_all()  # a halt found in flight ends the run before anything is saved
-        run.watchdog.beat("save")
-        if not bool(all_finite(state.params)):
-            error = NonFiniteError(f"the params became non-finite by step {step} (an "
-                                   "update overflowed); not saved; lower optim.lr or set "
-                                   "optim.clip_norm")
-            error.step = step
-            raise error
-        run.ckpt.save(step, state, run.train_iter.get_state(), evals=session.history,
-                      stopped_by=session.stopped_by, monitors=run.decisions.state(),
-                      skip_ledger=list(run.decisions.ledger.entries))  # a snapshot: saves are async
-        session.saved = step
-        multihost.heartbeat.note_checkpoint(step)  # for a failed peer's line
-
-    if run.stopper.signal_name is not None:  # a signal during start-up: nothing new to save
-        session.stopped_by = run.stopper.signal_name
+    session = _start(cfg, run, start)
     step = start
-    multihost.heartbeat.note_step(start)
-    multihost.heartbeat.note_checkpoint(run.ckpt.latest_step())
-    debug_every = cfg.distributed.debug_every_steps
-    debug_hash = config_lib.config_hash(cfg) if debug_every else ""  # the config is fixed
     for step in range(start + 1, total + 1 if not session.stopped_by else start + 1):
-        multihost.heartbeat.note_step(step)
-        if debug_every and step % debug_every == 0:  # --debug_multihost
-            multihost.preflight.check_step(step, cfg, debug_hash)
-        run.out.profiler.before_step(step)
-        if step == start + 1:  # the first step compiles: timed, with its own allowance
-            state, metrics = _first_step(cfg, run, state, step)
-        else:
-            run.watchdog.beat("step")
-            t0 = time.perf_counter()
-            batch = next(run.train_iter)  # on the devices already (data.device_prefetch)
-            t1 = time.perf_counter()
+        first = step == start + 1  # it compiles: timed, with its own allowance
+        batch, timing = _next_batch(cfg, run, session, step, first)
+        with _compiling(run.startup, first):
             state, metrics = run.build.train_step(state, batch)
-            run.out.perf.step_done(step, t1 - t0, time.perf_counter() - t1)
-        state = perturb(step, state)  # test-only (JTRAIN_FAULT=noise:N): a no-op
-        session.hashes.dispatch(step, state)  # on the devices, fetched when drained
-        _report_recompiles(run, step)
-        if run.out.profiler.after_step(step, metrics):
-            run.out.progress.message(f"jtrain: profile trace written to "
-                                     f"{run.out.profiler.directory}")
-        pending.append((step, metrics))
-        if len(pending) > cfg.max_steps_in_flight:
-            _drain(pending.popleft(), cfg, run, session)
-            settle()
+            if first:
+                jax.block_until_ready(metrics)
+        state = _dispatched(cfg, run, session, state, step, metrics, timing, first)
         best = False
         if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == total:
-            drain_all()  # log lines before the eval line (eval waits for the state anyway)
-            run.out.writer.flush()  # ...and in metrics.jsonl before the eval begins
-            # The first evaluation compiles the eval step: first_timeout_s too.
-            run.watchdog.beat("eval", allowance=None if session.history else
-                              cfg.watchdog.first_timeout_s)
-            result = run.stopper.interruptible(evaluate_now, state, step)  # [] if a signal
-            _report_recompiles(run, step)
-            if result:
-                session.history += result
-                decided = run.decisions.after_eval(step, result[0],
-                                                   primary=jax.process_index() == 0)
-                if decided.factor is not None:
-                    state = set_factor(state, np.float32(decided.factor))
-                    run.out.progress.message(
-                        f"jtrain: step {step}: {cfg.plateau.monitor} has not improved; "
-                        f"learning-rate factor now {decided.factor:.3g} (plateau.factor)")
-                if decided.stop:
-                    session.stop_reason, session.stopped_by = decided.stop, decided.stopped_by
-                best = run.ckpt.enters_top_k(step, result[0])
+            state, best = _evaluate_and_decide(cfg, run, session, state, step)
         if run.stopper.should_stop(step):  # SIGTERM/SIGINT, the same step on all processes
             session.stopped_by = session.stopped_by or run.stopper.signal_name
         if session.stopped_by or best or step == total or run.ckpt.due(step):
-            save(step)
+            state = _save(cfg, run, session, state, step)
         if session.stopped_by:
             break
-    drain_all()
+    state = _drained(cfg, run, session, state)
     run.watchdog.beat("final save")
     if step == total == start:  # resumed at the end: its eval is in the checkpoint
         session.stored = summary_lib.stored_summary(run.workdir, state)
         last = [e for e in run.ckpt.control.eval_history if e.get("step") == total]
-        session.history += last[-1:] or run.stopper.interruptible(evaluate_now, state, total)
+        session.history += last[-1:] or run.stopper.interruptible(_evaluate, cfg, run, state,
+                                                                  total)
     if run.ckpt.latest_step() != step and not (step == start and session.stopped_by):
-        save(step)
+        state = _save(cfg, run, session, state, step)
     run.ckpt.wait()  # a failed write ends the run with an error, before any summary
     run.watchdog.pause()
     return state, session
 
 
-def _first_step(cfg, run: Run, state, step: int):
-    """The first step of this session: watchdog.first_timeout_s for it, timed as the
-    start-up's compile phase, then the start-up line and perf's first-step record.
-    Compiles after it are recompiles (observe.compiles)."""
-    su = run.startup
-    run.watchdog.beat("first step", allowance=cfg.watchdog.first_timeout_s)
+def _start(cfg, run: Run, start: int) -> _Session:
+    """This session's bookkeeping, its jitted helpers, the heartbeat's first notes; a
+    signal during start-up means nothing new to save."""
+    session = _Session(
+        hashes=hashes_lib.Recorder(
+            run.workdir, cfg.debug.hash_every_steps, primary=jax.process_index() == 0,
+            resumed_step=run.resumed_from, mesh=run.build.mesh,
+            examples_of=lambda s: run.decisions.indices_of(run.decisions.batch_of(s))),
+        set_factor=jax.jit(set_lr_factor, donate_argnums=0,
+                           out_shardings=run.build.shardings),
+        all_finite=jax.jit(params_finite),
+        config_hash=(config_lib.config_hash(cfg) if cfg.distributed.debug_every_steps
+                     else ""))
+    if run.stopper.signal_name is not None:  # a signal during start-up: nothing new to save
+        session.stopped_by = run.stopper.signal_name
+    multihost.heartbeat.note_step(start)
+    multihost.heartbeat.note_checkpoint(run.ckpt.latest_step())
+    return session
+
+
+def set_lr_factor(state, factor):
+    return state.replace(lr_factor=factor.astype(jnp.float32))
+
+
+def params_finite(params):
+    return jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]))
+
+
+def _next_batch(cfg, run: Run, session: _Session, step: int, first: bool):
+    """The step's bookkeeping (heartbeat, --debug_multihost, profiler, watchdog: the first
+    step gets watchdog.first_timeout_s) and its batch, on the devices already
+    (data.device_prefetch); (batch, (seconds waited for it, when it came))."""
+    multihost.heartbeat.note_step(step)
+    every = cfg.distributed.debug_every_steps
+    if every and step % every == 0:  # --debug_multihost
+        multihost.preflight.check_step(step, cfg, session.config_hash)
+    run.out.profiler.before_step(step)
+    if first:
+        run.watchdog.beat("first step", allowance=cfg.watchdog.first_timeout_s)
+    else:
+        run.watchdog.beat("step")
     t0 = time.perf_counter()
-    batch = next(run.train_iter)  # on the devices already (data.device_prefetch)
+    batch = next(run.train_iter)
     t1 = time.perf_counter()
-    fault_point("compile", delay=0.05)  # test-only: a signal while it compiles
-    with su.phase("compile"):
-        if su.precompile is not None:  # the step compiled beside the state's init:
-            su.precompile.join()  # its call below reuses that executable
-        state, metrics = run.build.train_step(state, batch)
-        jax.block_until_ready(metrics)
-    su.first_step()
-    su.recorder.first_step_done()
-    run.out.progress.message(su.line(su.cache_dir))
-    run.out.perf.step_done(step, t1 - t0, time.perf_counter() - t1, metrics)  # compile time
-    run.out.perf.set_first(su.breakdown())
-    return state, metrics
+    if first:
+        fault_point("compile", delay=0.05)  # test-only: a signal while it compiles
+    return batch, (t1 - t0, t1)
+
+
+@contextlib.contextmanager
+def _compiling(startup: startup_lib.Startup, first: bool):
+    """The first step of this session is start-up's compile phase; a step compiled beside
+    the state's init (compile.precompile) is joined first, its executable reused."""
+    if not first:
+        yield
+        return
+    with startup.phase("compile"):
+        if startup.precompile is not None:
+            startup.precompile.join()
+        yield
+
+
+def _dispatched(cfg, run: Run, session: _Session, state, step: int, metrics, timing,
+                first: bool):
+    """After a step's call: its timings (the first step's: the start-up line and perf's
+    first-step record; compiles after it are recompiles, observe.compiles), the test-only
+    perturbation, its state hash dispatched, recompiles said, the profiler; then it is in
+    flight, and the oldest steps are drained beyond max_steps_in_flight."""
+    waited, t1 = timing
+    if first:
+        su = run.startup
+        su.first_step()
+        su.recorder.first_step_done()
+        run.out.progress.message(su.line(su.cache_dir))
+        run.out.perf.step_done(step, waited, time.perf_counter() - t1, metrics)
+        run.out.perf.set_first(su.breakdown())
+    else:
+        run.out.perf.step_done(step, waited, time.perf_counter() - t1)
+    state = perturb(step, state)  # test-only (JTRAIN_FAULT=noise:N): a no-op
+    session.hashes.dispatch(step, state)  # on the devices, fetched when drained
+    _report_recompiles(run, step)
+    if run.out.profiler.after_step(step, metrics):
+        run.out.progress.message(f"jtrain: profile trace written to "
+                                 f"{run.out.profiler.directory}")
+    session.pending.append((step, metrics))
+    return _drained(cfg, run, session, state, keep=cfg.max_steps_in_flight)
+
+
+def _evaluate_and_decide(cfg, run: Run, session: _Session, state, step: int):
+    """The eval of `step` and what it decides (control.decide: the plateau's learning-rate
+    factor, a stop); (state, whether the eval enters the checkpoints' top k)."""
+    state = _drained(cfg, run, session, state)  # log lines before the eval line
+    run.out.writer.flush()  # ...and in metrics.jsonl before the eval begins
+    # The first evaluation compiles the eval step: first_timeout_s too.
+    run.watchdog.beat("eval", allowance=None if session.history else
+                      cfg.watchdog.first_timeout_s)
+    result = run.stopper.interruptible(_evaluate, cfg, run, state, step)  # [] if a signal
+    _report_recompiles(run, step)
+    if not result:
+        return state, False
+    session.history += result
+    decided = run.decisions.after_eval(step, result[0], primary=jax.process_index() == 0)
+    if decided.factor is not None:
+        state = session.set_factor(state, np.float32(decided.factor))
+        run.out.progress.message(
+            f"jtrain: step {step}: {cfg.plateau.monitor} has not improved; "
+            f"learning-rate factor now {decided.factor:.3g} (plateau.factor)")
+    if decided.stop:
+        session.stop_reason, session.stopped_by = decided.stop, decided.stopped_by
+    return state, run.ckpt.enters_top_k(step, result[0])
+
+
+def _save(cfg, run: Run, session: _Session, state, step: int):
+    """Checkpoint `step`: every step in flight drained first (a halt found there ends the
+    run before anything is saved; a spike rolls the state back), the params checked
+    finite. Returns the state saved."""
+    state = _drained(cfg, run, session, state)
+    run.watchdog.beat("save")
+    if not bool(session.all_finite(state.params)):
+        error = NonFiniteError(f"the params became non-finite by step {step} (an update "
+                               "overflowed); not saved; lower optim.lr or set optim.clip_norm")
+        error.step = step
+        raise error
+    run.ckpt.save(step, state, run.train_iter.get_state(), evals=session.history,
+                  stopped_by=session.stopped_by, monitors=run.decisions.state(),
+                  skip_ledger=list(run.decisions.ledger.entries))  # a snapshot: saves are async
+    session.saved = step
+    multihost.heartbeat.note_checkpoint(step)  # for a failed peer's line
+    return state
+
+
+def _drained(cfg, run: Run, session: _Session, state, *, keep: int = 0):
+    """Steps in flight drained, oldest first, until `keep` are left; a spike found while
+    draining: the rest of the undone steps drained too (no spike checks), then the state
+    rolled back (`_rollback`) before anything else happens. Returns the state."""
+    while len(session.pending) > keep or (session.pending and session.rollback is not None):
+        _drain(session.pending.popleft(), cfg, run, session)
+    if session.rollback is not None:
+        state = _rollback(cfg, run, state, *session.rollback)
+        session.rollback = None
+    return state
 
 
 def _report_recompiles(run: Run, step: int) -> None:
@@ -241,7 +292,7 @@ def _report_recompiles(run: Run, step: int) -> None:
 def _changed(before: str, now: str) -> str:
     """The arguments whose shapes changed, else all of them (shortened)."""
     old, new = before.split(", "), now.split(", ")
-    diff = [f"#{i}: {a} -> {b}" for i, (a, b) in enumerate(zip(old, new)) if a != b]
+    diff = [f"#{i}: {a} -> {b}" for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b]
     if len(old) == len(new) and diff:
         return "; ".join(diff)[:300]
     return f"{now[:300]} (before: {before[:150]})"
@@ -322,35 +373,27 @@ def _rollback(cfg, run: Run, state, spike_step: int, z: float):
         restored, np.int32(undone), np.float32(run.decisions.lr_factor()))
 
 
-def _evaluator(cfg, run: Run):
-    def evaluate_now(state, step: int) -> dict:
-        if run.data.eval is None:
-            return {"step": step}
-        t0 = time.perf_counter()
-        pop = run.build.population
-        members = [state] if pop is None else [population_lib.member(state, i)
-                                                for i in range(pop.size)]
+def _evaluate(cfg, run: Run, state, step: int) -> dict:
+    """The eval of `state` at `step` (of each member, combined: build's `per_member`), a
+    mixture's components as eval/<name>/...; written, said, and returned as the
+    history's record."""
+    if run.data.eval is None:
+        return {"step": step}
+    t0 = time.perf_counter()
+    result = _score(cfg, run, state, run.data.eval)
+    for name, part in run.data.eval_parts.items():  # a mixture's components
+        result.scalars.update({f"eval/{name}/{k.removeprefix('eval/')}": v
+                               for k, v in _score(cfg, run, state, part).scalars.items()})
+    run.out.perf.add("eval", time.perf_counter() - t0)
+    run.out.writer.write_scalars(step, result.scalars)
+    run.out.progress.message(evaluator.format_line(step, result), emphasis=True)
+    return {"step": step, **result.scalars}
 
-        def score(data):
-            results = [evaluator.evaluate_weights(
-                run.build.eval_step, member, data, weights=cfg.eval.weights,
-                mesh=run.build.mesh, local_batch=run.data.eval_batch,
-                max_batches=cfg.eval.num_batches, spec=run.build.eval_spec,
-                tail_step=run.build.eval_tail)
-                for member in members]
-            if pop is None:
-                return results[0]
-            # the mean over members, and each member's as <name>/m<i>
-            return dataclasses.replace(results[0], scalars=population_lib.combine(
-                [r.scalars for r in results]))
 
-        result = score(run.data.eval)
-        for name, part in run.data.eval_parts.items():  # a mixture's components
-            result.scalars.update({f"eval/{name}/{k.removeprefix('eval/')}": v
-                                   for k, v in score(part).scalars.items()})
-        run.out.perf.add("eval", time.perf_counter() - t0)
-        run.out.writer.write_scalars(step, result.scalars)
-        run.out.progress.message(evaluator.format_line(step, result), emphasis=True)
-        return {"step": step, **result.scalars}
-
-    return evaluate_now
+def _score(cfg, run: Run, state, data) -> evaluator.Evaluation:
+    """One eval set scored (engine.evaluation: the params, the EMA or both)."""
+    b = run.build
+    return b.per_member(state, functools.partial(
+        evaluator.evaluate_weights, b.eval_step, source=data, weights=cfg.eval.weights,
+        mesh=b.mesh, local_batch=run.data.eval_batch, max_batches=cfg.eval.num_batches,
+        spec=b.eval_spec, tail_step=b.eval_tail))

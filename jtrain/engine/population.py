@@ -12,13 +12,15 @@ init and train step over it, so one compile trains every member on the same batc
   the skip checks read; `train/status` is the OR of the members' bits).
 - The member axis is sharded over the mesh's `data` axis when K is a multiple of its
   size and the parameters do not use that axis; otherwise it is replicated.
-- `member(state, i)`: one member's TrainState (eval, export).
+- `member(state, i)`: one member's TrainState (eval, export); `per_member`: an evaluation
+  of each, combined; `report`: summary.json's population block and population.png.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any, Callable
 
 import jax
@@ -31,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jtrain import state as state_lib
 from jtrain.config import schema_population
 from jtrain.errors import ConfigError
+from jtrain.observe import jsonl, plots
 from jtrain.optim import decay as optim_decay
 
 
@@ -194,6 +197,13 @@ def member(state: Any, i: int):
     return _per_member(lambda x: x[i], state)
 
 
+def per_member(pop: Population, state, evaluate: Callable):
+    """`evaluate(one member's state) -> Evaluation` (engine.evaluation) of every member,
+    as one Evaluation whose scalars are `combine`d (member 0's arrays)."""
+    results = [evaluate(member(state, i)) for i in range(pop.size)]
+    return dataclasses.replace(results[0], scalars=combine([r.scalars for r in results]))
+
+
 def combine(per_member: list[dict]) -> dict:
     """Member evals {name: value} -> one record: each name's mean over members, each
     member's value as `<name>/m<i>` (non-numbers: member 0's)."""
@@ -258,3 +268,19 @@ def summary_block(pop: Population, state, final_eval: dict, *, monitor: str,
             "skipped_steps": [int(v) for v in np.asarray(jax.device_get(
                 state.skipped_steps))],
             "metrics": metrics}
+
+
+def report(pop: Population, cfg, run, state, session, final_eval: dict) -> dict:
+    """summary.json's `population` block (`summary_block`) and, on process 0,
+    population.png: every member's curves, their mean and the winner per metric, from
+    metrics.jsonl (or this session's records when the jsonl writer is off). `run`: a
+    jtrain.engine.loop.Run, `session` the loop's record of this session."""
+    if jax.process_index() == 0:
+        run.out.writer.flush()  # the last log step and eval in metrics.jsonl
+        path = os.path.join(run.workdir, "metrics.jsonl")
+        records = (jsonl.read_records(path) if os.path.exists(path)
+                   else [*session.train_history, *session.history])
+        plots.population_curves(records, os.path.join(run.workdir, "population.png"),
+                                pop.size, winners(records, pop.size))
+    return {"population": summary_block(pop, state, final_eval,
+                                        monitor=cfg.checkpoint.monitor, mode=cfg.checkpoint.mode)}

@@ -1,10 +1,11 @@
 """`train()`: the one engine behind the CLI and the library.
 
-On one page (`_train`), in data-flow order: the config resolved once (a torch
-DataLoader's settings included), the data handed over once (jtrain.data.prepare), build
-(model, mesh, optimizer, abstract state, shardings, jitted steps), restore-or-init, the
-outputs (observe.outputs: config.json, run.json, writers, header), the loop, the summary.
-Each piece lives in the module that owns it; this file only connects them.
+On one page (`train_and_evaluate`, which the train command calls directly and `train()`
+calls with what a Python caller passed), in data-flow order: the config resolved once (a
+torch DataLoader's settings included), the data handed over once (jtrain.data.prepare),
+build (model, mesh, optimizer, abstract state, shardings, jitted steps), restore-or-init,
+the outputs (observe.outputs: config.json, run.json, writers, header), the loop, the
+summary. Each piece lives in the module that owns it; this file only connects them.
 """
 
 from __future__ import annotations
@@ -73,22 +74,14 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
     when resuming (added to checkpoint.allow_changes).
     """
     try:
-        return _train(config, workdir, _Given(model, train_data, eval_data, loss_fn),
-                      on_eval, allow_changes)
+        return train_and_evaluate(config, workdir, _Given(model, train_data, eval_data, loss_fn),
+                                  on_eval=on_eval, allow_changes=allow_changes)
     except RestoreError as e:
         keys = getattr(e, "changed_keys", None)
         if not keys:
             raise
         raise RestoreError(f"{e.what}; to resume anyway pass jtrain.train(..., "
                            f"allow_changes={list(keys)!r}), or use a new workdir") from None
-
-
-def run_from_cli(config, workdir: str, *, resolved=None) -> TrainResult:
-    """`train` for `python -m jtrain.main`: its messages name command-line flags.
-    `resolved`: `(cfg, notices)` from `config.resolve_for_run(config)`, when the command
-    resolved the config already (to report a bad key before waiting for its peers); the
-    run then uses that object instead of resolving again."""
-    return _train(config, workdir, _Given(), None, (), resolved=resolved)
 
 
 @dataclasses.dataclass
@@ -100,9 +93,14 @@ class _Given:
     loss_fn: Callable | None = None
 
 
-def _train(config, workdir, given: _Given, on_eval, allow_changes, *,
-           resolved=None) -> TrainResult:
-    """The run: resolve once, data, build, restore, loop, summary."""
+def train_and_evaluate(config, workdir, given: _Given | None = None, *, on_eval=None,
+                       allow_changes: Sequence[str] = (), resolved=None) -> TrainResult:
+    """The run: resolve once, data, build, restore, loop, summary. `train()` for a Python
+    caller (`given`: what it passed besides the config); the train command calls it
+    directly, so its messages name command-line flags. `resolved`: `(cfg, notices)` from
+    `config.resolve_for_run(config)` when the command resolved the config already (to
+    report a bad key before waiting for its peers); the run then uses that object."""
+    given = given or _Given()
     workdir, t_start = _checked_workdir(workdir), time.perf_counter()
     startup = startup_lib.Startup(compiles_lib.Recorder())
     # Resolved once: a data.source factory runs and a torch DataLoader's settings become
@@ -145,7 +143,7 @@ def _train(config, workdir, given: _Given, on_eval, allow_changes, *,
                 out = outputs_lib.open_outputs(cfg, workdir, build=b, data=data, start=start,
                     record=outputs_lib.run_record(
                         model_name=None if given.model is None else b.model_name,
-                        loss_fn=given.loss_fn, decided={**data.decided, **b.decided(cfg)}),
+                        loss_fn=given.loss_fn, decided={**data.decided, **b.decided}),
                     run_ids=control_lib.writer_run_ids(start.control),
                     determinism=determinism, t_start=t_start)
             ckpt.control.writer_run_ids = out.writer.run_ids()  # reused on resume
@@ -157,7 +155,20 @@ def _train(config, workdir, given: _Given, on_eval, allow_changes, *,
                 stopper=stopper, startup=startup, record=out.record)
             for line in notices:  # after the header: e.g. a warmup shortened for a short run
                 out.progress.message(f"jtrain: note: {line}")
-            return _loop_and_summary(cfg, run)
+            # Steps trace under the mesh and the logical-axis rules, so models' activation
+            # constraints (nn.with_logical_constraint) resolve to this mesh.
+            with contextlib.closing(run), jax.set_mesh(b.mesh), \
+                    nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
+                try:
+                    state, session = loop_lib.run_loop(cfg, run)
+                except NonFiniteError as e:  # exit 4: its line in train.log and summary.json
+                    summary_lib.record_halt(run, e)
+                    raise
+                summary = summary_lib.summarize(cfg, run, state, session)
+                history = (list(ckpt.control.eval_history) if session.stored is not None
+                           else session.history)  # finished before: the stored result
+            return TrainResult(state=state, history=history, summary=summary,
+                               train_history=session.train_history)
 
 
 def _checked_workdir(workdir) -> str:
@@ -217,25 +228,6 @@ def _precompile(cfg, b: Build, data, startup) -> None:
             b.train_step, b.abstract_with_shardings(),
             compiles_lib.abstract_batch(data.train_example, cfg.data.batch_size,
                                         mesh_lib.batch_sharding(b.mesh)), mesh=b.mesh)
-
-
-def _loop_and_summary(cfg, run: loop_lib.Run) -> TrainResult:
-    try:
-        # Steps trace under the mesh and the logical-axis rules, so models' activation
-        # constraints (nn.with_logical_constraint) resolve to this mesh.
-        with jax.set_mesh(run.build.mesh), nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
-            try:
-                state, session = loop_lib.run_loop(cfg, run)
-            except NonFiniteError as e:  # exit 4: its line in train.log and summary.json
-                summary_lib.record_halt(run, e)
-                raise
-            summary = summary_lib.summarize(cfg, run, state, session)
-        history = (list(run.ckpt.control.eval_history) if session.stored is not None
-                   else session.history)  # finished before: the stored result, unchanged
-        return TrainResult(state=state, history=history, summary=summary,
-                           train_history=session.train_history)
-    finally:
-        run.close()
 
 
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")

@@ -1,7 +1,8 @@
 """The end of a run: summary.json and the one final line (done, stopped by a signal,
 stopped early, already finished, too many updates skipped), the record of a non-finite
-halt, and the best step of the monitored metric. Called by train.py after
-jtrain.engine.loop.run_loop returns."""
+halt, and the best step of the monitored metric. Called by engine/run.py's page after
+jtrain.engine.loop.run_loop returns; what a part of the set-up adds (a population's block)
+comes from build's `reports`."""
 
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ from jtrain import state as state_lib
 from jtrain.control import ledger as ledger_lib
 from jtrain.data import mixture as mixture_lib
 from jtrain.engine import evaluation as evaluator
-from jtrain.engine import population as population_lib
-from jtrain.observe import jsonl, plots
+from jtrain.observe import jsonl
 
 # summary.json's stopped_by when the run ended with more than nonfinite.max_skipped_share
 # of its updates skipped: not done (exit 4), its checkpoints kept.
@@ -58,7 +58,7 @@ def summarize(cfg, run, state, session) -> dict:
         "step": step,
         "state_sha256": state_lib.state_sha256(state),
         # a population: the most any member skipped (each member's: `population`), and
-    # each member's lr factor
+        # each member's lr factor
         "skipped_steps": int(np.max(jax.device_get(state.skipped_steps))),
         "lr_factor": np.asarray(jax.device_get(state.lr_factor)).tolist(),
         "resumed_from": run.resumed_from,
@@ -72,10 +72,8 @@ def summarize(cfg, run, state, session) -> dict:
         **run.out.perf.summary(),
         **run.startup.recorder.summary(),
     }
-    pop = run.build.population
-    if pop is not None:  # per metric: mean, spread and the winning member
-        summary["population"] = population_lib.summary_block(
-            pop, state, final_eval, monitor=cfg.checkpoint.monitor, mode=cfg.checkpoint.mode)
+    for report in run.build.reports:  # what the set-up's parts add (build's `reports`)
+        summary.update(report(cfg, run, state, session, final_eval))
     # What the set-up decided beyond config.json, as run.json records it.
     summary["decided"] = run.record.get("decided", {})
     # The precision configured and what the traced model computes in (matmul dtypes).
@@ -87,8 +85,6 @@ def summarize(cfg, run, state, session) -> dict:
         if "eval/loss" in summary:
             run.out.progress.message(f"jtrain: final eval loss {summary['eval/loss']:.4f} "
                                      f"nats/byte vs unigram baseline {baseline:.4f}")
-    if pop is not None and jax.process_index() == 0:
-        _population_plot(run, session, pop.size)
     mix = run.data.mixture_report(run.train_iter.get_state())
     if mix is not None:  # each component's draws and epochs, also on the console
         summary["data"] = {"mixture": mix}
@@ -127,17 +123,6 @@ def skipped_share_error(step: int, skipped: int, max_share: float):
         "nonfinite.max_skipped_share, 1 = off); checkpoints kept")
     error.step = step
     return error
-
-
-def _population_plot(run, session, size: int) -> None:
-    """population.png: every member's curves, their mean and the winner per metric, from
-    metrics.jsonl (or this session's records when the jsonl writer is off)."""
-    run.out.writer.flush()  # the last log step and eval in metrics.jsonl
-    path = os.path.join(run.workdir, "metrics.jsonl")
-    records = (jsonl.read_records(path) if os.path.exists(path)
-               else [*session.train_history, *session.history])
-    plots.population_curves(records, os.path.join(run.workdir, "population.png"), size,
-                            population_lib.winners(records, size))
 
 
 def _best(cfg, run) -> dict:
