@@ -6,7 +6,7 @@ with them, from the parsed flags to `engine.run.train_and_evaluate` (`jtrain.tra
     main(fv, args, argv)         --print_config, --verify_resume, --dry_run, or the run;
                                  returns the exit code
 
-Errors, exit codes and the way out are `cli.run`'s, as for every command. Start-up order
+Errors, exit codes and the way out are `cli.runner.run`'s, as for every command. Start-up order
 of a run: the config resolved (a bad key fails here, before any peer is awaited), the
 workdir checked, `multihost.start` (roll call, timeouts, peer heartbeat), processes other
 than 0 quieted, then `engine.run.train_and_evaluate`.
@@ -161,45 +161,57 @@ def main(fv: flags.FlagValues, args: list[str], argv: list[str]) -> int:
         from jtrain import precision
 
         precision.set_deterministic(True)
-    return _run(fv)
+    from jtrain.engine.run import train_and_evaluate
+
+    config = _config_dict(fv)
+    resolved = _start(fv, config)
+    result = train_and_evaluate(config, fv.workdir, resolved=resolved)  # = train()'s page
+    _print_result(fv, result)
+    stopped = result.summary.get("stopped_by") in ("SIGTERM", "SIGINT")
+    return fv.stopped_exit_code if stopped else 0
 
 
-def _run(fv) -> int:
+def _start(fv, config: dict):
+    """The run's start-up before its page: the one resolution (a bad key or value, or a
+    gs:// workdir: one line before waiting for any peer), the workdir checked,
+    `multihost.start` (timeouts from config.distributed; a missing peer, a busy port or
+    no cluster for --distributed=auto: one line), processes other than 0 quieted.
+    Returns the resolved config."""
     import time
 
     import jax
 
     from jtrain import boot
     from jtrain import config as config_lib
-    from jtrain.engine.run import check_workdir, train_and_evaluate
+    from jtrain.engine.run import check_workdir
     from jtrain.multihost import start
     from jtrain.observe import startup
-    from jtrain.redact import redact_text
 
     startup.mark("imports", boot.since_start())  # flags, config file and imports
-    config = _config_dict(fv)
-    # A bad key or value, or a gs:// workdir: one line before waiting for any peer.
     resolved = config_lib.resolve_for_run(config)  # the run's one resolution
     check_workdir(fv.workdir)
     t_distributed = time.perf_counter()  # observe.startup's "distributed" phase
-    # Timeouts from config.distributed; a missing peer, a busy port or no cluster for
-    # --distributed=auto: one line (jtrain.multihost.start).
     start.start(config, fv.coordinator_address, fv.num_processes, fv.process_id,
                 auto=fv.distributed == "auto")
     all_hosts = fv.all_hosts_log or bool(config.get("log", {}).get("all_hosts", False))
     if jax.process_index() != 0 and not all_hosts:
         _quiet()
     startup.mark("distributed", time.perf_counter() - t_distributed)  # + backend start
+    return resolved
 
-    result = train_and_evaluate(config, fv.workdir, resolved=resolved)  # = train()'s page
-    if jax.process_index() == 0:  # the machine-readable result: one JSON line on stdout
+
+def _print_result(fv, result) -> None:
+    """The machine-readable result: one JSON line on stdout (process 0)."""
+    import jax
+
+    from jtrain.redact import redact_text
+
+    if jax.process_index() == 0:
         scalars = {k: v for k, v in result.summary.items()
                    if isinstance(v, (int, float, str, bool)) or v is None}
         sys.stdout.write(redact_text(json.dumps({"workdir": fv.workdir, **scalars},
                                                 default=str)) + "\n")
         sys.stdout.flush()
-    stopped = result.summary.get("stopped_by") in ("SIGTERM", "SIGINT")
-    return fv.stopped_exit_code if stopped else 0
 
 
 def _config_dict(fv) -> dict:
