@@ -302,7 +302,7 @@ def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool,
         outputs = apply_fn(params, inputs_of(batch, model_inputs), rng=None, train=False)
         terms = {}
         if user_loss and not batch_loss:
-            rows_n = batch_rows(batch)
+            rows_n = losses.batch_rows(batch)
             mask = losses.row_mask(batch)
             mask = jnp.ones(rows_n, jnp.float32) if mask is None else mask
             # Output leaves without the batch axis (a scalar regulariser) go whole to
@@ -327,7 +327,7 @@ def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool,
             terms = {k: (masked(s), masked(w)) for k, (s, w) in per_terms.items()}
         elif user_loss:  # batch scope: a batch without padding (`jtrain.engine.evaluation`)
             (loss_sum, weight), terms = losses.split_loss(loss_fn(outputs, batch),
-                                                          rows=batch_rows(batch))
+                                                          rows=losses.batch_rows(batch))
             sums = {"loss_sum": loss_sum, "weight": weight}
         else:
             loss_sum, weight = losses.default_loss(outputs, batch)
@@ -359,11 +359,8 @@ def metric_view(outputs, batch, predict_fn: Callable | None = None):
     view = {"targets": result[1]}
     if len(result) == 3:
         view["weights"] = result[2]
-    if losses.row_mask(batch) is not None:
-        view[losses.ROW_MASK] = losses.row_mask(batch)
+    rows = losses.row_mask(batch)
+    if rows is not None:
+        view[losses.ROW_MASK] = rows
     return result[0], view
 
-
-def batch_rows(batch) -> int:
-    """The number of rows of a batch (padding included)."""
-    return jax.tree.leaves(batch)[0].shape[0]

@@ -47,6 +47,11 @@ import optax
 ROW_MASK = "__jtrain_row_mask__"
 
 
+def batch_rows(batch) -> int:
+    """The number of rows of a batch (padding included)."""
+    return jax.tree.leaves(batch)[0].shape[0]
+
+
 def row_mask(batch):
     """The engine's [B] row mask of a batch, or None when no row is padding."""
     return batch.get(ROW_MASK) if isinstance(batch, dict) else None
@@ -94,10 +99,7 @@ def default_loss(outputs, batch):
     outputs = jnp.asarray(outputs, jnp.float32).reshape(targets.shape)
     per_element = "weights" in batch and jnp.ndim(batch["weights"]) > 1
     w = weights_for(batch, targets.shape if per_element else targets.shape[:1])
-    w_el = _expand(w, targets.ndim)
-    # The target where it counts, the output elsewhere: 0 error in value and gradient.
-    clean = jnp.where(w_el != 0, targets, jax.lax.stop_gradient(outputs))
-    per = (outputs - clean) ** 2
+    per = (outputs - _kept(targets, _expand(w, targets.ndim))) ** 2
     if not per_element:
         per = per.reshape(per.shape[0], -1).mean(axis=1)  # [B]
     return _reduce(per, w)

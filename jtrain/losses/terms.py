@@ -155,13 +155,8 @@ def make_multi_loss(terms: dict[str, dict]) -> Callable:
             s, n = losses.as_sum_and_weight(t["fn"](pred, target, w, **t["kwargs"]))
             named[name] = (s, n)
             total = total + t["weight"] * s / jnp.maximum(n, 1e-12)
-        n_rows = rows.sum() if rows is not None else jnp.float32(_rows(batch))
+        n_rows = rows.sum() if rows is not None else jnp.float32(losses.batch_rows(batch))
         return (total * n_rows, n_rows), named
 
     return loss_fn
 
-
-def _rows(batch) -> int:
-    import jax
-
-    return jax.tree.leaves(batch)[0].shape[0]

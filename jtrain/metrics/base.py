@@ -33,6 +33,14 @@ def to_host(x) -> np.ndarray:
     return x
 
 
+def merge_operands(a, b):
+    """(xp, a, b) for merging two metric states: jnp and the states as they are under
+    jit, else numpy and both states in the host dtypes (float64 / int64)."""
+    if any(is_tracer(x) for x in jax.tree.leaves((a, b))):
+        return jnp, a, b
+    return np, jax.tree.map(to_host, a), jax.tree.map(to_host, b)
+
+
 def add_leaves(a, b):
     if is_tracer(a) or is_tracer(b):
         return a + b  # under jit: stays on device, in the device dtype

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jtrain.metrics.base import (Array, check_mergeable, is_tracer, masked_sum,
+from jtrain.metrics.base import (Array, check_mergeable, masked_sum, merge_operands,
                                  ratio, require, sum_merge, to_host, valid_mask, zeros)
 
 
@@ -74,10 +74,7 @@ class Moments:
                    m2y=jnp.sum(dy * dy), cxy=jnp.sum(dx * dy))
 
     def merge(self, other):
-        if any(is_tracer(x) for x in jax.tree.leaves((self, other))):
-            xp, a, b = jnp, self, other
-        else:
-            xp, a, b = np, jax.tree.map(to_host, self), jax.tree.map(to_host, other)
+        xp, a, b = merge_operands(self, other)
         n = a.n + b.n
         frac = b.n / xp.where(n > 0, n, 1.0)    # weight of b in the merged mean
         cross = a.n * frac                       # = na * nb / n
@@ -139,10 +136,7 @@ class R2:
 
     def merge(self, other):
         check_mergeable(self, other)
-        if any(is_tracer(x) for x in jax.tree.leaves((self, other))):
-            xp, a, b = jnp, self, other
-        else:
-            xp, a, b = np, jax.tree.map(to_host, self), jax.tree.map(to_host, other)
+        xp, a, b = merge_operands(self, other)
         n = a.n + b.n
         frac = b.n / xp.where(n > 0, n, 1.0)  # weight of b in the merged mean
         d = b.mean - a.mean
