@@ -11,7 +11,8 @@ the key reads `e.key`; no one parses an error's text.
 from the classes below (`python -m jtrain.cli.exit_codes --markdown`). Entry points print
 `render(e)` on stderr and exit with `exit_code(e)`; no traceback for any of these.
 `classify(e)` turns what libraries raise (OSError, orbax's wrapped I/O errors) into the
-error that says what to change. Every rendered line passes through the redactor (jtrain.redact).
+error that says what to change. Every rendered line passes through the redactor
+(jtrain.observe.redact).
 """
 
 from __future__ import annotations
@@ -214,7 +215,7 @@ def render(e: BaseException, kind: str | None = None) -> str:
     """`jtrain: <kind> error: <key>: <why>` (a jtrain error, from its fields) or
     `jtrain: <kind> error: <first line>` (any other exception): what a person sees,
     secrets masked."""
-    from jtrain.redact import redact_text
+    from jtrain.observe.redact import redact_text
 
     if isinstance(e, JtrainError):
         said = message(e.key, e.why).strip()

@@ -176,7 +176,7 @@ def test_tests_need_no_convenience_a_user_lacks():
 # public names) is an entry point. Both names of the eval loop and of the early-stopping
 # monitors are listed, so the table holds across their renames.
 FLOORS = {
-    0: ("jtrain.boot", "jtrain.errors", "jtrain.redact", "jtrain.hostmem"),
+    0: ("jtrain.cli.boot", "jtrain.errors", "jtrain.observe.redact", "jtrain.cli.hostmem"),
     1: ("jtrain.config", "jtrain.step", "jtrain.state", "jtrain.optim", "jtrain.precision",
         "jtrain.mesh", "jtrain.losses", "jtrain.metrics"),
     2: ("jtrain.multihost",),
@@ -219,15 +219,15 @@ def upward_edges(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 def test_floor_table_and_checker():
     assert floor("jtrain") == 5 and floor("jtrain.tune.trial") == 5
-    assert floor("jtrain.redact") == 0 and floor("jtrain.control.monitors") == 3
+    assert floor("jtrain.observe.redact") == 0 and floor("jtrain.control.monitors") == 3
     assert floor("jtrain.multihost.heartbeat") == 2 and floor("jtrain.engine.evaluation") == 4
     planted = {"jtrain.errors": {"jtrain.cli.runner"}, "jtrain.cli.runner": {"jtrain.errors"},
                "jtrain.data.load": {"jtrain"}}
     assert upward_edges(planted) == [("jtrain.data.load", "jtrain"),
                                      ("jtrain.errors", "jtrain.cli.runner")]
     graph = layered_graph(_modules())
-    signals = graph["jtrain.control.signals"]  # `from jtrain import boot`: a module
-    assert "jtrain.boot" in signals and "jtrain" not in signals
+    signals = graph["jtrain.control.signals"]  # `from jtrain.cli import boot`: a module
+    assert "jtrain.cli.boot" in signals and "jtrain" not in signals
     assert "jtrain" in graph["jtrain.tune.trial"]  # `import jtrain`: the root
 
 

@@ -1,6 +1,6 @@
-"""Benchmarks of the jtrain engine: `python -m jtrain.bench NAME` (see `cli`).
+"""Benchmarks of the jtrain engine: `python -m jtrain.bench NAME` (the command, its flags
+and the overhead report: jtrain/cli/bench.py).
 
-    cli          the command: argument parsing, dispatch, the overhead report
     overhead     the real training loop vs a hand-written jax.jit loop
     data         jtrain's data pipeline vs torch's DataLoader
     checkpoint   what async checkpointing costs the loop
@@ -15,6 +15,15 @@
     table        a benchmark's --out JSON as the markdown tables of docs/benchmarks.md
 """
 
-from jtrain.bench.cli import main
+
+
+def main(argv=None) -> int:
+    """`jtrain bench NAME [flags]` without the process start-up: the exit code."""
+    import sys
+
+    from jtrain import cli
+
+    return cli.run_command("bench", sys.argv[1:] if argv is None else argv)
+
 
 __all__ = ["main"]

@@ -1,11 +1,5 @@
-"""`python -m jtrain.bench NAME`: see jtrain.bench.cli."""
+"""`python -m jtrain.bench NAME` = `jtrain bench NAME`: the command is jtrain/cli/bench.py."""
 
-from jtrain import boot
+from jtrain import cli
 
-boot.start("bench")  # before the command's imports (jtrain.boot)
-
-import sys  # noqa: E402
-
-from jtrain.bench.cli import main  # noqa: E402
-
-sys.exit(main())
+cli.module_main("bench")

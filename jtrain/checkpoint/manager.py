@@ -56,7 +56,7 @@ from jtrain.checkpoint import integrity, policy
 from jtrain.control import faults
 from jtrain.errors import CheckpointError, RestoreError, first_line
 from jtrain.observe.console import say
-from jtrain.redact import redact
+from jtrain.observe.redact import redact
 
 
 class _Unreadable(Exception):

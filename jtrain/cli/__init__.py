@@ -14,16 +14,18 @@
     runner.py     the one command-line framework (absl flags, config files) and the one
                   error path: parse, run
     exits.py      how a command ends: the line, the code, peers told, the fast exit
-    train.py, evaluate.py, export.py, diff.py, replay.py   the commands
+    train.py, evaluate.py, export.py, diff.py, replay.py, tune.py, bench.py   the commands
+    boot.py       process start-up (before anything heavy is imported); hostmem.py its
+                  huge-page re-exec and XLA:CPU / malloc settings
     reference.py  python -m jtrain.cli.reference --write docs/reference: every generated
                   page; exit_codes.py its exit-code table
 
 Each command `jtrain/cli/<name>.py` has the
 same two functions, `define_flags(fv, argv)` and `main(fv, args, argv) -> exit code`, and
 `PROG` / `DESCRIPTION`; `run_command` parses its flags and runs it through the one error
-path (`jtrain.cli.runner.run`: one line and an exit code per failure). tune and bench are
-packages of their own with a `main(argv)` each. Every form starts the same way
-(`start`: process start-up, `jtrain.boot`; the current directory first on `sys.path`, as
+path (`jtrain.cli.runner.run`: one line and an exit code per failure); the search and the
+benchmarks themselves live in jtrain.tune and jtrain.bench. Every form starts the same way
+(`start`: process start-up, `jtrain.cli.boot`; the current directory first on `sys.path`, as
 `python -m` puts it, so a `model.factory` module beside the config imports under every
 form) and a finished train command leaves by the same fast exit (`jtrain.cli.exits`).
 """
@@ -51,10 +53,10 @@ COMMANDS = {
                         "evaluate a checkpoint: --workdir=DIR [--step=N|best]"),
     "export": Command("jtrain.cli.export", "python -m jtrain.export",
                       "export parameters (safetensors): --workdir=DIR --out=DIR"),
-    "tune": Command("jtrain.tune", "python -m jtrain.tune",
+    "tune": Command("jtrain.cli.tune", "python -m jtrain.tune",
                     "hyperparameter search over runs: --config=FILE --workdir=DIR"),
-    "bench": Command("jtrain.bench.cli", "python -m jtrain.bench",
-                     "benchmarks: overhead, data, checkpoint"),
+    "bench": Command("jtrain.cli.bench", "python -m jtrain.bench",
+                     "benchmarks of the engine itself (jtrain bench --help lists them)"),
     "diff": Command("jtrain.cli.diff", "python -m jtrain.diff",
                     "where two runs part: config, data, versions, state hashes: RUN_A RUN_B"),
     "replay": Command("jtrain.cli.replay", "python -m jtrain.replay",
@@ -86,8 +88,6 @@ def run_command(name: str, argv) -> int:
 
     module = _module(name)
     argv = list(argv)
-    if not hasattr(module, "define_flags"):  # tune, bench: their own main(argv)
-        return int(module.main(argv) or 0)
     prog = COMMANDS[name].prog
     overrides_from = [prog, *runner.split_free_form(argv)[0]]  # --config.a.b=... forms
     return runner.run(prog, lambda fv: module.define_flags(fv, overrides_from),
@@ -98,11 +98,11 @@ def run_command(name: str, argv) -> int:
 def start(name: str) -> None:
     """What every form of every command does first: the current directory on sys.path
     (where `python -m` puts it; a console script's sys.path starts with its own bin/),
-    then the process start-up (jtrain.boot)."""
+    then the process start-up (jtrain.cli.boot)."""
     here = os.getcwd()
     if here not in sys.path and "" not in sys.path:
         sys.path.insert(0, here)
-    from jtrain import boot
+    from jtrain.cli import boot
 
     boot.start(name)
 

@@ -27,15 +27,15 @@ def _commands() -> list[tuple[str, str, object]]:
     """(command, one line of help, define_flags(fv)) for every command."""
     import importlib
 
-    from jtrain.bench import cli as bench_cli
+    from jtrain.cli import bench as bench_cli
     from jtrain.cli import COMMANDS
-    from jtrain.tune import command as tune_command
+    from jtrain.cli import tune as tune_command
 
     out = []
     for name in ("train", "evaluate", "export", "diff", "replay", "tune"):
         command = COMMANDS[name]
         if name == "tune":
-            define = lambda fv: tune_command._define_flags(fv, ["jtrain"])  # noqa: E731
+            define = lambda fv: tune_command.define_flags(fv, ["jtrain"])  # noqa: E731
         else:
             module = importlib.import_module(command.module)
             define = (lambda m: lambda fv: m.define_flags(fv, ["jtrain"]))(module)

@@ -30,7 +30,8 @@ from collections.abc import Callable
 
 from absl import flags
 
-from jtrain import boot, errors
+from jtrain import errors
+from jtrain.cli import boot
 from jtrain.cli import exits
 
 

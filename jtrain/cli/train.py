@@ -181,7 +181,7 @@ def _start(fv, config: dict):
 
     import jax
 
-    from jtrain import boot
+    from jtrain.cli import boot
     from jtrain import config as config_lib
     from jtrain.engine.run import check_workdir
     from jtrain.multihost import start
@@ -204,7 +204,7 @@ def _print_result(fv, result) -> None:
     """The machine-readable result: one JSON line on stdout (process 0)."""
     import jax
 
-    from jtrain.redact import redact_text
+    from jtrain.observe.redact import redact_text
 
     if jax.process_index() == 0:
         scalars = {k: v for k, v in result.summary.items()

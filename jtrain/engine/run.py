@@ -41,7 +41,7 @@ from jtrain.observe import compiles as compiles_lib
 from jtrain.observe import outputs as outputs_lib
 from jtrain.observe import startup as startup_lib
 from jtrain.observe import writers as writers_lib
-from jtrain.redact import redact
+from jtrain.observe.redact import redact
 
 
 @dataclasses.dataclass

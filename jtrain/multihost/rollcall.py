@@ -23,9 +23,9 @@ RETRY_S = 0.25  # between attempts to reach the coordinator
 
 
 def _interrupted() -> None:
-    """A SIGTERM / SIGINT while waiting for peers (recorded by jtrain.boot for the CLI):
+    """A SIGTERM / SIGINT while waiting for peers (recorded by jtrain.cli.boot for the CLI):
     stop here, exit 0, as for any signal during start-up (nothing to save)."""
-    from jtrain import boot
+    from jtrain.cli import boot
 
     name = boot.early_signal()
     if name:

@@ -16,4 +16,5 @@
     startup   time to first step split into phases, in the header and summary.json
     compiles  the persistent compilation cache; every compile counted, recompiles named
     tbx       tensorboardX's event-file modules without its torch import
+    redact    secrets masked in everything printed or written (imports nothing of jtrain)
 """

@@ -13,7 +13,7 @@ import sys
 import time
 import warnings
 
-from jtrain.redact import redact_text
+from jtrain.observe.redact import redact_text
 
 
 def say(line: str) -> None:

@@ -18,7 +18,7 @@ import os
 import threading
 import traceback
 
-from jtrain.redact import redact_text
+from jtrain.observe.redact import redact_text
 
 LOG_FILE = "train.log"  # the same file as observe.console.LOG_FILE
 _PENDING_MAX = 2000  # records kept while the workdir does not exist yet

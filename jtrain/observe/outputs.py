@@ -27,7 +27,7 @@ from jtrain.optim import schedules
 from jtrain.control import changes as changes_lib
 from jtrain.observe import console, header as header_lib, perf as perf_lib
 from jtrain.observe import writers as writers_lib
-from jtrain.redact import redact
+from jtrain.observe.redact import redact
 
 CONFIG_FILE = "config.json"
 RUN_FILE = "run.json"

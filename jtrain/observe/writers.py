@@ -19,7 +19,7 @@ from pathlib import Path
 # Redaction lives beside the console output that needs it most; it is part of this API.
 from jtrain import config as config_lib
 from jtrain.observe import jsonl, tbx, writer_checks
-from jtrain.redact import redact, redact_text
+from jtrain.observe.redact import redact, redact_text
 
 _MLFLOW_PARAM_MAX_LEN = 6000  # MLflow rejects longer parameter values.
 

@@ -8,9 +8,9 @@ database (`sqlite:///WORKDIR/study.db` unless `tune.storage` names another) hold
 trials, so several workers can share it and a killed worker's rerun continues. Each trial
 is a jtrain run in WORKDIR/trials/<n>. The search writes WORKDIR/trials.jsonl,
 WORKDIR/best_config.py (retrain with `python -m jtrain.main --config=...`) and
-WORKDIR/tune.png. Optuna is an extra: `pip install 'jtrain[tune]'`.
+WORKDIR/tune.png. Optuna is an extra: `pip install 'jtrain[tune]'`. The command (its
+flags, the worker loop, the job broadcast) is jtrain/cli/tune.py.
 
-    command.py   flags, main(argv), the worker loop, the job broadcast
     study.py     storage, sampler, pruner, the next trial, killed trials, heartbeats
     trial.py     one trial: sampled params -> config -> jtrain.train -> outcome
     batch.py     tune.population > 1: K trials as the members of one population run
@@ -20,6 +20,8 @@ WORKDIR/tune.png. Optuna is an extra: `pip install 'jtrain[tune]'`.
 
 def main(argv=None) -> int:
     """The command (`jtrain tune` dispatches here): returns the exit code."""
-    from jtrain.tune.command import main as command_main
+    import sys
 
-    return command_main(argv)
+    from jtrain import cli
+
+    return cli.run_command("tune", sys.argv[1:] if argv is None else argv)

@@ -1,11 +1,5 @@
-"""`python -m jtrain.tune`: see jtrain.tune."""
+"""`python -m jtrain.tune` = `jtrain tune`: the command is jtrain/cli/tune.py."""
 
-from jtrain import boot
+from jtrain import cli
 
-boot.start("tune")  # before the command's imports (jtrain.boot)
-
-import sys  # noqa: E402
-
-from jtrain.tune import main  # noqa: E402
-
-sys.exit(main())
+cli.module_main("tune")

@@ -9,7 +9,8 @@ import re
 import pytest
 
 from journey import run_python
-from jtrain.bench import cli as bench
+from jtrain.bench import main as bench_main
+from jtrain.cli import bench as bench
 
 
 def _positive(x) -> bool:
@@ -20,7 +21,7 @@ def test_future_subcommands_exit_2_with_one_line(capsys):
     # A loop, not a parametrize: with no subcommand left unimplemented (today) an empty
     # parametrize would be a skip, and a skip fails the suite.
     for name in bench.NOT_IMPLEMENTED:
-        assert bench.main([name]) == 2
+        assert bench_main([name]) == 2
         out, err = capsys.readouterr()
         assert out == ""
         assert err == f"jtrain: usage error: '{name}' is not implemented yet\n"
@@ -28,7 +29,7 @@ def test_future_subcommands_exit_2_with_one_line(capsys):
 
 def test_help_lists_subcommands(capsys):
     with pytest.raises(SystemExit) as e:
-        bench.main(["--help"])
+        bench_main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
     for name in ("overhead", "data", "checkpoint", "console", "scaling"):
@@ -86,7 +87,7 @@ def test_console_bench_reports_both_sides(tmp_path, capsys):
     """`python -m jtrain.bench console`: one row per round, the medians and a positive
     ratio, the JSON beside it; no timing asserted."""
     out = tmp_path / "console.json"
-    assert bench.main(["console", "--updates=30", "--rounds=2", "--columns=80",
+    assert bench_main(["console", "--updates=30", "--rounds=2", "--columns=80",
                        f"--out={out}"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0] == "console: 2 rounds x 30 updates, terminal 80 columns"
@@ -94,4 +95,4 @@ def test_console_bench_reports_both_sides(tmp_path, capsys):
                                         r"us/update \(medians\), ratio [\d.]+;", lines[-1])
     res = json.loads(out.read_text())
     assert len(res["rich_us"]) == len(res["plain_us"]) == 2 and _positive(res["ratio"])
-    assert bench.main(["console", "--columns=5"]) == 2
+    assert bench_main(["console", "--columns=5"]) == 2

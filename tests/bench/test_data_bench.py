@@ -5,12 +5,13 @@ import json
 import math
 import re
 
-from jtrain.bench import cli as bench
+from jtrain.bench import main as bench_main
+from jtrain.cli import bench as bench
 
 
 def test_data_bench_reports_medians_and_ratios(tmp_path, capsys):
     out = tmp_path / "data.json"
-    code = bench.main(["data", "--num_examples=160", "--batch_size=16", "--rounds=1",
+    code = bench_main(["data", "--num_examples=160", "--batch_size=16", "--rounds=1",
                        "--batches=4", "--steps=3", f"--out={out}"])
     assert code == 0
     lines = capsys.readouterr().out.strip().splitlines()
@@ -27,5 +28,5 @@ def test_data_bench_reports_medians_and_ratios(tmp_path, capsys):
 
 
 def test_data_bench_refuses_bad_sizes(capsys):
-    assert bench.main(["data", "--num_examples=10", "--batch_size=16"]) == 2
+    assert bench_main(["data", "--num_examples=10", "--batch_size=16"]) == 2
     assert capsys.readouterr().err.startswith("jtrain: usage error: sizes must be")

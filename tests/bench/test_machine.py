@@ -3,7 +3,8 @@ measurement is marked unreliable; `bench table` on a peers JSON. No timing asser
 
 import json
 
-from jtrain.bench import cli as bench
+from jtrain.bench import main as bench_main
+from jtrain.cli import bench as bench
 from jtrain.bench import machine, peers as bp, table
 
 
@@ -69,14 +70,14 @@ def test_peers_report_and_table_mark_the_loaded_round(tmp_path, capsys):
     assert "| 1.488 | 1.196 |" in md  # ratios of the medians
     assert "jtrain `abc123`, Test CPU, 2 cores" in md and "1 of 2" not in md
     assert "3 of 6 measurements UNRELIABLE" in md
-    assert bench.main(["table", str(path)]) == 0
+    assert bench_main(["table", str(path)]) == 0
     assert capsys.readouterr().out.strip() == md.strip()
 
 
 def test_table_of_a_foreign_json_is_one_line_exit_2(tmp_path, capsys):
     bad = tmp_path / "x.json"
     bad.write_text('{"bench": "console"}')
-    assert bench.main(["table", str(bad)]) == 2
+    assert bench_main(["table", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("jtrain: usage error:") and err.count("\n") == 1
-    assert bench.main(["table"]) == 2
+    assert bench_main(["table"]) == 2

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from jtrain.bench import cli as bench
+from jtrain.bench import main as bench_main
+from jtrain.cli import bench as bench
 from jtrain.bench import peers as bp
 from journey import run_python
 
@@ -77,14 +78,14 @@ def test_jtrain_side_reads_the_digits_without_torch(tmp_path):
 
 def test_missing_peers_is_one_line_exit_2(monkeypatch, capsys):
     monkeypatch.setattr(bp, "missing_peers", lambda: ["lightning"])
-    assert bench.main(["peers"]) == 2
+    assert bench_main(["peers"]) == 2
     out, err = capsys.readouterr()
     assert out == ""
     assert err == "jtrain: usage error: peers needs lightning (pip install 'jtrain[bench]')\n"
 
 
 def test_bad_case_is_one_line_exit_2(capsys):
-    assert bench.main(["peers", "--cases=lm_huge"]) == 2
+    assert bench_main(["peers", "--cases=lm_huge"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "lm_huge" in err
 

@@ -337,9 +337,9 @@ def test_no_load_path_unpickles():
 
 
 def test_bench_checkpoint_smoke(capsys):
-    from jtrain.bench import cli as bench
+    from jtrain.bench import main as bench_main
 
-    assert bench.main(["checkpoint", "--rounds=0"]) == 2
-    assert bench.main(["checkpoint", "--params=3e5", "--rounds=1", "--steps=1"]) == 0
+    assert bench_main(["checkpoint", "--rounds=0"]) == 2
+    assert bench_main(["checkpoint", "--params=3e5", "--rounds=1", "--steps=1"]) == 0
     out = capsys.readouterr().out
     assert "loop blocked by a save: async" in out and "restore" in out and "steps/s" in out

@@ -1,5 +1,5 @@
 """Start-up: every entry point starts the same way whichever form a user types
-(`python -m jtrain.X` or the `jtrain X` script), through `jtrain.boot.start` before JAX
+(`python -m jtrain.X` or the `jtrain X` script), through `jtrain.cli.boot.start` before JAX
 is imported; importing jtrain from a script does nothing to the process."""
 
 import json
@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from jtrain import hostmem
+from jtrain.cli import hostmem
 from journey import run_python, user_env
 
 CAN = hostmem.tunables_with_hugetlb({}) is not None  # glibc >= 2.35 and THP available

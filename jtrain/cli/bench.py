@@ -78,7 +78,7 @@ import sys
 
 from absl import flags
 
-from jtrain.cli import runner as cli
+from jtrain import errors
 from jtrain.bench import machine as machine_lib
 
 NOT_IMPLEMENTED: tuple = ()
@@ -311,29 +311,47 @@ def table(args, files: list) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    """`python -m jtrain.bench NAME [--flags]`; NAME picks the benchmark and its flags."""
+PROG = "python -m jtrain.bench"
+DESCRIPTION = "Benchmarks of the jtrain engine itself: jtrain bench NAME [flags]."
+
+
+def _name(argv) -> str | None:
+    """The benchmark `argv` names (its first positional argument), if any."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def _usage(benches: dict) -> str:
+    return ("usage: python -m jtrain.bench {" + ",".join(benches) + "} [flags]\n\n"
+            + "".join(f"  {k:<11} {v[2]}\n" for k, v in benches.items()))
+
+
+def define_flags(fv, argv) -> None:
+    """The flags of the benchmark `argv` names; with none named, `--help` prints the list
+    of benchmarks (exit 0). An unknown or unimplemented name is a UsageError."""
     benches = commands()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    name = argv[0] if argv and not argv[0].startswith("-") else None
+    name = _name(argv[1:])
     if name is None:
-        usage = ("usage: python -m jtrain.bench {overhead,data,checkpoint,console,scaling,"
-                 "peers,population,profile,table} [flags]\n\n"
-                 + "".join(f"  {k:<11} {v[2]}\n" for k, v in benches.items()))
         if any(a in ("--help", "-h") for a in argv):
-            sys.stdout.write(usage + "\n" + (__doc__ or "") + "\n")
+            sys.stdout.write(_usage(benches) + "\n" + (__doc__ or "") + "\n")
             raise SystemExit(0)
-        sys.stderr.write(usage)
-        return EXIT_USAGE
+        return
     if name in NOT_IMPLEMENTED:
-        return _fail(f"{name!r} is not implemented yet")
+        raise errors.UsageError(f"{name!r} is not implemented yet")
     if name not in benches:
-        return _fail(f"error: unknown benchmark {name!r}; choose from {', '.join(benches)}")
-    define, bench, description = benches[name]
+        raise errors.UsageError(f"unknown benchmark {name!r}; choose from "
+                                f"{', '.join(benches)}")
+    benches[name][0](fv)
+
+
+def main(fv, args, argv) -> int:
+    """Run the benchmark `args` names (`table` takes its file as the next argument)."""
+    benches = commands()
+    if not args:
+        sys.stderr.write(_usage(benches))
+        return EXIT_USAGE
     _ARGV[:] = argv
-    run = (lambda fv, rest: bench(fv, rest)) if name == "table" else (lambda fv, _: bench(fv))
-    return cli.run(f"python -m jtrain.bench {name}", define, run,
-                   argv[1:], description=description)
+    name = args[0]
+    return table(fv, args[1:]) if name == "table" else benches[name][1](fv)
 
 
 def checkpoint(args) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 
 from absl import flags
 from ml_collections import config_flags
@@ -22,9 +21,10 @@ from jtrain.cli import runner as cli
 from jtrain.errors import ConfigError, UsageError
 
 PROG = "python -m jtrain.tune"
+DESCRIPTION = __doc__.split("\n\n", 1)[0]
 
 
-def _define_flags(fv: flags.FlagValues, sys_argv) -> None:
+def define_flags(fv: flags.FlagValues, sys_argv) -> None:
     config_flags.DEFINE_config_file("config", None, "Config file with tune.space, e.g. "
                                     "configs/x.py:debug.", lock_config=True, flag_values=fv,
                                     sys_argv=sys_argv)
@@ -73,7 +73,7 @@ def _share(job):
     return None if shared is None else Job(**shared)
 
 
-def _main(fv, args, argv) -> int:
+def main(fv, args, argv) -> int:
     if args:
         raise UsageError(f"unexpected arguments: {' '.join(args)}")
     config = _config(fv, argv)
@@ -88,7 +88,7 @@ def _main(fv, args, argv) -> int:
                          "pip install 'jtrain[tune]'") from None
     from absl import logging as absl_logging
 
-    from jtrain import boot
+    from jtrain.cli import boot
     from jtrain import config as config_lib
     from jtrain.config import space as space_lib
     from jtrain.observe import startup
@@ -147,7 +147,7 @@ class Worker:
             return self._loop()
 
     def _loop(self) -> int:
-        from jtrain import boot
+        from jtrain.cli import boot
         from jtrain.multihost import preflight
         from jtrain.tune import trial as trial_lib
 
@@ -226,7 +226,7 @@ class Worker:
 
         import jax
 
-        from jtrain import boot
+        from jtrain.cli import boot
 
         if jax.process_count() > 1 or threading.current_thread() is not \
                 threading.main_thread():
@@ -354,11 +354,3 @@ def _flat(space) -> dict:
     from jtrain.config import space as space_lib
 
     return space_lib.flatten(space)
-
-
-def main(argv=None) -> int:
-    """`python -m jtrain.tune --config=FILE --workdir=DIR [--tune.storage=URL]`."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    return cli.run(PROG, lambda fv: _define_flags(fv, [PROG, *cli.split_free_form(argv)[0]]),
-                   lambda fv, args: _main(fv, args, argv), argv,
-                   description=__doc__.split("\n\n", 1)[0])
