@@ -90,8 +90,8 @@ class DataError(JtrainError, ValueError):
 
 
 class ModelError(JtrainError, ValueError):
-    """A model jtrain cannot train as it is (e.g. BatchNorm's running statistics, which
-    the train step does not carry yet): names the model and what to change."""
+    """A model or step of the user's that jtrain cannot train as it is: names it and
+    what to change."""
 
     kind, exit_code = "model", 2
 

@@ -34,18 +34,36 @@ class TrainState:
     # optim.ema: the params' moving average (below), sharded like them; None = off,
     # so runs without it keep their state tree, checkpoints and state_sha256.
     ema: Any = None
+    # The model's state beyond parameters (BatchNorm's running statistics: Linen's
+    # collections, NNX's BatchStat variables; models.adapters), updated by the train
+    # step, replicated; None for a model without, which keeps its tree as it was.
+    model_state: Any = None
 
     def replace(self, **changes) -> "TrainState":
         return dataclasses.replace(self, **changes)
 
 
+@dataclasses.dataclass(frozen=True)
+class Variables:
+    """A model's parameters with the state it carries (BatchNorm's running statistics):
+    what a model's `apply` takes in place of the params when it keeps state
+    (jtrain.models.adapters)."""
+    params: Any
+    state: Any
+
+
+jax.tree_util.register_dataclass(Variables, data_fields=["params", "state"], meta_fields=[])
+
+
 _FIELDS = tuple(f.name for f in dataclasses.fields(TrainState))
+_OPTIONAL = ("ema", "model_state")  # left out of the tree while None
 
 
 def _flatten(state: TrainState):
-    """A pytree of its fields by name (GetAttrKey), `ema` left out while it is None: a
-    run without EMA saves the checkpoint tree it always did, and restores older ones."""
-    names = tuple(n for n in _FIELDS if n != "ema" or state.ema is not None)
+    """A pytree of its fields by name (GetAttrKey), `ema` and `model_state` left out
+    while they are None: a run without them saves the checkpoint tree it always did, and
+    restores older ones."""
+    names = tuple(n for n in _FIELDS if n not in _OPTIONAL or getattr(state, n) is not None)
     return [(jax.tree_util.GetAttrKey(n), getattr(state, n)) for n in names], names
 
 
@@ -70,8 +88,9 @@ def make_abstract_state(model_fns, tx, policy, sample_inputs, mesh, seed: int, *
     with jax.set_mesh(mesh):
         abstract_params, param_shardings = model_fns.abstract_and_shardings(
             rng, sample_inputs, mesh, auto_shard_min_bytes=auto_shard_min_bytes)
-    abstract = jax.eval_shape(lambda p: _fresh_state(p, tx, policy, rng, ema),
-                              abstract_params)
+        model_state = _no_empty(jax.eval_shape(model_fns.state_init, rng, sample_inputs))
+    abstract = jax.eval_shape(lambda p, m: _fresh_state(p, tx, policy, rng, ema, m),
+                              abstract_params, model_state)
     repl = NamedSharding(mesh, P())
     # MaskedNode: no state for that parameter (frozen by optim.trainable / frozen).
     try:
@@ -85,8 +104,15 @@ def make_abstract_state(model_fns, tx, policy, sample_inputs, mesh, seed: int, *
         opt_shardings = _shardings_by_path(abstract, param_shardings, repl)
     shardings = jax.tree.map(lambda _: repl, abstract).replace(
         params=param_shardings, opt_state=opt_shardings,
-        ema=param_shardings if ema else None)
+        ema=param_shardings if ema else None,
+        model_state=None if model_state is None else jax.tree.map(lambda _: repl,
+                                                                   model_state))
     return abstract, shardings
+
+
+def _no_empty(model_state):
+    """None for a model without state ({}), else the state."""
+    return model_state if jax.tree.leaves(model_state) else None
 
 
 def _shardings_by_path(abstract, param_shardings, repl):
@@ -104,31 +130,35 @@ def _shardings_by_path(abstract, param_shardings, repl):
     return jax.tree_util.tree_map_with_path(pick, abstract.opt_state)
 
 
-def _fresh_state(params, tx, policy, rng, ema: bool = False):
+def _fresh_state(params, tx, policy, rng, ema: bool = False, model_state=None):
     return TrainState(
         step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params),
         rng=jax.random.key_data(jax.random.fold_in(rng, 1)),
         loss_scale=precision.init_loss_scale(policy),
         skipped_steps=jnp.asarray(0, jnp.int32), consecutive_skips=jnp.asarray(0, jnp.int32),
         halted_at=jnp.asarray(0, jnp.int32), lr_factor=jnp.asarray(1.0, jnp.float32),
-        ema=ema_init(params) if ema else None)
+        ema=ema_init(params) if ema else None, model_state=model_state)
 
 
 def init_state(model_fns, tx, policy, sample_inputs, mesh, seed: int, shardings
                ) -> TrainState:
     """A fresh TrainState, created directly in its shardings by one jitted function
     (with the weight EMA when `shardings` has one: make_abstract_state(..., ema=True))."""
-    ema = shardings.ema is not None
+    ema, stateful = shardings.ema is not None, shardings.model_state is not None
     rng = jax.random.key(seed)
     inputs = jax.tree.map(lambda s: jnp.zeros((1,) + tuple(s.shape[1:]), s.dtype),
                           sample_inputs)
     if model_fns.existing_params is not None:  # an NNX instance the user already built
-        fn = jax.jit(lambda p: _fresh_state(p, tx, policy, rng, ema), out_shardings=shardings)
-        return fn(model_fns.existing_params)
+        fn = jax.jit(lambda p, m: _fresh_state(p, tx, policy, rng, ema, m),
+                     out_shardings=shardings)
+        return fn(model_fns.existing_params,
+                  model_fns.existing_state if stateful else None)
 
     def create():
-        params = nn.unbox(model_fns.init(jax.random.fold_in(rng, 0), inputs))
-        return _fresh_state(params, tx, policy, rng, ema)
+        key = jax.random.fold_in(rng, 0)
+        params = nn.unbox(model_fns.init(key, inputs))
+        model_state = model_fns.state_init(key, inputs) if stateful else None
+        return _fresh_state(params, tx, policy, rng, ema, model_state)
 
     with jax.set_mesh(mesh):
         return jax.jit(create, out_shardings=shardings)()
@@ -138,9 +168,26 @@ EVAL_WEIGHTS = ("params", "ema")
 
 
 def eval_params(state: TrainState, which: str = "params"):
-    """The parameters an evaluation uses: `which` = "params" (the trained ones; for a
-    schedule-free optimizer the average it defines for evaluation) or "ema" (the weight EMA, in the
-    params' dtypes; a ValueError when the state has none: optim.ema.decay = 0)."""
+    """What an evaluation calls the model with: the parameters of `which` = "params"
+    (the trained ones; for a schedule-free optimizer the average it defines for
+    evaluation) or "ema" (the weight EMA, in the params' dtypes; a ValueError when the
+    state has none: optim.ema.decay = 0), with the model's state when it keeps one
+    (`models.adapters.Variables`: BatchNorm's running statistics)."""
+    params = _eval_params(state, which)
+    if state.model_state is None:
+        return params
+    return Variables(params, state.model_state)
+
+
+def eval_part(tree: TrainState):
+    """The part of a state-shaped tree (shardings, abstract values) that `eval_params`
+    returns: the params, with the model's state when it keeps one."""
+    if tree.model_state is None:
+        return tree.params
+    return Variables(tree.params, tree.model_state)
+
+
+def _eval_params(state: TrainState, which: str):
     if which == "params":  # a schedule-free optimizer's own evaluation point
         from jtrain import optim as optim_lib
 
@@ -156,12 +203,15 @@ def eval_params(state: TrainState, which: str = "params"):
 
 
 def state_sha256(state: TrainState) -> str:
-    """SHA-256 over params, optimizer state and the weight EMA (when kept): leaf paths,
+    """SHA-256 over params, optimizer state, the weight EMA and the model's state (when
+    kept): leaf paths,
     dtypes, shapes and bytes in path order. The same on every process, and across runs
     for identical state."""
     tree = {"params": state.params, "opt_state": state.opt_state}
     if state.ema is not None:
         tree["ema"] = state.ema
+    if state.model_state is not None:
+        tree["model_state"] = state.model_state
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     digest = hashlib.sha256()
     for path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):

@@ -14,7 +14,8 @@ means, which is not the same for masked LM losses).
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ from jtrain import losses
 from jtrain import metrics as metrics_lib
 from jtrain import optim
 from jtrain import precision
-from jtrain.state import TrainState, ema_rate_fn, ema_update
+from jtrain.state import TrainState, Variables, ema_rate_fn, ema_update
 
 
 def _split_microbatches(batch, k: int):
@@ -114,40 +115,43 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
     exactly over microbatches, come back as `metrics[TRAIN_METRICS]`
     (`train_metric_values` turns them into train/<name>)."""
 
-    def loss_and_aux(params, batch, key, scale):
-        outputs = apply_fn(params, inputs_of(batch, model_inputs), rng=key, train=True)
+    def loss_and_aux(params, batch, key, scale, model_state):
+        inputs = inputs_of(batch, model_inputs)
+        if model_state is None:
+            outputs = apply_fn(params, inputs, rng=key, train=True)
+        else:  # the model's state (BatchNorm statistics) moves with this batch
+            outputs, new_model_state = apply_fn(Variables(params, model_state), inputs,
+                                                rng=key, train=True, mutable=True)
+            model_state = jax.tree.map(lambda n, o: n.astype(o.dtype), new_model_state,
+                                       model_state)
         (loss_sum, weight), terms = losses.split_loss(loss_fn(outputs, batch))
         states = {} if train_metrics is None else _metric_states(
             train_metrics, predict_fn, *jax.lax.stop_gradient((outputs, batch, loss_sum,
                                                                weight)))
-        return loss_sum * scale, (loss_sum, weight, terms, states)
+        return loss_sum * scale, ((loss_sum, weight, terms, states),
+                                  jax.lax.stop_gradient(model_state))
 
     ema_rate = ema_rate_fn(ema_decay, ema_warmup)
     value_and_grad = accumulated(jax.value_and_grad(loss_and_aux, has_aux=True),
-                                 grad_accum_steps)
+                                 grad_accum_steps, carry=True)
 
     def train_step(state: TrainState, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         scale = state.loss_scale["scale"]  # 1 unless fp16 dynamic loss scaling
-        (loss_sum, weight, terms, states), grads = value_and_grad(state.params, batch, key,
-                                                                  scale)
+        (loss_sum, weight, terms, states), grads, model_state = value_and_grad(
+            state.params, batch, key, scale, state.model_state)
         denom = jnp.maximum(weight, 1e-12) * scale  # sums -> the token-weighted mean
         grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / denom).astype(g.dtype), grads)
         loss = loss_sum / jnp.maximum(weight, 1e-12)
 
         def update():
-            if optim.takes_lr_factor(tx):  # schedule-free: the factor scales its base step
-                updates, opt_state = tx.update(grads, state.opt_state, state.params,
-                                               lr_factor=state.lr_factor)
-            else:
-                updates, opt_state = tx.update(grads, state.opt_state, state.params)
-                updates = jax.tree.map(lambda u: (u * state.lr_factor).astype(u.dtype),
-                                       updates)
-            params = optax.apply_updates(state.params, updates)
+            params, opt_state = optimizer_update(tx, grads, state.opt_state, state.params,
+                                                 state.lr_factor)
             if ema_rate is None:
-                return params, opt_state, state.ema
+                return params, opt_state, state.ema, model_state
             applied_before = state.step - state.skipped_steps  # updates applied so far
-            return params, opt_state, ema_update(state.ema, params, ema_rate(applied_before))
+            return (params, opt_state, ema_update(state.ema, params, ema_rate(applied_before)),
+                    model_state)
 
         grad_norm = optax.tree.norm(grads)
         new_state, guard = guarded_update(
@@ -167,6 +171,21 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
         return new_state, metrics
 
     return train_step
+
+
+def optimizer_update(tx: optax.GradientTransformation, grads, opt_state, params,
+                     lr_factor=1.0):
+    """(params, opt_state) after one optax update with `lr_factor` (ReduceLROnPlateau's
+    factor: `context.lr_factor` in a step of your own) scaling the learning rate: passed
+    to a schedule-free optimizer's update, multiplying the updates of any other. What the
+    built-in update applies, and what a step of your own can call for each optimizer it
+    keeps."""
+    if optim.takes_lr_factor(tx):  # schedule-free: the factor scales its base step
+        updates, opt_state = tx.update(grads, opt_state, params, lr_factor=lr_factor)
+    else:
+        updates, opt_state = tx.update(grads, opt_state, params)
+        updates = jax.tree.map(lambda u: (u * lr_factor).astype(u.dtype), updates)
+    return optax.apply_updates(params, updates), opt_state
 
 
 # The train step's metric states (log.train_metrics) in its metrics dict: a pytree, not
@@ -206,59 +225,67 @@ def _add_aux(a, b):
     return jax.tree.map(add, a, b, is_leaf=lambda x: isinstance(x, metrics_lib.MetricCollection))
 
 
-def accumulated(value_and_grad: Callable, k: int) -> Callable:
+def accumulated(value_and_grad: Callable, k: int, *, carry: bool = False) -> Callable:
     """`value_and_grad(params, batch, key, scale) -> ((value, aux), grads)` summed over k
     microbatches (`_split_microbatches`), as (aux, grads): the loss sum, the weight and
     the named terms' (sum, weight) are sums, so dividing by the summed weight gives the
     full batch's token-weighted mean whatever each microbatch weighs. Microbatch j draws
-    its randomness from fold_in(key, j)."""
+    its randomness from fold_in(key, j).
 
-    def one(params, batch, key, scale):
+    With `carry`: `value_and_grad(params, batch, key, scale, c) -> ((value, (aux, c')),
+    grads)` and the result is (aux, grads, c), the carry passed from each microbatch to
+    the next (a model's state: BatchNorm's statistics move once per microbatch)."""
+
+    def one(params, batch, key, scale, c=None):
+        if carry:
+            (_, (aux, c)), grads = value_and_grad(params, batch, key, scale, c)
+            return aux, grads, c
         (_, aux), grads = value_and_grad(params, batch, key, scale)
-        return aux, grads
+        return aux, grads, None
 
     if k == 1:
-        return one
+        return one if carry else (lambda *a: one(*a)[:2])
 
-    def summed(params, batch, key, scale):
-        def body(carry, xs):
+    def summed(params, batch, key, scale, c=None):
+        def body(acc, xs):
             micro, j = xs
-            aux, g = one(params, micro, jax.random.fold_in(key, j), scale)
-            acc_aux, acc_g = carry
-            return (_add_aux(acc_aux, aux), jax.tree.map(jnp.add, acc_g, g)), None
+            acc_aux, acc_g, c = acc
+            aux, g, c = one(params, micro, jax.random.fold_in(key, j), scale, c)
+            return (_add_aux(acc_aux, aux), jax.tree.map(jnp.add, acc_g, g), c), None
 
         splits = _split_microbatches(batch, k)
         first = jax.tree.map(lambda x: x[0], splits)
-        aux_shape = jax.eval_shape(lambda: one(params, first, key, scale)[0])
+        aux_shape = jax.eval_shape(lambda: one(params, first, key, scale, c)[0])
         init = (_zero_aux(aux_shape),
-                jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
-        (aux, g), _ = jax.lax.scan(body, init, (splits, jnp.arange(k)))
-        return aux, jax.tree.map(lambda a, p: a.astype(p.dtype), g, params)
+                jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), c)
+        (aux, g, c), _ = jax.lax.scan(body, init, (splits, jnp.arange(k)))
+        grads = jax.tree.map(lambda a, p: a.astype(p.dtype), g, params)
+        return (aux, grads, c) if carry else (aux, grads)
 
     return summed
 
 
 def guarded_update(state: TrainState, update: Callable, loss, grad_norm, rows_ok, *,
                    dynamic_loss_scale: bool, halt_on_nonfinite: bool, max_consecutive: int):
-    """The guard around `update() -> (params, opt_state, ema)`: (the next state, its
-    metrics).
+    """The guard around `update() -> (params, opt_state, ema, model_state)`: (the next
+    state, its metrics).
 
     The update is applied only when the loss and the gradient norm are finite (global
     values: the same decision on every device and process) and every row of the batch is
-    valid (`rows_ok` [B]). Otherwise params, optimizer state, the weight EMA and the
-    schedule's position are untouched, `skipped_steps` counts it, and `train/status` says why.
-    Non-finite skips in a row are counted; at `max_consecutive` (or at the first one with
-    `halt_on_nonfinite`) the state records `halted_at` and no later update is applied,
-    so the host can stop with the params of the last good step (fp16 loss-scale
-    overflows are expected and never count; the loss scale moves here)."""
+    valid (`rows_ok` [B]). Otherwise params, optimizer state, the weight EMA, the model's
+    state and the schedule's position are untouched, `skipped_steps` counts it, and
+    `train/status` says why. Non-finite skips in a row are counted; at `max_consecutive`
+    (or at the first one with `halt_on_nonfinite`) the state records `halted_at` and no
+    later update is applied, so the host can stop with the params of the last good step
+    (fp16 loss-scale overflows are expected and never count; the loss scale moves here)."""
     valid = rows_ok.all()
     bad_loss = valid & ~jnp.isfinite(loss)
     bad_grads = valid & jnp.isfinite(loss) & ~jnp.isfinite(grad_norm)
     running = state.halted_at == 0
     apply_update = running & valid & jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    params, opt_state, ema = jax.lax.cond(
+    params, opt_state, ema, model_state = jax.lax.cond(
         apply_update, lambda _: update(),
-        lambda _: (state.params, state.opt_state, state.ema), None)
+        lambda _: (state.params, state.opt_state, state.ema, state.model_state), None)
     # fp16: an overflow in the scaled gradients is the loss scale's business.
     counted = bad_loss | (bad_grads & (not dynamic_loss_scale))
     consecutive = jnp.where(counted, state.consecutive_skips + 1,
@@ -268,7 +295,7 @@ def guarded_update(state: TrainState, update: Callable, loss, grad_norm, rows_ok
     skipped = state.skipped_steps + (running & ~apply_update).astype(jnp.int32)
     new_state = state.replace(
         step=state.step + 1,  # batches consumed; skipped updates are counted below
-        params=params, opt_state=opt_state, ema=ema,
+        params=params, opt_state=opt_state, ema=ema, model_state=model_state,
         loss_scale=precision.update_loss_scale(
             state.loss_scale, jnp.isfinite(grad_norm) | ~valid, dynamic_loss_scale),
         skipped_steps=skipped, consecutive_skips=consecutive, halted_at=halted_at)
@@ -280,7 +307,8 @@ def guarded_update(state: TrainState, update: Callable, loss, grad_norm, rows_ok
 
 def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool,
                    metrics: metrics_lib.EvalSpec | None = None, model_inputs: tuple = (),
-                   predict_fn: Callable | None = None, batch_loss: bool = False) -> Callable:
+                   predict_fn: Callable | None = None, batch_loss: bool = False,
+                   forward: Callable | None = None) -> Callable:
     """Returns eval_step(params, batch) -> sums {loss_sum, weight[, correct, counted]}, or
     with `metrics` (a jtrain.metrics.EvalSpec) -> (state, inputs, terms): the jittable
     metric states of this batch (a MetricCollection; merge them on the host in float64),
@@ -294,12 +322,18 @@ def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool,
     score a loss defined over the batch, such as a correlation): the evaluator gives it
     batches without padding (a partial batch at its true size), and a mean it returns
     counts once per row, so batch means average weighted by their row counts. `predict_fn(outputs,
-    batch) -> (predictions, targets[, weights])` is what the metrics compare."""
+    batch) -> (predictions, targets[, weights])` is what the metrics compare.
+    `forward(params, batch) -> outputs` replaces the model call (a step of your own: its
+    `evaluate(state, batch)`, given the batch without the engine's keys)."""
     device_metrics = (None if metrics is None
                       else metrics_lib.make_collection(metrics).partition()[0])
 
     def eval_step(params, batch):
-        outputs = apply_fn(params, inputs_of(batch, model_inputs), rng=None, train=False)
+        if forward is not None:
+            outputs = forward(params, {k: v for k, v in batch.items()
+                                       if k not in ENGINE_KEYS})
+        else:
+            outputs = apply_fn(params, inputs_of(batch, model_inputs), rng=None, train=False)
         terms = {}
         if user_loss and not batch_loss:
             rows_n = losses.batch_rows(batch)
@@ -364,3 +398,76 @@ def metric_view(outputs, batch, predict_fn: Callable | None = None):
         view[losses.ROW_MASK] = rows
     return result[0], view
 
+
+
+# -- a step of your own ------------------------------------------------------------------
+# Research code brings its update rule as three pure functions (`Step`); the engine keeps
+# everything else: the per-step key, the guard (a non-finite loss or state leaves the state
+# as it was, counted in the ledger), the counters, sharding, checkpoints and resume, the
+# metrics' names, evaluation with jtrain's metrics. The built-in update uses the same
+# guard (`guarded_update`), accumulation (`accumulated`) and optax update
+# (`optimizer_update`) a step of your own can call.
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What the engine decides and a step of your own reads: `step`, the updates applied
+    so far (int32; a schedule's position), and `lr_factor`, ReduceLROnPlateau's factor on
+    the learning rate (float32; 1 until a plateau lowers it)."""
+    step: jax.Array
+    lr_factor: jax.Array
+
+
+jax.tree_util.register_dataclass(Context, data_fields=["step", "lr_factor"], meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """A training step of your own, as pure functions.
+
+    init(rng, example) -> state          any pytree of arrays: several models' params,
+                                         several optimizers' states, a frozen teacher,
+                                         a target network, counters
+    update(state, batch, rng, context) -> (state, metrics)
+                                         one update; the state keeps its structure and
+                                         dtypes; metrics: scalars, with "loss" among them
+    evaluate(state, batch) -> outputs    optional: what jtrain's eval metrics and loss
+                                         score (needed when the run evaluates)
+
+    `example` is one training example (no batch axis); `batch` a global batch as the
+    built-in step gets it; `rng` a fresh key per step (fold_in of the run's key and the
+    step). Metrics are logged as train/<name>."""
+    init: Callable[[jax.Array, Any], Any]
+    update: Callable[[Any, Any, jax.Array, Context], tuple[Any, dict]]
+    evaluate: Callable[[Any, Any], Any] | None = None
+    name: str = ""
+
+
+def make_step_train(step: Step, *, halt_on_nonfinite: bool = False, max_consecutive: int = 8,
+                    valid_fn: Callable | None = None) -> Callable:
+    """train_step(TrainState, batch) -> (TrainState, metrics) around `step.update`: the
+    step's state is `TrainState.params`; the update is kept only when every row is valid
+    (`row_validity`), the "loss" metric is finite and every floating leaf of the new state
+    is finite (`guarded_update`: otherwise the state is as it was, `skipped_steps` counts
+    it, `train/status` says why)."""
+
+    def train_step(state: TrainState, batch):
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        context = Context(step=state.step - state.skipped_steps, lr_factor=state.lr_factor)
+        user_batch = {k: v for k, v in batch.items() if k not in ENGINE_KEYS}
+        new, metrics = step.update(state.params, user_batch, key, context)
+        loss = jnp.asarray(metrics["loss"], jnp.float32)
+        finite = jnp.asarray(True)
+        for leaf in jax.tree.leaves(new):
+            if jnp.issubdtype(leaf.dtype, jnp.inexact):
+                finite = finite & jnp.isfinite(leaf).all()
+        new_state, guard = guarded_update(
+            state, lambda: (new, state.opt_state, state.ema, state.model_state), loss,
+            jnp.where(finite, 0.0, jnp.nan), row_validity(batch, valid_fn),
+            dynamic_loss_scale=False, halt_on_nonfinite=halt_on_nonfinite,
+            max_consecutive=max_consecutive)
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        out = {f"train/{k}": jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+        return new_state, {**out, "train/tokens": jnp.asarray(rows, jnp.float32), **guard}
+
+    return train_step

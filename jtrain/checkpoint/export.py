@@ -225,9 +225,10 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
 
     optimizer = ((control.get("config") or {}).get("optim") or {}).get("name")
     averaged = optimizer in SCHEDULE_FREE and weights == "params"
-    loaded = load_checkpoint_leaves(step_dir, ("params", "ema") if weights == "ema"
-                                    else ("params", "opt_state") if averaged
-                                    else ("params",))
+    loaded = load_checkpoint_leaves(step_dir, ("params", "model_state", "ema")
+                                    if weights == "ema" else
+                                    ("params", "model_state", "opt_state") if averaged
+                                    else ("params", "model_state"))
     config, loaded = _member_of(control.get("config") or {}, loaded, member, workdir)
     leaves = {name.split("/", 1)[1]: arr  # "params/body/kernel" -> "body/kernel"
               for name, arr in loaded.items() if name.startswith("params/")}
@@ -236,6 +237,8 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
     if averaged:  # what the optimizer evaluates at, as training and jtrain evaluate do
         leaves = _schedule_free_average(loaded, leaves, step_dir)
     merged = _merge_lora(leaves, config, workdir) if merge_lora else None
+    model_state = _model_state(loaded, leaves, workdir)
+    leaves = {**leaves, **model_state}
     tensors = {}
     for name, arr in leaves.items():
         floating = np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16"
@@ -247,9 +250,11 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
         "format": "jtrain-export", "version": 1,
         "step": int(os.path.basename(step_dir)), "source": os.path.abspath(step_dir),
         "dtype": dtype or "as saved", "weights": weights, "num_tensors": len(tensors),
-        "num_params": int(sum(a.size for a in tensors.values())),
+        "num_params": int(sum(a.size for n, a in tensors.items() if n not in model_state)),
         "config_sha256": control.get("config_sha256"), "config": config,
     }
+    if model_state:
+        record["model_state"] = sorted(model_state)
     if member is not None:
         record["member"] = member
     if averaged:
@@ -279,6 +284,19 @@ def _schedule_free_average(loaded: dict, params: dict, step_dir: str) -> dict:
     b1 = np.float32(b1[0])
     return {name: arr if name not in z else ((arr - (np.float32(1.0) - b1) * z[name]) / b1)
             .astype(arr.dtype) for name, arr in params.items()}
+
+
+def _model_state(loaded: dict, params: dict, workdir: str) -> dict:
+    """The model's state beyond parameters (BatchNorm's running statistics), named as
+    the model names it: a Linen collection's path (`batch_stats/BatchNorm_0/mean`), an NNX
+    variable's (`bn/mean`)."""
+    state = {name.split("/", 1)[1]: arr for name, arr in loaded.items()
+             if name.startswith("model_state/")}
+    clash = sorted(set(state) & set(params))
+    if clash:
+        raise ExportError(f"{workdir}: the model's state and its parameters both name "
+                          f"{clash[0]!r}; rename one of them in the model")
+    return state
 
 
 def _ema_as_params(loaded: dict, params: dict, workdir: str) -> dict:

@@ -284,7 +284,7 @@ def split_free_form(argv) -> tuple[list[str], list[tuple[str, str]]]:
     """(argv without the free-form overrides, [(dotted key, raw value), ...])."""
     kept, free = [], []
     for a in argv:
-        m = re.match(r"--?config\.((?:data|model)\.kwargs\.[\w.]+)=(.*)", a, re.DOTALL)
+        m = re.match(r"--?config\.((?:data|model|step)\.kwargs\.[\w.]+)=(.*)", a, re.DOTALL)
         if m:
             free.append((m.group(1), m.group(2)))
         else:

@@ -151,6 +151,12 @@ SCHEMA: dict[str, Any] = {
                         "correlation); auto = batch for loss.terms, else example",
                         resume=True),
     },
+    "step": {  # jtrain/engine/own_step.py; replaces the built-in update: not resume-safe
+        "factory": F(str, "", None, "'package.module:function' returning a step of your "
+                     "own (jtrain.step.Step: init, update, evaluate) that replaces the "
+                     "built-in update; '' = the built-in update of the model and optimizer"),
+        "kwargs": F("dict", {}, None, "keyword arguments of step.factory"),
+    },
     "finetune": {  # jtrain/models/lora.py; changes the model and what trains: not resume-safe
         "lora": {
             "rank": F(int, 0, (0, 4096), "LoRA rank r: adapters A [in, r] and B [r, out] "

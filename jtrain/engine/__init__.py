@@ -11,6 +11,7 @@ commands that read a run.
     loop.py             the loop: dispatch, drain, eval before save, decide, save
     evaluation.py       the eval pass shared by training and jtrain evaluate
     summary.py          the end of a run: summary.json, the final line, a halt's record
+    own_step.py         a step of your own (jtrain.step.Step): its parts, its checks
     population.py       population.size > 1: the member axis, vmapped init and step,
                         each member evaluated, the summary's block and plot
     checkpoint_eval.py  evaluate_checkpoint(): a saved step scored, its report written

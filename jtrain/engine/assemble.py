@@ -16,6 +16,7 @@ from jtrain import step as step_lib
 from jtrain.control import decide as decide_lib
 from jtrain.engine import checks as model_checks
 from jtrain.engine import evaluation as evaluator
+from jtrain.engine import own_step
 from jtrain.engine.parts import PARTS, Build, Setup, model_flops_per_example  # noqa: F401
 from jtrain.errors import ConfigError
 from jtrain.observe.outputs import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY  # noqa: F401
@@ -23,17 +24,18 @@ from jtrain.observe.outputs import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY  # noqa: F4
 
 def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | None = None,
           byte_level: bool = False, eval_defaults: bool = False,
-          train_example: dict | None = None) -> Build:
+          train_example: dict | None = None, step=None) -> Build:
     """Model, mesh, optimizer, abstract state and shardings, jitted steps: the set-up that
     training, `python -m jtrain.evaluate` and the benchmarks share. `sample`: one example's
     inputs (any pytree of arrays), `eval_example`: one eval example (for its targets).
     `eval_defaults`: the task's default metrics on top of `eval.metrics` (the report).
     `train_example`: one training example; with a memory budget (control.memory) the
-    step's grad_accum_steps is planned from it."""
+    step's grad_accum_steps is planned from it. `step`: a step of your own
+    (jtrain.step.Step), composed from jtrain.engine.own_step's parts instead."""
     setup = Setup(user_model=model, loss_fn=loss_fn, sample=sample, eval_example=eval_example,
                   train_example=train_example, byte_level=byte_level,
-                  eval_defaults=eval_defaults)
-    for part in PARTS:
+                  eval_defaults=eval_defaults, user_step=step)
+    for part in PARTS if step is None else own_step.PARTS:
         setup = part(cfg, setup)
     return Build(**{f.name: getattr(setup, f.name) for f in dataclasses.fields(Build)})
 
@@ -43,6 +45,8 @@ def check_run(cfg, b: Build, data) -> None:
     first step (`data`: a jtrain.data.RunData): the model and loss called on example 0,
     a default loss without targets, monitors of metrics the eval lacks, targets that do
     not fit the model's output."""
+    if b.user_step is not None:
+        return own_step.check(cfg, b, data)
     named = {"train_data": data.train_example,
              **({"eval_data": data.example} if data.eval is not None else {})}
     model_inputs = tuple(cfg.data.model_inputs)

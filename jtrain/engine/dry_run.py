@@ -27,6 +27,7 @@ import numpy as np
 from jtrain import config as config_lib
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
+from jtrain import state as state_lib
 from jtrain.engine.assemble import build, model_sample
 from jtrain.errors import ConfigError
 from jtrain.observe import compiles as compiles_lib
@@ -78,7 +79,8 @@ def run(config, *, say=print) -> dict:
             eval_batch = _abstract_eval_batch(cfg, eval_src, batch_sharding)
             params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                                     sharding=s),
-                                  b.abstract.params, b.shardings.params)
+                                  state_lib.eval_part(b.abstract),
+                                  state_lib.eval_part(b.shardings))
             memory["eval_step"] = _memory(b.eval_step.lower(params, eval_batch).compile())
     for name, m in memory.items():
         say(f"jtrain: {name} per device: " + ", ".join(

@@ -87,6 +87,7 @@ class Build:
     per_member: Callable = _one_member
     reports: tuple[Callable, ...] = ()
     decided: dict = dataclasses.field(default_factory=dict)  # run.json's "decided"
+    user_step: Any = None  # a step of your own (jtrain.step.Step), else None: built-in
 
     def abstract_with_shardings(self):
         """What orbax restores into."""
@@ -216,8 +217,6 @@ def state(cfg, s: Setup) -> Setup:
     except Exception as e:  # noqa: BLE001 - the user's model: one line, no traceback
         raise model_checks.model_call_error(
             e, s.sample_inputs, model=s.model_name.removeprefix("user ")) from e
-    with mesh_lib.model_context(s.mesh):  # state a train-mode forward changes: refused
-        adapters.check_state_carried(s.model_fns, abstract.params, s.sample_inputs)
     policy = _measure_precision(s.policy, cfg, s.model_fns, abstract.params,
                                 s.sample_inputs, s.mesh)
     return s.replace(abstract=abstract, shardings=shardings, state_abstract=abstract,
@@ -327,7 +326,7 @@ def eval_step(cfg, s: Setup) -> Setup:
         batch_loss=s.batch_loss)
     batch_sharding, repl = mesh_lib.batch_sharding(s.mesh), mesh_lib.replicated(s.mesh)
     return s.replace(eval_spec=spec, eval_fn=fn, eval_step=jax.jit(
-        fn, in_shardings=(s.shardings.params, batch_sharding),
+        fn, in_shardings=(state_lib.eval_part(s.shardings), batch_sharding),
         out_shardings=(repl, batch_sharding, repl)))
 
 
@@ -337,7 +336,8 @@ def eval_tail(cfg, s: Setup) -> Setup:
     if not (s.batch_loss and s.loss_fn is not None):
         return s
     repl = mesh_lib.replicated(s.mesh)
-    return s.replace(eval_tail=jax.jit(s.eval_fn, in_shardings=(s.shardings.params, repl),
+    return s.replace(eval_tail=jax.jit(s.eval_fn, in_shardings=(
+        state_lib.eval_part(s.shardings), repl),
                                        out_shardings=repl))
 
 

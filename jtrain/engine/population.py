@@ -135,8 +135,10 @@ def init(pop: Population, model_fns, tx, policy, sample_inputs, mesh, out_shardi
 
     def create(seed, factor, wd):
         rng = jax.random.key(seed)
-        params = nn.unbox(model_fns.init(jax.random.fold_in(rng, 0), inputs))
-        state = state_lib._fresh_state(params, tx, policy, rng, ema)
+        key = jax.random.fold_in(rng, 0)
+        params = nn.unbox(model_fns.init(key, inputs))
+        model_state = state_lib._no_empty(model_fns.state_init(key, inputs))
+        state = state_lib._fresh_state(params, tx, policy, rng, ema, model_state)
         if pop.weight_decays is not None:
             state = state.replace(opt_state=optim_decay.set_rate(state.opt_state, wd))
         return state.replace(lr_factor=factor)

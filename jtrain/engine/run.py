@@ -34,6 +34,7 @@ from jtrain.control import ledger as ledger_lib
 from jtrain.control import watchdog as watchdog_lib
 from jtrain.engine import loop as loop_lib
 from jtrain.engine import summary as summary_lib
+from jtrain.engine import own_step
 from jtrain.engine.assemble import (LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, Build, build,  # noqa: F401
                                     check_run, model_sample)
 from jtrain.errors import NonFiniteError, RestoreError, WorkdirError
@@ -61,7 +62,7 @@ class TrainResult:
 def train(config=None, workdir: str | None = None, *, model=None, train_data=None,
           eval_data=None, loss_fn: Callable | None = None,
           on_eval: Callable[[int, dict], bool] | None = None,
-          allow_changes: Sequence[str] = ()) -> TrainResult:
+          allow_changes: Sequence[str] = (), step=None) -> TrainResult:
     """Train `model` (built-in from config.model if None) on `train_data` (built-in from
     config.data if None). Resumes from the newest checkpoint in `workdir`; a run that
     already finished is not run again: its stored result comes back.
@@ -72,9 +73,12 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
     globally reduced metrics; True stops the run there (checkpointed, on every process).
     `allow_changes`: config keys (fnmatch patterns) that may differ from the checkpoint's
     when resuming (added to checkpoint.allow_changes).
+    `step`: a step of your own (jtrain.step.Step: init, update, evaluate) in place of the
+    built-in update (from a config: step.factory); `model` is then not used.
     """
     try:
-        return train_and_evaluate(config, workdir, _Given(model, train_data, eval_data, loss_fn),
+        return train_and_evaluate(config, workdir,
+                                  _Given(model, train_data, eval_data, loss_fn, step),
                                   on_eval=on_eval, allow_changes=allow_changes)
     except RestoreError as e:
         keys = getattr(e, "changed_keys", None)
@@ -91,6 +95,7 @@ class _Given:
     train_data: Any = None
     eval_data: Any = None
     loss_fn: Callable | None = None
+    step: Any = None
 
 
 def train_and_evaluate(config, workdir, given: _Given | None = None, *, on_eval=None,
@@ -121,16 +126,18 @@ def train_and_evaluate(config, workdir, given: _Given | None = None, *, on_eval=
         # Every process: the same config hash, device count and jtrain version.
         multihost.preflight.run(cfg, config_lib.config_hash(cfg))
         with _watchdog(cfg, workdir) as watchdog, _joins_precompile(startup):
+            user_step = given.step if given.step is not None else (
+                own_step.load(cfg.step) if cfg.step.factory else None)
             with startup.phase("data"):  # checked: a DataError before any step
                 data = data_lib.prepare(
                     cfg.data, user_data, seed=cfg.seed, eval_batch_size=cfg.eval.batch_size,
                     model_cfg=cfg.model if given.model is None and cfg.model.name != "user"
-                    else None, gather=mesh_lib.process_values)
+                    and user_step is None else None, gather=mesh_lib.process_values)
             with startup.phase("build"):
                 b = build(cfg, sample=model_sample(cfg, data.train_example),
                           eval_example=data.example, model=given.model,
                           loss_fn=given.loss_fn, byte_level=data.byte_level,
-                          train_example=data.train_example)
+                          train_example=data.train_example, step=user_step)
                 check_run(cfg, b, data)
             _precompile(cfg, b, data, startup)
             with startup.phase("state"):  # newest checkpoint, else init_from, else fresh
@@ -142,7 +149,8 @@ def train_and_evaluate(config, workdir, given: _Given | None = None, *, on_eval=
             with startup.phase("writers"):  # config.json, run.json, writers, header
                 out = outputs_lib.open_outputs(cfg, workdir, build=b, data=data, start=start,
                     record=outputs_lib.run_record(
-                        model_name=None if given.model is None else b.model_name,
+                        model_name=None if given.model is None and user_step is None
+                        else b.model_name,
                         loss_fn=given.loss_fn, decided={**data.decided, **b.decided}),
                     run_ids=control_lib.writer_run_ids(start.control),
                     determinism=determinism, t_start=t_start)

@@ -16,9 +16,15 @@ Accepted user models:
     `apply(params, inputs[, rng=..., train=...]) -> outputs`.
 Models are called with `batch["inputs"]`. If the call signature has `train` (or
 `deterministic`) it is passed; dropout draws from the `"dropout"` rng stream.
-Only parameters are trained and carried from step to step: a model with other state
-(BatchNorm's running statistics: nnx.BatchStat, Linen's batch_stats; any variable a
-forward pass changes) is refused with a ModelError before the first step.
+
+State beyond parameters (BatchNorm's running statistics: Linen's `batch_stats`, NNX's
+`nnx.BatchStat`; any other Linen collection or NNX variable that is not a parameter or
+RNG state) is the model's *state*: `state_init(rng, inputs)` creates it (`{}` for a
+model without), and `apply` takes `Variables(params, state)` in place of the params:
+in train mode with `mutable=True` it returns `(outputs, new_state)` (the statistics of
+this batch folded in), otherwise the outputs computed with that state (evaluation uses
+the running statistics). Called with plain params, a model with state sees zeros of its
+shape (shape checks only; the engine always passes the state it carries).
 """
 
 from __future__ import annotations
@@ -35,22 +41,33 @@ from flax import linen as nn
 from flax import nnx
 
 from jtrain import mesh as mesh_lib
-from jtrain.errors import ConfigError, ModelError
+from jtrain.state import Variables
+from jtrain.errors import ConfigError
+
+
+def split_variables(params):
+    """(params, state or None) of what `apply` was given."""
+    if isinstance(params, Variables):
+        return params.params, params.state
+    return params, None
 
 
 @dataclasses.dataclass(frozen=True)
 class NnxGraph:
     """An NNX model split once: graph definition, annotated parameter State (the
-    template of shapes, dtypes and sharding names) and the rest (RNG state, ...)."""
+    template of shapes, dtypes and sharding names), the carried state (variables that
+    are neither parameters nor RNG state: BatchStat, counters) and the RNG state."""
     graphdef: Any
     template: Any
+    carried: Any
     rest: Any
 
     @classmethod
     def of(cls, model: nnx.Module) -> NnxGraph:
-        # flax types split's result as variadic; with two filters it is exactly three
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
-        return cls(graphdef, params, rest)
+        # flax types split's result as variadic; with three filters it is exactly four
+        graphdef, params, rngs, carried = nnx.split(  # type: ignore[misc]
+            model, nnx.Param, nnx.RngState, ...)
+        return cls(graphdef, params, carried, rngs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +77,9 @@ class ModelFns:
     kind: str  # "linen", "nnx", "pure"
     existing_params: Any = None  # NNX instance: its parameters, used instead of init
     nnx_graph: NnxGraph | None = None  # NNX: the split model apply() merges params into
+    # (rng, inputs) -> the model's state beyond parameters ({} when it has none)
+    state_init: Callable[[jax.Array, Any], Any] = lambda rng, inputs: {}
+    existing_state: Any = None  # NNX instance: its current state (BatchNorm statistics)
 
     def abstract_and_shardings(self, rng, inputs, mesh, *,
                                auto_shard_min_bytes: int | None = None):
@@ -96,25 +116,39 @@ def _mode_kwargs(fn: Callable, train: bool) -> dict:
     return {}
 
 
+# Linen collections that are not state: what `sow` records for inspection.
+_NOT_STATE = ("params", "intermediates")
+
+
 def from_linen(module: nn.Module) -> ModelFns:
+    def variables_of(rng, inputs):
+        return module.init({"params": rng, "dropout": rng}, inputs,
+                           **_mode_kwargs(module.__call__, False))
+
     def init(rng, inputs):
-        variables = module.init({"params": rng, "dropout": rng}, inputs,
-                                **_mode_kwargs(module.__call__, False))
-        extra = sorted(set(variables) - {"params"})
-        if extra:  # apply() passes only params: any other collection would be lost
-            raise state_error(type(module).__name__, "Linen variable collection"
-                              + ("s " if len(extra) > 1 else " ")
-                              + ", ".join(map(repr, extra))
-                              + (" (BatchNorm)" if "batch_stats" in extra else ""),
-                              stats="batch_stats" in extra)
-        return variables["params"]
+        return variables_of(rng, inputs)["params"]
 
-    def apply(params, inputs, rng=None, train=False):
+    def state_init(rng, inputs):  # every other collection: batch_stats, counters, ...
+        return {k: nn.unbox(v) for k, v in variables_of(rng, inputs).items()
+                if k not in _NOT_STATE}
+
+    def apply(params, inputs, rng=None, train=False, mutable=False):
+        params, state = split_variables(params)
+        if state is None:
+            state = _zeros(jax.eval_shape(state_init, jax.random.key(0), inputs))
         rngs = {"dropout": rng} if (train and rng is not None) else {}
-        return module.apply({"params": params}, inputs, rngs=rngs,
-                            **_mode_kwargs(module.__call__, train))
+        kwargs = _mode_kwargs(module.__call__, train)
+        if mutable:
+            out, changed = module.apply({"params": params, **state}, inputs, rngs=rngs,
+                                        mutable=list(state), **kwargs)
+            return out, {**state, **changed}
+        return module.apply({"params": params, **state}, inputs, rngs=rngs, **kwargs)
 
-    return ModelFns(init=init, apply=apply, kind="linen")
+    return ModelFns(init=init, apply=apply, kind="linen", state_init=state_init)
+
+
+def _zeros(abstract):
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract)
 
 
 def from_nnx(model_or_factory, mesh=None) -> ModelFns:
@@ -126,95 +160,51 @@ def from_nnx(model_or_factory, mesh=None) -> ModelFns:
     if isinstance(model_or_factory, nnx.Module):
         graph, factory = NnxGraph.of(model_or_factory), None
         existing = nnx.to_pure_dict(graph.template)
+        existing_state = nnx.to_pure_dict(graph.carried)
     else:
-        factory, existing = model_or_factory, None
+        factory, existing, existing_state = model_or_factory, None, None
         graph = _abstract_graph(factory, mesh)
-    _refuse_batch_stats(graph)
+
+    def built(rng):
+        with mesh_lib.model_context():  # logical names -> the caller's mesh
+            return factory(nnx.Rngs(rng))
 
     def init(rng, inputs):
         del inputs
-        with mesh_lib.model_context():  # logical names -> the caller's mesh
-            model = factory(nnx.Rngs(rng))
-        return nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[1])
+        return nnx.to_pure_dict(nnx.split(built(rng), nnx.Param, ...)[1])
 
-    def apply(params, inputs, rng=None, train=False):
+    def state_init(rng, inputs):
+        del inputs
+        if factory is None or not jax.tree.leaves(graph.carried):
+            return existing_state if factory is None else {}
+        return nnx.to_pure_dict(NnxGraph.of(built(rng)).carried)
+
+    def apply(params, inputs, rng=None, train=False, mutable=False):
+        params, state = split_variables(params)
+        carried = _with_values(graph.carried, state)
         rest = graph.rest
         if train and rng is not None:
             rest = _fresh_rng_state(rest, rng)
-        model = nnx.merge(graph.graphdef, params, rest)
+        model = nnx.merge(graph.graphdef, params, carried, rest)
         model.train() if train else model.eval()
-        return model(inputs, **_mode_kwargs(type(model).__call__, train))
+        out = model(inputs, **_mode_kwargs(type(model).__call__, train))
+        if mutable:
+            return out, nnx.to_pure_dict(NnxGraph.of(model).carried)
+        return out
 
     return ModelFns(init=init, apply=apply, kind="nnx", existing_params=existing,
-                    nnx_graph=graph)
+                    nnx_graph=graph, state_init=state_init, existing_state=existing_state)
 
 
-# apply() merges the state other than parameters as it was when the model was split, and
-# the train step carries only parameters: running statistics updated in a forward pass
-# would be dropped after every step, and evaluation would use their initial values.
-_STATS_HINT = ("running statistics are not carried by the train step yet; use "
-               "LayerNorm/RMSNorm or GroupNorm, or write the model without BatchNorm")
-_STATE_HINT = ("state other than parameters is not carried by the train step yet (each "
-               "step would start from its initial value); keep it outside the model or "
-               "compute it from the inputs")
-
-
-def state_error(model: str, what: str, *, stats: bool) -> ModelError:
-    """The one line for a model holding state the train step would drop: `what` names
-    the variables or collections; `stats`: BatchNorm's running statistics among them."""
-    return ModelError(model, f"{what}: {_STATS_HINT if stats else _STATE_HINT}")
-
-
-def _names(paths) -> str:
-    shown = [".".join(map(str, p)) for p in paths[:4]]
-    return ", ".join(shown) + (f", ... ({len(paths)})" if len(paths) > 4 else "")
-
-
-def _root_name(graph: NnxGraph) -> str:
-    built = getattr(graph.graphdef.nodes[0], "type", None)
-    return built.__name__ if isinstance(built, type) else "the model"
-
-
-def _refuse_batch_stats(graph: NnxGraph) -> None:
-    """A ModelError for nnx.BatchStat variables (BatchNorm's running statistics), found
-    by type before anything is traced."""
-    stats = [p for p, v in nnx.to_flat_state(graph.rest) if isinstance(v, nnx.BatchStat)]
-    if stats:
-        raise state_error(_root_name(graph), f"nnx.BatchStat variables {_names(stats)} "
-                          "(BatchNorm)", stats=True)
-
-
-def check_state_carried(fns: ModelFns, params, inputs) -> None:
-    """NNX: a ModelError when a forward pass in train mode changes a variable other than
-    an nnx.Param (RNG state aside: the step draws its own keys), e.g. a counter or
-    statistics kept by hand. Traced on shapes (`params`, `inputs`: ShapeDtypeStructs);
-    a model that cannot be called here is left to the pre-flight checks
-    (jtrain.engine.checks), which say why."""
-    graph = fns.nnx_graph
-    if graph is None or not any(not isinstance(v, nnx.RngState)
-                                for _, v in nnx.to_flat_state(graph.rest)):
-        return
-    changed = []
-
-    def forward(params, rest, inputs):
-        before = {p: v.get_raw_value() for p, v in nnx.to_flat_state(rest)}
-        model = nnx.merge(graph.graphdef, params, rest)
-        model.train()
-        model(inputs, **_mode_kwargs(type(model).__call__, True))
-        for path, v in nnx.to_flat_state(nnx.split(model, nnx.Param, ...)[2]):
-            if (path in before and not isinstance(v, nnx.RngState)
-                    and v.get_raw_value() is not before[path]):
-                changed.append((path, type(v).__name__))
-
-    try:
-        jax.eval_shape(forward, params, graph.rest, inputs)
-    except Exception:  # noqa: BLE001 - model_checks reports a model it cannot call
-        return
-    if changed:
-        kinds = ", ".join(sorted({k for _, k in changed}))
-        plural = "s" if len(changed) > 1 else ""
-        raise state_error(_root_name(graph), f"variable{plural} {_names([p for p, _ in changed])}"
-                          f" ({kinds}) changed by a forward pass in train mode", stats=False)
+def _with_values(template, values):
+    """A copy of the NNX State `template` holding `values` (a pure dict of the same
+    variables); zeros of its shapes when `values` is None."""
+    state = jax.tree.map(lambda x: x, template)
+    if values is None:
+        values = _zeros(nnx.to_pure_dict(template))
+    if values:
+        nnx.replace_by_pure_dict(state, values)
+    return state
 
 
 def _abstract_graph(factory, mesh) -> NnxGraph:

@@ -27,9 +27,15 @@ def describe_run(cfg, build, data, *, workdir: str, origin: str, peak: float | N
         extra.append(build.policy.warning())
     leaves = jax.tree.leaves(build.abstract.params)
     n_params = sum(int(np.prod(x.shape)) for x in leaves)
-    extra.append(optimizer_line(cfg.optim, cfg.total_steps, build.grad_accum_steps,
-                                params=build.abstract.params))
-    extra.append(trainable_line(n_params, len(leaves), build.trainable))
+    own = getattr(build, "user_step", None) is not None
+    if own:  # its optimizers are its own: optim.* configures the built-in update
+        extra.append(f"jtrain: {build.model_name}: init / update / evaluate of your own; its "
+                     f"state: {n_params:,} values in {len(leaves)} leaves (params and "
+                     "optimizer states alike)")
+    else:
+        extra.append(optimizer_line(cfg.optim, cfg.total_steps, build.grad_accum_steps,
+                                    params=build.abstract.params))
+        extra.append(trainable_line(n_params, len(leaves), build.trainable))
     extra += sharding_lines(cfg.mesh, build.mesh, build.abstract, build.shardings)
     if build.abstract.ema is not None:
         extra.append(ema_line(cfg.optim.ema, cfg.eval.weights, build.abstract.ema,
@@ -38,10 +44,13 @@ def describe_run(cfg, build, data, *, workdir: str, origin: str, peak: float | N
         extra.append(f"jtrain: {build.memory_plan.describe()}")
     if getattr(build, "population", None) is not None:  # K members, one compiled step
         extra.append(build.population.describe())
-    extra.append(f"jtrain: eval {build.eval_spec.task}: {', '.join(build.eval_spec.names)}; "
-                 + (f"{flops:.3g} train FLOPs/example, {mfu}" if flops else "MFU n/a"))
+    if build.eval_spec is not None:
+        extra.append(f"jtrain: eval {build.eval_spec.task}: "
+                     f"{', '.join(build.eval_spec.names)}; "
+                     + (f"{flops:.3g} train FLOPs/example, {mfu}" if flops else "MFU n/a"))
     return run_header(
-        model=f"{build.model_name} ({build.model_fns.kind})", num_params=n_params,
+        model=build.model_name if own else f"{build.model_name} ({build.model_fns.kind})",
+        num_params=n_params,
         precision=build.policy.describe(), mesh_shape=dict(build.mesh.shape),
         data_name=str(info.get("name")), train_size=data.train.known_size,
         eval_size=len(data.eval) if data.eval is not None else 0,
@@ -184,7 +193,11 @@ def trainable_line(num_params: int, num_leaves: int, split: dict | None) -> str:
 
 def parameter_table(params, max_lines: int = 60) -> str:
     """Per-module parameter table (clu.parameter_overview; shapes only, no values)."""
+    import jax
     from clu import parameter_overview
 
-    return parameter_overview.get_parameter_overview(params, include_stats=False,
+    # One plain dict by path: a step of your own keeps optax states (named tuples) too.
+    flat = {jax.tree_util.keystr(p, simple=True, separator="/"): leaf
+            for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    return parameter_overview.get_parameter_overview(flat, include_stats=False,
                                                      max_lines=max_lines)

@@ -89,30 +89,6 @@ def nnx_model(width=3, kind="plain"):
     return lambda rngs: NnxNet(rngs, width, kind)
 
 
-class LinenBatchNorm(nn.Module):
-    @nn.compact
-    def __call__(self, x, train=False):
-        return nn.Dense(3)(nn.BatchNorm(use_running_average=not train)(nn.Dense(8)(x)))
-
-
-class NnxBatchNorm(nnx.Module):
-    def __init__(self, rngs):
-        self.dense = nnx.Linear(4, 8, rngs=rngs)
-        self.norm = nnx.BatchNorm(8, rngs=rngs)
-        self.head = nnx.Linear(8, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.head(self.norm(self.dense(x)))
-
-
-def linen_bn():
-    return LinenBatchNorm()
-
-
-def nnx_bn():
-    return NnxBatchNorm  # the class: built as NnxBatchNorm(rngs=...)
-
-
 def factory_raises(**_):
     raise RuntimeError("weights file model.bin not found")
 
@@ -361,14 +337,6 @@ TABLE = [
     Row("not_a_model", "jtrain.train(model=...) given something that is not a model",
         "clean", "not_a_model", None, {}, "config", "model: expected a flax.linen.Module",
         modes=("py",)),
-    Row("nnx_batchnorm", "an NNX model with BatchNorm (running statistics)", "clean",
-        "nnx_bn", None, {}, "model", "NnxBatchNorm: nnx.BatchStat variables norm.mean, "
-        "norm.var (BatchNorm): running statistics are not carried by the train step yet; "
-        "use LayerNorm/RMSNorm or GroupNorm, or write the model without BatchNorm"),
-    Row("linen_batchnorm", "a Linen model with BatchNorm (batch_stats)", "clean", "linen_bn",
-        None, {}, "model", "LinenBatchNorm: Linen variable collection 'batch_stats' "
-        "(BatchNorm): running statistics are not carried by the train step yet; use "
-        "LayerNorm/RMSNorm or GroupNorm, or write the model without BatchNorm"),
     Row("init_fails", "a model whose init fails on the example batch", "clean", L, None,
         {"model.kwargs": {"kind": "needs5"}}, "data",
         "model: calling LinenNet on the first batch's inputs"),

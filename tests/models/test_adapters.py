@@ -1,8 +1,8 @@
-"""Models whose state the train step would drop are refused before the first step: the
-step carries parameters only, so BatchNorm's running statistics (NNX `nnx.BatchStat`,
-Linen's `batch_stats`) or any variable a forward pass changes would be reset after every
-step and evaluation would use their initial values. One ModelError line names the model,
-the variables and the fix; models with constant state or RNG state still train."""
+"""A model's state beyond parameters is carried, whatever holds it: NNX BatchStat
+variables and a user's own variable kind, Linen collections; found by type when the model
+is split (an instance, its class or a function building it), constant and RNG state left
+as they are. The numbers (statistics against numpy, eval by hand) are in
+tests/engine/test_model_state.py."""
 
 from __future__ import annotations
 
@@ -13,12 +13,7 @@ import pytest
 from flax import linen as nn, nnx
 
 import jtrain
-from jtrain import errors
 from jtrain.models import adapters
-
-STATS_FIX = ("running statistics are not carried by the train step yet; use "
-             "LayerNorm/RMSNorm or GroupNorm, or write the model without BatchNorm")
-
 
 class NnxNorm(nnx.Module):
     def __init__(self, rngs):
@@ -72,50 +67,44 @@ CONFIG = {"total_steps": 2, "data": {"batch_size": 8, "val_fraction": 0.0},
           "log": {"verbosity": 0}, "checkpoint": {"every_steps": 0}}
 
 
-@pytest.mark.parametrize("make, line", [
-    (lambda: NnxNorm(nnx.Rngs(0)), "NnxNorm: nnx.BatchStat variables norm.mean, norm.var "
-                                   f"(BatchNorm): {STATS_FIX}"),
-    (lambda: NnxNorm, f"NnxNorm: nnx.BatchStat variables norm.mean, norm.var (BatchNorm): "
-                      f"{STATS_FIX}"),
-    (lambda: LinenNorm(), f"LinenNorm: Linen variable collection 'batch_stats' (BatchNorm): "
-                          f"{STATS_FIX}"),
-    (lambda: Counting(nnx.Rngs(0)), "Counting: variable seen (Seen) changed by a forward "
-                                    "pass in train mode: state other than parameters is not "
-                                    "carried by the train step yet"),
+@pytest.mark.parametrize("make, names", [
+    (lambda: NnxNorm(nnx.Rngs(0)), ["norm/mean", "norm/var"]),
+    (lambda: NnxNorm, ["norm/mean", "norm/var"]),
+    (lambda: LinenNorm(), ["batch_stats/BatchNorm_0/mean", "batch_stats/BatchNorm_0/var"]),
+    (lambda: Counting(nnx.Rngs(0)), ["seen"]),
 ], ids=["nnx_instance", "nnx_class", "linen", "nnx_counter"])
-def test_train_refuses_state_it_would_drop(tmp_path, make, line):
-    with pytest.raises(errors.ModelError) as caught:
-        jtrain.train(CONFIG, tmp_path / "run", model=make(), train_data=_data())
-    rendered = errors.render(caught.value)
-    assert rendered.startswith(f"jtrain: model error: {line}"), rendered
-    assert errors.exit_code(caught.value) == 2 and "\n" not in rendered
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any step
-    assert not list((tmp_path / "run").glob("checkpoints/*"))
+def test_the_state_a_forward_pass_changes_is_carried(tmp_path, make, names):
+    result = jtrain.train(CONFIG, tmp_path / "run", model=make(), train_data=_data())
+    flat = {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(v)
+            for p, v in jax.tree_util.tree_flatten_with_path(result.state.model_state)[0]}
+    assert sorted(flat) == names
+    if names == ["seen"]:
+        assert flat["seen"] == 2 * 8  # two steps of 8 examples: the count moved each step
+    else:
+        assert (flat[names[0]] != 0).all()  # the running mean left its initial zeros
 
 
-def test_batch_stats_refused_by_type_before_anything_is_traced():
+def test_state_is_found_by_type_before_anything_is_traced():
     """An NNX BatchNorm is found when the model is split (to_model_fns), whatever builds
     it: an instance, its class, or a function rngs -> model."""
     for model in (NnxNorm(nnx.Rngs(0)), NnxNorm, lambda rngs: NnxNorm(rngs)):
-        with pytest.raises(errors.ModelError, match="nnx.BatchStat variables norm.mean"):
-            adapters.to_model_fns(model)
+        carried = adapters.to_model_fns(model).nnx_graph.carried
+        assert sorted("/".join(map(str, p)) for p, _ in nnx.to_flat_state(carried)) == [
+            "norm/mean", "norm/var"]
 
 
-def test_constant_and_rng_state_are_carried():
-    fns = adapters.to_model_fns(Scaled(nnx.Rngs(0)))
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                          fns.existing_params)
-    adapters.check_state_carried(fns, params, jax.ShapeDtypeStruct((8, 4), jnp.float32))
-
-
-def test_a_model_that_cannot_be_called_is_left_to_the_pre_flight_checks():
-    fns = adapters.to_model_fns(Counting(nnx.Rngs(0)))
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                          fns.existing_params)  # 5 features where the model takes 4
-    adapters.check_state_carried(fns, params, jax.ShapeDtypeStruct((8, 5), jnp.float32))
-
-
-def test_a_model_with_constant_state_trains(tmp_path):
+def test_constant_and_rng_state_are_carried_as_they_are(tmp_path):
     result = jtrain.train(CONFIG, tmp_path / "run", model=Scaled(nnx.Rngs(0)),
                           train_data=_data())
     assert result.summary["step"] == 2 and result.stopped_by is None
+    np.testing.assert_array_equal(result.state.model_state["scale"], np.full((4,), 2.0))
+
+
+def test_a_model_without_state_keeps_the_state_tree_it_had(tmp_path):
+    """No `model_state` leaf: checkpoints and state hashes of such runs are unchanged."""
+    model = nn.Dense(1)
+    result = jtrain.train(CONFIG, tmp_path / "run", model=model, train_data=_data())
+    assert result.state.model_state is None
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(result.state)[0]]
+    assert not any("model_state" in p for p in paths)

@@ -1,0 +1,127 @@
+"""A model's state beyond parameters is carried by the train step: BatchNorm's running
+statistics (NNX `nnx.BatchStat`, Linen's `batch_stats`) move with every applied update,
+equal a numpy recomputation of the momentum average over the global batches the run
+consumed, are what evaluation uses (its metrics equal the model evaluated by hand with
+them), resume bitwise from a checkpoint and are exported beside the parameters."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from flax import linen as nn, nnx
+
+import jtrain
+from jtrain import state as state_lib
+
+MOMENTUM, EPS, BATCH, STEPS = 0.9, 1e-5, 32, 12
+
+
+class NnxNet(nnx.Module):
+    def __init__(self, rngs):
+        self.bn = nnx.BatchNorm(4, momentum=MOMENTUM, epsilon=EPS, rngs=rngs)
+        self.fc = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc(self.bn(x))
+
+
+class LinenNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.BatchNorm(use_running_average=not train, momentum=MOMENTUM, epsilon=EPS,
+                         name="bn")(x)
+        return nn.Dense(2, name="fc")(x)
+
+
+MODELS = {"nnx": lambda: NnxNet, "linen": lambda: LinenNet()}
+
+
+def data(n=256, seed=0):
+    rng = np.random.default_rng(seed)
+    x = (rng.normal(size=(n, 4)) * [1.0, 2.0, 0.5, 3.0] + 5.0).astype(np.float32)
+    return {"inputs": x, "targets": (x[:, 0] > 5.0).astype(np.int32)}
+
+
+def config(total=STEPS, **over):
+    cfg = {"seed": 0, "total_steps": total, "data": {"batch_size": BATCH},
+           "optim": {"lr": 0.05},
+           "eval": {"every_steps": total, "metrics": ["loss", "accuracy"]},
+           "checkpoint": {"every_steps": 6}, "debug": {"hash_every_steps": 1},
+           "log": {"writers": ("jsonl",)}}
+    cfg.update(over)
+    return cfg
+
+
+def stats_of(kind, model_state):
+    """(mean, var) of the one BatchNorm, as float64 numpy."""
+    bn = model_state["bn"] if kind == "nnx" else model_state["batch_stats"]["bn"]
+    return np.asarray(bn["mean"], np.float64), np.asarray(bn["var"], np.float64)
+
+
+def numpy_stats(workdir, x):
+    """The momentum average over the batches the run consumed, in its order (the
+    examples each step read, from hashes.jsonl)."""
+    with open(os.path.join(workdir, "hashes.jsonl")) as f:
+        rows = sorted((json.loads(line) for line in f), key=lambda r: r["step"])
+    mean, var = np.zeros(4), np.ones(4)
+    for r in rows:
+        b = x[r["examples"]].astype(np.float64)
+        assert len(b) == BATCH
+        mean = MOMENTUM * mean + (1 - MOMENTUM) * b.mean(0)
+        var = MOMENTUM * var + (1 - MOMENTUM) * b.var(0)
+    return mean, var
+
+
+def by_hand(kind, state, ev):
+    """Eval loss and accuracy of the trained params with the running statistics."""
+    p = state.params
+    mean, var = stats_of(kind, state.model_state)
+    bn, fc = p["bn"], p["fc"]
+    h = ((ev["inputs"] - mean) / np.sqrt(var + EPS) * np.asarray(bn["scale"])
+         + np.asarray(bn["bias"]))
+    logits = h @ np.asarray(fc["kernel"], np.float64) + np.asarray(fc["bias"])
+    logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    y = ev["targets"]
+    return -logp[np.arange(len(y)), y].mean(), (logits.argmax(1) == y).mean()
+
+
+@pytest.mark.parametrize("kind", ["nnx", "linen"])
+def test_running_statistics_are_trained_and_used_by_eval(tmp_path, kind):
+    train, ev = data(), data(100, seed=1)
+    result = jtrain.train(config(), str(tmp_path), model=MODELS[kind](), train_data=train,
+                          eval_data=ev)
+    mean, var = stats_of(kind, result.state.model_state)
+    want_mean, want_var = numpy_stats(tmp_path, train["inputs"])
+    np.testing.assert_allclose(mean, want_mean, rtol=1e-5)
+    np.testing.assert_allclose(var, want_var, rtol=1e-5)
+    assert mean.min() > 3.0  # moved from its initial 0 towards the data's 5 (1 - 0.9**12)
+    loss, accuracy = by_hand(kind, result.state, ev)
+    got = result.history[-1]
+    np.testing.assert_allclose(got["eval/loss"], loss, rtol=1e-5)
+    assert got["eval/accuracy"] == accuracy
+
+
+def test_resume_is_bitwise_and_the_export_holds_the_statistics(tmp_path):
+    train, ev = data(), data(100, seed=1)
+    straight = jtrain.train(config(), str(tmp_path / "a"), model=NnxNet, train_data=train,
+                            eval_data=ev)
+    first = jtrain.train(config(total=6, optim={"lr": 0.05, "decay_steps": STEPS}),
+                         str(tmp_path / "b"), model=NnxNet, train_data=train, eval_data=ev)
+    assert stats_of("nnx", first.state.model_state)[0].tolist() != [0.0] * 4
+    resumed = jtrain.train(config(optim={"lr": 0.05, "decay_steps": STEPS}),
+                           str(tmp_path / "b"), model=NnxNet, train_data=train,
+                           eval_data=ev)
+    assert state_lib.state_sha256(resumed.state) == state_lib.state_sha256(straight.state)
+    a, b = (stats_of("nnx", r.state.model_state) for r in (straight, resumed))
+    assert a[0].tobytes() == b[0].tobytes() and a[1].tobytes() == b[1].tobytes()
+    from jtrain.checkpoint import export as export_lib
+    from safetensors.numpy import load_file
+
+    record = export_lib.export(str(tmp_path / "a"), str(tmp_path / "out"))
+    tensors = load_file(str(tmp_path / "out" / "params.safetensors"))
+    np.testing.assert_array_equal(tensors["bn/mean"], a[0].astype(np.float32))
+    assert record["model_state"] == ["bn/mean", "bn/var"]
+    assert record["num_params"] == 4 + 4 + 4 * 2 + 2  # bn scale, bias; fc kernel, bias
