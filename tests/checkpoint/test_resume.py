@@ -14,6 +14,7 @@ import jtrain
 from jtrain.checkpoint import integrity
 from jtrain import main as main_lib
 from jtrain.control import faults
+from journey import metric_by_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOTAL = 40
@@ -41,12 +42,6 @@ def train(workdir, **over):
     train_data, eval_data = data()
     return jtrain.train(config(**over), str(workdir), train_data=train_data,
                         eval_data=eval_data)
-
-
-def losses(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +161,7 @@ def test_resume_on_more_devices_continues_the_data_order(reference, tmp_path):
     assert "20" in os.listdir(workdir / "checkpoints")
     resumed = train(workdir).summary  # 8 devices here
     assert resumed["resumed_from"] == 20 and resumed["step"] == TOTAL
-    ref_losses, got = losses(reference[0]), losses(workdir)
+    ref_losses, got = metric_by_step(reference[0]), metric_by_step(workdir)
     for step in (30, 40):  # after the resume: the same batches, to float reduction order
         np.testing.assert_allclose(got[step], ref_losses[step], rtol=1e-4)
     np.testing.assert_allclose(resumed["eval/loss"], reference[1]["eval/loss"], rtol=1e-4)

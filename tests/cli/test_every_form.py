@@ -11,36 +11,7 @@ import sys
 
 import pytest
 
-from journey import user_env
-
-MODELS = '''
-from flax import nnx
-
-
-class Net(nnx.Module):
-    def __init__(self, rngs):
-        self.body = nnx.Linear(4, 8, rngs=rngs)
-        self.head = nnx.Linear(8, 2, rngs=rngs)
-
-    def __call__(self, x):
-        return self.head(nnx.relu(self.body(x)))
-
-
-def make():
-    return Net
-'''
-
-DATA = '''
-import numpy as np
-
-
-def make(n=64):
-    r = np.random.default_rng(0)
-    x = r.normal(size=(n, 4)).astype(np.float32)
-    y = (x[:, 0] > 0).astype(np.int32)
-    return {"train": {"inputs": x[:48], "targets": y[:48]},
-            "eval": {"inputs": x[48:], "targets": y[48:]}}
-'''
+from journey import copy_project, user_env
 
 CONFIG = '''
 from jtrain.config import defaults
@@ -48,16 +19,13 @@ from jtrain.config import defaults
 
 def get_config():
     config = defaults(model="user")
-    config.model.factory = "mymodels:make"
-    config.data.source = "mydata:make"
-    config.data.batch_size = 16
-    config.total_steps = 4
-    config.eval.every_steps = 0
-    config.checkpoint.every_steps = 2
-    config.debug.hash_every_steps = 1
-    config.log.writers = ("jsonl",)
-    config.tune.space = {"optim": {"lr": ("log_uniform", 1e-3, 1e-1)}}
-    config.tune.trials = 1
+    config.update({"model": {"factory": "mymodels:make"},
+                   "data": {"source": "mydata:make", "batch_size": 16},
+                   "total_steps": 4, "eval": {"every_steps": 0},
+                   "checkpoint": {"every_steps": 2}, "debug": {"hash_every_steps": 1},
+                   "log": {"writers": ("jsonl",)},
+                   "tune": {"space": {"optim": {"lr": ("log_uniform", 1e-3, 1e-1)}},
+                            "trials": 1}})
     return config
 '''
 
@@ -77,8 +45,7 @@ def _run(cwd, form, cmd, *args):
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("project")
-    (cwd / "mymodels.py").write_text(MODELS)
-    (cwd / "mydata.py").write_text(DATA)
+    copy_project(cwd, "mymodels", "mydata")
     (cwd / "cfg.py").write_text(CONFIG)
     return cwd
 
