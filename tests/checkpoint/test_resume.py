@@ -14,7 +14,6 @@ import jtrain
 from jtrain.checkpoint import integrity
 from jtrain import main as main_lib
 from jtrain.control import faults
-from journey import metric_by_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOTAL = 40
@@ -161,6 +160,8 @@ def test_resume_on_more_devices_continues_the_data_order(reference, tmp_path):
     assert "20" in os.listdir(workdir / "checkpoints")
     resumed = train(workdir).summary  # 8 devices here
     assert resumed["resumed_from"] == 20 and resumed["step"] == TOTAL
+    from journey import metric_by_step  # here: a subprocess imports this file bare
+
     ref_losses, got = metric_by_step(reference[0]), metric_by_step(workdir)
     for step in (30, 40):  # after the resume: the same batches, to float reduction order
         np.testing.assert_allclose(got[step], ref_losses[step], rtol=1e-4)

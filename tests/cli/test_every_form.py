@@ -50,10 +50,23 @@ def project(tmp_path_factory):
     return cwd
 
 
+@pytest.fixture(scope="module")
+def trained(project):
+    """`train` in each form, once: runs/<form> (the console script's run also serves the
+    export/replay test), and the process that trained it."""
+    done = {}
+
+    def train(form):
+        if form not in done:
+            done[form] = _run(project, form, "train", "--config=cfg.py", f"--workdir=runs/{form}")
+        return done[form]
+    return train
+
+
 @pytest.mark.parametrize("form", sorted(FORMS))
-def test_train_and_evaluate_import_the_users_modules_in_every_form(project, form):
+def test_train_and_evaluate_import_the_users_modules_in_every_form(project, trained, form):
     run = f"runs/{form}"
-    r = _run(project, form, "train", "--config=cfg.py", f"--workdir={run}")
+    r = trained(form)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["step"] == 4
     r = _run(project, form, "evaluate", f"--workdir={run}", "--noplots")
@@ -61,15 +74,15 @@ def test_train_and_evaluate_import_the_users_modules_in_every_form(project, form
     assert "jtrain: eval of step 4" in r.stdout
 
 
-def test_export_replay_tune_from_the_console_script(project):
+def test_export_replay_tune_from_the_console_script(project, trained):
     """The console script's sys.path starts with its bin/ folder, not the cwd: these
     commands rebuild the user's model from config.json's module names all the same."""
-    r = _run(project, "script", "train", "--config=cfg.py", "--workdir=runs/s")
+    r = trained("script")
     assert r.returncode == 0, r.stderr[-2000:]
-    r = _run(project, "script", "export", "--workdir=runs/s", "--out=exports/s")
+    r = _run(project, "script", "export", "--workdir=runs/script", "--out=exports/s")
     assert r.returncode == 0, r.stderr[-2000:]
     assert (project / "exports/s/params.safetensors").exists()
-    r = _run(project, "script", "replay", "runs/s", "--step=3")
+    r = _run(project, "script", "replay", "runs/script", "--step=3")
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["reproduced"] is True
     r = _run(project, "script", "tune", "--config=cfg.py", "--workdir=runs/t")
