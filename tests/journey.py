@@ -48,3 +48,40 @@ def copy_project(cwd, *names) -> None:
 
     for name in names:
         shutil.copy(os.path.join(PROJECTS, f"{name}.py"), os.path.join(str(cwd), f"{name}.py"))
+
+
+def verify_resume(cwd, config: str, workdir: str, kills: int, timeout: int = 600):
+    """`python -m jtrain.main --config=CONFIG --workdir=WORKDIR --verify_resume
+    --verify_kills=KILLS` in `cwd`, as its user types it: the finished process and its
+    `jtrain: verify_resume:` lines on stdout."""
+    proc = run_python(cwd, "-m", "jtrain.main", f"--config={config}", f"--workdir={workdir}",
+                      "--verify_resume", f"--verify_kills={kills}", timeout=timeout)
+    return proc, [ln for ln in proc.stdout.splitlines()
+                  if ln.startswith("jtrain: verify_resume:")]
+
+
+def user_dir(cwd, projects=(), files=None):
+    """`cwd` set up as the user's project: the shared modules `projects` copied in
+    (copy_project) beside their own `files` ({name: text}: scripts, config files)."""
+    copy_project(cwd, *projects)
+    for name, text in (files or {}).items():
+        (cwd / name).write_text(text)
+    return cwd
+
+
+def free_address() -> str:
+    """`127.0.0.1:PORT` with a port free now: a coordinator address for a multi-process run."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def metric_by_step(workdir, key: str = "train/loss") -> dict:
+    """{step: value} of `key` in the run's metrics.jsonl, as a user reads it."""
+    import json
+
+    with open(os.path.join(str(workdir), "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return {r["step"]: r[key] for r in rows if key in r}

@@ -11,36 +11,7 @@ import sys
 
 import pytest
 
-from journey import user_env
-
-MODELS = '''
-from flax import nnx
-
-
-class Net(nnx.Module):
-    def __init__(self, rngs):
-        self.body = nnx.Linear(4, 8, rngs=rngs)
-        self.head = nnx.Linear(8, 2, rngs=rngs)
-
-    def __call__(self, x):
-        return self.head(nnx.relu(self.body(x)))
-
-
-def make():
-    return Net
-'''
-
-DATA = '''
-import numpy as np
-
-
-def make(n=64):
-    r = np.random.default_rng(0)
-    x = r.normal(size=(n, 4)).astype(np.float32)
-    y = (x[:, 0] > 0).astype(np.int32)
-    return {"train": {"inputs": x[:48], "targets": y[:48]},
-            "eval": {"inputs": x[48:], "targets": y[48:]}}
-'''
+from journey import copy_project, user_env
 
 CONFIG = '''
 from jtrain.config import defaults
@@ -48,16 +19,13 @@ from jtrain.config import defaults
 
 def get_config():
     config = defaults(model="user")
-    config.model.factory = "mymodels:make"
-    config.data.source = "mydata:make"
-    config.data.batch_size = 16
-    config.total_steps = 4
-    config.eval.every_steps = 0
-    config.checkpoint.every_steps = 2
-    config.debug.hash_every_steps = 1
-    config.log.writers = ("jsonl",)
-    config.tune.space = {"optim": {"lr": ("log_uniform", 1e-3, 1e-1)}}
-    config.tune.trials = 1
+    config.update({"model": {"factory": "mymodels:make"},
+                   "data": {"source": "mydata:make", "batch_size": 16},
+                   "total_steps": 4, "eval": {"every_steps": 0},
+                   "checkpoint": {"every_steps": 2}, "debug": {"hash_every_steps": 1},
+                   "log": {"writers": ("jsonl",)},
+                   "tune": {"space": {"optim": {"lr": ("log_uniform", 1e-3, 1e-1)}},
+                            "trials": 1}})
     return config
 '''
 
@@ -77,16 +45,28 @@ def _run(cwd, form, cmd, *args):
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("project")
-    (cwd / "mymodels.py").write_text(MODELS)
-    (cwd / "mydata.py").write_text(DATA)
+    copy_project(cwd, "mymodels", "mydata")
     (cwd / "cfg.py").write_text(CONFIG)
     return cwd
 
 
+@pytest.fixture(scope="module")
+def trained(project):
+    """`train` in each form, once: runs/<form> (the console script's run also serves the
+    export/replay test), and the process that trained it."""
+    done = {}
+
+    def train(form):
+        if form not in done:
+            done[form] = _run(project, form, "train", "--config=cfg.py", f"--workdir=runs/{form}")
+        return done[form]
+    return train
+
+
 @pytest.mark.parametrize("form", sorted(FORMS))
-def test_train_and_evaluate_import_the_users_modules_in_every_form(project, form):
+def test_train_and_evaluate_import_the_users_modules_in_every_form(project, trained, form):
     run = f"runs/{form}"
-    r = _run(project, form, "train", "--config=cfg.py", f"--workdir={run}")
+    r = trained(form)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["step"] == 4
     r = _run(project, form, "evaluate", f"--workdir={run}", "--noplots")
@@ -94,15 +74,15 @@ def test_train_and_evaluate_import_the_users_modules_in_every_form(project, form
     assert "jtrain: eval of step 4" in r.stdout
 
 
-def test_export_replay_tune_from_the_console_script(project):
+def test_export_replay_tune_from_the_console_script(project, trained):
     """The console script's sys.path starts with its bin/ folder, not the cwd: these
     commands rebuild the user's model from config.json's module names all the same."""
-    r = _run(project, "script", "train", "--config=cfg.py", "--workdir=runs/s")
+    r = trained("script")
     assert r.returncode == 0, r.stderr[-2000:]
-    r = _run(project, "script", "export", "--workdir=runs/s", "--out=exports/s")
+    r = _run(project, "script", "export", "--workdir=runs/script", "--out=exports/s")
     assert r.returncode == 0, r.stderr[-2000:]
     assert (project / "exports/s/params.safetensors").exists()
-    r = _run(project, "script", "replay", "runs/s", "--step=3")
+    r = _run(project, "script", "replay", "runs/script", "--step=3")
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["reproduced"] is True
     r = _run(project, "script", "tune", "--config=cfg.py", "--workdir=runs/t")

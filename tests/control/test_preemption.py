@@ -11,26 +11,18 @@ import subprocess
 import sys
 import time
 
-import flax.linen as nn
-import numpy as np
 import pytest
 
 import jtrain
 from jtrain.control import faults
+from projects import mydata
+from projects.linen_classifier import Net  # features -> 8 -> 2 classes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-class Net(nn.Module):
-    @nn.compact
-    def __call__(self, x, train=False):
-        return nn.Dense(2)(nn.relu(nn.Dense(8)(x)))
-
-
-def _data():
-    r = np.random.default_rng(0)
-    x = r.normal(size=(64, 4)).astype(np.float32)
-    return {"inputs": x, "targets": (x[:, 0] > 0).astype(np.int32)}
+def _data():  # 64 rows of 4 features, class 1 where the first is positive
+    return mydata.make(64, train=None)
 
 
 def _train(workdir):

@@ -14,35 +14,15 @@ import sys
 
 from journey import copy_project
 
-DATA_MODULE = '''
-import numpy as np
-
-def make(n=64, bad=(), spike=(0, 0), missing=()):
-    r = np.random.default_rng(0)
-    x = r.normal(size=(n, 4)).astype(np.float32)
-    y = (x[:, 0] > 0).astype(np.int32)
-    x[list(bad)] = 3e38  # finite inputs whose loss overflows
-    x[list(missing), 1] = np.nan  # a missing input: its batch's update is skipped
-    x[spike[0]:spike[1]] *= 300.0  # a finite loss far above the rest
-    return {"train": {"inputs": x, "targets": y}, "eval": {"inputs": x[:16], "targets": y[:16]}}
-'''
-
 CONFIG_FILE = '''
 from jtrain.config import defaults
 
 def get_config():
     config = defaults(model="mlp")
-    config.model.num_outputs = 2
-    config.model.hidden = (16,)
-    config.data.source = "mydata:make"
-    config.data.batch_size = 8
-    config.data.shuffle = False
-    config.total_steps = 8
-    config.optim.name = "sgd"
-    config.optim.lr = 0.1
-    config.optim.schedule = "constant"
-    config.eval.every_steps = 4
-    config.log.every_steps = 1
+    config.update({"model": {"num_outputs": 2, "hidden": (16,)},
+                   "data": {"source": "tabular:make", "batch_size": 8, "shuffle": False},
+                   "optim": {"name": "sgd", "lr": 0.1, "schedule": "constant"},
+                   "total_steps": 8, "eval": {"every_steps": 4}, "log": {"every_steps": 1}})
     return config
 '''
 
@@ -57,7 +37,7 @@ def _env(**extra):
 
 
 def _cwd(tmp_path):
-    (tmp_path / "mydata.py").write_text(DATA_MODULE)
+    copy_project(tmp_path, "tabular")
     (tmp_path / "myconfig.py").write_text(CONFIG_FILE)
     return tmp_path
 

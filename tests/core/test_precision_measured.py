@@ -5,7 +5,6 @@ warns when the model's layers cast back to their own dtype."""
 
 import dataclasses
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +14,7 @@ from flax import nnx
 import jtrain
 from jtrain import precision
 from jtrain.models import adapters
+from projects.precision_models import CastsBack, Honours  # float32 always; its dtype
 
 
 class OwnDtypeEncoder(nnx.Module):
@@ -31,26 +31,8 @@ class OwnDtypeEncoder(nnx.Module):
         return self.head(self.norm(h))
 
 
-class Float32Always(nnx.Module):
-    """Casts to float32 whatever jtrain does: the warning's case."""
-
-    def __init__(self, rngs):
-        self.kernel = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (4, 2)))
-
-    def __call__(self, x):
-        return x.astype(jnp.float32) @ self.kernel[...].astype(jnp.float32)
-
-
-class LinenMlp(nn.Module):
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(2, dtype=self.dtype)(nn.relu(nn.Dense(8, dtype=self.dtype)(x)))
-
-
 def factory(dtype=jnp.float32):  # model.factory with a dtype argument
-    return LinenMlp(dtype=dtype)
+    return Honours(dtype=dtype)
 
 
 def _build(model, dtype="bfloat16", **model_cfg):
@@ -60,7 +42,7 @@ def _build(model, dtype="bfloat16", **model_cfg):
     return jtrain.build(cfg, sample=example["inputs"], eval_example=example, model=model)
 
 
-@pytest.mark.parametrize("model", [OwnDtypeEncoder, LinenMlp()], ids=["nnx-class", "linen"])
+@pytest.mark.parametrize("model", [OwnDtypeEncoder, Honours()], ids=["nnx-class", "linen"])
 def test_the_policy_reaches_layers_that_expose_a_dtype(model):
     b = _build(model)
     assert dict(b.policy.matmuls) == {"bfloat16": 2}, b.policy.matmuls
@@ -80,7 +62,7 @@ def test_an_nnx_instance_is_copied_and_its_norms_keep_their_dtype():
 
 
 def test_a_model_that_casts_back_is_reported_and_warned_about():
-    b = _build(Float32Always)
+    b = _build(CastsBack)
     assert b.policy.describe() == ("params float32, compute bfloat16 "
                                    "(model: 0/1 matmuls bfloat16; 1 float32)")
     assert b.policy.warning() == (
@@ -90,7 +72,7 @@ def test_a_model_that_casts_back_is_reported_and_warned_about():
 
 
 def test_float16_on_a_float32_model_claims_no_loss_scale():
-    b = _build(Float32Always, dtype="float16")
+    b = _build(CastsBack, dtype="float16")
     assert not b.policy.dynamic_loss_scale
     assert "loss scale" not in b.policy.describe()
     assert float(b.init().loss_scale["scale"]) == 1.0
@@ -114,7 +96,7 @@ def test_built_in_transformer_and_float32_runs_are_measured():
                                                           "targets": tokens})
     # per layer q, k, v, scores, context, out, mlp in, mlp out; the tied logits
     assert dict(b.policy.matmuls) == {"bfloat16": 2 * 8 + 1}
-    assert _build(LinenMlp(), dtype="float32").policy.describe() == (
+    assert _build(Honours(), dtype="float32").policy.describe() == (
         "params float32, compute float32 (model: 2/2 matmuls float32)")
 
 

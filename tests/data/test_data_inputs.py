@@ -16,6 +16,7 @@ from jtrain import config as config_lib
 from jtrain import data as data_lib
 from jtrain.losses import ROW_MASK
 from jtrain import main as main_lib
+from projects import bad_input_user
 
 N = 24
 
@@ -38,19 +39,11 @@ def batches(data, n=2, **kw):
 
 
 # ---------------------------------------------------------------------------- datasets
-class Items(torch.utils.data.Dataset):
+class Items(bad_input_user.Items, torch.utils.data.Dataset):
     """Map-style; `make(i)` builds item i."""
 
     def __init__(self, make, n=N):
-        self.make, self.n = make, n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        if not 0 <= i < self.n:
-            raise IndexError(i)
-        return self.make(i)
+        super().__init__(make, n)
 
 
 class Stream(torch.utils.data.IterableDataset):

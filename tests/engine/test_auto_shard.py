@@ -28,6 +28,8 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 from jtrain import mesh as mesh_lib
 from jtrain.observe import header
+from journey import metric_by_step
+from numpy_metrics import accuracies
 
 FAKE = types.SimpleNamespace(shape={"data": 1, "fsdp": 8, "tensor": 1})
 MESH8 = AbstractMesh((1, 8, 1), mesh_lib.MESH_AXES)
@@ -203,11 +205,6 @@ def _read(workdir, name):
     return open(os.path.join(workdir, name)).read()
 
 
-def _metrics(workdir, key="train/loss"):
-    rows = [json.loads(line) for line in _read(workdir, "metrics.jsonl").splitlines()]
-    return {r["step"]: r[key] for r in rows if key in r}
-
-
 def _specs(tree):
     return {jax.tree_util.keystr(p): a.sharding.spec
             for p, a in jax.tree_util.tree_flatten_with_path(tree)[0]}
@@ -235,7 +232,7 @@ def test_an_unannotated_model_is_sharded_over_fsdp(runs):
 @pytest.mark.multidevice
 def test_fsdp8_equals_a_one_device_run(runs):
     assert runs["one_state"].params["hidden"]["kernel"].sharding.mesh.size == 1
-    eight, one = _metrics(runs["straight"]), _metrics(runs["one"])
+    eight, one = metric_by_step(runs["straight"]), metric_by_step(runs["one"])
     assert sorted(eight) == sorted(one) == list(range(1, STEPS + 1))
     np.testing.assert_allclose([eight[s] for s in one], [one[s] for s in one],
                                rtol=1e-5, atol=1e-6)
@@ -268,7 +265,7 @@ def test_an_auto_sharded_checkpoint_resumes_under_another_mesh(runs, name, mesh_
     assert dict(kernel.sharding.mesh.shape) == mesh_shape
     assert kernel.addressable_shards[0].data.shape == kernel_shard
     assert _specs(state.ema) == _specs(state.params)
-    elastic, straight = _metrics(runs[name]), _metrics(runs["straight"])
+    elastic, straight = metric_by_step(runs[name]), metric_by_step(runs["straight"])
     np.testing.assert_allclose([elastic[s] for s in (3, 4)], [straight[s] for s in (3, 4)],
                                rtol=1e-5, atol=1e-6)
     for field in ("params", "ema"):
@@ -340,9 +337,6 @@ def test_train_accuracy_on_8_devices_with_microbatches_is_exact(runs):
     history = runs["linen_history"]
     assert [h["step"] for h in history] == [1, 2]
     for h in history:
-        rows = slice((h["step"] - 1) * 16, h["step"] * 16)
-        hits = logits[rows].argmax(-1) == Y[rows]
-        assert h["train/accuracy"] == pytest.approx(hits.mean(), abs=1e-12)
-        label = np.take_along_axis(logits[rows], Y[rows][:, None], axis=-1)
-        rank = (logits[rows] > label).sum(-1)
-        assert h["train/top_2_accuracy"] == pytest.approx((rank < 2).mean(), abs=1e-12)
+        top1, top2 = accuracies(logits, Y, slice((h["step"] - 1) * 16, h["step"] * 16))
+        assert h["train/accuracy"] == pytest.approx(top1, abs=1e-12)
+        assert h["train/top_2_accuracy"] == pytest.approx(top2, abs=1e-12)

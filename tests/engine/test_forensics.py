@@ -7,7 +7,6 @@ one-line errors (a step without a hash, a path that is not a run)."""
 
 import json
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,18 +17,12 @@ from jtrain import diff as diff_lib
 from jtrain import replay as replay_lib
 from jtrain.errors import UsageError
 from jtrain.observe import hashes
+from projects import mydata
+from projects.linen_classifier import Net  # features -> 8 -> 2 classes
 
 
-class Net(nn.Module):
-    @nn.compact
-    def __call__(self, x, train=False):
-        return nn.Dense(2)(nn.relu(nn.Dense(8)(x)))
-
-
-def _data():
-    r = np.random.default_rng(0)
-    x = r.normal(size=(40, 4)).astype(np.float32)
-    return {"inputs": x, "targets": (x[:, 0] > 0).astype(np.int32)}
+def _data():  # 40 rows of 4 features, class 1 where the first is positive
+    return mydata.make(40, train=None)
 
 
 def _train(workdir, **over):

@@ -11,13 +11,13 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 import jtrain
 from jtrain.engine import checkpoint_eval as evaluate_lib
 from jtrain.engine import population as population_lib
 from jtrain.checkpoint import export as export_lib
 from jtrain.errors import ConfigError, UsageError
+from projects.mymodels import Net as Net3
 
 
 class Net(nn.Module):
@@ -27,13 +27,9 @@ class Net(nn.Module):
         return nn.Dense(3, name="head")(h)
 
 
-class NnxNet(nnx.Module):
+class NnxNet(Net3):  # the user project's NNX classifier: 4 -> 8 -> 3 classes
     def __init__(self, rngs):
-        self.body = nnx.Linear(4, 8, rngs=rngs)
-        self.head = nnx.Linear(8, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.head(nnx.relu(self.body(x)))
+        super().__init__(8, rngs, classes=3)
 
 
 def _data(n=64):

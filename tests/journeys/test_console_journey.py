@@ -70,7 +70,7 @@ try:
 except RestoreError as e:
     print("CHANGED", e, flush=True)
 fine = run({**config, "total_steps": 3, "checkpoint": {"init_from": "runs/a",
-                                                        "init_exclude": ["out"]}}, "runs/b")
+                                                        "init_exclude": ["head"]}}, "runs/b")
 print("INIT", fine.summary["step"], flush=True)
 '''
 
@@ -118,38 +118,22 @@ def test_library_reruns_stream_epoch_and_init_from(tmp_path):
     assert "INIT 3" in out
 
 
-DATA_MODULE = '''
-import numpy as np
-
-def make(n=64):
-    r = np.random.default_rng(0)
-    x = r.normal(size=(n, 4)).astype(np.float32)
-    y = (x[:, 0] > 0).astype(np.int32)
-    return {"train": {"inputs": x, "targets": y}, "eval": {"inputs": x[:16], "targets": y[:16]}}
-'''
-
 CONFIG_FILE = '''
 from jtrain.config import defaults
 
 def get_config():
     config = defaults(model="mlp")
-    config.model.num_outputs = 2
-    config.model.hidden = (16,)
-    config.data.source = "mydata:make"
-    config.data.batch_size = 8
-    config.total_steps = 100000
-    config.optim.name = "sgd"
-    config.optim.lr = 0.01
-    config.optim.schedule = "constant"
-    config.eval.every_steps = 4
-    config.log.every_steps = 1
-    config.log.writers = ("jsonl",)
+    config.update({"model": {"num_outputs": 2, "hidden": (16,)},
+                   "data": {"source": "tabular:make", "batch_size": 8},
+                   "optim": {"name": "sgd", "lr": 0.01, "schedule": "constant"},
+                   "total_steps": 100000, "eval": {"every_steps": 4},
+                   "log": {"every_steps": 1, "writers": ("jsonl",)}})
     return config
 '''
 
 
 def test_sigint_from_outside_says_what_happened(tmp_path):
-    (tmp_path / "mydata.py").write_text(DATA_MODULE)
+    copy_project(tmp_path, "tabular")
     (tmp_path / "myconfig.py").write_text(CONFIG_FILE)
     cmd = [sys.executable, "-m", "jtrain.main", "--config=myconfig.py", "--workdir=runs/x"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=user_env(), stderr=subprocess.PIPE,

@@ -12,11 +12,10 @@ from jtrain.config import defaults
 
 def get_config():
     c = defaults(model="transformer")
-    c.total_steps = 10
-    c.model.update(d_model=64, num_layers=2, num_heads=4, d_ff=128, max_len=32)
-    c.data.update(seq_len=32, batch_size=32)
-    c.eval.batch_size = 64
-    c.mesh.update(data=2, fsdp=8, tensor=4)
+    c.update({"total_steps": 10,
+              "model": dict(d_model=64, num_layers=2, num_heads=4, d_ff=128, max_len=32),
+              "data": dict(seq_len=32, batch_size=32), "eval": {"batch_size": 64},
+              "mesh": dict(data=2, fsdp=8, tensor=4)})
     return c
 '''
 

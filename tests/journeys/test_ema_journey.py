@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 
-from journey import copy_project, run_python
+from journey import copy_project, run_python, verify_resume
 
 SCRIPT = '''
 import jax
@@ -57,6 +57,7 @@ def get_config():
     c.model.hidden = (16,)
     c.model.num_outputs = 3
     c.data.source = "mydata:make"
+    c.data.kwargs = {"classes": 3}  # 64 rows train, 32 evaluate
     c.data.batch_size = 8
     c.optim.lr = 0.05
     c.optim.ema.decay = 0.9
@@ -66,25 +67,11 @@ def get_config():
     return c
 '''
 
-DATA = '''
-import numpy as np
-
-
-def make():
-    r = np.random.default_rng(0)
-    x = r.normal(size=(96, 4)).astype(np.float32)
-    y = (x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0)
-    return {"train": {"inputs": x[:64], "targets": y[:64]},
-            "eval": {"inputs": x[64:], "targets": y[64:]}}
-'''
-
 
 def test_cli_ema_resumes_bitwise_then_evaluate_and_export_the_ema(tmp_path):
     (tmp_path / "cfg.py").write_text(CONFIG)
-    (tmp_path / "mydata.py").write_text(DATA)
-    proc = run_python(tmp_path, "-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/v",
-                      "--verify_resume", "--verify_kills=2", timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("jtrain: verify_resume:")]
+    copy_project(tmp_path, "mydata")
+    proc, lines = verify_resume(tmp_path, "cfg.py", "runs/v", kills=2)
     assert proc.returncode == 0 and len(lines) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert lines[0].startswith("jtrain: verify_resume: PASS: bitwise identical after 2/2"), \
         lines[0]

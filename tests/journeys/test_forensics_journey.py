@@ -18,6 +18,7 @@ def get_config():
     c.seed = 0
     c.total_steps = 8
     c.data.source = "mydata:make"
+    c.data.kwargs = {"n": 48, "train": None}  # all 48 rows train
     c.data.batch_size = 8
     c.eval.every_steps = 0
     c.checkpoint.every_steps = 2
@@ -26,21 +27,11 @@ def get_config():
     return c
 '''
 
-DATA = '''
-import numpy as np
-
-
-def make():
-    r = np.random.default_rng(0)
-    x = r.normal(size=(48, 4)).astype(np.float32)
-    return {"inputs": x, "targets": (x[:, 0] > 0).astype(np.int32)}
-'''
-
 
 def test_kill_resume_diff_and_replay_from_the_cli(tmp_path):
     copy_project(tmp_path, "linen_classifier")
     (tmp_path / "cfg.py").write_text(CONFIG)
-    (tmp_path / "mydata.py").write_text(DATA)
+    copy_project(tmp_path, "mydata")
     train = ["-m", "jtrain.main", "--config=cfg.py"]
     assert run_python(tmp_path, *train, "--workdir=runs/a").returncode == 0
     killed = run_python(tmp_path, *train, "--workdir=runs/b", JTRAIN_FAULT="step:5")

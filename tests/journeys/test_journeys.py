@@ -27,14 +27,8 @@ def get_config():
     c = defaults(model="transformer")
     c.seed = 0
     c.total_steps = 6
-    c.model.d_model = 32
-    c.model.num_layers = 1
-    c.model.num_heads = 2
-    c.model.d_ff = 64
-    c.model.max_len = 32
-    c.data.name = "pystdlib"
-    c.data.seq_len = 32
-    c.data.batch_size = 8
+    c.model.update(d_model=32, num_layers=1, num_heads=2, d_ff=64, max_len=32)
+    c.data.update(name="pystdlib", seq_len=32, batch_size=8)
     c.optim.warmup_steps = 1
     c.eval.every_steps = 3
     c.eval.num_batches = 2

@@ -5,7 +5,7 @@ components and the packing, and each component's eval set is scored on its own."
 
 import json
 
-from journey import run_python
+from journey import verify_resume
 
 CONFIG = '''
 import ml_collections
@@ -43,9 +43,7 @@ def make(seed=0, offset=0, n=120):
 def test_cli_mixture_with_packing_resumes_bitwise(tmp_path):
     (tmp_path / "cfg.py").write_text(CONFIG)
     (tmp_path / "docs.py").write_text(DOCS)
-    proc = run_python(tmp_path, "-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/m",
-                      "--verify_resume", "--verify_kills=1", timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("jtrain: verify_resume:")]
+    proc, lines = verify_resume(tmp_path, "cfg.py", "runs/m", kills=1)
     assert proc.returncode == 0 and len(lines) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert lines[0].startswith("jtrain: verify_resume: PASS: bitwise identical"), lines[0]
     run = tmp_path / "runs" / "m" / "reference"

@@ -15,38 +15,22 @@ from jtrain.config import defaults
 
 def get_config():
     c = defaults(model="user")
-    c.model.factory = "linen_classifier:Net"
-    c.data.source = "mydata:make"
-    c.data.batch_size = 8
-    c.total_steps = 4
-    c.optim.lr = 0.05
-    c.eval.every_steps = 2
-    c.checkpoint.every_steps = 1
-    c.checkpoint.async_save = False  # one kill always resumes from a step between 0 and 4
-    c.log.every_steps = 2
-    c.population.size = 4
-    c.population.vary = {"optim": {"lr": [0.01, 0.02, 0.05, 0.1],
-                                   "weight_decay": [0.0, 0.0, 0.1, 0.3]}}
+    c.update({"model": {"factory": "linen_classifier:Net"},
+              "data": {"source": "mydata:make", "batch_size": 8},
+              "total_steps": 4, "optim": {"lr": 0.05}, "eval": {"every_steps": 2},
+              # async_save off: one kill always resumes from a step between 0 and 4
+              "checkpoint": {"every_steps": 1, "async_save": False},
+              "log": {"every_steps": 2},
+              "population": {"size": 4,
+                             "vary": {"optim": {"lr": [0.01, 0.02, 0.05, 0.1],
+                                                "weight_decay": [0.0, 0.0, 0.1, 0.3]}}}})
     return c
-'''
-
-DATA = '''
-import numpy as np
-
-
-def make():
-    r = np.random.default_rng(0)
-    x = r.normal(size=(96, 4)).astype(np.float32)
-    y = (x[:, 0] > 0).astype(np.int32)
-    return {"train": {"inputs": x[:64], "targets": y[:64]},
-            "eval": {"inputs": x[64:], "targets": y[64:]}}
 '''
 
 
 def test_cli_population_resumes_bitwise_and_exports_a_member(tmp_path):
-    copy_project(tmp_path, "linen_classifier")
+    copy_project(tmp_path, "linen_classifier", "mydata")
     (tmp_path / "cfg.py").write_text(CONFIG)
-    (tmp_path / "mydata.py").write_text(DATA)
     proc = run_python(tmp_path, "-m", "jtrain.main", "--config=cfg.py",
                       "--workdir=runs/pop", "--verify_resume", "--verify_kills=1")
     out = proc.stdout + proc.stderr

@@ -6,42 +6,11 @@ configured and measured."""
 
 import json
 
-from journey import run_python
-
-MODELS = '''
-import jax.numpy as jnp
-import numpy as np
-from flax import linen as nn, nnx
-
-
-class CastsBack(nnx.Module):
-    def __init__(self, rngs):
-        self.kernel = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (4, 2)))
-
-    def __call__(self, x):
-        return x.astype(jnp.float32) @ self.kernel[...].astype(jnp.float32)
-
-
-class Honours(nn.Module):
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(2, dtype=self.dtype)(nn.relu(nn.Dense(8, dtype=self.dtype)(x)))
-
-
-def make(dtype=jnp.float32):
-    return Honours(dtype=dtype)
-
-
-def data():
-    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
-    return {"inputs": x, "targets": (x[:, 0] > 0).astype(np.int32)}
-'''
+from journey import run_python, user_dir
 
 SCRIPT = '''
 import jtrain
-from mymodels import CastsBack, Honours, data
+from precision_models import CastsBack, Honours, data
 
 config = {"total_steps": 2, "data": {"batch_size": 16}, "model": {"dtype": "bfloat16"}}
 jtrain.train(config, "runs/nnx", model=CastsBack, train_data=data())
@@ -53,9 +22,9 @@ from jtrain.config import defaults
 
 def get_config():
     config = defaults(model="user")
-    config.model.factory = "mymodels:make"
+    config.model.factory = "precision_models:make"
     config.model.dtype = "bfloat16"
-    config.data.source = "mymodels:data"
+    config.data.source = "precision_models:data"
     config.data.batch_size = 16
     config.total_steps = 2
     return config
@@ -67,9 +36,7 @@ WARNING = ("jtrain: warning: model.dtype=bfloat16, but the model computes 1 of 1
 
 
 def test_the_header_and_summary_say_what_the_model_computes_in(tmp_path):
-    (tmp_path / "mymodels.py").write_text(MODELS)
-    (tmp_path / "train_both.py").write_text(SCRIPT)
-    (tmp_path / "myconfig.py").write_text(CONFIG)
+    user_dir(tmp_path, ["precision_models"], {"train_both.py": SCRIPT, "myconfig.py": CONFIG})
     proc = run_python(tmp_path, "train_both.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ("jtrain: model user CastsBack (nnx), 8 params, params float32, compute "

@@ -5,46 +5,28 @@ train/accuracy at each log step."""
 
 import json
 
-from journey import run_python
-
-MODELS = '''
-import numpy as np
-from flax import nnx
-
-class Classifier(nnx.Module):
-    def __init__(self, rngs):
-        self.hidden = nnx.Linear(16, 64, rngs=rngs)
-        self.out = nnx.Linear(64, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(nnx.relu(self.hidden(x)))
-
-def make():
-    return Classifier  # jtrain builds it with rngs, shapes first
-
-def data():
-    x = np.random.default_rng(0).normal(size=(128, 16)).astype(np.float32)
-    return {"inputs": x, "targets": (x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 1)}
-'''
+from journey import copy_project, run_python
 
 CONFIG = '''
 from jtrain.config import defaults
 
 def get_config():
     config = defaults(model="user")
-    config.model.factory = "mymodels:make"
-    config.data.source = "mymodels:data"
-    config.data.batch_size = 16
-    config.total_steps = 4
-    config.log.every_steps = 2
-    config.log.train_metrics = ("accuracy",)   # -> train/accuracy in metrics.jsonl
-    config.mesh.update(data=1, fsdp=8)      # your unannotated model, sharded 8 ways
+    config.update({
+        "model": {"factory": "mymodels:make",  # your unannotated NNX model
+                  "kwargs": {"features": 16, "hidden": 64, "classes": 3}},
+        "data": {"source": "mydata:make", "batch_size": 16,
+                 "kwargs": {"n": 128, "train": None, "features": 16, "classes": 3}},
+        "total_steps": 4,
+        "log": {"every_steps": 2, "train_metrics": ("accuracy",)},  # -> metrics.jsonl
+        "mesh": {"data": 1, "fsdp": 8},  # sharded 8 ways
+    })
     return config
 '''
 
 
 def test_cli_user_model_sharded_with_train_accuracy(tmp_path):
-    (tmp_path / "mymodels.py").write_text(MODELS)
+    copy_project(tmp_path, "mymodels", "mydata")
     (tmp_path / "myconfig.py").write_text(CONFIG)
     proc = run_python(tmp_path, "-m", "jtrain.main", "--config=myconfig.py",
                       "--workdir=runs/c", XLA_FLAGS="--xla_force_host_platform_device_count=8")

@@ -19,7 +19,8 @@ import jtrain
 from jtrain.checkpoint import export as export_lib
 from jtrain.errors import ConfigError, RestoreError, UsageError
 from jtrain.models import lora
-from journey import run_python
+from journey import run_python, user_dir
+from projects.mymodels import Net as Net3
 
 pytest.importorskip("qwix")
 
@@ -31,13 +32,9 @@ class LinenNet(nn.Module):
         return nn.Dense(3, name="head")(h)
 
 
-class NnxNet(nnx.Module):
+class NnxNet(Net3):  # the user project's NNX classifier: 4 -> 16 -> 3 classes
     def __init__(self, rngs):
-        self.body = nnx.Linear(4, 16, rngs=rngs)
-        self.head = nnx.Linear(16, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.head(nnx.relu(self.body(x)))
+        super().__init__(16, rngs, classes=3)
 
 
 class LinenGeneral(nn.Module):
@@ -274,36 +271,11 @@ def test_changing_lora_on_resume_is_a_named_config_change(tmp_path):
 
 # -- the user's journey: their NNX model by model.factory, the CLI, relative paths -------
 
-MODEL = '''
-from flax import nnx
-
-
-class Classifier(nnx.Module):
-    def __init__(self, rngs):
-        self.encoder = nnx.Linear(4, 16, rngs=rngs)
-        self.head = nnx.Linear(16, 2, rngs=rngs)
-
-    def __call__(self, x):
-        return self.head(nnx.relu(self.encoder(x)))
-
-
-def make():
-    return Classifier
-
-
-def data():
-    import numpy as np
-
-    r = np.random.default_rng(0)
-    x = r.normal(size=(96, 4)).astype(np.float32)
-    return {"inputs": x, "targets": (x[:, 0] + x[:, 1] > 0).astype(np.int32)}
-'''
-
 SCRIPT = '''
 import jtrain
 
-config = {"model": {"name": "user", "factory": "mymodel:make"},
-          "data": {"source": "mymodel:data", "batch_size": 8},
+config = {"model": {"name": "user", "factory": "nnx_mlp:make"},
+          "data": {"source": "nnx_mlp:data", "batch_size": 8},
           "total_steps": 6, "eval": {"every_steps": 0}, "optim": {"lr": 0.05}}
 jtrain.train(config, "runs/base")
 config["finetune"] = {"lora": {"rank": 2, "alpha": 4.0}}
@@ -318,11 +290,9 @@ from jtrain.config import defaults
 
 def get_config():
     config = defaults(model="user")
-    config.model.factory = "mymodel:make"
-    config.data.source = "mymodel:data"
-    config.data.batch_size = 8
-    config.total_steps = 2
-    config.finetune.lora.rank = 2
+    config.update({"model": {"factory": "nnx_mlp:make"},
+                   "data": {"source": "nnx_mlp:data", "batch_size": 8},
+                   "total_steps": 2, "finetune": {"lora": {"rank": 2}}})
     return config
 '''
 
@@ -335,9 +305,7 @@ def _error_lines(proc):
 
 
 def test_user_pretrains_lora_finetunes_and_exports_merged(tmp_path):
-    (tmp_path / "mymodel.py").write_text(MODEL)
-    (tmp_path / "finetune.py").write_text(SCRIPT)
-    (tmp_path / "myconfig.py").write_text(CONFIG)
+    user_dir(tmp_path, ["nnx_mlp"], {"finetune.py": SCRIPT, "myconfig.py": CONFIG})
     proc = _run(tmp_path, "finetune.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ft step 6" in proc.stdout
@@ -370,15 +338,15 @@ def test_user_pretrains_lora_finetunes_and_exports_merged(tmp_path):
     # the merged export in the plain model = the fine-tuned LoRA model
     sys.path.insert(0, str(tmp_path))
     try:
-        import mymodel
+        import nnx_mlp
         ft_cfg = {"finetune": {"lora": {"rank": 2, "alpha": 4.0}}}
-        x = mymodel.data()["inputs"][:8]
+        x = nnx_mlp.data()["inputs"][:8]
         adapted = _build({**_cfg(), **ft_cfg, "data": {"batch_size": 8}},
-                         mymodel.Classifier, x[0], np.int32(0))
-        plain = _build(_cfg(), mymodel.Classifier, x[0], np.int32(0))
+                         nnx_mlp.Model, x[0], np.int32(0))
+        plain = _build(_cfg(), nnx_mlp.Model, x[0], np.int32(0))
     finally:
         sys.path.remove(str(tmp_path))
-        sys.modules.pop("mymodel", None)
+        sys.modules.pop("nnx_mlp", None)
     step_dir = export_lib.find_step_dir(str(tmp_path / "runs/ft"))
     saved = export_lib.load_checkpoint_leaves(step_dir)
 

@@ -5,7 +5,6 @@ init_from. A model passed from Python: the evaluate CLI says in one line how to 
 it, and `evaluate_checkpoint(workdir, model=...)` does."""
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -13,69 +12,19 @@ import pytest
 import jtrain
 from jtrain import evaluate
 from jtrain.errors import ConfigError, EvaluateError
-from journey import run_python
-
-MODELS = '''
-import jax.numpy as jnp
-from flax import linen as nn, nnx
-
-
-class Net(nnx.Module):
-    def __init__(self, hidden, rngs, dtype=jnp.float32):
-        self.body = nnx.Linear(4, hidden, rngs=rngs, dtype=dtype)
-        self.head = nnx.Linear(hidden, 2, rngs=rngs, dtype=dtype)
-
-    def __call__(self, x):
-        return self.head(nnx.relu(self.body(x)))
-
-
-def make(hidden=16, dtype=jnp.float32):
-    seen.append(dtype)
-    return lambda rngs: Net(hidden, rngs, dtype)
-
-
-seen = []
-
-
-class LinenNet(nn.Module):
-    hidden: int = 8
-
-    @nn.compact
-    def __call__(self, x, train=False):
-        return nn.Dense(2)(nn.relu(nn.Dense(self.hidden)(x)))
-'''
-
-DATA = '''
-import numpy as np
-
-def make(n=128):
-    r = np.random.default_rng(0)
-    x = r.normal(size=(n, 4)).astype(np.float32)
-    y = (x[:, 0] + x[:, 1] > 0).astype(np.int32)
-    return {"train": {"inputs": x[:96], "targets": y[:96]},
-            "eval": {"inputs": x[96:], "targets": y[96:]}}
-'''
+from journey import copy_project, run_python
 
 CONFIG = '''
 from jtrain.config import defaults
 
 def get_config():
     config = defaults(model="user")
-    config.model.factory = "mymodels:make"
-    config.model.kwargs = {"hidden": 16}
-    config.data.source = "mydata:make"
-    config.data.batch_size = 16
-    config.total_steps = 12
-    config.optim.lr = 0.01
-    config.eval.every_steps = 6
-    config.checkpoint.every_steps = 6
+    config.update({"model": {"factory": "mymodels:make", "kwargs": {"hidden": 16}},
+                   "data": {"source": "mydata:make", "batch_size": 16},
+                   "total_steps": 12, "optim": {"lr": 0.01},
+                   "eval": {"every_steps": 6}, "checkpoint": {"every_steps": 6}})
     return config
 '''
-
-
-def _env():
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
-    return {**env, "JAX_PLATFORMS": "cpu"}
 
 
 def _run(cwd, module, *args):
@@ -84,8 +33,7 @@ def _run(cwd, module, *args):
 
 @pytest.fixture
 def user_dir(tmp_path):
-    (tmp_path / "mymodels.py").write_text(MODELS)
-    (tmp_path / "mydata.py").write_text(DATA)
+    copy_project(tmp_path, "mymodels", "mydata")
     (tmp_path / "myconfig.py").write_text(CONFIG)
     return tmp_path
 

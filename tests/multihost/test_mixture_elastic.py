@@ -5,11 +5,10 @@ final state_sha256 are those of an uninterrupted 1-process 2-device run, and
 summary.json records each component's draws and epochs, as the uninterrupted run's."""
 
 import json
-import socket
 import subprocess
 import sys
 
-from journey import run_python, user_env
+from journey import free_address, run_python, user_env
 
 SCRIPT = '''
 import sys
@@ -52,9 +51,7 @@ print("RESULT", jax.process_count(), jax.device_count(), r.summary["resumed_from
 
 def test_mixture_two_processes_then_one_resumes_like_one_run(tmp_path):
     (tmp_path / "mix.py").write_text(SCRIPT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
+    address = free_address()
     env = user_env(XLA_FLAGS="--xla_force_host_platform_device_count=1")
     procs = [subprocess.Popen([sys.executable, "mix.py", "runs/el", "4", address, "2",
                                str(i)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,

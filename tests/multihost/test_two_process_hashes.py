@@ -5,11 +5,10 @@ and debug.hash_every_steps=1. The state hashes are identical step for step, only
 process 0 writes hashes.jsonl, and `jtrain diff` of the two runs exits 0."""
 
 import json
-import socket
 import subprocess
 import sys
 
-from journey import run_python, user_env
+from journey import free_address, run_python, user_env
 
 STEPS = 4
 
@@ -41,9 +40,7 @@ print("RESULT", jax.process_index(), jax.process_count(), jax.device_count(),
 
 def test_two_processes_hash_like_one_process_with_two_devices(tmp_path):
     (tmp_path / "sf_ema.py").write_text(SCRIPT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
+    address = free_address()
     one_device = user_env(XLA_FLAGS="--xla_force_host_platform_device_count=1")
     procs = [subprocess.Popen([sys.executable, "sf_ema.py", "runs/mp", address, "2", str(i)],
                               cwd=tmp_path, env=one_device, stdout=subprocess.PIPE,

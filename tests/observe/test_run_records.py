@@ -7,31 +7,28 @@ settings), repeated in summary.json; one run resolves its config exactly once.""
 import json
 import textwrap
 
-from journey import run_python
+from journey import copy_project, run_python
 
 MODEL = """
 import json
 import numpy as np
 import jtrain
+import mydata
 from flax import nnx
+from mymodels import Net as MyNet
 
 
-class Net(nnx.Module):
-    def __init__(self, rngs):
-        self.hidden = nnx.Linear(4, 16, rngs=rngs)
-        self.out = nnx.Linear(16, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(nnx.relu(self.hidden(x)))
+def Net(rngs):  # their NNX classifier: 4 features -> 16 -> 3 classes
+    return MyNet(16, rngs, classes=3)
 
 
-r = np.random.default_rng(0)
-x = r.normal(size=(96, 4)).astype(np.float32)
-data = (x, (x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0).astype(np.int32))
+d = mydata.make(96, train=None, classes=3)
+data = (d["inputs"], d["targets"])
 """
 
 
 def _script(tmp_path, body: str) -> str:
+    copy_project(tmp_path, "mymodels", "mydata")
     (tmp_path / "script.py").write_text(textwrap.dedent(MODEL) + textwrap.dedent(body))
     proc = run_python(tmp_path, "script.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -146,6 +143,7 @@ def test_the_command_line_resolves_the_config_once(tmp_path):
                     "data": {"source": "blobs:make", "batch_size": 16},
                     "total_steps": 2, "eval": {"every_steps": 0}}
     """))
+    copy_project(tmp_path, "mymodels", "mydata")
     (tmp_path / "blobs.py").write_text(textwrap.dedent(MODEL) + textwrap.dedent("""
         def make():
             return data

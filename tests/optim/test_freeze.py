@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import jtrain
+from journey import copy_project, run_python
 from jtrain.errors import ConfigError
 
 
@@ -102,37 +103,25 @@ def test_bad_freezing_config_is_a_config_error(tmp_path, optim, key):
 
 
 SCRIPT = '''
-import json
 import numpy as np
 from flax import nnx
 import jtrain
+from nnx_mlp import Model, data
 
-class Model(nnx.Module):
-    def __init__(self, rngs):
-        self.encoder = nnx.Linear(4, 16, rngs=rngs)
-        self.head = nnx.Linear(16, 2, rngs=rngs)
-
-    def __call__(self, x):
-        return self.head(nnx.relu(self.encoder(x)))
-
-r = np.random.default_rng(0)
-x = r.normal(size=(64, 4)).astype(np.float32)
-data = {"inputs": x, "targets": (x[:, 0] > 0).astype(np.int32)}
 model = Model(nnx.Rngs(0))
 before = np.asarray(model.encoder.kernel[...]).copy()
 config = {"total_steps": 5, "data": {"batch_size": 8}, "eval": {"every_steps": 0},
           "optim": {"name": "adamw", "lr": 0.05, "weight_decay": 0.1, "frozen": ["encoder"]}}
-result = jtrain.train(config, "runs/ft", model=model, train_data=data)
+result = jtrain.train(config, "runs/ft", model=model, train_data=data(64))
 after = np.asarray(result.state.params["encoder"]["kernel"])
 print("encoder unchanged:", bool((before == after).all()))
 '''
 
 
 def test_script_nnx_model_frozen_encoder(tmp_path):
+    copy_project(tmp_path, "nnx_mlp")
     (tmp_path / "finetune.py").write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
-    proc = subprocess.run([sys.executable, "finetune.py"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300, env={**env, "JAX_PLATFORMS": "cpu"})
+    proc = run_python(tmp_path, "finetune.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "encoder unchanged: True" in proc.stdout
     assert "jtrain: trainable 34 params in 2 leaves; frozen 80 in 2 leaves" in proc.stderr

@@ -6,7 +6,6 @@ that went straight through. Three short runs in the suite's 8-device child, shar
 the tests below."""
 
 import functools
-import json
 import os
 
 import jax
@@ -17,6 +16,7 @@ import jtrain
 from jtrain import diff
 from jtrain import mesh as mesh_lib
 from jtrain.control import faults
+from journey import metric_by_step
 
 pytestmark = pytest.mark.multidevice
 
@@ -39,12 +39,6 @@ def _config(fsdp):
             "checkpoint": {"every_steps": 3},
             "log": {"every_steps": 1, "writers": ("jsonl",)},
             "debug": {"hash_every_steps": 1}}
-
-
-def _losses(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +65,7 @@ def runs(tmp_path_factory):
 
 def test_fsdp8_losses_match_one_device(runs):
     assert runs["one_state"].params["dense_0"]["kernel"].sharding.mesh.size == 1
-    eight, one = _losses(runs["straight"]), _losses(runs["one"])
+    eight, one = metric_by_step(runs["straight"]), metric_by_step(runs["one"])
     assert sorted(eight) == sorted(one) == list(range(1, STEPS + 1))
     np.testing.assert_allclose([eight[s] for s in one], [one[s] for s in one],
                                rtol=1e-5, atol=1e-6)

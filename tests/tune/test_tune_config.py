@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from journey import copy_project
 from jtrain import config as config_lib
 from jtrain import tune
 from jtrain.config import space as space_lib
@@ -81,34 +82,20 @@ from jtrain.config import defaults
 
 def get_config():
     config = defaults(model="mlp")
-    config.model.num_outputs = 2
-    config.model.hidden = (4,)
-    config.data.source = "{data}:make"
-    config.data.batch_size = 8
-    config.total_steps = 4
-    config.eval.every_steps = 2
-    config.log.writers = ("jsonl",)
-    config.tune.space = {space}
-    config.tune.trials = 2
+    config.update({{"model": {{"num_outputs": 2, "hidden": (4,)}},
+                   "data": {{"source": "tabular:make", "batch_size": 8,
+                            "kwargs": {{"n": 32, "features": 3, "eval_rows": 8, **{data}}}}},
+                   "total_steps": 4, "eval": {{"every_steps": 2}}, "log": {{"writers": ("jsonl",)}},
+                   "tune": {{"space": {space}, "trials": 2}}}})
     return config
 '''
 
-DATA = '''
-import numpy as np
 
-def make():
-    x = np.random.default_rng(0).normal(size=(32, 3)).astype(np.float32)
-    y = (x[:, 0] > 0).astype(np.int32)
-    return {"train": {"inputs": x, "targets": y}, "eval": {"inputs": x[:8], "targets": y[:8]}}
-'''
-
-
-def _config_file(tmp_path, monkeypatch, space: str, data: str = DATA) -> str:
-    name = f"tunedata_{abs(hash(space + data)) % 10**6}"
-    (tmp_path / f"{name}.py").write_text(data)
+def _config_file(tmp_path, monkeypatch, space: str, data: str = "{}") -> str:
+    copy_project(tmp_path, "tabular")
     monkeypatch.syspath_prepend(str(tmp_path))
     path = tmp_path / "search.py"
-    path.write_text(CONFIG.format(data=name, space=space))
+    path.write_text(CONFIG.format(data=data, space=space))
     return str(path)
 
 
@@ -142,8 +129,7 @@ def test_failed_trials_are_recorded_and_the_study_goes_on(tmp_path, monkeypatch,
 
 
 def test_a_non_finite_halt_is_a_failed_trial(tmp_path, monkeypatch, capsys):
-    overflow = DATA.replace("y = (x", "x[:] = 3e38  # finite inputs whose loss overflows\n"
-                                      "    y = (x")
+    overflow = "{'bad': tuple(range(32))}"  # every row's loss overflows
     path = _config_file(tmp_path, monkeypatch, '{"optim": {"lr": ("uniform", 0.01, 0.1)}}',
                         overflow)
     argv = [f"--config={path}", f"--workdir={tmp_path}/runs", "--config.tune.trials=1",

@@ -12,63 +12,31 @@ import subprocess
 import sys
 import time
 
-from journey import run_python, user_env
-
-MODELS = '''
-import jax.numpy as jnp
-from flax import nnx
-
-
-class Net(nnx.Module):
-    def __init__(self, hidden, rngs, dtype=jnp.float32):
-        self.body = nnx.Linear(4, hidden, rngs=rngs, dtype=dtype)
-        self.head = nnx.Linear(hidden, 2, rngs=rngs, dtype=dtype)
-
-    def __call__(self, x):
-        return self.head(nnx.relu(self.body(x)))
-
-
-def make(hidden=8, dtype=jnp.float32):
-    return lambda rngs: Net(hidden, rngs, dtype)
-'''
-
-DATA = '''
-import numpy as np
-
-def make(n=96):
-    r = np.random.default_rng(0)
-    x = r.normal(size=(n, 4)).astype(np.float32)
-    y = (x[:, 0] + x[:, 1] > 0).astype(np.int32)
-    return {"train": {"inputs": x[:64], "targets": y[:64]},
-            "eval": {"inputs": x[64:], "targets": y[64:]}}
-'''
+from journey import copy_project, run_python, user_env
 
 CONFIG = '''
 from jtrain.config import defaults
 
 def get_config():
     config = defaults(model="user")
-    config.model.factory = "mymodels:make"
-    config.data.source = "mydata:make"
-    config.data.batch_size = 16
-    config.total_steps = 8
-    config.eval.every_steps = 2
-    config.checkpoint.every_steps = 4
-    config.log.every_steps = 4
-    config.log.writers = ("jsonl",)
-    config.eval.metrics = ("loss",)
-    config.tune.space = {"optim": {"lr": ("log_uniform", 1e-3, 3e-1),
-                                   "weight_decay": ("uniform", 0.0, 0.1)},
-                         "data": {"batch_size": ("choice", (16, 32))}}
-    config.tune.trials = 6
-    config.tune.prune_startup_trials = 2
+    config.update({
+        "model": {"factory": "mymodels:make"},
+        "data": {"source": "mydata:make", "batch_size": 16},
+        "total_steps": 8,
+        "eval": {"every_steps": 2, "metrics": ("loss",)},
+        "checkpoint": {"every_steps": 4},
+        "log": {"every_steps": 4, "writers": ("jsonl",)},
+        "tune": {"space": {"optim": {"lr": ("log_uniform", 1e-3, 3e-1),
+                                     "weight_decay": ("uniform", 0.0, 0.1)},
+                           "data": {"batch_size": ("choice", (16, 32))}},
+                 "trials": 6, "prune_startup_trials": 2},
+    })
     return config
 '''
 
 
 def _user_dir(tmp_path):
-    (tmp_path / "mymodels.py").write_text(MODELS)
-    (tmp_path / "mydata.py").write_text(DATA)
+    copy_project(tmp_path, "mymodels", "mydata")
     (tmp_path / "search.py").write_text(CONFIG)
     return tmp_path
 

@@ -15,7 +15,7 @@ import optuna
 import pytest
 
 import jtrain
-from journey import run_python
+from journey import copy_project, run_python
 from jtrain import config as config_lib
 from jtrain.errors import ConfigError
 from jtrain.tune import batch
@@ -28,28 +28,15 @@ from jtrain.config import defaults
 
 def get_config():
     config = defaults(model="mlp")
-    config.model.num_outputs = 2
-    config.model.hidden = (4,)
-    config.data.source = "{data}:make"
-    config.data.batch_size = 8
-    config.total_steps = 4
-    config.eval.every_steps = 2
-    config.log.writers = ("jsonl",)
-    config.eval.metrics = ("loss",)
-    config.tune.space = {{"optim": {{"lr": ("log_uniform", 1e-3, 3e-1),
-                                    "weight_decay": ("uniform", 0.0, 0.1)}}}}
-    config.tune.trials = 4
-    config.tune.population = 2
+    config.update({"model": {"num_outputs": 2, "hidden": (4,)},
+                   "data": {"source": "tabular:make", "batch_size": 8,
+                            "kwargs": {"n": 32, "features": 3, "eval_rows": 8}},
+                   "total_steps": 4, "eval": {"every_steps": 2, "metrics": ("loss",)},
+                   "log": {"writers": ("jsonl",)},
+                   "tune": {"space": {"optim": {"lr": ("log_uniform", 1e-3, 3e-1),
+                                                "weight_decay": ("uniform", 0.0, 0.1)}},
+                            "trials": 4, "population": 2}})
     return config
-'''
-
-DATA = '''
-import numpy as np
-
-def make():
-    x = np.random.default_rng(0).normal(size=(32, 3)).astype(np.float32)
-    y = (x[:, 0] > 0).astype(np.int32)
-    return {"train": {"inputs": x, "targets": y}, "eval": {"inputs": x[:8], "targets": y[:8]}}
 '''
 
 
@@ -59,9 +46,9 @@ def _records(path):
 
 def test_a_population_search_tells_each_trial_its_members_value(tmp_path, monkeypatch):
     """From the command line, as a user runs it (a temp cwd, relative paths)."""
-    (tmp_path / "tunepopdata.py").write_text(DATA)
+    copy_project(tmp_path, "tabular")
     monkeypatch.syspath_prepend(str(tmp_path))
-    (tmp_path / "search.py").write_text(CONFIG.format(data="tunepopdata"))
+    (tmp_path / "search.py").write_text(CONFIG)
     work = tmp_path / "runs"
     proc = run_python(tmp_path, "-m", "jtrain.tune", "--config=search.py", "--workdir=runs",
                       timeout=600)
