@@ -207,7 +207,8 @@ def load_checkpoint_leaves(step_dir: str, prefixes=("params",)) -> dict[str, np.
 
 def export(workdir: str, out: str, *, step: int | str | None = None,
            dtype: str | None = None, merge_lora: bool = False,
-           weights: str = "params", member: int | None = None, writer=None) -> dict:
+           weights: str = "params", member: int | None = None, writer=None,
+           subtree: str | None = None) -> dict:
     """Write the export; returns the export.json record. `merge_lora`: adapters folded
     into their weights (a UsageError for a run without LoRA). `weights="ema"`: the
     weight EMA is written as the params (a UsageError for a run without one). `member`:
@@ -215,7 +216,9 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
     (its config records that member's seed and values, population off).
     `writer(out, tensors, config) -> dict`: writes the tensors instead of
     params.safetensors (jtrain.checkpoint.hf_export.export: a Hugging Face directory);
-    what it returns is the record's "hf" entry."""
+    what it returns is the record's "hf" entry. `subtree`: one named part of the state
+    (a step of your own keeps several models in it: "g" for the generator, "student"),
+    written under names relative to it, as a plain run's export."""
     if weights not in ("params", "ema"):
         raise UsageError(f"--weights: expected params or ema, got {weights!r}")
     step_dir = find_step_dir(workdir, step)
@@ -239,6 +242,9 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
     merged = _merge_lora(leaves, config, workdir) if merge_lora else None
     model_state = _model_state(loaded, leaves, workdir)
     leaves = {**leaves, **model_state}
+    if subtree:
+        leaves = _subtree(leaves, subtree, workdir)
+        model_state = {}
     tensors = {}
     for name, arr in leaves.items():
         floating = np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16"
@@ -255,6 +261,8 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
     }
     if model_state:
         record["model_state"] = sorted(model_state)
+    if subtree:
+        record["subtree"] = subtree.strip("/")
     if member is not None:
         record["member"] = member
     if averaged:
@@ -284,6 +292,19 @@ def _schedule_free_average(loaded: dict, params: dict, step_dir: str) -> dict:
     b1 = np.float32(b1[0])
     return {name: arr if name not in z else ((arr - (np.float32(1.0) - b1) * z[name]) / b1)
             .astype(arr.dtype) for name, arr in params.items()}
+
+
+def _subtree(leaves: dict, subtree: str, workdir: str) -> dict:
+    """The leaves under `subtree` (a "/"-separated path of the state), renamed relative
+    to it; an ExportError listing the top-level names when nothing is there."""
+    prefix = subtree.strip("/") + "/"
+    taken = {name[len(prefix):]: arr for name, arr in leaves.items()
+             if name.startswith(prefix)}
+    if not taken:
+        tops = sorted({name.split("/", 1)[0] for name in leaves})
+        raise ExportError(f"--subtree={subtree}: {workdir}'s state has nothing there; its "
+                          f"top-level names: {', '.join(tops[:12])}")
+    return taken
 
 
 def _model_state(loaded: dict, params: dict, workdir: str) -> dict:

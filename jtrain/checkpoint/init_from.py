@@ -30,6 +30,10 @@ model, `checkpoint.init_map` renames the HF tensors to your parameter paths ((re
 replacement) pairs; a trailing `.T` transposes a torch Linear weight into a kernel);
 `init_map` renames the parameters of any other source the same way (its regexes see the
 source's parameter paths; a parameter's optimizer state and average follow it).
+
+`checkpoint.init_into = NAME` loads the source into one sub-tree of the state (a step of
+your own: `teacher`), as if that sub-tree were the whole model: paths, excludes and the
+HF mapping are relative to it, and every leaf outside it keeps its fresh init.
 """
 
 from __future__ import annotations
@@ -58,7 +62,8 @@ def init_from(ckpt_cfg, abstract_state, init_fn):
     if not os.path.exists(local):
         raise ConfigError("checkpoint.init_from", f"{local}: no such file or directory")
     with_opt = ckpt_cfg.init_from_opt
-    target = integrity.tree_spec(abstract_state)
+    into = (ckpt_cfg.get("init_into") or "").strip("/")
+    target = _inside(integrity.tree_spec(abstract_state), into, with_opt)
     params = [p[len(_PARAMS):] for p in target if p.startswith(_PARAMS)]
     # Checked before anything is read: a pattern that excludes nothing is a config error.
     excludes = [re.compile(p) for p in _param_patterns(
@@ -76,6 +81,8 @@ def init_from(ckpt_cfg, abstract_state, init_fn):
               or (with_opt and p.startswith("opt_state/"))]
     taken, excluded, adapters, cast = _take(wanted, loaded, target, excludes, set(params),
                                             source)
+    if into:  # back to the whole state's paths
+        taken = {f"{_PARAMS}{into}/{p[len(_PARAMS):]}": a for p, a in taken.items()}
 
     def pick(kp, leaf):
         arr = taken.get(integrity.leaf_path(kp))
@@ -98,11 +105,32 @@ def init_from(ckpt_cfg, abstract_state, init_fn):
         + ("; the source's LoRA adapters are not used: export it with --merge_lora"
            if any(lora.is_adapter(p) for p in unused) else "")
         + "; starting at step 0")
-    origin = (f"initialized from {path} ("
+    origin = (f"initialized {into + ' ' if into else ''}from {path} ("
               + ("Hugging Face weights" if from_hf else f"step {source_step}")
               + f", {len(taken)} leaves, "
               f"{len(excluded)} excluded)")
     return state, origin
+
+
+def _inside(target: dict, into: str, with_opt: bool) -> dict:
+    """`target` (leaf path -> spec), or with checkpoint.init_into = NAME the parameters
+    under NAME/ as if they were the whole model's (a step of your own: a teacher's
+    sub-tree); everything else keeps its fresh init."""
+    if not into:
+        return target
+    if with_opt:
+        raise ConfigError("checkpoint.init_from_opt", "loads an optimizer state for the "
+                          "whole model; with checkpoint.init_into the source goes into one "
+                          "sub-tree (parameters only)")
+    inside = f"{_PARAMS}{into}/"
+    view = {_PARAMS + p[len(inside):]: spec for p, spec in target.items()
+            if p.startswith(inside)}
+    if not view:
+        tops = sorted({p[len(_PARAMS):].split("/", 1)[0] for p in target
+                       if p.startswith(_PARAMS)})
+        raise ConfigError("checkpoint.init_into", f"{into!r} names no part of the state; "
+                          f"its top-level names: {', '.join(tops[:12])}")
+    return view
 
 
 def _load(ckpt_cfg, with_ema: bool):

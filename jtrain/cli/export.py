@@ -37,6 +37,9 @@ def define_flags(fv, argv=None) -> None:
     flags.DEFINE_integer("member", None, "A population run (population.size > 1): the "
                          "member to export, 0..K-1; written as a plain run's export.",
                          flag_values=fv)
+    flags.DEFINE_string("subtree", None, "One named part of the state, written as a plain "
+                        "run's export: a step of your own's model, e.g. g (the generator) "
+                        "or student; its leaves renamed relative to it.", flag_values=fv)
     flags.DEFINE_enum("format", "jtrain", ["jtrain", "hf"], "jtrain: params.safetensors "
                       "under jtrain's names; hf: a Hugging Face model directory "
                       "(AutoModelForCausalLM.from_pretrained; the built-in transformer).",
@@ -57,7 +60,7 @@ def main(fv, args, argv=None) -> int:
         run_export = hf_export.export if fv.format == "hf" else export_lib.export
         record = run_export(args[0], fv.out, step=fv.step, dtype=fv.dtype,
                             merge_lora=fv.merge_lora, weights=fv.weights,
-                            member=fv.member)
+                            member=fv.member, subtree=fv.subtree)
     except OSError as e:
         known = classify(e, fv.out, flag="--out")  # --out on a full or read-only disk
         if known is not e:
@@ -67,6 +70,7 @@ def main(fv, args, argv=None) -> int:
     print(f"jtrain: exported step {record['step']}"
           + (f" of member {fv.member}" if fv.member is not None else "")
           + (" (the weight EMA)" if fv.weights == "ema" else "")
+          + (f" (its {fv.subtree})" if fv.subtree else "")
           + (" (the schedule-free average)" if record.get("schedule_free_average") else "")
           + f": {record['num_params']:,} params in "
           f"{record['num_tensors']} tensors ({record['dtype']}) to "

@@ -46,6 +46,9 @@ CONTROL_SECTIONS: dict[str, Any] = {
         "init_from_step": F(str, "", None, "init_from a run: its step N, latest (\"\" = "
                             "the newest intact) or best (by its checkpoint.monitor)"),
         "init_from_opt": F(bool, False, None, "also take the optimizer state"),
+        "init_into": F(str, "", None, "a sub-tree of the state (a step of your own's "
+                       "teacher) that init_from fills, as if it were the whole model; "
+                       "'' = the model's parameters"),
         "init_exclude": F("strs", (), None, "regexes of parameter paths (o/kernel, no "
                           "params/) that keep a fresh init"),
         "init_map": F("pairs", (), None, "(regex, replacement) pairs renaming the source's "

@@ -31,7 +31,12 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
     `eval_defaults`: the task's default metrics on top of `eval.metrics` (the report).
     `train_example`: one training example; with a memory budget (control.memory) the
     step's grad_accum_steps is planned from it. `step`: a step of your own
-    (jtrain.step.Step), composed from jtrain.engine.own_step's parts instead."""
+    (jtrain.step.Step; also taken as `model`, and built from `step.factory` when the
+    config names one), composed from jtrain.engine.own_step's parts instead."""
+    if isinstance(model, step_lib.Step):
+        step, model = model, None
+    if step is None and cfg.step.factory:
+        step = own_step.load(cfg.step)
     setup = Setup(user_model=model, loss_fn=loss_fn, sample=sample, eval_example=eval_example,
                   train_example=train_example, byte_level=byte_level,
                   eval_defaults=eval_defaults, user_step=step)

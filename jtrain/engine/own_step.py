@@ -218,9 +218,9 @@ def _init(step, example, rng, policy, shardings, mesh):
         user = nn.unbox(step.init(jax.random.fold_in(rng, 0), example))
         return _fresh(user, policy=policy, rng=rng)
 
-    with jax.set_mesh(mesh):
-        first = jax.jit(create, out_shardings=shardings)()
-        again = jax.jit(create, out_shardings=shardings)()
+    with jax.set_mesh(mesh):  # two traces (two functions): numpy or Python draws differ
+        first = jax.jit(lambda: create(), out_shardings=shardings)()
+        again = jax.jit(lambda: create(), out_shardings=shardings)()
     if state_lib.state_sha256(first) != state_lib.state_sha256(again):
         raise ModelError(f"step {name_of(step)}", "init(rng, example) gave different "
                          "states for the same rng: make it a pure function of its "

@@ -29,6 +29,7 @@ from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
 from jtrain import precision as precision_lib
 from jtrain import state as state_lib
+from jtrain import step as step_lib
 from jtrain.control import decide as decide_lib
 from jtrain.control import ledger as ledger_lib
 from jtrain.control import watchdog as watchdog_lib
@@ -126,7 +127,9 @@ def train_and_evaluate(config, workdir, given: _Given | None = None, *, on_eval=
         # Every process: the same config hash, device count and jtrain version.
         multihost.preflight.run(cfg, config_lib.config_hash(cfg))
         with _watchdog(cfg, workdir) as watchdog, _joins_precompile(startup):
-            user_step = given.step if given.step is not None else (
+            from_python = given.step if given.step is not None else (
+                given.model if isinstance(given.model, step_lib.Step) else None)
+            user_step = from_python if from_python is not None else (
                 own_step.load(cfg.step) if cfg.step.factory else None)
             with startup.phase("data"):  # checked: a DataError before any step
                 data = data_lib.prepare(
@@ -149,7 +152,7 @@ def train_and_evaluate(config, workdir, given: _Given | None = None, *, on_eval=
             with startup.phase("writers"):  # config.json, run.json, writers, header
                 out = outputs_lib.open_outputs(cfg, workdir, build=b, data=data, start=start,
                     record=outputs_lib.run_record(
-                        model_name=None if given.model is None and user_step is None
+                        model_name=None if given.model is None and from_python is None
                         else b.model_name,
                         loss_fn=given.loss_fn, decided={**data.decided, **b.decided}),
                     run_ids=control_lib.writer_run_ids(start.control),

@@ -1,0 +1,121 @@
+"""A step of your own (jtrain.step.Step) under the engine's guarantees, against numpy: the
+state after N updates equals plain SGD recomputed over the batches the run consumed (in
+its order, from hashes.jsonl), evaluation scores what `evaluate` returns with jtrain's
+loss, a non-finite update leaves the state as it was and is counted, `context.step`
+counts applied updates, and an impure `init` is one line."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jtrain
+from jtrain import errors
+from jtrain.step import Step
+
+LR, BATCH, STEPS = 0.05, 16, 8
+W_TRUE = np.array([1.0, -2.0, 0.5], np.float32)
+
+
+def data(n=128, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 3)).astype(np.float32)
+    return {"inputs": x, "targets": x @ W_TRUE + rng.normal(0, 0.1, n).astype(np.float32)}
+
+
+def make(impure: bool = False) -> Step:
+    def init(rng, example):
+        w = jnp.zeros(3) if not impure else jnp.asarray(np.random.normal(size=3), jnp.float32)
+        return {"w": w, "applied": jnp.zeros((), jnp.int32)}
+
+    def update(state, batch, rng, context):
+        def loss(w):
+            return ((batch["inputs"] @ w - batch["targets"]) ** 2).mean()
+
+        value, grad = jax.value_and_grad(loss)(state["w"])
+        return ({"w": state["w"] - LR * context.lr_factor * grad,
+                 "applied": context.step + 1}, {"loss": value, "w0": state["w"][0]})
+
+    def evaluate(state, batch):
+        return batch["inputs"] @ state["w"]
+
+    return Step(init=init, update=update, evaluate=evaluate, name="sgd")
+
+
+def config(**over):
+    cfg = {"seed": 0, "total_steps": STEPS, "data": {"batch_size": BATCH},
+           "eval": {"every_steps": STEPS, "metrics": ["loss"]},
+           "debug": {"hash_every_steps": 1}, "log": {"every_steps": 1,
+                                                     "writers": ("jsonl",)}}
+    cfg.update(over)
+    return cfg
+
+
+def numpy_sgd(workdir, d, skip=()):
+    with open(os.path.join(workdir, "hashes.jsonl")) as f:
+        rows = sorted((json.loads(line) for line in f), key=lambda r: r["step"])
+    w = np.zeros(3)
+    for r in rows:
+        if r["step"] in skip:
+            continue
+        x, y = d["inputs"][r["examples"]].astype(np.float64), d["targets"][r["examples"]]
+        w = w - LR * 2 * x.T @ (x @ w - y) / len(y)
+    return w
+
+
+def check_against_numpy(tmp_path):
+    train, ev = data(), data(40, seed=1)
+    result = jtrain.train(config(), str(tmp_path), step=make(), train_data=train,
+                          eval_data=ev)
+    w = np.asarray(result.state.params["w"], np.float64)
+    np.testing.assert_allclose(w, numpy_sgd(tmp_path, train), rtol=1e-5)
+    assert int(result.state.params["applied"]) == STEPS
+    mse = ((ev["inputs"] @ w - ev["targets"]) ** 2).mean()
+    np.testing.assert_allclose(result.history[-1]["eval/loss"], mse, rtol=1e-5)
+    return result
+
+
+def test_own_step_equals_numpy_sgd_and_eval_scores_evaluate(tmp_path):
+    check_against_numpy(tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text()
+               .splitlines()]
+    assert all("train/w0" in r for r in records if "train/loss" in r)
+
+
+def test_a_non_finite_update_leaves_the_state_and_is_counted(tmp_path):
+    train = data()
+    ev = data(40, seed=1)  # given: the train array is not split (hashes index into it)
+    jtrain.train(config(total_steps=3), str(tmp_path / "clean"), step=make(),
+                 train_data=train, eval_data=ev)
+    with open(tmp_path / "clean" / "hashes.jsonl") as f:
+        row = [r for r in map(json.loads, f) if r["step"] == 3][0]["examples"][0]
+    train["targets"][row] = 1e30  # finite data, but its squared error overflows: inf loss
+    result = jtrain.train(config(), str(tmp_path), step=make(), train_data=train,
+                          eval_data=ev)
+    with open(tmp_path / "hashes.jsonl") as f:
+        skipped = {r["step"] for r in map(json.loads, f) if row in r["examples"]}
+    assert len(skipped) == 1 and result.summary["skipped_steps"] == 1
+    # context.step counts applied updates: the skipped one does not move it
+    assert int(result.state.params["applied"]) == STEPS - 1
+    w = np.asarray(result.state.params["w"], np.float64)
+    np.testing.assert_allclose(w, numpy_sgd(tmp_path, train, skip=skipped), rtol=1e-5)
+
+
+def test_a_step_passed_as_the_model_trains_the_same(tmp_path):
+    a = jtrain.train(config(), str(tmp_path / "a"), step=make(), train_data=data())
+    b = jtrain.train(config(), str(tmp_path / "b"), model=make(), train_data=data())
+    assert jtrain.state_sha256(a.state) == jtrain.state_sha256(b.state)
+
+
+def test_an_impure_init_is_one_line(tmp_path):
+    with pytest.raises(errors.ModelError) as caught:
+        jtrain.train(config(), str(tmp_path), step=make(impure=True), train_data=data())
+    assert errors.render(caught.value) == (
+        "jtrain: model error: step sgd: init(rng, example) gave different states for the "
+        "same rng: make it a pure function of its arguments (draw randomness from rng, not "
+        "numpy or Python)")
