@@ -1,7 +1,7 @@
 """A user trains their own unannotated NNX classifier from the CLI (`model.factory`) on 8
 fake devices with mesh.fsdp=8 and log.train_metrics=accuracy: the header says the
 params' bytes per device (sharded by mesh.auto_shard) and metrics.jsonl has
-train/accuracy at each log step."""
+train/accuracy at each log step (the examples of docs/guide/sharding.md)."""
 
 import json
 
