@@ -28,7 +28,7 @@ from jtrain import checkpoint
 from jtrain import config as config_lib
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
-from jtrain.checkpoint import policy
+from jtrain.checkpoint import integrity, policy
 from jtrain.engine.assemble import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, build, model_sample
 from jtrain.engine.evaluation import (MAX_IN_FLIGHT, Evaluation, evaluate_weights,  # noqa: F401
                                       format_line, headline, local_rows, make_spec, run_eval)
@@ -131,11 +131,9 @@ def resolve_step(step, available: list[int], workdir: str, *, monitor: str | Non
             raise ValueError(f"--step=best: no checkpoint step of {available} has a logged "
                              f"{monitor} in metrics.jsonl")
         return best
-    try:
-        n = int(step)
-    except (TypeError, ValueError):
-        raise ValueError(f"--step: expected a step number, 'latest' or 'best', got {step!r}") \
-            from None
+    n = step if type(step) is int else integrity.parse_step(step)
+    if n is None:
+        raise ValueError(f"--step: expected a step number, 'latest' or 'best', got {step!r}")
     if n not in available:
         raise ValueError(f"--step: no checkpoint at step {n}; available: {available}")
     return n

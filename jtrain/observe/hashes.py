@@ -163,7 +163,20 @@ def first_difference(a: dict, b: dict) -> tuple[str, float] | None:
 
 
 def read(workdir: str) -> list[dict]:
-    """The records of WORKDIR/hashes.jsonl, by step (a torn line is skipped)."""
-    records = jsonl.read_records(os.path.join(workdir, HASH_FILE))
-    return sorted((r for r in records if isinstance(r, dict) and "hash" in r),
-                  key=lambda r: int(r["step"]))
+    """The records of WORKDIR/hashes.jsonl, by step (a torn last line is skipped); a
+    malformed line is one WorkdirError naming the file, the line and the field."""
+    records = jsonl.read_records(os.path.join(workdir, HASH_FILE), check=_check_record)
+    return sorted(records, key=lambda r: r["step"])
+
+
+def _check_record(record: dict) -> str | None:
+    """Why a hashes.jsonl record is malformed (None if it is not)."""
+    if not isinstance(record.get("hash"), str):
+        return "hash: expected a string"
+    parts = record.get("parts", {})
+    if not isinstance(parts, dict) or not all(isinstance(v, str) for v in parts.values()):
+        return "parts: expected an object of part name -> hash"
+    examples = record.get("examples")
+    if examples is not None and not isinstance(examples, list):
+        return "examples: expected a list of indices or null"
+    return None
