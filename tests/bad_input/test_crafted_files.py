@@ -15,7 +15,6 @@ import subprocess
 import sys
 import zlib
 
-import numpy as np
 import pytest
 
 from jtrain import errors
