@@ -30,13 +30,13 @@ SETTINGS = settings(max_examples=150, deadline=None, database=None,
 
 
 @st.composite
-def tensors(draw) -> dict[str, np.ndarray]:
-    names = draw(st.lists(st.text(min_size=1, max_size=8), min_size=0, max_size=4,
+def tensors(draw, min_size: int = 0, min_dim: int = 0) -> dict[str, np.ndarray]:
+    names = draw(st.lists(st.text(min_size=1, max_size=8), min_size=min_size, max_size=4,
                           unique=True).filter(lambda ns: "__metadata__" not in ns))
     out = {}
     for name in names:
         dtype = np.dtype(draw(st.sampled_from(DTYPES)))
-        shape = tuple(draw(st.lists(st.integers(0, 3), max_size=3)))
+        shape = tuple(draw(st.lists(st.integers(min_dim, 3), max_size=3)))
         raw = draw(st.binary(min_size=dtype.itemsize * int(np.prod(shape)),
                              max_size=dtype.itemsize * int(np.prod(shape))))
         out[name] = np.frombuffer(raw, dtype=dtype).reshape(shape)
@@ -110,13 +110,14 @@ _JSON = st.recursive(st.none() | st.booleans() | st.integers(-2, 1 << 65)
 def mutated(draw) -> bytes:
     """A valid file, then one of: bytes flipped, cut or appended; a header field (dtype,
     shape, data_offsets) replaced by any JSON value or a nearby integer; a whole entry
-    replaced; the header length changed."""
-    arrays = draw(tensors())
+    replaced; a tensor moved; the header length changed."""
+    arrays = draw(tensors(min_size=2, min_dim=1))
     data = bytearray(oracle_save(arrays))
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8:8 + n])
     body = bytes(data[8 + n:])
-    kind = draw(st.sampled_from(["flip", "cut", "append", "field", "int", "entry", "length"]))
+    kind = draw(st.sampled_from(["flip", "cut", "append", "field", "int", "shift", "entry",
+                                 "length"]))
     if kind == "flip" and data:
         for _ in range(draw(st.integers(1, 4))):
             i = draw(st.integers(0, len(data) - 1))
@@ -140,6 +141,9 @@ def mutated(draw) -> bytes:
         elif kind == "int" and field != "dtype" and header[name][field]:
             i = draw(st.integers(0, len(header[name][field]) - 1))
             header[name][field][i] += draw(st.integers(-3, 3))
+        elif kind == "shift":  # the whole tensor moved: an overlap or a gap
+            delta = draw(st.integers(-8, 8))
+            header[name]["data_offsets"] = [o + delta for o in header[name]["data_offsets"]]
         else:
             header[name] = draw(_JSON)
     head = json.dumps(header).encode()
