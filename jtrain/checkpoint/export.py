@@ -41,6 +41,7 @@ from jtrain.checkpoint import integrity, policy
 from jtrain.checkpoint.tensorfile import np_dtype as _np_dtype
 from jtrain.checkpoint.tensorfile import read_safetensors, write_safetensors
 from jtrain.errors import ExportError, UsageError
+from jtrain.observe import layout
 
 PARAMS_FILE = "params.safetensors"
 INFO_FILE = "export.json"
@@ -158,6 +159,7 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
     if weights not in ("params", "ema"):
         raise UsageError(f"--weights: expected params or ema, got {weights!r}")
     step_dir = find_step_dir(workdir, step)
+    check_out(out, os.path.dirname(os.path.dirname(os.path.abspath(step_dir))))
     with open(os.path.join(step_dir, "control", "metadata")) as f:
         control = json.load(f)
     from jtrain.optim import SCHEDULE_FREE
@@ -200,9 +202,22 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
     else:
         write_safetensors(os.path.join(out, PARAMS_FILE), tensors,
                           {"format": "jtrain-export", "step": str(record["step"])})
-    with open(os.path.join(out, INFO_FILE), "w") as f:
-        json.dump(record, f, indent=2, sort_keys=True)
+    layout.write_file(os.path.join(out, INFO_FILE), json.dumps(record, indent=2,
+                                                               sort_keys=True))
     return record
+
+
+def check_out(out: str, run: str) -> None:
+    """A UsageError unless `out` may receive an export of the run in `run`: not the run's
+    workdir nor a folder inside it, and not a non-empty folder holding another run."""
+    real_out, real_run = os.path.realpath(out), os.path.realpath(run)
+    if real_out == real_run or real_out.startswith(real_run.rstrip(os.sep) + os.sep):
+        raise UsageError("--out", f"{out} is inside the run's workdir {run}; export to a "
+                         "folder outside it")
+    if os.path.isdir(out) and any(os.path.lexists(os.path.join(out, name))
+                                  for name in ("checkpoints", "metrics.jsonl", "run.json")):
+        raise UsageError("--out", f"{out} holds a run (checkpoints/, metrics.jsonl or "
+                         "run.json); export to a new or empty folder")
 
 
 def _schedule_free_average(loaded: dict, params: dict, step_dir: str) -> dict:

@@ -61,7 +61,10 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray],
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    if os.path.lexists(tmp):  # a killed write's, or a planted link: removed, not followed
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    with os.fdopen(fd, "wb") as f:
         f.write(struct.pack("<Q", len(head)))
         f.write(head)
         for name in sorted(arrays):

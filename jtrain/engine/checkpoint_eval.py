@@ -34,6 +34,7 @@ from jtrain.engine.evaluation import (MAX_IN_FLIGHT, Evaluation, evaluate_weight
                                       format_line, headline, local_rows, make_spec, run_eval)
 from jtrain.errors import EvaluateError, UsageError
 from jtrain.metrics.classification import classification_report
+from jtrain.observe import layout
 from jtrain.observe import jsonl
 from jtrain.observe.outputs import read_run_record
 
@@ -194,6 +195,5 @@ def write_report(workdir: str, report: dict, result: Evaluation, *, plots: bool 
                                        title=f"confusion matrix, step {step} ({report['data']})")
             files.append(name)
     report = dict(report, files=files)
-    with open(os.path.join(workdir, files[0]), "w") as f:
-        json.dump(report, f, indent=2)
+    layout.write_file(os.path.join(workdir, files[0]), json.dumps(report, indent=2))
     return files

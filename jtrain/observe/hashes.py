@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtrain.observe import jsonl
+from jtrain.observe import layout
 from jtrain.optim import leaf_path
 
 HASH_FILE = "hashes.jsonl"
@@ -136,7 +137,7 @@ class Recorder:
         if not self.primary:
             return
         record = {"step": step, **finish(sums, self._layout), "examples": self.examples_of(step)}
-        with open(self.path, "a", encoding="utf-8") as f:
+        with layout.open_append(self.path) as f:
             f.write(json.dumps(record) + "\n")
 
 

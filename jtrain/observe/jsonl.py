@@ -31,9 +31,9 @@ def truncate_after(path: str, step: int) -> None:
             kept.append(line if line.endswith(b"\n") else line + b"\n")
     if len(kept) == len(lines):
         return
-    with open(path + ".tmp", "wb") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
+    from jtrain.observe import layout
+
+    layout.write_file(path, b"".join(kept))
 
 
 def last_byte(path: str) -> bytes:

@@ -17,6 +17,7 @@ import pprint
 from optuna.trial import TrialState
 
 from jtrain.config import schema as schema_lib
+from jtrain.observe import layout
 from jtrain.tune import study as study_lib
 from jtrain.tune import trial as trial_lib
 
@@ -142,7 +143,4 @@ def write_plot(workdir: str, study, recs: list[dict], monitor: str, mode: str) -
 
 
 def _atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    layout.write_file(path, text)
