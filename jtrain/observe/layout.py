@@ -128,7 +128,8 @@ SEARCH = (
      'every trial: number, state (complete, pruned, failed, interrupted, running, waiting), '
      'value, params, step, workdir, reason, continues, resumed_from; rewritten after each trial'),
     ('best_config.py', 'best_config.py',
-     'get_config() of the best complete trial (tune.* left out)'),
+     'get_config() of the best complete trial (tune.* left out; secrets masked, one comment '
+     'line per masked key)'),
     ('tune.png', 'tune.png',
      'optimisation history and parameter importances'),
 )
