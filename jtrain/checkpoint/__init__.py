@@ -7,6 +7,7 @@
     init_from   `checkpoint.init_from`: a new run from an export, another run, or
                 Hugging Face weights (hf:DIR)
     export      parameters as safetensors (`python -m jtrain.export`)
+    tensorfile  the safetensors format: written, and read with every field checked
     hf          the built-in transformer's tensors in Hugging Face's layout and back;
                 `init_from=hf:DIR` reading, config checks, `checkpoint.init_map`
     hf_export   `export --format=hf`: a directory transformers loads (needs the hf extra)

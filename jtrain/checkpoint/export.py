@@ -9,8 +9,9 @@ Writes `DIR/params.safetensors` (parameters only; tensor names are the parameter
 e.g. `blocks_0/attn/qkv/kernel`) and `DIR/export.json` (step, source, dtype, parameter
 count, the run's config). safetensors is a JSON header plus raw little-endian bytes:
 it loads without jtrain, without the run's state and without pickle (`safetensors`,
-`read_safetensors` below, or a few lines of numpy). `--dtype=bfloat16` casts floating
-parameters. `checkpoint.init_from=DIR` starts a new run from an export.
+`read_safetensors` of jtrain.checkpoint.tensorfile, or a few lines of numpy).
+`--dtype=bfloat16` casts floating parameters. `checkpoint.init_from=DIR` starts a new
+run from an export.
 
     python -m jtrain.export --workdir=runs/ft --out=exports/ft --merge_lora   # LoRA
 
@@ -33,84 +34,20 @@ from __future__ import annotations
 import json
 import logging
 import os
-import struct
 
 import numpy as np
 
 from jtrain.checkpoint import integrity, policy
+from jtrain.checkpoint.tensorfile import np_dtype as _np_dtype
+from jtrain.checkpoint.tensorfile import read_safetensors, write_safetensors
 from jtrain.errors import ExportError, UsageError
+from jtrain.observe import layout
 
 PARAMS_FILE = "params.safetensors"
 INFO_FILE = "export.json"
-
-_TO_ST = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-          "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint64": "U64",
-          "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL"}
-_FROM_ST = {v: k for k, v in _TO_ST.items()}
-
-
-def _np_dtype(name: str):
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
-def write_safetensors(path: str, tensors: dict[str, np.ndarray],
-                      metadata: dict[str, str] | None = None) -> None:
-    header: dict = {"__metadata__": dict(metadata or {})}
-    offset = 0
-    arrays = {}
-    for name in sorted(tensors):
-        arr = np.ascontiguousarray(tensors[name])
-        if arr.dtype.name not in _TO_ST:
-            raise ExportError(f"{name}: dtype {arr.dtype.name} has no safetensors code")
-        arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
-        header[name] = {"dtype": _TO_ST[arr.dtype.name], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + arr.nbytes]}
-        arrays[name] = arr
-        offset += arr.nbytes
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        for name in sorted(arrays):
-            f.write(arrays[name].tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def read_safetensors(path: str) -> tuple[dict[str, np.ndarray], dict]:
-    """(tensors, metadata). Checks every offset; raises ExportError naming the file."""
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        (n,) = struct.unpack("<Q", data[:8])
-        if n > len(data) - 8:
-            raise ValueError("header longer than the file")
-        header = json.loads(data[8:8 + n])
-    except (struct.error, ValueError) as e:
-        raise ExportError(f"{path}: not a safetensors file ({e})") from None
-    body = memoryview(data)[8 + n:]
-    metadata = header.pop("__metadata__", {}) or {}
-    out = {}
-    for name, spec in header.items():
-        try:
-            dtype = _np_dtype(_FROM_ST[spec["dtype"]])
-            start, end = spec["data_offsets"]
-            shape = tuple(int(s) for s in spec["shape"])
-        except (KeyError, TypeError, ValueError):
-            raise ExportError(f"{path}: tensor {name!r}: bad header entry {spec!r}") from None
-        if not 0 <= start <= end <= len(body) or end - start != dtype.itemsize * int(
-                np.prod(shape, dtype=np.int64)):
-            raise ExportError(f"{path}: tensor {name!r}: offsets {start}..{end} do not fit "
-                              f"shape {shape} {dtype.name} (file truncated?)")
-        out[name] = np.frombuffer(body[start:end], dtype=dtype.newbyteorder("<")).reshape(shape)
-    return out, metadata
+# read_safetensors and write_safetensors are this module's names too (older callers).
+__all__ = ["export", "find_step_dir", "load_export", "read_safetensors",
+           "write_safetensors"]
 
 
 def is_export(path: str) -> bool:
@@ -133,7 +70,10 @@ def find_step_dir(path: str, step: int | str | None = None) -> str:
     if isinstance(step, str):
         step = _named_step(path, step)
     if os.path.isfile(os.path.join(path, integrity.MANIFEST)):
-        problem = integrity.check_step(path, int(os.path.basename(os.path.normpath(path))))
+        number = integrity.parse_step(os.path.basename(os.path.normpath(path)))
+        if number is None:
+            raise ExportError(path, "a checkpoint whose folder name is not a step number")
+        problem = integrity.check_step(path, number)
         if problem:
             raise ExportError(f"damaged checkpoint: {problem}")
         return path
@@ -160,8 +100,8 @@ def find_step_dir(path: str, step: int | str | None = None) -> str:
 def _named_step(path: str, step: str) -> int | None:
     if step in ("", "latest"):
         return None
-    if step.isdigit():
-        return int(step)
+    if integrity.parse_step(step) is not None:
+        return integrity.parse_step(step)
     if step != "best":
         raise ExportError(f"step: expected a step number, 'latest' or 'best', got {step!r}")
     norm = os.path.normpath(path)
@@ -222,6 +162,7 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
     if weights not in ("params", "ema"):
         raise UsageError(f"--weights: expected params or ema, got {weights!r}")
     step_dir = find_step_dir(workdir, step)
+    check_out(out, os.path.dirname(os.path.dirname(os.path.abspath(step_dir))))
     with open(os.path.join(step_dir, "control", "metadata")) as f:
         control = json.load(f)
     from jtrain.optim import SCHEDULE_FREE
@@ -274,9 +215,22 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
     else:
         write_safetensors(os.path.join(out, PARAMS_FILE), tensors,
                           {"format": "jtrain-export", "step": str(record["step"])})
-    with open(os.path.join(out, INFO_FILE), "w") as f:
-        json.dump(record, f, indent=2, sort_keys=True)
+    layout.write_file(os.path.join(out, INFO_FILE), json.dumps(record, indent=2,
+                                                               sort_keys=True))
     return record
+
+
+def check_out(out: str, run: str) -> None:
+    """A UsageError unless `out` may receive an export of the run in `run`: not the run's
+    workdir nor a folder inside it, and not a non-empty folder holding another run."""
+    real_out, real_run = os.path.realpath(out), os.path.realpath(run)
+    if real_out == real_run or real_out.startswith(real_run.rstrip(os.sep) + os.sep):
+        raise UsageError("--out", f"{out} is inside the run's workdir {run}; export to a "
+                         "folder outside it")
+    if os.path.isdir(out) and any(os.path.lexists(os.path.join(out, name))
+                                  for name in ("checkpoints", "metrics.jsonl", "run.json")):
+        raise UsageError("--out", f"{out} holds a run (checkpoints/, metrics.jsonl or "
+                         "run.json); export to a new or empty folder")
 
 
 def _schedule_free_average(loaded: dict, params: dict, step_dir: str) -> dict:

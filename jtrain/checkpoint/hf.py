@@ -40,7 +40,8 @@ import re
 import numpy as np
 
 from jtrain.checkpoint import export as export_lib
-from jtrain.errors import ExportError
+from jtrain.checkpoint import tensorfile
+from jtrain.errors import ExportError, first_line
 
 HF_PREFIX = "hf:"
 NORM_EPS = 1e-6  # flax.linen.RMSNorm's default, what the built-in model uses
@@ -145,6 +146,18 @@ def from_hf(tensors: dict[str, np.ndarray], target: dict, where: str, skip=()
     return out
 
 
+# The config.json fields check_config reads: (field, types, what the one line says).
+_FIELD_TYPES = (("model_type", str, "a string"), ("hidden_act", str, "a string"),
+                ("num_attention_heads", int, "an integer"),
+                ("num_key_value_heads", int, "an integer"),
+                ("hidden_size", int, "an integer"), ("head_dim", int, "an integer"),
+                ("attention_bias", bool, "true or false"), ("mlp_bias", bool, "true or false"),
+                ("tie_word_embeddings", bool, "true or false"),
+                ("rms_norm_eps", (int, float), "a number"),
+                ("rope_theta", (int, float), "a number"),
+                ("rope_parameters", dict, "an object"), ("rope_scaling", dict, "an object"))
+
+
 def check_config(hf: dict, where: str, target: dict) -> None:
     """ExportError naming the first field of an HF config.json that the built-in model
     (its layout `target`) cannot represent."""
@@ -152,6 +165,16 @@ def check_config(hf: dict, where: str, target: dict) -> None:
 
     def bad(field, why):
         raise ExportError(f"{where}: config.json {field}={hf.get(field)!r}: {why}")
+
+    for field, kinds, what in _FIELD_TYPES:
+        value = hf.get(field)
+        if value is not None and (not isinstance(value, kinds) or (
+                isinstance(value, bool) and kinds is not bool)):
+            bad(field, f"expected {what}")
+    rope_cfg = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope_cfg.get("rope_theta", 0.0), (int, float)) or isinstance(
+            rope_cfg.get("rope_theta"), bool):
+        bad("rope_parameters", "rope_theta: expected a number")
 
     model_type = hf.get("model_type")
     if model_type not in ("llama", "arcee"):
@@ -194,29 +217,59 @@ def check_config(hf: dict, where: str, target: dict) -> None:
 
 def read_dir(directory: str) -> tuple[dict, dict[str, np.ndarray]]:
     """(config.json, tensors) of a local Hugging Face checkpoint: model.safetensors or
-    the shards its model.safetensors.index.json lists."""
+    the shards its model.safetensors.index.json lists, each tensor read from the shard
+    the index names. Shards are plain file names inside `directory` and regular files."""
     config_file = os.path.join(directory, "config.json")
-    if not os.path.isfile(config_file):
+    if not os.path.lexists(config_file):
         raise ExportError(f"{directory}: no config.json (a Hugging Face model directory, "
                           "as save_pretrained writes it)")
-    with open(config_file) as f:
-        config = json.load(f)
+    config = _read_json(config_file)
     single = os.path.join(directory, "model.safetensors")
     index = single + ".index.json"
-    if os.path.isfile(single):
-        files = [single]
-    elif os.path.isfile(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        files = [os.path.join(directory, s) for s in shards]
-    else:
+    if os.path.lexists(single):
+        return config, export_lib.read_safetensors(single)[0]
+    if not os.path.lexists(index):
         raise ExportError(f"{directory}: no model.safetensors (PyTorch .bin checkpoints "
                           "are not read: re-save with save_pretrained(safe_serialization="
                           "True))")
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ExportError(index, "weight_map: missing or not an object of tensor name -> "
+                          "shard file")
+    shards: dict[str, dict] = {}
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or shard in ("", ".", "..") or "/" in shard or (
+                "\\" in shard or "\0" in shard):
+            raise ExportError(index, f"weight_map: {name!r} -> {shard!r}: a shard is a "
+                              "plain file name in the checkpoint's directory")
+        if shard not in shards:
+            shards[shard] = export_lib.read_safetensors(os.path.join(directory, shard))[0]
     tensors = {}
-    for file in files:
-        tensors.update(export_lib.read_safetensors(file)[0])
+    for name, shard in weight_map.items():
+        if name not in shards[shard]:
+            raise ExportError(index, f"weight_map: {name!r} -> {shard!r}: that shard has "
+                              "no such tensor")
+        tensors[name] = shards[shard][name]
     return config, tensors
+
+
+_JSON_CAP = 100_000_000
+
+
+def _read_json(path: str) -> dict:
+    """A JSON object from a regular file (at most _JSON_CAP bytes), else one ExportError
+    naming the file."""
+    with tensorfile.open_regular(path) as f:
+        raw = f.read(_JSON_CAP + 1)
+    if len(raw) > _JSON_CAP:
+        raise ExportError(path, f"over {_JSON_CAP} bytes")
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise ExportError(path, f"not JSON ({first_line(e)[:100]})") from None
+    if not isinstance(value, dict):
+        raise ExportError(path, "expected a JSON object")
+    return value
 
 
 def parse_map(init_map, compiled: bool = True) -> list[tuple]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import time
@@ -37,6 +38,7 @@ TMP_MARK = ".orbax-checkpoint-tmp"
 # checked as parseable JSON only.
 REWRITTEN = ("_CHECKPOINT_METADATA",)
 _CHUNK = 8 << 20
+_STEP_NAME = re.compile(r"[0-9]+")
 
 
 def file_crc(path: str) -> tuple[int, int]:
@@ -122,6 +124,9 @@ def check_step(step_dir: str, step: int) -> str | None:
         return f"{path}: checksum mismatch (the manifest is damaged)"
     if manifest.get("step") != step:
         return f"{path}: records step {manifest.get('step')}, but the directory is step {step}"
+    problem = _check_fields(manifest, path, step_dir)
+    if problem:
+        return problem
     for rel, (size, crc) in sorted(manifest["files"].items()):
         fpath = os.path.join(step_dir, rel)
         try:
@@ -156,6 +161,49 @@ def check_step(step_dir: str, step: int) -> str | None:
     return None
 
 
+def _check_fields(manifest: dict, path: str, step_dir: str) -> str | None:
+    """Why the manifest's files, json_files or tree are malformed (None if they are not):
+    every listed path stays inside the step directory, through real directories only,
+    so no check stats or reads a file outside it."""
+    files, json_files = manifest.get("files"), manifest.get("json_files", [])
+    if not isinstance(files, dict):
+        return f"{path}: files: missing or not an object of path -> [size, crc]"
+    if not isinstance(json_files, list):
+        return f"{path}: json_files: not a list of paths"
+    for rel, entry in files.items():
+        if not (isinstance(entry, list) and len(entry) == 2
+                and all(type(x) is int and x >= 0 for x in entry)):
+            return f"{path}: files: {rel[:100]!r}: expected [size, crc], got {entry!r:.100}"
+    for rel in [*files, *json_files]:
+        problem = _inside(rel, step_dir)
+        if problem:
+            return f"{path}: files: {rel!s:.100}: {problem}"
+    tree = manifest.get("tree", {})
+    if not isinstance(tree, dict) or not all(
+            isinstance(v, list) and len(v) == 2 and isinstance(v[0], list)
+            and all(type(d) is int for d in v[0]) and isinstance(v[1], str)
+            for v in tree.values()):
+        return f"{path}: tree: expected an object of leaf path -> [shape, dtype]"
+    return None
+
+
+def _inside(rel, step_dir: str) -> str | None:
+    """Why `rel` is not a plain relative path under `step_dir` (None if it is)."""
+    if not isinstance(rel, str) or not rel or "\0" in rel or os.path.isabs(rel):
+        return "not a relative path"
+    parts = rel.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        return "not a plain path inside the step directory ('..', '.' or an empty part)"
+    for i in range(1, len(parts)):
+        try:
+            mode = os.lstat(os.path.join(step_dir, *parts[:i])).st_mode
+        except OSError:
+            return None  # the missing file is reported by the size check
+        if not stat.S_ISDIR(mode):
+            return "its folder is not a directory (a symlink?)"
+    return None
+
+
 def compare_trees(saved: dict, target: dict) -> str | None:
     """None if the saved tree spec equals the target's, else the first difference
     (parameters before optimizer state) and how many leaves differ in all."""
@@ -182,7 +230,13 @@ def compare_trees(saved: dict, target: dict) -> str | None:
 
 
 def is_step_name(name: str) -> bool:
-    return name.isdigit()
+    """A step directory's name: ASCII digits only (str.isdigit accepts '²', int() '٣')."""
+    return bool(_STEP_NAME.fullmatch(name))
+
+
+def parse_step(text) -> int | None:
+    """The step number of a `--step` value or folder name, None if it is not one."""
+    return int(text) if isinstance(text, str) and is_step_name(text) else None
 
 
 def scan(directory: str) -> tuple[list[int], list[str], list[str]]:

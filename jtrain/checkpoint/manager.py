@@ -87,7 +87,8 @@ class Checkpointer:
         self.cfg = config.checkpoint
         resolved = redact(config.to_dict())
         self.control = control_lib.RunControl(
-            config=resolved, config_sha256=config_lib.config_hash(config),
+            # the hash of what is stored: a hash of the secrets would confirm a guess
+            config=resolved, config_sha256=config_lib.config_hash(resolved),
             data_info=dict(data_info or {}), versions=control_lib.versions())
         self._restore_step = self._select()  # sanitize, then pick before orbax looks
         options = ocp.CheckpointManagerOptions(

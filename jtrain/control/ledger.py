@@ -21,6 +21,7 @@ import json
 import os
 
 from jtrain import step as step_lib
+from jtrain.observe import layout
 
 FILE = "skipped.jsonl"
 KEEP = 10_000  # entries carried in the checkpoint (the file keeps them all)
@@ -40,15 +41,14 @@ class Ledger:
         self.primary = primary
         self.entries = [e for e in entries if resumed_step is None or e["step"] <= resumed_step]
         if primary:  # the file restarts from what the checkpoint knows
-            with open(self.path, "w") as f:
-                f.writelines(json.dumps(e) + "\n" for e in self.entries)
+            layout.write_file(self.path, "".join(json.dumps(e) + "\n" for e in self.entries))
 
     def add(self, *entries: dict) -> None:
         """Append entries (one file write for all of them, e.g. a rollback's steps)."""
         self.entries.extend(entries)
         del self.entries[:-KEEP]
         if self.primary:
-            with open(self.path, "a") as f:
+            with layout.open_append(self.path) as f:
                 f.writelines(json.dumps(e) + "\n" for e in entries)
 
 

@@ -28,6 +28,7 @@ import threading
 import time
 
 from jtrain.errors import HangError, render
+from jtrain.observe import layout
 
 LOG_FILE = "hang.log"  # in the workdir: the line and the stacks, appended
 AUTO_TIMEOUT_S = 1800.0  # watchdog.timeout_s = -1 with several processes
@@ -127,7 +128,7 @@ class Watchdog:
         faulthandler.dump_traceback(file=2, all_threads=True)
         if self.log_path:
             try:
-                with open(self.log_path, "a") as f:
+                with layout.open_append(self.log_path) as f:
                     f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} process "
                             f"{self.process_index} (pid {os.getpid()}): {line}\n")
                     f.flush()

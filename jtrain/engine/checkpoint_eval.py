@@ -28,12 +28,13 @@ from jtrain import checkpoint
 from jtrain import config as config_lib
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
-from jtrain.checkpoint import policy
+from jtrain.checkpoint import integrity, policy
 from jtrain.engine.assemble import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, build, model_sample
 from jtrain.engine.evaluation import (MAX_IN_FLIGHT, Evaluation, evaluate_weights,  # noqa: F401
                                       format_line, headline, local_rows, make_spec, run_eval)
 from jtrain.errors import EvaluateError, UsageError
 from jtrain.metrics.classification import classification_report
+from jtrain.observe import layout
 from jtrain.observe import jsonl
 from jtrain.observe.outputs import read_run_record
 
@@ -131,11 +132,9 @@ def resolve_step(step, available: list[int], workdir: str, *, monitor: str | Non
             raise ValueError(f"--step=best: no checkpoint step of {available} has a logged "
                              f"{monitor} in metrics.jsonl")
         return best
-    try:
-        n = int(step)
-    except (TypeError, ValueError):
-        raise ValueError(f"--step: expected a step number, 'latest' or 'best', got {step!r}") \
-            from None
+    n = step if type(step) is int else integrity.parse_step(step)
+    if n is None:
+        raise ValueError(f"--step: expected a step number, 'latest' or 'best', got {step!r}")
     if n not in available:
         raise ValueError(f"--step: no checkpoint at step {n}; available: {available}")
     return n
@@ -196,6 +195,5 @@ def write_report(workdir: str, report: dict, result: Evaluation, *, plots: bool 
                                        title=f"confusion matrix, step {step} ({report['data']})")
             files.append(name)
     report = dict(report, files=files)
-    with open(os.path.join(workdir, files[0]), "w") as f:
-        json.dump(report, f, indent=2)
+    layout.write_file(os.path.join(workdir, files[0]), json.dumps(report, indent=2))
     return files

@@ -17,6 +17,7 @@ from jtrain import state as state_lib
 from jtrain.control import ledger as ledger_lib
 from jtrain.data import mixture as mixture_lib
 from jtrain.engine import evaluation as evaluator
+from jtrain.observe import layout
 from jtrain.observe import jsonl
 
 # summary.json's stopped_by when the run ended with more than nonfinite.max_skipped_share
@@ -101,8 +102,8 @@ def summarize(cfg, run, state, session) -> dict:
     else:
         run.out.progress.final(summary["message"])
     if jax.process_index() == 0:
-        with open(os.path.join(run.workdir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2, sort_keys=True)
+        layout.write_file(os.path.join(run.workdir, "summary.json"),
+                          json.dumps(summary, indent=2, sort_keys=True))
     if failed is not None:
         failed.summary = summary  # for a script that catches it: the run's result
         raise failed
@@ -170,5 +171,5 @@ def record_halt(run, error: Exception) -> None:
                    "stop_reason": errors.first_line(error), "message": line,
                    "exit_code": errors.exit_code(error), "resumed_from": run.resumed_from,
                    "checkpoint_step": run.ckpt.latest_step()}
-        with open(os.path.join(run.workdir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2, sort_keys=True)
+        layout.write_file(os.path.join(run.workdir, "summary.json"),
+                          json.dumps(summary, indent=2, sort_keys=True))

@@ -20,6 +20,7 @@ little later do not mistake it for a dead one; a non-zero status is reported as 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -155,12 +156,15 @@ class PeerMonitor:
                 continue
             now = time.monotonic()
             self._ok = now
-            for key, status in exits.items():
+            for key, value in exits.items():
                 pid = _id(key)
                 if pid is None or pid == self.me or pid in self._done:
                     continue
-                if status.strip() != "0" and not self._stop.is_set():
-                    fail(f"peer process {pid} ended with exit status {status.strip()}")
+                status = exit_status(key, value)
+                if status is None:
+                    continue
+                if status != 0 and not self._stop.is_set():
+                    fail(f"peer process {pid} ended with exit status {status}")
                 self._done.add(pid)
             for key, value in alive.items():
                 pid = _id(key)
@@ -182,6 +186,23 @@ class PeerMonitor:
             stale = self.stale(self.timeout_s)
             if stale:
                 fail(f"peer process {stale[0]} stopped responding")
+
+
+_IGNORED: set[str] = set()
+
+
+def exit_status(key: str, value) -> int | None:
+    """A peer's exit status as the key-value store holds it, an integer; anything else
+    (not written by jtrain) is ignored with one warning per key, never a stop."""
+    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    text = text.strip()
+    if re.fullmatch(r"-?[0-9]{1,4}", text):
+        return int(text)
+    if key not in _IGNORED:
+        _IGNORED.add(key)
+        sys.stderr.write(f"jtrain: warning: ignoring {key} = {text[:40]!r} in JAX's "
+                         "key-value store: not an exit status\n")
+    return None
 
 
 def _id(key: str) -> int | None:

@@ -5,8 +5,10 @@ all `num_processes` have checked in, or, when `distributed.init_timeout_s` runs 
 address, the expected and the joined process ids, and exits 5. Without it JAX waits its
 own initialization timeout and then aborts in C++ (exit 134, no line naming anyone).
 
-Process 0 then closes the port and JAX's coordination service binds it; the others have
-closed their side first, so no connection of ours lingers on it.
+Process 0 listens on the coordinator's interface only (the address its host name
+resolves to: 127.0.0.1 stays loopback), not on every interface. It then closes the port
+and JAX's coordination service binds it; the others have closed their side first, so no
+connection of ours lingers on it.
 """
 
 from __future__ import annotations
@@ -62,16 +64,58 @@ def gather(address: str, num_processes: int, process_id: int, timeout_s: float) 
         _join(address, num_processes, process_id, timeout_s)
 
 
-def _listen(port: int) -> socket.socket:
+def bind_address(host: str) -> tuple[int, str] | None:
+    """(family, address) the roll call listens on: the address the coordinator's host
+    name resolves to first, so the port sits on the coordinator's interface only
+    (127.0.0.1 stays loopback); None when the name does not resolve here."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return None
+    family, _, _, _, sockaddr = infos[0]
+    return family, str(sockaddr[0])
+
+
+def local_bind_address(address: str) -> str | None:
+    """"ip:port" ("[ip]:port" for IPv6) of the coordinator's interface for JAX's
+    coordination service (`coordinator_bind_address`), None when that address is not one
+    of this machine's (JAX then listens on all interfaces, as the roll call does)."""
+    host, port = _port(address)
+    found = bind_address(host)
+    if found is None:
+        return None
+    family, ip = found
+    try:
+        socket.create_server((ip, 0), family=family).close()
+    except OSError:
+        return None
+    return f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A server on the coordinator's interface (`bind_address`). An address this host does
+    not own (a name for a load balancer or a NAT) falls back to all interfaces, said in one
+    line: the peers must reach the port through it."""
+    found = bind_address(host)
+    if found is not None:
+        family, address = found
+        try:
+            return socket.create_server((address, port), family=family)
+        except OSError as e:
+            if e.errno != errno.EADDRNOTAVAIL:
+                raise
+    sys.stderr.write(f"jtrain: warning: the coordinator host {host!r} is not an address of "
+                     f"this machine; the roll call listens on port {port} of all its "
+                     "interfaces\n")
     if socket.has_dualstack_ipv6():
         return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
     return socket.create_server(("", port))
 
 
 def _host(address: str, n: int, timeout_s: float) -> None:
-    _, port = _port(address)
+    host, port = _port(address)
     try:
-        server = _listen(port)
+        server = _listen(host, port)
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
             raise PeerError(f"start-up: the coordinator port {port} ({address}) is already "

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import os
+
 from jtrain.config.schema import SCHEMA
 from jtrain.errors import ConfigError, UsageError
 from jtrain.multihost import heartbeat, rollcall
@@ -75,10 +77,15 @@ def start(raw_config, coordinator_address, num_processes: int, process_id: int,
     rollcall.gather(coordinator_address, num_processes, process_id, init_timeout)
     import jax
 
+    # JAX's coordination service on process 0 listens where the roll call did: the
+    # coordinator's interface, not every interface (JAX_COORDINATOR_BIND_ADDRESS wins).
+    bind = (rollcall.local_bind_address(coordinator_address)
+            if process_id == 0 and not os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") else None)
     jax.distributed.initialize(
         coordinator_address=coordinator_address, num_processes=num_processes,
         process_id=process_id, initialization_timeout=int(init_timeout) + 1,
-        heartbeat_timeout_seconds=int(2 * silent_after) + JAX_HEARTBEAT_MARGIN_S)
+        heartbeat_timeout_seconds=int(2 * silent_after) + JAX_HEARTBEAT_MARGIN_S,
+        coordinator_bind_address=bind)
     from jax._src import distributed
 
     heartbeat.PeerMonitor(distributed.global_state.client, process_id, num_processes,

@@ -14,6 +14,7 @@ import time
 import warnings
 
 from jtrain.observe.redact import redact_text
+from jtrain.observe import layout
 
 
 def say(line: str) -> None:
@@ -130,7 +131,7 @@ class Progress:
         self._finished = self._closed = False
         self._file = None
         if log_path and is_primary:
-            self._file = open(log_path, "a", encoding="utf-8")
+            self._file = layout.open_append(log_path)
         self._seen_warnings: dict[str, int] = {}
         self._capture_warnings()
 

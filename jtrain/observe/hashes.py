@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtrain.observe import jsonl
+from jtrain.observe import layout
 from jtrain.optim import leaf_path
 
 HASH_FILE = "hashes.jsonl"
@@ -136,7 +137,7 @@ class Recorder:
         if not self.primary:
             return
         record = {"step": step, **finish(sums, self._layout), "examples": self.examples_of(step)}
-        with open(self.path, "a", encoding="utf-8") as f:
+        with layout.open_append(self.path) as f:
             f.write(json.dumps(record) + "\n")
 
 
@@ -163,7 +164,20 @@ def first_difference(a: dict, b: dict) -> tuple[str, float] | None:
 
 
 def read(workdir: str) -> list[dict]:
-    """The records of WORKDIR/hashes.jsonl, by step (a torn line is skipped)."""
-    records = jsonl.read_records(os.path.join(workdir, HASH_FILE))
-    return sorted((r for r in records if isinstance(r, dict) and "hash" in r),
-                  key=lambda r: int(r["step"]))
+    """The records of WORKDIR/hashes.jsonl, by step (a torn last line is skipped); a
+    malformed line is one WorkdirError naming the file, the line and the field."""
+    records = jsonl.read_records(os.path.join(workdir, HASH_FILE), check=_check_record)
+    return sorted(records, key=lambda r: r["step"])
+
+
+def _check_record(record: dict) -> str | None:
+    """Why a hashes.jsonl record is malformed (None if it is not)."""
+    if not isinstance(record.get("hash"), str):
+        return "hash: expected a string"
+    parts = record.get("parts", {})
+    if not isinstance(parts, dict) or not all(isinstance(v, str) for v in parts.values()):
+        return "parts: expected an object of part name -> hash"
+    examples = record.get("examples")
+    if examples is not None and not isinstance(examples, list):
+        return "examples: expected a list of indices or null"
+    return None

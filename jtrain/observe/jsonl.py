@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
+
+from jtrain.errors import WorkdirError, first_line
 
 
 def json_float(v: float):
@@ -19,20 +22,18 @@ def json_float(v: float):
 def truncate_after(path: str, step: int) -> None:
     """Drop the records of steps after `step` (a resumed run replays them) and torn
     lines; the rest stays byte for byte. Written beside, then renamed over."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         lines = f.readlines()
     kept = []
     for line in lines:
-        try:
-            if int(json.loads(line)["step"]) <= step:
-                kept.append(line if line.endswith("\n") else line + "\n")
-        except (ValueError, KeyError, TypeError):
-            continue
+        record, problem = _parse(line)
+        if problem is None and record["step"] <= step:
+            kept.append(line if line.endswith(b"\n") else line + b"\n")
     if len(kept) == len(lines):
         return
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
+    from jtrain.observe import layout
+
+    layout.write_file(path, b"".join(kept))
 
 
 def last_byte(path: str) -> bytes:
@@ -41,15 +42,48 @@ def last_byte(path: str) -> bytes:
         return f.read(1)
 
 
-def read_records(path: str) -> list[dict]:
-    """Records of a metrics.jsonl; a torn line (a kill mid-write) is skipped."""
-    if not os.path.exists(path):
+def read_records(path: str, check=None) -> list[dict]:
+    """The records of a metrics.jsonl (or hashes.jsonl): JSON objects with an integer
+    "step". A torn last line (a kill mid-write) is skipped. Without `check`, any other
+    bad line (not UTF-8, not JSON, not an object, no integer step) is skipped too; with
+    `check(record) -> problem or None`, a bad line is one WorkdirError naming the file,
+    the line and the field. A path that is not a regular file is no records (or, with
+    `check`, the error)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
         return []
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        if check is not None:
+            raise WorkdirError(path, "not a regular file")
+        return []
+    os.set_blocking(fd, True)
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
+    with os.fdopen(fd, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
                 continue
+            record, problem = _parse(line)
+            if problem is None and check is not None:
+                problem = check(record)
+            if problem is None:
+                out.append(record)
+            elif check is not None and line.endswith(b"\n"):
+                raise WorkdirError(f"{path}: line {number}", problem)
     return out
+
+
+def _parse(line: bytes) -> tuple[dict, str | None]:
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return {}, f"not UTF-8 (byte {e.start})"
+    except (ValueError, RecursionError) as e:
+        return {}, f"not JSON ({first_line(e)[:80]})"
+    if not isinstance(record, dict):
+        return {}, "not a JSON object"
+    step = record.get("step")
+    if type(step) is not int or step < 0:
+        return {}, f"step: expected a non-negative integer, got {step!r:.40}"
+    return record, None

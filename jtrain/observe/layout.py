@@ -1,10 +1,59 @@
 """What a run's workdir (and a search's) holds, entry by entry: the one list that
 docs/reference/workdir.md is written from (`python -m jtrain.cli.reference`) and that a test
-checks a real run's workdir against, with the start-up precedence a rerun follows."""
+checks a real run's workdir against, with the start-up precedence a rerun follows; and
+the two ways jtrain writes a file into a workdir without following a link out of it:
+`write_file` (a whole file: a temporary file beside it, then os.replace, which replaces a
+symlink at the path instead of writing through it) and `open_append` (O_NOFOLLOW: a
+symlink or another non-regular file at the path is one WorkdirError)."""
 
 from __future__ import annotations
 
+import errno
 import fnmatch
+import os
+import secrets
+import stat
+
+from jtrain.errors import WorkdirError
+
+
+def write_file(path: str, content: str | bytes) -> None:
+    """Writes `content` as the whole file at `path`: a new file beside it (created, never
+    opened through a link) renamed over it. The file at `path` afterwards is jtrain's,
+    whatever was there (a symlink is replaced, its target left as it was)."""
+    tmp = os.path.join(os.path.dirname(path),
+                       f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(content.encode() if isinstance(content, str) else content)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def open_append(path: str):
+    """`path` opened for appending text (created if missing), never through a symlink and
+    never a FIFO or a device: those are one WorkdirError naming the path."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW, 0o666)
+    except OSError as e:
+        if e.errno != errno.ELOOP and not (e.errno == errno.ENXIO or os.path.islink(path)):
+            raise
+        fd = -1
+    if fd < 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
+        if fd >= 0:
+            os.close(fd)
+        raise WorkdirError(path, "is a symlink or not a regular file; jtrain writes only "
+                           "files inside the run (remove it, or use another --workdir)")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "a", encoding="utf-8")
 
 # (shown name, fnmatch patterns of the top-level entries it stands for, what it holds)
 RUN = (
@@ -79,7 +128,8 @@ SEARCH = (
      'every trial: number, state (complete, pruned, failed, interrupted, running, waiting), '
      'value, params, step, workdir, reason, continues, resumed_from; rewritten after each trial'),
     ('best_config.py', 'best_config.py',
-     'get_config() of the best complete trial (tune.* left out)'),
+     'get_config() of the best complete trial (tune.* left out; secrets masked, one comment '
+     'line per masked key)'),
     ('tune.png', 'tune.png',
      'optimisation history and parameter importances'),
 )

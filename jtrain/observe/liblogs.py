@@ -19,6 +19,8 @@ import threading
 import traceback
 
 from jtrain.observe.redact import redact_text
+from jtrain.observe import layout
+from jtrain.errors import WorkdirError
 
 LOG_FILE = "train.log"  # the same file as observe.console.LOG_FILE
 _PENDING_MAX = 2000  # records kept while the workdir does not exist yet
@@ -33,10 +35,10 @@ def _append(workdir: str, text: str) -> bool:
     if not workdir or not os.path.isdir(workdir):
         return False
     try:
-        with open(os.path.join(workdir, LOG_FILE), "a", encoding="utf-8") as f:
+        with layout.open_append(os.path.join(workdir, LOG_FILE)) as f:
             f.write(redact_text(text))
         return True
-    except OSError:  # a full or read-only disk: the error line says so already
+    except (OSError, WorkdirError):  # a full or read-only disk: the error line says so already
         return False
 
 

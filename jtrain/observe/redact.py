@@ -1,9 +1,10 @@
 """Redaction of secrets from everything jtrain prints or writes.
 
 `redact(tree)` copies a config with values under secret-looking keys replaced;
-`redact_text(s)` masks URI userinfo (passwords, tokens), secret environment values and secrets
-`redact` has seen. The console, the log file, the metric writers and config.json all go through
-them.
+`redact_text(s)` masks URI userinfo (passwords, tokens: everything between "://" and the
+last "@"), the values of secret-named parameters (`?sig=...`, `&token=...`,
+`--password=...`), secret environment values and secrets `redact` has seen. The console,
+the log file, the metric writers and config.json all go through them.
 """
 
 from __future__ import annotations
@@ -24,10 +25,17 @@ _SECRET_KEY = re.compile(
 )
 _SECRET_ENV = re.compile(r"(?:^|_)KEY$|APIKEY|TOKEN(?!IZ)|PASSWORD|PASSWD|PASSPHRASE|SECRET"
                          r"|CREDENTIAL|(?:^|_)O?AUTH(?!OR(?!I)|_SOCK)", re.IGNORECASE)
-# URI userinfo: scheme://user:password@host -> scheme://user:<redacted>@host (the
-# password may hold '@'), and scheme://token@host -> scheme://<redacted>@host.
-_URI_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^/\s:@]*):[^\s/]+@")
-_URI_USER = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)[^\s/:@?#]+@")
+# URI userinfo: everything between "://" and the last "@" of the URI is masked,
+# scheme://user:pa/ss?w#o@rd@host -> scheme://<redacted>@host: a password may hold
+# / ? # @ : unescaped. A URI ends at whitespace or a quote (a quote is no URI character).
+_URI_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)[^\s\"'`]*@")
+# name=value pairs (URI query parameters, flags, free text) whose name is secret-looking:
+# the value is masked up to whitespace, a quote or the next "&".
+_PAIR = re.compile(r"(?<![A-Za-z0-9_\-])([A-Za-z0-9_\-]+)=([^\s&\"'`]+)")
+_SECRET_PARAM = re.compile(
+    r"^-*(?:sig|signature|key|pwd|pass|code|sas|x-amz-credential|x-goog-credential)$"
+    r"|signature|secret|passw|token(?!s|iz)|credential|api_?key|access_?key|auth(?!or(?!i))",
+    re.IGNORECASE)
 # Shorter environment values ("true", "1") would mask ordinary words; they are not secrets.
 _MIN_ENV_SECRET_LEN = 6
 # Secret strings `redact` has replaced, masked from then on in free text too: a config
@@ -46,12 +54,20 @@ def _known_secrets() -> list[str]:
 
 
 def redact_text(s: str) -> str:
-    """Masks URI passwords, secret environment values and secrets `redact` saw in `s`."""
-    s = _URI_PASSWORD.sub(rf"\1:{REDACTED}@", str(s))
-    s = _URI_USER.sub(rf"\1{REDACTED}@", s)
+    """Masks URI userinfo, secret-named parameters' values, secret environment values and
+    secrets `redact` saw in `s`."""
+    s = _URI_USERINFO.sub(rf"\1{REDACTED}@", str(s))
+    s = _PAIR.sub(_mask_pair, s)
     for value in _known_secrets():
         s = s.replace(value, REDACTED)
     return s
+
+
+def _mask_pair(m: re.Match) -> str:
+    name = m.group(1)
+    if _SECRET_PARAM.search(name) or _SECRET_KEY.search(name):
+        return f"{name}={REDACTED}"
+    return m.group(0)
 
 
 def redact(tree):

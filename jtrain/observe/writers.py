@@ -19,6 +19,7 @@ from pathlib import Path
 # Redaction lives beside the console output that needs it most; it is part of this API.
 from jtrain import config as config_lib
 from jtrain.observe import jsonl, tbx, writer_checks
+from jtrain.observe import layout
 from jtrain.observe.redact import redact, redact_text
 
 _MLFLOW_PARAM_MAX_LEN = 6000  # MLflow rejects longer parameter values.
@@ -103,7 +104,7 @@ class _Jsonl(_Backend):
             jsonl.truncate_after(path, resumed_step)
         # A kill mid-line leaves a partial record; start ours on a fresh line.
         torn = os.path.exists(path) and os.path.getsize(path) > 0 and jsonl.last_byte(path) != b"\n"
-        self._f = open(path, "a", encoding="utf-8")
+        self._f = layout.open_append(path)
         if torn:
             self._f.write("\n")
 

@@ -11,12 +11,14 @@
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import pprint
 
 from optuna.trial import TrialState
 
 from jtrain.config import schema as schema_lib
+from jtrain.observe import layout
 from jtrain.tune import study as study_lib
 from jtrain.tune import trial as trial_lib
 
@@ -60,31 +62,73 @@ def best(recs: list[dict], mode: str) -> dict | None:
 
 
 def write_best_config(workdir: str, base: dict, rec: dict, monitor: str) -> str:
-    """A get_config() file of the best trial's config (the base config with its values)."""
-    values = trial_lib.trial_config(base, rec["params"], keep_tune=False)
+    """A get_config() file of the best trial's config (the base config with its values).
+
+    The file is fixed text plus data: every string from the study (params, workdir) or
+    the config is in a data literal (VALUES, TRIAL, written by repr), never in the
+    docstring or in code; secrets are masked (jtrain.observe.redact), one comment line
+    naming each masked key."""
+    from jtrain.observe.redact import redact
+
+    raw = trial_lib.trial_config(base, rec["params"], keep_tune=False)
+    values = _literal(redact(raw))
+    masked = sorted(k for k, v in _flat(values).items() if _flat(_literal(raw)).get(k) != v)
     optional = [k for k, f in schema_lib.describe() if f.type == "optfloat"
                 and _get(values, k) is None]
-    lines = [f'"""The best trial ({rec["number"]}, {monitor} = {rec["value"]!r}) of a search '
-             "by python -m jtrain.tune.",
+    trial = _literal(redact({"number": rec["number"], "monitor": monitor,
+                             "value": rec["value"], "params": rec["params"],
+                             "workdir": rec["workdir"], "member": rec.get("member")}))
+    lines = ['"""The best trial of a search by python -m jtrain.tune (TRIAL: its number, '
+             "the monitored value, its params and workdir).",
              "",
              "    python -m jtrain.main --config=best_config.py --workdir=runs/best",
              "",
              *(["retrains it: with the same devices and steps it ends with the trial's "
                 "state_sha256."] if rec.get("member") is None else
-               [f"retrains it alone: the trial was member {rec['member']} of the population "
-                f"run in {rec['workdir']}, which it matches to float32 rounding."]),
-             f'Trial workdir: {rec["workdir"]}; params: {rec["params"]!r}.',
-             '"""', "", "import ml_collections", "",
-             "VALUES = " + pprint.pformat(values, sort_dicts=True, width=88), "", "",
-             "def get_config():",
-             "    config = ml_collections.ConfigDict(VALUES)"]
-    # None-able numbers become typed placeholders, so --config.x=0.5 still works.
+               ["retrains it alone: the trial was a member (TRIAL['member']) of the "
+                "population run in TRIAL['workdir'], which it matches to float32 rounding."]),
+             '"""', "", "from math import inf, nan  # what repr writes for non-finite floats",
+             "", "import ml_collections", ""]
+    lines += [f"# masked: {ascii(k)}: a secret, set it (--config.{ascii(k)[1:-1]}=...) "
+              "before retraining" for k in masked]
+    lines += ["TRIAL = " + pprint.pformat(trial, sort_dicts=True, width=88),
+              "VALUES = " + pprint.pformat(values, sort_dicts=True, width=88), "", "",
+              "def get_config():",
+              "    config = ml_collections.ConfigDict(VALUES)"]
+    # None-able numbers become typed placeholders, so --config.x=0.5 still works (the
+    # keys are the schema's own names).
     lines += [f"    config.{k} = ml_collections.config_dict.placeholder(float)"
               for k in optional]
     lines += ["    return config", ""]
     path = os.path.join(workdir, "best_config.py")
     _atomic(path, "\n".join(lines))
     return path
+
+
+def _literal(node):
+    """`node` as plain data whose repr is a Python literal: dicts (str keys), lists,
+    tuples, str, int, float, bool, None; anything else becomes its str."""
+    if isinstance(node, dict):
+        return {str(k): _literal(v) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        items = [_literal(v) for v in node]
+        return items if isinstance(node, list) else tuple(items)
+    if node is None or type(node) in (bool, int, float, str):
+        return node
+    if isinstance(node, (bool, numbers.Integral)):  # numpy scalars too
+        return node if isinstance(node, bool) else int(node)
+    if isinstance(node, numbers.Real):
+        return float(node)
+    return str(node)
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
 
 
 def _get(tree: dict, dotted: str):
@@ -142,7 +186,4 @@ def write_plot(workdir: str, study, recs: list[dict], monitor: str, mode: str) -
 
 
 def _atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    layout.write_file(path, text)

@@ -354,7 +354,7 @@ def test_secrets_never_leak(table):
     assert stderr.startswith("jtrain: data error: data.source: "), stderr
     assert "<redacted>" in stderr
     code, _, stderr = results["secret_init_from"]
-    assert code == 2 and "https://bob:<redacted>@store.example/run" in stderr, stderr
+    assert code == 2 and "https://<redacted>@store.example/run" in stderr, stderr
     code, stdout, _ = results["secret_print"]
     assert code == 0 and "data.kwargs = {" in stdout and "<redacted>" in stdout
     texts = [f"{i}: {out}\n{err}" for i, (_, out, err) in results.items()]

@@ -233,10 +233,10 @@ def test_redact(monkeypatch):
     })
     out = redact(cfg)
     assert out["log"] == {"api_key": "<redacted>", "apikey": "<redacted>", "writers": ("jsonl",)}
-    assert out["data"]["uri"] == "postgres://bob:<redacted>@db/x"
+    assert out["data"]["uri"] == "postgres://<redacted>@db/x"
     assert out["data"]["tokenizer"] == "gpt2" and out["data"]["max_tokens"] == 512
     assert out["data"]["note"] == "uses <redacted>"
-    assert out["data"]["paths"] == ["s3://u:<redacted>@bucket/a", "plain"]
+    assert out["data"]["paths"] == ["s3://<redacted>@bucket/a", "plain"]
     assert out["token"] == "<redacted>" and out["hf_token"] is None and out["use_secret"] is True
     assert out["credentials"] == {"user": "<redacted>", "n": "<redacted>"}
     assert out["flag"] == "false"  # short env values are not treated as secrets
@@ -244,7 +244,7 @@ def test_redact(monkeypatch):
     assert redact({"PASSWORD": "x", "Secret_Thing": "y", "monkey": "z"}) == {
         "PASSWORD": "<redacted>", "Secret_Thing": "<redacted>", "monkey": "z"}
     assert redact_text("see https://:pw123@h.io/x and sk-test-123abc.") == (
-        "see https://:<redacted>@h.io/x and <redacted>.")
+        "see https://<redacted>@h.io/x and <redacted>.")
 
 
 def _available_extras():

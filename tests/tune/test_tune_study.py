@@ -110,6 +110,6 @@ def test_a_storage_that_cannot_be_opened_is_one_line(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("jtrain: config error: tune.storage: cannot open "
-                          "'postgresql://me:<redacted>@127.0.0.1:1/db': ") and \
+                          "'postgresql://<redacted>@127.0.0.1:1/db': ") and \
         len(err.splitlines()) == 1, err
     assert "secretpw" not in err
