@@ -70,6 +70,7 @@ def parse_into(fv: flags.FlagValues, prog: str, argv, description: str = "") -> 
     argv = list(argv)
     if wants_help(argv):
         print_help(prog, fv, description)
+    given = argv  # errors name the config as typed (`base`), not its packaged path
     if "config" in fv:
         argv = with_packaged_config(argv)
     if "config" not in fv:  # no config file: absl's errors are the only ones
@@ -103,10 +104,11 @@ def parse_into(fv: flags.FlagValues, prog: str, argv, description: str = "") -> 
     except errors.JtrainError:
         raise
     except SystemExit as e:  # get_config() called sys.exit: it is the file's error
-        raise errors.ConfigError(config_file(argv), "get_config() called sys.exit("
+        raise errors.ConfigError(config_file(given), "get_config() called sys.exit("
                                  f"{e.code!r}) while the config was loading") from None
     except Exception as e:  # noqa: BLE001 - flags.Error, and what config_flags raises loading
         key, why = describe_flag_error(e, argv)
+        key = config_file(given) if key == config_file(argv) else key
         if key.startswith("--") and not key.startswith("--config"):  # not a config key
             raise errors.UsageError(key, why) from None
         raise errors.ConfigError(key, why) from None

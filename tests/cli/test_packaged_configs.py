@@ -78,3 +78,13 @@ def test_an_unknown_name_is_one_line_listing_the_packaged_configs(tmp_path, monk
     assert line.startswith("jtrain: config error: bsae: no such file, nor a packaged config "
                            "(one of: base, "), line
     assert "recipes/classify" in line and "\n" not in line
+
+
+def test_an_error_in_a_packaged_config_names_it_as_typed(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fv = flags.FlagValues()
+    _define(fv, ["--config=base:typo"])
+    with pytest.raises(errors.ConfigError) as e:
+        runner.parse_into(fv, "prog", ["--config=base:typo"])
+    assert errors.render(e.value) == ("jtrain: config error: base: configs/base.py: unknown "
+                                      "variant 'typo'; choose one of: debug")
