@@ -53,6 +53,23 @@ def test_readme_is_a_front_door():
     assert not re.search(r"steps/s|tokens/s|\bmin \d+ s\b|\d ms\b|load average", text)
 
 
+def test_the_readme_opens_with_the_two_set_up_commands_that_ci_runs():
+    """The README's first code block is its two set-up commands: install and train the
+    reference run, then install the test extra with the lock and run the suite; .ci/run
+    runs the second exactly (its install, then its test command)."""
+    text = (REPO / "README.md").read_text()
+    first = re.search(r"```bash\n(.*?)```", text, re.S).group(1).splitlines()
+    assert len(first) == 2, first
+    assert "pip install -e . && python -m jtrain.main --config=configs/base.py" in first[0]
+    install, test = first[1].rsplit(" && ", 1)
+    assert "pip install -c constraints.txt -e '.[test]'" in install
+    assert test == "python -m pytest tests"
+    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines()
+          if line and not line.startswith(("#", "set ", "cd "))]
+    assert ci == [install, f". .venv/bin/activate && {test}"], ci
+    assert (REPO / "constraints.txt").is_file()
+
+
 def test_relative_links_between_pages_resolve():
     """Links from README.md, WORKSPACE.md and docs/ to files of this repository exist
     (pages the docs site generates, docs/reference/, are written by their own tool)."""

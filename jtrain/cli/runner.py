@@ -7,7 +7,9 @@ everywhere, and ONE error and exit path for every command.
 
 parses `argv` on a fresh `flags.FlagValues` (in-process calls never collide), answers
 `--help`, and calls `main(flag_values, positional_args)`. A command with a config file
-flag (`--config=FILE[:variant]`, ml_collections' config_flags) gets `--config.a.b=value`
+flag (`--config=FILE[:variant]`, ml_collections' config_flags; or `--config=NAME[:variant]`,
+a config shipped in jtrain/configs/ named by its path there without `.py`: `base:debug`,
+`recipes/classify`) gets `--config.a.b=value`
 overrides, free-form `data.kwargs` / `model.kwargs` keys, and its loading errors as one
 `config error` line. Every jtrain error (`jtrain.errors.JtrainError`), every OSError
 `errors.classify` names (a full disk, a read-only or unwritable directory) and, in a
@@ -68,6 +70,9 @@ def parse_into(fv: flags.FlagValues, prog: str, argv, description: str = "") -> 
     argv = list(argv)
     if wants_help(argv):
         print_help(prog, fv, description)
+    given = argv  # errors name the config as typed (`base`), not its packaged path
+    if "config" in fv:
+        argv = with_packaged_config(argv)
     if "config" not in fv:  # no config file: absl's errors are the only ones
         try:
             return fv([prog, *argv])[1:]
@@ -99,10 +104,11 @@ def parse_into(fv: flags.FlagValues, prog: str, argv, description: str = "") -> 
     except errors.JtrainError:
         raise
     except SystemExit as e:  # get_config() called sys.exit: it is the file's error
-        raise errors.ConfigError(config_file(argv), "get_config() called sys.exit("
+        raise errors.ConfigError(config_file(given), "get_config() called sys.exit("
                                  f"{e.code!r}) while the config was loading") from None
     except Exception as e:  # noqa: BLE001 - flags.Error, and what config_flags raises loading
         key, why = describe_flag_error(e, argv)
+        key = config_file(given) if key == config_file(argv) else key
         if key.startswith("--") and not key.startswith("--config"):  # not a config key
             raise errors.UsageError(key, why) from None
         raise errors.ConfigError(key, why) from None
@@ -242,6 +248,44 @@ def config_file(argv) -> str:
     return "--config"
 
 
+# -- packaged configs -------------------------------------------------------------------
+# The reference and recipe configs ship inside the package, in jtrain/configs/ (the
+# checkout's configs/ is the same folder). `--config=NAME[:variant]`, NAME a path below that
+# folder without `.py` (`base`, `recipes/classify`), names one, so an installed wheel runs
+# them from any directory. A file that exists at the given path is that file, as before.
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+_CONFIG_NAME = re.compile(r"\w+(/\w+)*")
+
+
+def packaged_configs() -> list[str]:
+    """The names `--config=NAME` accepts: base, gpt2_small, recipes/classify, ..."""
+    return sorted(os.path.relpath(os.path.join(d, f), CONFIGS)[:-3].replace(os.sep, "/")
+                  for d, _, files in os.walk(CONFIGS) for f in files if f.endswith(".py"))
+
+
+def packaged_config(value: str) -> str:
+    """`NAME[:variant]` -> `/path/of/jtrain/configs/NAME.py[:variant]` when NAME is a
+    packaged config and no file NAME exists; anything else unchanged."""
+    path, sep, variant = value.partition(":")
+    if not _CONFIG_NAME.fullmatch(path) or os.path.exists(path):
+        return value
+    packaged = os.path.join(CONFIGS, *path.split("/")) + ".py"
+    return packaged + sep + variant if os.path.isfile(packaged) else value
+
+
+def with_packaged_config(argv: list[str]) -> list[str]:
+    """argv with the value of `--config=VALUE` (or `--config VALUE`) through packaged_config."""
+    out = list(argv)
+    for i, a in enumerate(out):
+        m = re.match(r"(--?config=)(.*)", a, re.DOTALL)
+        if m:
+            out[i] = m.group(1) + packaged_config(m.group(2))
+        elif re.fullmatch(r"--?config", a) and i + 1 < len(out):
+            out[i + 1] = packaged_config(out[i + 1])
+    return out
+
+
 def _describe_file_error(error: Exception, path: str) -> tuple[str, str]:
     inner = error.__cause__ or error  # a deferred load error is re-raised as its cause
     if isinstance(inner, SyntaxError):
@@ -250,6 +294,9 @@ def _describe_file_error(error: Exception, path: str) -> tuple[str, str]:
         if inner.strerror:  # permission denied, is a directory, ...
             return path, f"cannot read: {inner.strerror.lower()}"
         if "Attempted" in str(inner):  # config_flags' file-not-found report
+            if _CONFIG_NAME.fullmatch(path):  # meant as a packaged config's name?
+                return path, ("no such file, nor a packaged config (one of: "
+                              f"{', '.join(packaged_configs())})")
             return path, "no such file"
         return path, f"cannot read: {errors.first_line(inner)}"
     if isinstance(inner, AttributeError) and "get_config" in str(inner):

@@ -48,7 +48,8 @@ and description, and exits 0. stdout carries one JSON line, the run's result
 def define_flags(fv: flags.FlagValues, sys_argv=None) -> None:
     # sys_argv: the argv that `--config.x.y=` overrides are read from (default sys.argv);
     # config_flags finds overrides there, not in the list the FlagValues is called with.
-    config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/base.py:debug.",
+    config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/base.py:debug,"
+                                    " or a packaged config by name, e.g. base:debug.",
                                     lock_config=True, flag_values=fv, sys_argv=sys_argv)
     flags.DEFINE_string("workdir", None, "The run's directory: checkpoints, logs, summary.",
                         flag_values=fv)
