@@ -15,7 +15,7 @@ means, which is not the same for masked LM losses).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -135,42 +135,51 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
     value_and_grad = accumulated(jax.value_and_grad(loss_and_aux, has_aux=True),
                                  grad_accum_steps, carry=True)
 
-    def train_step(state: TrainState, batch):
-        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        scale = state.loss_scale["scale"]  # 1 unless fp16 dynamic loss scaling
+    def update(inner: Updated, batch, key, context: Context):
+        """The built-in update as a step's `update`: one optax update of the params from
+        the token-weighted gradient (fp16: of the scaled loss, unscaled here), the weight
+        EMA moved after it, the model's state after this batch."""
+        scale = context.loss_scale  # 1 unless fp16 dynamic loss scaling
         (loss_sum, weight, terms, states), grads, model_state = value_and_grad(
-            state.params, batch, key, scale, state.model_state)
+            inner.params, batch, key, scale, inner.model_state)
         denom = jnp.maximum(weight, 1e-12) * scale  # sums -> the token-weighted mean
         grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / denom).astype(g.dtype), grads)
-        loss = loss_sum / jnp.maximum(weight, 1e-12)
 
-        def update():
-            params, opt_state = optimizer_update(tx, grads, state.opt_state, state.params,
-                                                 state.lr_factor)
-            if ema_rate is None:
-                return params, opt_state, state.ema, model_state
-            applied_before = state.step - state.skipped_steps  # updates applied so far
-            return (params, opt_state, ema_update(state.ema, params, ema_rate(applied_before)),
-                    model_state)
+        def applied():  # run by the guard only when the update is kept
+            params, opt_state = optimizer_update(tx, grads, inner.opt_state, inner.params,
+                                                 context.lr_factor)
+            ema = inner.ema if ema_rate is None else ema_update(
+                inner.ema, params, ema_rate(context.step))  # context.step: updates so far
+            return Updated(params, opt_state, ema, model_state)
 
-        grad_norm = optax.tree.norm(grads)
-        new_state, guard = guarded_update(
-            state, update, loss, grad_norm, row_validity(batch, valid_fn),
-            dynamic_loss_scale=dynamic_loss_scale, halt_on_nonfinite=halt_on_nonfinite,
-            max_consecutive=max_consecutive)
-        applied = state.step - state.skipped_steps  # the schedule's position (optax count)
-        metrics = {"train/loss": loss, "train/grad_norm": grad_norm,
-                   "train/lr": jnp.asarray(schedule(applied), jnp.float32) * state.lr_factor,
-                   "train/tokens": weight, **guard}
+        metrics = {"loss": loss_sum / jnp.maximum(weight, 1e-12),
+                   "grad_norm": optax.tree.norm(grads),
+                   "lr": jnp.asarray(schedule(context.step), jnp.float32) * context.lr_factor,
+                   "tokens": weight}
         for name, (term_sum, term_weight) in terms.items():  # the loss's named terms
-            metrics[f"train/{name}"] = term_sum / jnp.maximum(term_weight, 1e-12)
-        if dynamic_loss_scale:
-            metrics["train/loss_scale"] = new_state.loss_scale["scale"]
+            metrics[name] = term_sum / jnp.maximum(term_weight, 1e-12)
         if train_metrics is not None:
             metrics[TRAIN_METRICS] = states
-        return new_state, metrics
+        return applied, metrics
 
-    return train_step
+    return make_step_train(Step(init=_engine_init, update=update, name="built-in"),
+                           view=BUILT_IN_VIEW, valid_fn=valid_fn,
+                           dynamic_loss_scale=dynamic_loss_scale,
+                           halt_on_nonfinite=halt_on_nonfinite,
+                           max_consecutive=max_consecutive)
+
+
+class Updated(NamedTuple):
+    """The part of the train state the built-in update changes."""
+    params: Any
+    opt_state: Any
+    ema: Any
+    model_state: Any
+
+
+def _engine_init(rng, example):
+    raise NotImplementedError("the built-in update's state is made by "
+                              "jtrain.state.init_state (sharded by the model's annotations)")
 
 
 def optimizer_update(tx: optax.GradientTransformation, grads, opt_state, params,
@@ -411,14 +420,34 @@ def metric_view(outputs, batch, predict_fn: Callable | None = None):
 
 @dataclasses.dataclass(frozen=True)
 class Context:
-    """What the engine decides and a step of your own reads: `step`, the updates applied
-    so far (int32; a schedule's position), and `lr_factor`, ReduceLROnPlateau's factor on
-    the learning rate (float32; 1 until a plateau lowers it)."""
+    """What the engine decides and a step reads: `step`, the updates applied so far
+    (int32; a schedule's position), `lr_factor`, ReduceLROnPlateau's factor on the
+    learning rate (float32; 1 until a plateau lowers it), and `loss_scale`, fp16's
+    dynamic loss scale (float32; 1 otherwise)."""
     step: jax.Array
     lr_factor: jax.Array
+    loss_scale: Any = 1.0  # a float32 [] array inside the step
 
 
-jax.tree_util.register_dataclass(Context, data_fields=["step", "lr_factor"], meta_fields=[])
+jax.tree_util.register_dataclass(Context, data_fields=["step", "lr_factor", "loss_scale"],
+                                 meta_fields=[])
+
+
+class View(NamedTuple):
+    """Which part of the TrainState a step owns: `get(state)` -> the step's state,
+    `put(state, new)` -> (params, opt_state, ema, model_state) for `guarded_update`."""
+    get: Callable
+    put: Callable
+    engine_keys: bool  # the batch as the engine holds it (its row mask included)
+
+
+# A step of your own: its whole state is TrainState.params.
+OWN_VIEW = View(get=lambda s: s.params,
+                put=lambda s, new: (new, s.opt_state, s.ema, s.model_state),
+                engine_keys=False)
+# The built-in update: params, optimizer state, the weight EMA, the model's state.
+BUILT_IN_VIEW = View(get=lambda s: Updated(s.params, s.opt_state, s.ema, s.model_state),
+                     put=lambda s, new: tuple(new), engine_keys=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,7 +459,11 @@ class Step:
                                          a target network, counters
     update(state, batch, rng, context) -> (state, metrics)
                                          one update; the state keeps its structure and
-                                         dtypes; metrics: scalars, with "loss" among them
+                                         dtypes; metrics: scalars, with "loss" among them.
+                                         The state may come back as a function () ->
+                                         state with a "grad_norm" metric: the engine
+                                         runs it only when the update is kept (the
+                                         built-in update applies optax that way)
     evaluate(state, batch) -> outputs    optional: what jtrain's eval metrics and loss
                                          score (needed when the run evaluates)
 
@@ -443,31 +476,53 @@ class Step:
     name: str = ""
 
 
-def make_step_train(step: Step, *, halt_on_nonfinite: bool = False, max_consecutive: int = 8,
-                    valid_fn: Callable | None = None) -> Callable:
-    """train_step(TrainState, batch) -> (TrainState, metrics) around `step.update`: the
-    step's state is `TrainState.params`; the update is kept only when every row is valid
-    (`row_validity`), the "loss" metric is finite and every floating leaf of the new state
-    is finite (`guarded_update`: otherwise the state is as it was, `skipped_steps` counts
-    it, `train/status` says why)."""
+def make_step_train(step: Step, *, view: View = OWN_VIEW, halt_on_nonfinite: bool = False,
+                    max_consecutive: int = 8, valid_fn: Callable | None = None,
+                    dynamic_loss_scale: bool = False) -> Callable:
+    """train_step(TrainState, batch) -> (TrainState, metrics) around `step.update`, for
+    the built-in update and a step of your own alike: the per-step key, the context, and
+    the guard. The update is kept only when every row is valid (`row_validity`), the
+    "loss" metric is finite and the update is: its "grad_norm" metric when it returns one
+    (the built-in), else every floating leaf of the new state (`guarded_update`:
+    otherwise the state is as it was, `skipped_steps` counts it, `train/status` says
+    why). Metrics come back as train/<name>; "tokens" (the examples of the batch when the
+    step returns none) feeds tokens/s."""
 
     def train_step(state: TrainState, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        context = Context(step=state.step - state.skipped_steps, lr_factor=state.lr_factor)
-        user_batch = {k: v for k, v in batch.items() if k not in ENGINE_KEYS}
-        new, metrics = step.update(state.params, user_batch, key, context)
+        context = Context(step=state.step - state.skipped_steps, lr_factor=state.lr_factor,
+                          loss_scale=state.loss_scale["scale"])
+        seen = batch if view.engine_keys else {k: v for k, v in batch.items()
+                                                if k not in ENGINE_KEYS}
+        new, metrics = step.update(view.get(state), seen, key, context)
+        metrics = dict(metrics)
+        states = metrics.pop(TRAIN_METRICS, None)
         loss = jnp.asarray(metrics["loss"], jnp.float32)
-        finite = jnp.asarray(True)
-        for leaf in jax.tree.leaves(new):
-            if jnp.issubdtype(leaf.dtype, jnp.inexact):
-                finite = finite & jnp.isfinite(leaf).all()
+        if callable(new) and "grad_norm" not in metrics:
+            raise TypeError("update returned its new state as a function (applied only "
+                            "when the update is kept) without a 'grad_norm' metric to "
+                            "decide that by; return the state, or add 'grad_norm'")
+        if "grad_norm" in metrics:
+            signal = metrics["grad_norm"]
+        else:
+            finite = jnp.asarray(True)
+            for leaf in jax.tree.leaves(new):
+                if jnp.issubdtype(leaf.dtype, jnp.inexact):
+                    finite = finite & jnp.isfinite(leaf).all()
+            signal = jnp.where(finite, 0.0, jnp.nan)
         new_state, guard = guarded_update(
-            state, lambda: (new, state.opt_state, state.ema, state.model_state), loss,
-            jnp.where(finite, 0.0, jnp.nan), row_validity(batch, valid_fn),
-            dynamic_loss_scale=False, halt_on_nonfinite=halt_on_nonfinite,
+            state, lambda: view.put(state, new() if callable(new) else new), loss, signal,
+            row_validity(batch, valid_fn),
+            dynamic_loss_scale=dynamic_loss_scale, halt_on_nonfinite=halt_on_nonfinite,
             max_consecutive=max_consecutive)
-        rows = jax.tree.leaves(batch)[0].shape[0]
+        if "tokens" not in metrics:
+            metrics["tokens"] = jax.tree.leaves(batch)[0].shape[0]
         out = {f"train/{k}": jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-        return new_state, {**out, "train/tokens": jnp.asarray(rows, jnp.float32), **guard}
+        out.update(guard)
+        if dynamic_loss_scale:
+            out["train/loss_scale"] = new_state.loss_scale["scale"]
+        if states is not None:
+            out[TRAIN_METRICS] = states
+        return new_state, out
 
     return train_step

@@ -150,7 +150,7 @@ def check(cfg, b, data) -> None:
     context = step_lib.Context(step=jax.ShapeDtypeStruct((), jnp.int32),
                                lr_factor=jax.ShapeDtypeStruct((), jnp.float32))
     try:
-        new, metrics = jax.eval_shape(step.update, b.abstract.params, batch,
+        new, metrics = jax.eval_shape(_materialized(step.update), b.abstract.params, batch,
                                       jax.eval_shape(lambda: jax.random.key(0)), context)
     except Exception as e:  # noqa: BLE001 - the user's update: one line
         raise ModelError(who, f"update(state, batch, rng, context) raised "
@@ -165,6 +165,14 @@ def check(cfg, b, data) -> None:
         if getattr(v, "shape", None) != ():
             raise ModelError(who, f"metric {k!r} has shape {getattr(v, 'shape', None)}; "
                                   "update's metrics are scalars (reduce it, e.g. .mean())")
+
+
+def _materialized(update):
+    """`update` with a state returned as a function (applied when kept) called."""
+    def call(*args):
+        new, metrics = update(*args)
+        return (new() if callable(new) else new), metrics
+    return call
 
 
 def _check_same_state(who, before, after) -> None:

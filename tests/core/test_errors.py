@@ -46,7 +46,8 @@ def test_config_error_with_a_key_alone():
 def test_render_uses_the_fields_first_line_and_masks_secrets():
     e = errors.ConfigError("writers.uri", "cannot reach https://me:hunter2@example.com\nmore")
     line = errors.render(e)
-    assert line.startswith("jtrain: config error: writers.uri: cannot reach https://me:")
+    # everything between :// and the last @ is masked, the user name too
+    assert line == "jtrain: config error: writers.uri: cannot reach https://<redacted>@example.com"
     assert "hunter2" not in line and "more" not in line
     assert errors.render(ValueError("boom\ntrace")) == "jtrain: internal error: boom"
 

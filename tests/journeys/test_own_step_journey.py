@@ -72,7 +72,7 @@ def test_gan_recipe_from_the_cli_resumes_bitwise_and_learns_the_ring(tmp_path):
     shutil.copy(RECIPE, tmp_path / "gan.py")  # the recipe's config, as a user copies it
     proc = run_python(tmp_path, "-m", "jtrain.main", "--config=gan.py:debug",
                       "--workdir=runs/gan", "--verify_resume", "--verify_kills=1",
-                      "--config.checkpoint.every_steps=50")
+                      "--config.checkpoint.every_steps=20")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "verify_resume: PASS: bitwise identical" in out, out[-3000:]
