@@ -130,4 +130,5 @@ def test_byol_recipe_resumes_bitwise_and_its_encoder_beats_the_untrained_one(tmp
     assert dist(target, online) < 0.5 * dist(start, online), (dist(target, online),
                                                                dist(start, online))
     evals = [r["eval/loss"] for r in records if "eval/loss" in r]
-    assert evals[-1] < 0.3, evals  # the within-cluster share of the representation's variance
+    # The within-cluster share of the representation's variance: 0.55 untrained, 0.14 at 300.
+    assert evals[-1] < 0.3, evals
