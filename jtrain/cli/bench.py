@@ -53,6 +53,14 @@ a save is written vs without (goal >= 0.95x); medians over rounds (details in
 per op and per group (matmul, elementwise, copy/transpose), matmul GFLOP/s, the bytes
 copied into other layouts, the step's scratch (details in `jtrain.bench.profile`).
 
+    python -m jtrain.bench sam                                  # ~1 min on 2 CPU cores
+    python -m jtrain.bench sam --hidden=512 --batch_size=256 --out=sam.json
+
+`sam`: the SAM recipe's step (jtrain/recipes/sam.py: two gradient evaluations per update)
+against the built-in update of the same MLP and AdamW on the same batches, interleaved
+rounds in one process; the ratio of median step times (expected about 2x; details in
+`jtrain.bench.sam`).
+
     python -m jtrain.bench table peers.json                     # --out JSON -> markdown
 
 Every benchmark records the machine (CPU model, cores), the jtrain commit, the date and the
@@ -282,6 +290,8 @@ def commands() -> dict:
         "peers": (_peers_flags, peers, "jtrain vs plain PyTorch and Lightning, same work"),
         "population": (*_module_bench("population"), "K runs one after another vs one "
                        "population of K (one compiled step)"),
+        "sam": (*_module_bench("sam"), "the SAM recipe's step (two gradients) vs the "
+                "built-in update of the same MLP and AdamW"),
         "profile": (*_module_bench("profile"), "the train step's time op by op (XLA:CPU "
                     "trace), matmul GFLOP/s, copies"),
         "table": (lambda fv: None, table, "a benchmark's --out JSON as a markdown table"),

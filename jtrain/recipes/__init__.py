@@ -3,8 +3,9 @@ named there by factory (`model.factory`, `data.source`, `loss.fn`, `eval.predict
 `imputation` (genomic tracks), `tokensets` (token sets and the set encoder shared by
 `pretrain` (masked pretraining and the fine-tune classifier) and `set_completion`),
 `classify` (scikit-learn's breast-cancer table), `autoencoder` (multi-modal, weighted
-multi-loss), `gan` and `distill` (steps of your own: a GAN on a 2-D ring, the reference
-transformer distilled), and `report`
+multi-loss), steps of your own: `gan` (a GAN on a 2-D ring), `distill` (the reference
+transformer distilled), `sam` (sharpness-aware minimisation on the breast-cancer table),
+`byol` (BYOL with an EMA target network, a linear probe as its contract); and `report`
 (`python -m jtrain.recipes.report RUN...`, the stated result of finished runs).
 
 Every data set is either generated here, deterministically from a seed by the process

@@ -14,6 +14,16 @@ import numpy as np
 
 def make_data(split_seed=0, eval_fraction=0.2):
     """data.source: {"train": (x, y), "eval": (x, y)} float32 features, int32 labels."""
+    data = split(split_seed, eval_fraction)
+    (x, _), (x_eval, _) = data["train"], data["eval"]
+    print(f"recipe classify: scikit-learn breast cancer, {len(x)} train / "
+          f"{len(x_eval)} eval tumours x {x.shape[1]} features (standardised); early "
+          "stopping on eval/f1_macro", flush=True)
+    return data
+
+
+def split(split_seed=0, eval_fraction=0.2):
+    """The table split and standardised, as `make_data` returns it (without its line)."""
     try:
         from sklearn.datasets import load_breast_cancer
     except ImportError:
@@ -28,7 +38,4 @@ def make_data(split_seed=0, eval_fraction=0.2):
         held[idx[:round(eval_fraction * len(idx))]] = True
     mean, std = x[~held].mean(0), x[~held].std(0)
     x = ((x - mean) / std).astype(np.float32)
-    print(f"recipe classify: scikit-learn breast cancer, {(~held).sum()} train / "
-          f"{held.sum()} eval tumours x {x.shape[1]} features (standardised); early stopping "
-          "on eval/f1_macro", flush=True)
     return {"train": (x[~held], y[~held]), "eval": (x[held], y[held])}
