@@ -156,7 +156,7 @@ def _kill_at_startup(cwd, delay):
 
 def _interrupt_in_eval(cwd):
     """SIGINT (Ctrl-C) once step 3's train record is written: inside the step-3 eval,
-    whose 300 batches take seconds. (The restart evaluates as the config file says.)"""
+    whose 3,000 batches take seconds. (The restart evaluates as the config file says.)"""
     proc = _start(cwd, "-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/int", *EVAL_ARGS)
     metrics = cwd / "runs" / "int" / "metrics.jsonl"
     deadline = time.time() + 300
@@ -169,7 +169,7 @@ def _interrupt_in_eval(cwd):
 
 
 TERM_ARGS = ("--config.checkpoint.grace_seconds=600",)
-EVAL_ARGS = ("--config.log.every_steps=3", "--config.eval.num_batches=300")
+EVAL_ARGS = ("--config.log.every_steps=3", "--config.eval.num_batches=3000")
 
 
 def test_external_sigterm_at_startup_and_sigint_inside_an_eval_lose_nothing(user_run):
