@@ -59,8 +59,8 @@ def test_sam_update_is_the_gradient_at_the_ascent_point_applied_at_w():
     state = jax.tree.map(lambda v: getattr(v, "value", v), step.init(
         jax.random.key(0), {"inputs": x[0], "targets": y[0]}),
         is_leaf=lambda v: hasattr(v, "value"))
-    new, metrics = step.update(state, batch, jax.random.key(1),
-                               Context(step=jnp.int32(0), lr_factor=jnp.float32(1.0)))
+    new, metrics = jax.jit(step.update)(state, batch, jax.random.key(1),
+                                        Context(step=jnp.int32(0), lr_factor=jnp.float32(1.0)))
 
     # By hand: the two-layer MLP (gelu, tanh form), cross-entropy, written out.
     p = state["params"]
@@ -70,9 +70,9 @@ def test_sam_update_is_the_gradient_at_the_ascent_point_applied_at_w():
         logits = h @ p["out"]["kernel"] + p["out"]["bias"]
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    loss0, g = jax.value_and_grad(loss)(p)
+    loss0, g = jax.jit(jax.value_and_grad(loss))(p)
     norm = np.sqrt(sum((np.asarray(v, np.float64) ** 2).sum() for v in jax.tree.leaves(g)))
-    loss1, g_sam = jax.value_and_grad(loss)(
+    loss1, g_sam = jax.jit(jax.value_and_grad(loss))(
         jax.tree.map(lambda w, d: w + rho * d / norm, p, g))
     # Adam's first step moves each coordinate by lr * d / (|d| + eps), about lr * sign(d):
     # here d is the gradient at the ascent point, the step taken from w. Coordinates whose
