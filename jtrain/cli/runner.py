@@ -223,6 +223,13 @@ def _describe_unknown_key(error: KeyError, argv) -> tuple[str, str]:
     # argument is the missing name).
     bad = errors.first_line(error).strip("'\"")
     key = next((k for k in keys if bad in k.split(".")), bad)
+    parts = key.split(".")
+    if len(parts) == 2 and parts[0] == "model" and parts[1] not in SCHEMA["model"]:
+        families = [n for n, fields in MODEL_FAMILIES.items() if parts[1] in fields]
+        if families:  # a key of another model family than the config file's
+            return key, (f"a key of model.name={' or '.join(map(repr, families))} only, not "
+                         "of this config's model; set model.name in the config file (e.g. "
+                         f"defaults(model={families[0]!r})) to get its keys")
     return key, "unknown key"
 
 

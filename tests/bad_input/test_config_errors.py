@@ -53,6 +53,8 @@ CASES = [
     ([DEBUG, "--config.optimzer.lr=1"], "optimzer.lr", 'did you mean "optim"'),
     ([DEBUG, "--config.optim.lrr=1"], "optim.lrr", 'did you mean "lr"'),
     ([DEBUG, "--config.bogus=1"], "bogus", "unknown key"),
+    ([DEBUG, "--config.model.factory=mymod:make"], "model.factory",
+     "a key of model.name='user' only, not of this config's model; set model.name"),
     ([DEBUG, "--config.optim.lr.x=1"], "optim.lr.x", "not a section"),
     (["--config.optim.lr=1", DEBUG], "optim.lr", "before --config"),
     ([DEBUG, "--config.optim.lr=1", "--config.optim=3"], "optim", "overwrite"),
