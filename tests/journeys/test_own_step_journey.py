@@ -120,26 +120,31 @@ def test_distilled_student_beats_the_student_alone_and_exports_as_a_plain_run(tm
     trained alone with the built-in update, in eval loss on the same held-out bytes."""
     shutil.copy(DISTILL, tmp_path / "distill.py")
     shutil.copy(BASE, tmp_path / "base.py")
-    short = ["--config.total_steps=80", "--config.eval.every_steps=80",
-             "--config.checkpoint.every_steps=40"]
+    short = ["--config.total_steps=80", "--config.eval.every_steps=80"]
     runs = {
-        "teacher": ["--config=base.py:debug"],
-        "student": ["--config=distill.py:debug", "--config.checkpoint.init_from=runs/teacher"],
+        "teacher": ["--config=base.py:debug", "--config.checkpoint.every_steps=40"],
+        "student": ["--config=distill.py:debug", "--config.checkpoint.init_from=runs/teacher",
+                    "--config.checkpoint.every_steps=10", "--verify_resume",
+                    "--verify_kills=1"],
         "alone": ["--config=base.py:debug", "--config.model.d_model=32",
                   "--config.model.num_layers=1", "--config.model.num_heads=2",
                   "--config.model.d_ff=128"],
     }
-    loss = {}
+    loss, out = {}, {}
+    where = {"student": "student/reference"}  # --verify_resume's uninterrupted run
     for name, args in runs.items():
         proc = run_python(tmp_path, "-m", "jtrain.main", *args, f"--workdir=runs/{name}",
                           *short)
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
-        summary = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
-        loss[name] = summary["eval/loss"]
+        out[name] = proc.stdout + proc.stderr
+        run = tmp_path / "runs" / where.get(name, name)
+        loss[name] = json.loads((run / "summary.json").read_text())["eval/loss"]
+    assert "verify_resume: PASS: bitwise identical" in out["student"], out["student"][-2000:]
     assert "initialized teacher from runs/teacher" in (
-        tmp_path / "runs" / "student" / "train.log").read_text()
+        tmp_path / "runs" / "student" / "reference" / "train.log").read_text()
     assert loss["teacher"] < loss["student"] < loss["alone"], loss
-    proc = run_python(tmp_path, "-m", "jtrain.export", "runs/student", "--out=student",
+    proc = run_python(tmp_path, "-m", "jtrain.export", "runs/student/reference",
+                      "--out=student",
                       "--subtree=student")
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = json.loads((tmp_path / "student" / "export.json").read_text())
