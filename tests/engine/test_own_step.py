@@ -119,3 +119,38 @@ def test_an_impure_init_is_one_line(tmp_path):
         "jtrain: model error: step sgd: init(rng, example) gave different states for the "
         "same rng: make it a pure function of its arguments (draw randomness from rng, not "
         "numpy or Python)")
+
+
+ELASTIC = '''
+import sys
+sys.path.insert(0, sys.argv[1])
+import jax, jtrain, test_own_step as t
+assert jax.device_count() == 4
+jtrain.train(t.config(checkpoint={"every_steps": 2}), "run", step=t.make(),
+             train_data=t.data(), eval_data=t.data(40, seed=1))
+'''
+
+
+def test_elastic_resume_from_4_devices_onto_1(tmp_path):
+    """Saved on 4 devices (stopped by SIGTERM after step 5), resumed here on 1: the same
+    state as an uninterrupted run on 1 device, to float32 rounding."""
+    import subprocess
+    import sys
+
+    from jtrain.control import faults
+
+    (tmp_path / "four.py").write_text(ELASTIC)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu", **{faults.FAULT_ENV: "step:5:TERM"})
+    proc = subprocess.run([sys.executable, "four.py", os.path.dirname(__file__)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["step"] == 5
+    resumed = jtrain.train(config(checkpoint={"every_steps": 2}), str(tmp_path / "run"),
+                           step=make(), train_data=data(), eval_data=data(40, seed=1))
+    assert resumed.summary["resumed_from"] == 5
+    straight = jtrain.train(config(), str(tmp_path / "one"), step=make(), train_data=data(),
+                            eval_data=data(40, seed=1))
+    np.testing.assert_allclose(np.asarray(resumed.state.params["w"]),
+                               np.asarray(straight.state.params["w"]), rtol=1e-6)
+    assert int(resumed.state.params["applied"]) == STEPS
