@@ -39,7 +39,8 @@ def make(impure: bool = False) -> Step:
 
         value, grad = jax.value_and_grad(loss)(state["w"])
         return ({"w": state["w"] - LR * context.lr_factor * grad,
-                 "applied": context.step + 1}, {"loss": value, "w0": state["w"][0]})
+                 "applied": context.step + 1},
+                {"loss": value, "w0": state["w"][0], "lr_factor": context.lr_factor})
 
     def evaluate(state, batch):
         return batch["inputs"] @ state["w"]
@@ -154,3 +155,25 @@ def test_elastic_resume_from_4_devices_onto_1(tmp_path):
     np.testing.assert_allclose(np.asarray(resumed.state.params["w"]),
                                np.asarray(straight.state.params["w"]), rtol=1e-6)
     assert int(resumed.state.params["applied"]) == STEPS
+
+
+def test_plateau_reaches_the_step_and_early_stopping_reads_its_eval(tmp_path):
+    """ReduceLROnPlateau's factor arrives as context.lr_factor (halved after each eval
+    that does not improve on the best by min_delta); early stopping stops on
+    `evaluate`'s eval."""
+    plateau = config(eval={"every_steps": 2, "metrics": ["loss"]},
+                     plateau={"monitor": "eval/loss", "patience": 0, "factor": 0.5,
+                              "min_delta": 1e9})
+    jtrain.train(plateau, str(tmp_path / "p"), step=make(), train_data=data(),
+                 eval_data=data(40, seed=1))
+    factors = {r["step"]: r["train/lr_factor"] for r in map(
+        json.loads, (tmp_path / "p" / "metrics.jsonl").read_text().splitlines())
+        if "train/lr_factor" in r}
+    # the eval at step 2 sets the best; each later eval (4, 6) improves by less than
+    # min_delta and halves the factor the next steps read
+    assert [factors[s] for s in range(1, 9)] == [1.0] * 4 + [0.5] * 2 + [0.25] * 2, factors
+    stop = config(eval={"every_steps": 2, "metrics": ["loss"]},
+                  early_stop={"monitor": "eval/loss", "stopping_threshold": 1e9})
+    result = jtrain.train(stop, str(tmp_path / "s"), step=make(), train_data=data(),
+                          eval_data=data(40, seed=1))
+    assert result.stopped_by is not None and result.summary["step"] == 2
