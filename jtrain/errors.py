@@ -110,7 +110,9 @@ class EvaluateError(JtrainError, ValueError):
 
 class WorkdirError(JtrainError):
     """The workdir (or an output directory) cannot hold a run: a file, a read-only file
-    system, no permission; found before anything is written."""
+    system, no permission; found before anything is written. Or a run opened by evaluate,
+    replay or report whose config.json names code the user has not trusted (`jtrain
+    trust RUN`), found before anything it names is imported."""
 
     kind, exit_code = "workdir", 2
 

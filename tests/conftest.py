@@ -54,6 +54,9 @@ def pytest_sessionstart(session):
 
 def pytest_configure(config):
     _CONFIG.append(config)
+    from journey import trust_key_file
+
+    trust_key_file()  # before xdist starts its workers: they and every subprocess share it
     config.addinivalue_line(
         "markers", f"multidevice: needs {MULTIDEVICE_COUNT} fake CPU devices; runs in the "
         "suite's multidevice child process (see tests/conftest.py)")

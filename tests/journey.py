@@ -10,9 +10,22 @@ import sys
 import tempfile
 
 
+TRUST_KEY_ENV = "JTRAIN_TRUST_KEY_FILE"  # jtrain.observe.trust: the user's signing key
+
+
+def trust_key_file() -> str:
+    """The suite's trust key (a temp dir, never the user's own ~/.config/jtrain): set
+    once in this process's environment, so the tests in it and every subprocess they
+    start sign and verify runs with the same key."""
+    if not os.environ.get(TRUST_KEY_ENV):
+        os.environ[TRUST_KEY_ENV] = os.path.join(tempfile.mkdtemp(prefix="jtrain-trust-"),
+                                                 "trust.key")
+    return os.environ[TRUST_KEY_ENV]
+
+
 def user_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
-    return {**env, "JAX_PLATFORMS": "cpu", **extra}
+    return {**env, "JAX_PLATFORMS": "cpu", TRUST_KEY_ENV: trust_key_file(), **extra}
 
 
 def run_python(cwd, *args, timeout: int = 300, **extra_env) -> subprocess.CompletedProcess:

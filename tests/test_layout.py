@@ -135,6 +135,7 @@ def test_workspace_module_map_matches_the_tree():
 BY_WHAT = {"journeys": "user journeys: jtrain run as its user runs it, in a subprocess",
            "bad_input": "tables of bad input: one line and an exit code per row",
            "projects": "shared user projects that tests copy into their temp dir",
+           "fixtures": "runs written by earlier formats, which this release must still read",
            "core": "units of the pure core at the package's top level: step, state, mesh, "
                    "precision, errors, host memory"}
 
@@ -147,6 +148,7 @@ def test_tests_are_laid_out_like_the_package():
         assert d.name in BY_WHAT or (PACKAGE / d.name / "__init__.py").exists(), \
             f"tests/{d.name}: no jtrain.{d.name}, and not one of {sorted(BY_WHAT)}"
     assert not list((tests / "projects").glob("test_*.py")), "projects/ holds no tests"
+    assert not list((tests / "fixtures").rglob("*.py")), "fixtures/ holds data, no code"
     journeys = {p.name for p in (tests / "journeys").glob("test_*.py")}
     assert {"test_journeys.py", "test_journeys_library.py"} <= journeys
     names = [p.name for p in tests.rglob("test_*.py")]  # rootdir-based imports: one module

@@ -5,6 +5,7 @@
     jtrain export   --workdir=runs/base --out=exports/base          (= python -m jtrain.export)
     jtrain diff     RUN_A RUN_B                                     (= python -m jtrain.diff)
     jtrain replay   RUN --step=S                                    (= python -m jtrain.replay)
+    jtrain trust    RUN                       (the code a run's config names, signed as trusted)
     jtrain tune     --config=... --workdir=...                      (= python -m jtrain.tune)
     jtrain bench    overhead | data | checkpoint | ...              (= python -m jtrain.bench)
 
@@ -14,7 +15,8 @@
     runner.py     the one command-line framework (absl flags, config files) and the one
                   error path: parse, run
     exits.py      how a command ends: the line, the code, peers told, the fast exit
-    train.py, evaluate.py, export.py, diff.py, replay.py, tune.py, bench.py   the commands
+    train.py, evaluate.py, export.py, diff.py, replay.py, trust.py, tune.py, bench.py
+                  the commands
     boot.py       process start-up (before anything heavy is imported); hostmem.py its
                   huge-page re-exec and XLA:CPU / malloc settings
     reference.py  python -m jtrain.cli.reference --write docs/reference: every generated
@@ -61,6 +63,8 @@ COMMANDS = {
                     "where two runs part: config, data, versions, state hashes: RUN_A RUN_B"),
     "replay": Command("jtrain.cli.replay", "python -m jtrain.replay",
                       "re-run a recorded step, compare its state hash: RUN --step=S"),
+    "trust": Command("jtrain.cli.trust", "python -m jtrain trust",
+                     "sign a run from elsewhere so its named code may run: RUN"),
 }
 
 

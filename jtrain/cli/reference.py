@@ -32,7 +32,7 @@ def _commands() -> list[tuple[str, str, object]]:
     from jtrain.cli import tune as tune_command
 
     out = []
-    for name in ("train", "evaluate", "export", "diff", "replay", "tune"):
+    for name in ("train", "evaluate", "export", "diff", "replay", "trust", "tune"):
         command = COMMANDS[name]
         if name == "tune":
             define = lambda fv: tune_command.define_flags(fv, ["jtrain"])  # noqa: E731

@@ -35,7 +35,7 @@ from jtrain.engine.evaluation import (MAX_IN_FLIGHT, Evaluation, evaluate_weight
 from jtrain.errors import EvaluateError, UsageError
 from jtrain.metrics.classification import classification_report
 from jtrain.observe import layout
-from jtrain.observe import jsonl
+from jtrain.observe import jsonl, trust
 from jtrain.observe.outputs import read_run_record
 
 
@@ -52,12 +52,14 @@ def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data="eval"
     Returns the report (what eval_<step>.json holds)."""
     from flax import linen as nn
 
-    workdir = os.path.abspath(workdir)
+    shown, workdir = workdir, os.path.abspath(workdir)
     cfg_path = os.path.join(workdir, "config.json")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"--workdir: {workdir} has no config.json (not a jtrain run)")
     with open(cfg_path) as f:
         recorded = json.load(f)
+    trust.check(workdir, recorded, shown=shown,  # before anything it names is imported
+                skip=("model.",) * (model is not None) + ("loss.",) * (loss_fn is not None))
     sources = read_run_record(workdir)  # run.json (older runs: config.json)
     source = sources.get(MODEL_SOURCE_KEY)
     if source is not None and model is None:

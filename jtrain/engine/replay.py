@@ -34,7 +34,7 @@ from jtrain import mesh as mesh_lib
 from jtrain import precision as precision_lib
 from jtrain.engine.assemble import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, build, model_sample
 from jtrain.errors import UsageError
-from jtrain.observe import hashes as hashes_lib
+from jtrain.observe import hashes as hashes_lib, trust
 from jtrain.observe.outputs import read_run_record
 
 
@@ -60,8 +60,11 @@ def replay(workdir: str, step: int, *, model=None, train_data=None, loss_fn=None
     from flax import linen as nn
 
     say = say or (lambda line: None)
-    workdir = os.path.abspath(workdir)
+    shown, workdir = workdir, os.path.abspath(workdir)
     recorded_cfg = read_run(workdir)
+    trust.check(workdir, recorded_cfg, shown=shown,  # before anything it names is imported
+                skip=(("model.",) * (model is not None) + ("loss.",) * (loss_fn is not None)
+                      + ("data.",) * (train_data is not None)))
     records = {int(r["step"]): r for r in hashes_lib.read(workdir)}
     if step not in records:
         listed = sorted(records)

@@ -4,6 +4,8 @@
     outputs   opened once per run: config.json, run.json (model/loss source, what the
               set-up decided), writers, progress, header, perf meter, profiler
     header    the run header and the parameter table printed before training
+    trust     config.json.sig: runs signed with the user's key; a run naming code it
+              did not sign is not opened (jtrain trust RUN)
     layout    every file a run's workdir holds (docs/reference/workdir.md), start-up order
     liblogs   library logs (orbax, absl, grain) and error tracebacks into train.log
     writers   metric writers: JSONL, TensorBoard, MLflow, W&B (background thread)

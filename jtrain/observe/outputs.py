@@ -27,7 +27,7 @@ from jtrain.optim import schedules
 from jtrain.control import changes as changes_lib
 from jtrain.observe import console, header as header_lib, perf as perf_lib
 from jtrain.observe import writers as writers_lib
-from jtrain.observe import layout
+from jtrain.observe import layout, trust
 from jtrain.observe.redact import redact
 
 CONFIG_FILE = "config.json"
@@ -104,6 +104,7 @@ def open_outputs(cfg, workdir: str, *, build, data, start, record: dict,
         for name, content in ((CONFIG_FILE, resolved), (RUN_FILE, record)):
             layout.write_file(os.path.join(workdir, name), json.dumps(
                 redact(content), indent=2, sort_keys=True, default=str))
+        trust.sign(workdir, required=False)  # the user's own run (observe/trust.py)
     writer = writers_lib.MetricWriter(workdir, cfg.log, is_primary=primary, run_ids=run_ids,
                                       resumed_step=start.step)
     if start.step is None:

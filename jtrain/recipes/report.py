@@ -14,7 +14,10 @@ import json
 import os
 import sys
 
+from jtrain import errors
 from jtrain.checkpoint import export as export_lib
+from jtrain.errors import WorkdirError
+from jtrain.observe import trust
 
 
 def load_run(workdir: str, step: str = "best") -> tuple[dict, dict]:
@@ -68,11 +71,16 @@ def main(argv=None) -> int:
         if len(argv) == 1:
             config, params = None, None
             with open(os.path.join(argv[0], "config.json")) as f:
-                factory = json.load(f)["model"].get("factory", "")
+                recorded = json.load(f)
+            factory = recorded["model"].get("factory", "")
+            trust.check(argv[0], {"model": {"factory": factory}})  # before importing it
             module = importlib.import_module(factory.split(":")[0]) if factory else None
             if module is not None and hasattr(module, "report"):
                 config, params = load_run(argv[0])
                 module.report(params, config)
+    except WorkdirError as e:
+        print(errors.render(e), file=sys.stderr)
+        return e.exit_code
     except (OSError, ValueError, KeyError, export_lib.ExportError) as e:
         print(f"jtrain: report error: {e}", file=sys.stderr)
         return 2

@@ -130,3 +130,32 @@ def test_schedule_free_export_is_the_average_and_frozen_leaves_stay():
     np.testing.assert_allclose(out["a/kernel"], (y["a/kernel"] - 0.1 * np.array([0.5, 4.0]))
                                / 0.9, rtol=1e-6)
     assert out["a/bias"] is y["a/bias"] and out["a/kernel"].dtype == np.float32
+
+
+def test_a_schedule_free_runs_export_writes_the_average_not_the_iterate(tmp_path):
+    """Through export(): a saved schedule-free state's params.safetensors holds optax's
+    schedule_free_eval_params, not the raw iterate y the state keeps as params."""
+    import dataclasses
+
+    import jax
+    import optax
+
+    cfg = make_config()
+    cfg.optim.name = "schedule_free_adamw"
+    state = make_state(2, 2.0)
+    tx = optax.contrib.schedule_free_adamw(1e-3)
+    opt = tx.init(state.params)
+    opt = opt._replace(z=jax.tree.map(lambda x: x * -3.0 + 1.0, opt.z))  # z far from y
+    state = dataclasses.replace(state, opt_state=opt)
+    ck, _ = open_run(tmp_path / "run", cfg, state)
+    ck.save(2, state, {"pos": 2})
+    ck.close()
+    record = export.export(str(tmp_path / "run"), str(tmp_path / "out"))
+    assert record["schedule_free_average"]
+    got = export.load_export(str(tmp_path / "out"))
+    want = optax.contrib.schedule_free_eval_params(opt, state.params)
+    for name, arr in {"dense/kernel": want["dense"]["kernel"],
+                      "dense/bias": want["dense"]["bias"]}.items():
+        np.testing.assert_allclose(got["params/" + name], np.asarray(arr), rtol=1e-6)
+        assert not np.allclose(got["params/" + name], np.asarray(state.params[name.split("/")[0]][
+            name.split("/")[1]]))

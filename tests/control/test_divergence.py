@@ -95,3 +95,40 @@ def test_a_diverging_run_warns_once_and_trains_the_same(tmp_path):
     assert summary["warnings"] == warned
     assert warned[0] in (tmp_path / "runs/None/train.log").read_text()
     assert json.loads((tmp_path / "runs/0.0/summary.json").read_text())["warnings"] == []
+
+
+def test_decisions_restore_the_divergence_state_from_the_checkpoint_record():
+    """Through what a checkpoint stores (the run-control record's monitors, as JSON):
+    a resumed run decides as the uninterrupted one, and does not warn twice."""
+    from types import SimpleNamespace
+
+    from jtrain import config as config_lib
+    from jtrain.control.decide import Decisions
+    from jtrain.control.record import RunControl
+
+    cfg = config_lib.resolve({"log": {"divergence_warning": 2.0}})
+    losses = [(10, 4.0), (20, 5.0), (30, 9.0), (40, 20.0), (50, 30.0)]
+
+    def decisions(record):
+        said = []
+        return Decisions(cfg, record, ledger=SimpleNamespace(), on_eval=None,
+                         batch_of=lambda s: None, indices_of=lambda b: [],
+                         say=said.append), said
+
+    def record(**fields):
+        return RunControl(config={}, config_sha256="", data_info={}, versions={}, **fields)
+
+    whole, said_whole = decisions(record())
+    for step, loss in losses:
+        whole.check_divergence(step, loss)
+    for cut in (1, 3):  # before the warning, and after it
+        first, said_first = decisions(record())
+        for step, loss in losses[:cut]:
+            first.check_divergence(step, loss)
+        saved = json.loads(json.dumps(record(monitors=first.state()).to_json()))
+        resumed, said_resumed = decisions(RunControl.from_json(saved))
+        for step, loss in losses[cut:]:
+            resumed.check_divergence(step, loss)
+        assert said_first + said_resumed == said_whole, cut
+        assert resumed.state()["divergence"] == whole.state()["divergence"]
+    assert len(said_whole) == 1 and "step 30" in said_whole[0]

@@ -208,3 +208,50 @@ def test_loss_terms_are_summed_exactly_across_microbatches():
         means = [float(np.divide(*two_terms(_linear_apply(params, mb["inputs"]), mb)[1][name]))
                  for mb in micro]
         assert abs(np.mean(means) - float(s / w)) > 1e-3  # the test can tell them apart
+
+
+def test_train_metrics_merge_over_microbatches_to_the_full_batch():
+    """log.train_metrics with grad_accum_steps=4: train/accuracy and train/mse of the
+    whole batch (counts merged), not the last microbatch's nor a mean of means."""
+    from jtrain.metrics import EvalSpec
+
+    r = np.random.default_rng(7)
+    batch = {"inputs": r.normal(size=(16, 5, 4)).astype(np.float32),
+             "targets": r.integers(0, 7, (16, 5)).astype(np.int32),
+             "weights": np.ones((16, 5), np.float32)}
+    batch["weights"][1::4] = 0.0  # microbatch 1 (rows 1, 5, ...) weighs nothing
+    batch["weights"][2::4, 1:] = 0.0  # microbatch 2: one token per row
+    params = {"w": jnp.asarray(r.normal(size=(4, 7)), jnp.float32), "b": jnp.zeros(7)}
+    tx = optax.sgd(0.0)
+    spec = EvalSpec(task="sequence", names=("accuracy",), num_classes=7)
+    got = {}
+    for k in (1, 4):
+        step = jax.jit(step_lib.make_train_step(_linear_apply, losses.default_loss, tx,
+                                                lambda s: 0.0, grad_accum_steps=k,
+                                                train_metrics=spec))
+        got[k] = step_lib.train_metric_values(
+            jax.device_get(step(_state(params, tx), batch)[1][step_lib.TRAIN_METRICS]))
+    pred = np.argmax(np.asarray(_linear_apply(params, batch["inputs"])), -1)
+    hits = (pred == batch["targets"]) * batch["weights"]
+    want = hits.sum() / batch["weights"].sum()
+    assert got[1]["train/accuracy"] == pytest.approx(want, abs=1e-7)
+    assert got[4]["train/accuracy"] == pytest.approx(want, abs=1e-7)
+    last = slice(3, None, 4)  # the guard's power: the last microbatch alone differs
+    assert abs(hits[last].sum() / batch["weights"][last].sum() - want) > 1e-3
+
+
+def test_the_state_hash_covers_integer_leaves():
+    from jtrain.state import state_sha256
+
+    params = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
+    tx = optax.adam(1e-3)
+    state = _state(params, tx)
+    base = state_sha256(state)
+    assert state_sha256(_state(params, tx)) == base
+    count = jax.tree.map(lambda x: x + 1 if x.dtype == jnp.int32 else x, state.opt_state)
+    assert [x.dtype for x in jax.tree.leaves(state.opt_state)].count(jnp.int32) == 1
+    assert state_sha256(state.replace(opt_state=count)) != base  # adam's step counter
+    # an integer leaf of the model's own state (a counter kept beside the params)
+    counted = state.replace(model_state={"seen": jnp.int32(3)})
+    assert state_sha256(counted) != state_sha256(
+        state.replace(model_state={"seen": jnp.int32(4)}))

@@ -205,3 +205,44 @@ def test_transformer_masks_across_segments_and_resets_positions():
     np.testing.assert_allclose(out[0, 6:11], changed[0, 6:11], rtol=1e-5, atol=1e-6)
     alone = model.apply(params, jnp.asarray(b[None]))  # b at the start of a window
     np.testing.assert_allclose(out[0, 6:11], alone[0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_draws_depend_on_the_seed():
+    one, same, other = (_plan([50, 70], [0.5, 0.5], batch=16, local=16, seed=s)
+                        for s in (1, 1, 2))
+    assert np.array_equal(one.choices(0), same.choices(0))
+    assert not np.array_equal(one.choices(0), other.choices(0))  # which component
+    assert not np.array_equal(one.order(1, 0), other.order(1, 0))  # which example
+    assert not np.array_equal(one(0)[2], other(0)[2])
+
+
+def test_a_schedule_switches_at_its_step_not_a_batch_later():
+    # weights 1 / 0: every slot's component is decided; batch number b is what the
+    # step at schedule position b trains on (the loop's batch_of)
+    for at in (1, 5, 255, 256, 257):  # across the chunk boundary (CHUNK = 256) too
+        plan = _plan([10, 10], [1.0, 0.0], {at: {"c1": 1.0}}, batch=4, local=4)
+        assert plan.row(at - 1).tolist() == [0] * 4, at
+        assert plan.row(at).tolist() == [1] * 4, at
+        starts, table = plan.starts, plan.table
+        assert mixture.report({"kind": "mixture", "position": at, "components": ["c0", "c1"],
+                               "sizes": [10, 10], "draws": [0, 0], "epochs": [0, 0]},
+                              (starts, table))["c1"]["weight"] == 0.0  # last batch at-1
+        assert mixture.report({"kind": "mixture", "position": at + 1,
+                               "components": ["c0", "c1"], "sizes": [10, 10],
+                               "draws": [0, 0], "epochs": [0, 0]},
+                              (starts, table))["c1"]["weight"] == 1.0
+
+
+def test_no_packed_target_crosses_a_document_not_even_the_last_of_a_segment():
+    # token = 1000 * document + position: a target is its input + 1 in the same document
+    r = np.random.default_rng(5)
+    docs = [(1000 * (d + 1) + np.arange(r.integers(2, 40))).astype(np.int32)
+            for d in range(40)]
+    for mode in ("pad", "concat", "first_fit"):
+        p = packing.Packed(docs, 16, mode, name="d", seed=0, buffer=4)
+        for i in range(len(p)):
+            it = p[i]
+            on = it["weights"] > 0
+            assert np.array_equal(it["targets"][on], it["inputs"][on] + 1), (mode, i)
+            last = on & (np.append(it["segment_ids"][1:], 0) != it["segment_ids"])
+            assert last.sum() == len(set(it["segment_ids"][on].tolist()))  # checked too

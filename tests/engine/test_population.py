@@ -190,3 +190,35 @@ def test_on_8_devices_sharded_and_replicated_members_match_one_device(monkeypatc
     assert len(jax.tree.leaves(s1.params)[0].sharding.device_set) == 1
     np.testing.assert_allclose(l4, l1, rtol=1e-5)
     np.testing.assert_allclose(l3, l1[:, :3], rtol=1e-5)
+
+
+def test_each_members_metrics_and_evals_carry_its_own_index():
+    """Member i's values under /m<i>, in the train step's reduction and in the eval of
+    every member (a member's eval is of its own slice of the state)."""
+    from types import SimpleNamespace
+
+    from jtrain.engine.evaluation import Evaluation
+
+    stacked = {"train/loss": jax.numpy.asarray([1.0, 2.0, 4.0]),
+               "train/status": jax.numpy.asarray([0, 2, 0], jax.numpy.int32)}
+    out = population_lib.reduce_metrics(stacked, 3)
+    assert [float(out[f"train/loss/m{i}"]) for i in range(3)] == [1.0, 2.0, 4.0]
+    assert float(out["train/loss"]) == pytest.approx(7 / 3) and int(out["train/status"]) == 2
+    state = make_state_for_members([10.0, 20.0, 30.0])
+    pop = SimpleNamespace(size=3)
+    result = population_lib.per_member(
+        pop, state, lambda s: Evaluation({"eval/loss": float(s.params["w"]),
+                                          "eval/name": "x"}, {}, 1))
+    assert [result.scalars[f"eval/loss/m{i}"] for i in range(3)] == [10.0, 20.0, 30.0]
+    assert result.scalars["eval/loss"] == 20.0 and result.scalars["eval/name"] == "x"
+
+
+def make_state_for_members(values):
+    from jtrain.state import TrainState
+
+    k = len(values)
+    z = jax.numpy.zeros(k, jax.numpy.int32)
+    return TrainState(step=jax.numpy.int32(5), params={"w": jax.numpy.asarray(values)},
+                      opt_state={}, rng=jax.numpy.zeros((k, 2), jax.numpy.uint32),
+                      loss_scale={}, skipped_steps=z, consecutive_skips=z, halted_at=z,
+                      lr_factor=jax.numpy.ones(k))

@@ -1,0 +1,124 @@
+"""A run directory is data: its config.json names code (model.factory, data.source, ...)
+that evaluate, replay and report import and call. A run trained here is signed with the
+user's key and opens; the same run edited to name other code, or signed with another
+user's key, is refused in one line before anything is imported, until `jtrain trust`;
+paths into jtrain itself need no signature (jtrain/observe/trust.py)."""
+
+import json
+import os
+import stat
+
+import pytest
+
+import jtrain
+from jtrain import cli, evaluate
+from jtrain.engine import replay as replay_lib
+from jtrain.errors import WorkdirError
+from jtrain.observe import trust
+from journey import copy_project
+
+CFG = {"model": {"name": "user", "factory": "mymodels:make", "kwargs": {"hidden": 4}},
+       "data": {"source": "mydata:make", "batch_size": 16}, "total_steps": 2,
+       "eval": {"every_steps": 0}, "checkpoint": {"every_steps": 2},
+       "log": {"verbosity": 0}}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One small run trained in-process with the suite's key (tests/conftest.py)."""
+    root = tmp_path_factory.mktemp("trust")
+    copy_project(root, "mymodels", "mydata")
+    mp = pytest.MonkeyPatch()
+    mp.syspath_prepend(str(root))
+    mp.chdir(root)
+    jtrain.train(CFG, "runs/a")
+    mp.undo()
+    return root
+
+
+def _copy(trained, tmp_path, monkeypatch, name="runs/x"):
+    import shutil
+
+    shutil.copytree(trained / "runs/a", tmp_path / name)
+    copy_project(tmp_path, "mymodels", "mydata")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    return name
+
+
+def _plant(run):
+    """config.json edited (as anyone who can write the run could) to run a command."""
+    path = os.path.join(run, "config.json")
+    config = json.load(open(path))
+    config["model"]["factory"] = "subprocess:getoutput"
+    config["model"]["kwargs"] = {"cmd": "touch MARKER"}
+    open(path, "w").write(json.dumps(config, indent=2, sort_keys=True))
+
+
+def test_own_run_opens_an_edited_one_refuses_until_trusted(trained, tmp_path, monkeypatch,
+                                                           capsys):
+    run = _copy(trained, tmp_path, monkeypatch)
+    assert os.path.isfile(os.path.join(run, trust.SIGNATURE_FILE))  # train signed it
+    key = os.environ[trust.KEY_ENV]
+    assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
+    report = evaluate.evaluate_checkpoint(run, plots=False)  # the user's own: no flag
+    assert report["step"] == 2
+    _plant(run)
+    for open_run in (lambda: evaluate.evaluate_checkpoint(run, plots=False),
+                     lambda: replay_lib.replay(run, 2)):
+        with pytest.raises(WorkdirError) as e:
+            open_run()
+        assert str(e.value) == (
+            "runs/x/config.json: names code that runs when it is opened: mydata:make "
+            "(data.source), subprocess:getoutput (model.factory); if you trust it: "
+            "jtrain trust runs/x")
+        assert e.value.exit_code == 2
+    # the recipes' report command: the same line, exit 2, nothing imported
+    from jtrain.recipes import report as report_cmd
+
+    json.dump({"step": 2}, open(os.path.join(run, "summary.json"), "w"))
+    assert report_cmd.main([run]) == 2
+    assert "jtrain: workdir error: runs/x/config.json: names code" in capsys.readouterr().err
+    assert not os.path.exists("MARKER")
+    # the command line: one line, exit 2; then `jtrain trust` shows and signs it
+    assert cli.main(["evaluate", f"--workdir={run}", "--no_plots"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "jtrain: workdir error: runs/x/config.json: names code that runs")
+    assert cli.main(["trust", run]) == 0
+    out = capsys.readouterr().out
+    assert "subprocess:getoutput (model.factory)" in out and "trusted" in out
+    trust.check(run, json.load(open(os.path.join(run, "config.json"))))  # now it opens
+    assert not os.path.exists("MARKER")
+
+
+def test_a_run_signed_with_another_users_key_refuses(trained, tmp_path, monkeypatch):
+    run = _copy(trained, tmp_path, monkeypatch)
+    mine = os.environ[trust.KEY_ENV]
+    monkeypatch.setenv(trust.KEY_ENV, str(tmp_path / "theirs.key"))
+    trust.sign(run)  # their jtrain signed it with their key
+    assert trust.verify(run)
+    monkeypatch.setenv(trust.KEY_ENV, mine)
+    assert not trust.verify(run)
+    with pytest.raises(WorkdirError, match=r"mydata:make \(data.source\), mymodels:make "
+                                           r"\(model.factory\); if you trust it"):
+        evaluate.evaluate_checkpoint(run, plots=False)
+    # a model passed from Python is not imported: only the data source needs trust
+    import mymodels
+
+    with pytest.raises(WorkdirError, match=r"names code that runs when it is opened: "
+                                           r"mydata:make \(data.source\); if"):
+        evaluate.evaluate_checkpoint(run, plots=False, model=mymodels.make(hidden=4))
+
+
+def test_jtrain_paths_need_no_signature(tmp_path):
+    config = {"data": {"source": "jtrain.recipes.classify:make_data"},
+              "step": {"factory": "jtrain.recipes.byol:make"}, "seed": 0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    trust.check(str(tmp_path), config)  # no config.json.sig, opens
+    # a name jtrain merely imported, or a path into it, is not jtrain's own code
+    for path in ("jtrain.observe.trust:os.system", "jtrain.observe.trust:secrets",
+                 "jtraining:make", "jtrain:train"):
+        assert trust.untrusted({"loss": {"fn": path}}) == [(path, "loss.fn")], path
+    assert trust.import_paths({"data": {"mixture": {"a": {"source": "pkg.m:f"},
+                                                     "b": {"source": "pystdlib"}}}}) == [
+        ("pkg.m:f", "data.mixture.a.source")]
