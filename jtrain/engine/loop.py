@@ -46,7 +46,7 @@ from jtrain.engine import evaluation as evaluator
 from jtrain.engine import summary as summary_lib
 from jtrain.engine.assemble import Build
 from jtrain.errors import NonFiniteError
-from jtrain.observe import hashes as hashes_lib
+from jtrain.observe import goodput as goodput_lib, hashes as hashes_lib
 from jtrain.observe import startup as startup_lib
 from jtrain.observe.outputs import Outputs
 
@@ -66,6 +66,7 @@ class Run:
     watchdog: control_lib.Watchdog  # a no-op when off
     stopper: control_lib.Stopper  # signals -> stop after a step
     startup: startup_lib.Startup  # phase timings, compile record, the precompile thread
+    goodput: goodput_lib.Ledger  # where the session's seconds go (goodput.jsonl)
     record: dict = dataclasses.field(default_factory=dict)  # run.json (its "decided")
 
     def close(self):
@@ -89,8 +90,7 @@ class _Session:
     saved: int | None = None  # the last step this session saved
     stored: dict | None = None  # summary.json of a run that had finished already
     hashes: hashes_lib.Recorder | None = None  # debug.hash_every_steps (hashes.jsonl)
-    pending: deque = dataclasses.field(default_factory=deque)  # (step, metrics on
-    #                                    device): the steps in flight, oldest first
+    pending: deque = dataclasses.field(default_factory=deque)  # (step, metrics): in flight
     config_hash: str = ""  # --debug_multihost's (the config is fixed)
     set_factor: Callable | None = None  # jit(state, factor) -> state (plateau)
     all_finite: Callable | None = None  # jit(params) -> bool (before a save)
@@ -129,7 +129,8 @@ def run_loop(cfg, run: Run):
                                                                   total)
     if run.ckpt.latest_step() != step and not (step == start and session.stopped_by):
         state = _save(cfg, run, session, state, step)
-    run.ckpt.wait()  # a failed write ends the run with an error, before any summary
+    with run.goodput.phase("checkpoints"):
+        run.ckpt.wait()  # a failed write ends the run with an error, before any summary
     run.watchdog.pause()
     return state, session
 
@@ -171,10 +172,8 @@ def _next_batch(cfg, run: Run, session: _Session, step: int, first: bool):
     if every and step % every == 0:  # --debug_multihost
         multihost.preflight.check_step(step, cfg, session.config_hash)
     run.out.profiler.before_step(step)
-    if first:
-        run.watchdog.beat("first step", allowance=cfg.watchdog.first_timeout_s)
-    else:
-        run.watchdog.beat("step")
+    run.watchdog.beat("first step" if first else "step",
+                      allowance=cfg.watchdog.first_timeout_s if first else None)
     t0 = time.perf_counter()
     batch = next(run.train_iter)
     t1 = time.perf_counter()
@@ -203,6 +202,7 @@ def _dispatched(cfg, run: Run, session: _Session, state, step: int, metrics, tim
     perturbation, its state hash dispatched, recompiles said, the profiler; then it is in
     flight, and the oldest steps are drained beyond max_steps_in_flight."""
     waited, t1 = timing
+    run.goodput.step_done(step, waited, first)
     if first:
         su = run.startup
         su.first_step()
@@ -216,8 +216,7 @@ def _dispatched(cfg, run: Run, session: _Session, state, step: int, metrics, tim
     session.hashes.dispatch(step, state)  # on the devices, fetched when drained
     _report_recompiles(run, step)
     if run.out.profiler.after_step(step, metrics):
-        run.out.progress.message(f"jtrain: profile trace written to "
-                                 f"{run.out.profiler.directory}")
+        run.out.progress.message(f"jtrain: profile trace written to {run.out.profiler.directory}")
     session.pending.append((step, metrics))
     return _drained(cfg, run, session, state, keep=cfg.max_steps_in_flight)
 
@@ -257,9 +256,10 @@ def _save(cfg, run: Run, session: _Session, state, step: int):
                                "overflowed); not saved; lower optim.lr or set optim.clip_norm")
         error.step = step
         raise error
-    run.ckpt.save(step, state, run.train_iter.get_state(), evals=session.history,
-                  stopped_by=session.stopped_by, monitors=run.decisions.state(),
-                  skip_ledger=list(run.decisions.ledger.entries))  # a snapshot: saves are async
+    with run.goodput.phase("checkpoints", saved=step):  # a snapshot: saves are async
+        run.ckpt.save(step, state, run.train_iter.get_state(), evals=session.history,
+                      stopped_by=session.stopped_by, monitors=run.decisions.state(),
+                      skip_ledger=list(run.decisions.ledger.entries))
     session.saved = step
     multihost.heartbeat.note_checkpoint(step)  # for a failed peer's line
     return state
@@ -380,10 +380,11 @@ def _evaluate(cfg, run: Run, state, step: int) -> dict:
     if run.data.eval is None:
         return {"step": step}
     t0 = time.perf_counter()
-    result = _score(cfg, run, state, run.data.eval)
-    for name, part in run.data.eval_parts.items():  # a mixture's components
-        result.scalars.update({f"eval/{name}/{k.removeprefix('eval/')}": v
-                               for k, v in _score(cfg, run, state, part).scalars.items()})
+    with run.goodput.phase("eval"):
+        result = _score(cfg, run, state, run.data.eval)
+        for name, part in run.data.eval_parts.items():  # a mixture's components
+            result.scalars.update({f"eval/{name}/{k.removeprefix('eval/')}": v
+                                   for k, v in _score(cfg, run, state, part).scalars.items()})
     run.out.perf.add("eval", time.perf_counter() - t0)
     run.out.writer.write_scalars(step, result.scalars)
     run.out.progress.message(evaluator.format_line(step, result), emphasis=True)

@@ -39,7 +39,7 @@ from jtrain.engine import own_step
 from jtrain.engine.assemble import (LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, Build, build,  # noqa: F401
                                     check_run, model_sample)
 from jtrain.errors import NonFiniteError, RestoreError, WorkdirError
-from jtrain.observe import compiles as compiles_lib
+from jtrain.observe import compiles as compiles_lib, goodput as goodput_lib
 from jtrain.observe import outputs as outputs_lib
 from jtrain.observe import startup as startup_lib
 from jtrain.observe import writers as writers_lib
@@ -146,6 +146,9 @@ def train_and_evaluate(config, workdir, given: _Given | None = None, *, on_eval=
             with startup.phase("state"):  # newest checkpoint, else init_from, else fresh
                 ckpt = checkpoint.Checkpointer(workdir, cfg, data.info)
                 start = ckpt.restore_or_init(b.abstract_with_shardings(), b.init)
+            ledger = goodput_lib.Ledger(workdir, t_start=t_start, startup=startup,
+                                        first_step=start.step or 0,
+                                        primary=jax.process_index() == 0)
             with startup.phase("data"):
                 train_iter = data.train_iterator(start.data_state, functools.partial(
                     mesh_lib.host_to_device, mesh=b.mesh))
@@ -163,7 +166,7 @@ def train_and_evaluate(config, workdir, given: _Given | None = None, *, on_eval=
                 ckpt=ckpt, out=out, resumed_from=start.step, watchdog=watchdog,
                 decisions=_decisions(cfg, workdir, ckpt.control, start, data, train_iter,
                                      on_eval, out.progress.message),
-                stopper=stopper, startup=startup, record=out.record)
+                stopper=stopper, startup=startup, goodput=ledger, record=out.record)
             for line in notices:  # after the header: e.g. a warmup shortened for a short run
                 out.progress.message(f"jtrain: note: {line}")
             # Steps trace under the mesh and the logical-axis rules, so models' activation

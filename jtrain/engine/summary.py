@@ -17,7 +17,7 @@ from jtrain import state as state_lib
 from jtrain.control import ledger as ledger_lib
 from jtrain.data import mixture as mixture_lib
 from jtrain.engine import evaluation as evaluator
-from jtrain.observe import layout
+from jtrain.observe import goodput as goodput_lib, layout
 from jtrain.observe import jsonl
 
 # summary.json's stopped_by when the run ended with more than nonfinite.max_skipped_share
@@ -46,6 +46,7 @@ def summarize(cfg, run, state, session) -> dict:
     if session.stored is not None:  # finished before: say so, return what it recorded
         run.out.progress.final(f"jtrain: already finished at step {step} (summary.json); "
                                "nothing to do")
+        run.goodput.discard()  # this session did nothing: the ledger stays the run's
         session.train_history = [
             {k: v for k, v in r.items() if k == "step" or k.startswith("train/")}
             for r in jsonl.read_records(os.path.join(run.workdir, "metrics.jsonl"))
@@ -91,6 +92,8 @@ def summarize(cfg, run, state, session) -> dict:
         summary["data"] = {"mixture": mix}
         run.out.progress.message(mixture_lib.report_line(
             mix, int(run.train_iter.get_state()["position"])))
+    summary["goodput"] = run.goodput.finish()  # every session's seconds, this one's ended
+    run.out.progress.message(goodput_lib.line(summary["goodput"]))
     summary["message"] = _final_line(summary, session)
     summary["exit_code"] = 0
     failed = None if session.stopped_by in ("SIGINT", "SIGTERM") else skipped_share_error(

@@ -40,7 +40,18 @@ def write_file(path: str, content: str | bytes) -> None:
 def open_append(path: str):
     """`path` opened for appending text (created if missing), never through a symlink and
     never a FIFO or a device: those are one WorkdirError naming the path."""
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = _open_regular(path, os.O_WRONLY | os.O_APPEND)
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def open_update(path: str) -> int:
+    """`path` opened for reading and writing in place (created if missing; no O_APPEND,
+    so pwrite writes where it is told), with open_append's checks; a file descriptor."""
+    return _open_regular(path, os.O_RDWR)
+
+
+def _open_regular(path: str, mode: int) -> int:
+    flags = mode | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW, 0o666)
     except OSError as e:
@@ -53,7 +64,7 @@ def open_append(path: str):
         raise WorkdirError(path, "is a symlink or not a regular file; jtrain writes only "
                            "files inside the run (remove it, or use another --workdir)")
     os.set_blocking(fd, True)
-    return os.fdopen(fd, "a", encoding="utf-8")
+    return fd
 
 # (shown name, fnmatch patterns of the top-level entries it stands for, what it holds)
 RUN = (
@@ -82,6 +93,12 @@ RUN = (
      'exact), "parts" (params, opt_state, ema, rest), "examples" (the batch\'s global example '
      'indices)}; read by jtrain diff and jtrain replay; a resumed run first drops the records '
      'after its restored step'),
+    ('goodput.jsonl', 'goodput.jsonl',
+     'the goodput ledger: one fixed-width line per session (each call of the run), updated in '
+     'place after every step, eval and save: its start, its last step and time, its seconds '
+     'per category (startup, steps, compile, checkpoints, eval, data, other), the start-up '
+     'phases, the step seconds at each save; summary.json\'s "goodput" adds them up over the '
+     'sessions'),
     ('tb/', 'tb',
      'TensorBoard event files (tensorboard --logdir WORKDIR/tb)'),
     ('checkpoints/N/', 'checkpoints',
@@ -99,7 +116,10 @@ RUN = (
      'nonfinite.max_skipped_share of its updates skipped: the full summary with stopped_by '
      '"max_skipped_share", exit_code 4; perf/*, startup/<phase>_sec (time to first step by '
      'phase), compile/* (count, seconds, cache hits / misses, compiles after the first step with '
-     'their cause); with data.mixture, data.mixture: {component: {weight (at the last batch), '
+     'their cause); goodput: the run\'s wall time over all its sessions by category (productive, '
+     'startup, compile, checkpoints, eval, data, redone, restart_gaps, other: seconds), '
+     'fraction (productive / total), sessions, steps computed and redone; with data.mixture, '
+     'data.mixture: {component: {weight (at the last batch), '
      'size ("stream" for a stream component), draws, epochs (draws / size; a stream: its '
      'completed passes)}}'),
     ('population.png', 'population.png',
