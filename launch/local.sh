@@ -45,8 +45,10 @@ stop_all() {  # TERM now, KILL after the grace period; SIGCONT so a stopped one 
 trap 'forward TERM' TERM
 trap 'forward INT' INT
 
+# The roll call's shared secret for this launch (jtrain/multihost/rollcall.py).
+token=${JTRAIN_ROLLCALL_TOKEN:-$("$py" -c 'import secrets; print(secrets.token_hex(16))')}
 for ((i = 0; i < n; i++)); do
-  JAX_PLATFORMS=${JAX_PLATFORMS:-cpu} \
+  JTRAIN_ROLLCALL_TOKEN="$token" JAX_PLATFORMS=${JAX_PLATFORMS:-cpu} \
   XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=$devices" \
   JTRAIN_COORDINATOR="127.0.0.1:$port" JTRAIN_NUM_PROCESSES="$n" JTRAIN_PROCESS_ID="$i" \
     "$py" -m "${JTRAIN_MODULE:-jtrain.main}" "$@" >"$workdir/logs/proc_$i.log" 2>&1 &

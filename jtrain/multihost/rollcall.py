@@ -5,6 +5,10 @@ all `num_processes` have checked in, or, when `distributed.init_timeout_s` runs 
 address, the expected and the joined process ids, and exits 5. Without it JAX waits its
 own initialization timeout and then aborts in C++ (exit 134, no line naming anyone).
 
+With `JTRAIN_ROLLCALL_TOKEN` set (launch/local.sh and launch/slurm.sh draw a random one
+per launch and give it to every process), a check-in must carry it: a stranger on the
+network who knows the port cannot take a process's place in the roll call.
+
 Process 0 listens on the coordinator's interface only (the address its host name
 resolves to: 127.0.0.1 stays loopback), not on every interface. It then closes the port
 and JAX's coordination service binds it; the others have closed their side first, so no
@@ -14,6 +18,8 @@ connection of ours lingers on it.
 from __future__ import annotations
 
 import errno
+import hmac
+import os
 import socket
 import sys
 import time
@@ -22,6 +28,11 @@ from jtrain.errors import PeerError
 
 MAGIC = "jtrain-rollcall"
 RETRY_S = 0.25  # between attempts to reach the coordinator
+TOKEN_ENV = "JTRAIN_ROLLCALL_TOKEN"  # the launch's shared secret, when it draws one
+
+
+def _token() -> str:
+    return os.environ.get(TOKEN_ENV, "").strip()
 
 
 def _interrupted() -> None:
@@ -159,13 +170,18 @@ def _host(address: str, n: int, timeout_s: float) -> None:
 
 
 def _read_checkin(conn: socket.socket, n: int, deadline: float) -> int | None:
-    """The id in `jtrain-rollcall <id> <n>`, or None for anything else (a stranger)."""
+    """The id in `jtrain-rollcall <id> <n> [<token>]`, or None for anything else (a
+    stranger, or a check-in without this launch's token)."""
     try:
         conn.settimeout(max(0.1, min(5.0, deadline - time.monotonic())))
         words = conn.recv(256).decode(errors="replace").split()
     except OSError:
         return None
-    if len(words) == 3 and words[0] == MAGIC and words[1].isdigit() and words[2] == str(n):
+    token = _token()
+    if len(words) != (4 if token else 3) or (
+            token and not hmac.compare_digest(words[3].encode(), token.encode())):
+        return None
+    if words[0] == MAGIC and words[1].isascii() and words[1].isdigit() and words[2] == str(n):
         pid = int(words[1])
         return pid if 0 < pid < n else None
     return None
@@ -189,7 +205,9 @@ def _join(address: str, n: int, process_id: int, timeout_s: float) -> None:
             continue
         with conn:
             try:
-                conn.sendall(f"{MAGIC} {process_id} {n}\n".encode())
+                token = _token()
+                conn.sendall(f"{MAGIC} {process_id} {n}{' ' + token if token else ''}\n"
+                             .encode())
                 answer = _answer(conn, deadline)
             except OSError:
                 answer = []

@@ -127,3 +127,45 @@ def test_start_hands_jax_the_coordinator_interface(monkeypatch, env, want):
         monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", env)
     start.start({"distributed": {"init_timeout_s": 40}}, "127.0.0.1:1234", 2, 0)
     assert seen["coordinator_bind_address"] == want
+
+
+def _free_address() -> str:
+    probe = socket.create_server(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    return f"127.0.0.1:{port}"
+
+
+def test_with_a_token_a_stranger_is_not_counted_and_the_launch_goes_on(monkeypatch):
+    """With JTRAIN_ROLLCALL_TOKEN, a check-in that has the right form but not the token
+    (a stranger who knows the port) is not counted: process 0 waits on for the real
+    process 1, which carries the token."""
+    monkeypatch.setenv(rollcall.TOKEN_ENV, "s3cret-token")
+    address = _free_address()
+    done, errors = [], []
+
+    def host():
+        try:
+            rollcall.gather(address, 2, 0, 20.0)
+            done.append(True)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=host)
+    thread.start()
+    host_ip, port = address.rsplit(":", 1)
+    for _ in range(80):  # the stranger: the right words, no token
+        try:
+            stranger = socket.create_connection((host_ip, int(port)), timeout=1.0)
+            break
+        except OSError:
+            threading.Event().wait(0.05)
+    stranger.sendall(f"{rollcall.MAGIC} 1 2\n".encode())
+    stranger.settimeout(5.0)
+    assert stranger.recv(64) == b""  # closed without a "go"
+    stranger.close()
+    assert not done
+    rollcall.gather(address, 2, 1, 20.0)  # the real process 1, with the token
+    thread.join(30)
+    assert done and not errors
+
