@@ -46,7 +46,7 @@ trap 'forward TERM' TERM
 trap 'forward INT' INT
 
 # The roll call's shared secret for this launch (jtrain/multihost/rollcall.py).
-token=${JTRAIN_ROLLCALL_TOKEN:-$("$py" -c 'import secrets; print(secrets.token_hex(16))')}
+token=${JTRAIN_ROLLCALL_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}
 for ((i = 0; i < n; i++)); do
   JTRAIN_ROLLCALL_TOKEN="$token" JAX_PLATFORMS=${JAX_PLATFORMS:-cpu} \
   XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=$devices" \

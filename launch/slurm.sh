@@ -41,7 +41,7 @@ head=$(scontrol show hostnames "${SLURM_JOB_NODELIST:?}" | head -n 1)
 port=${JTRAIN_PORT:-$("$py" -c 'import socket; s=socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')}
 export JTRAIN_COORDINATOR="$head:$port" JTRAIN_NUM_PROCESSES="${SLURM_NTASKS:?}"
 # The roll call's shared secret for this job step (srun passes the environment on).
-export JTRAIN_ROLLCALL_TOKEN="${JTRAIN_ROLLCALL_TOKEN:-$("$py" -c 'import secrets; print(secrets.token_hex(16))')}"
+export JTRAIN_ROLLCALL_TOKEN="${JTRAIN_ROLLCALL_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}"
 echo "launch/slurm.sh: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NTASKS processes, coordinator $JTRAIN_COORDINATOR"
 
 # Not exec: this shell stays to forward SLURM's SIGTERM and requeue afterwards.
