@@ -18,7 +18,7 @@
     startup   time to first step split into phases, in the header and summary.json
     compiles  the persistent compilation cache; every compile counted, recompiles named
     goodput   every second of a run over its sessions (goodput.jsonl): productive,
-              start-up, compile, checkpoints, eval, data, redone, restart gaps
+              start-up, compile, checkpoints, eval, data, recomputed, restart gaps
     tbx       tensorboardX's event-file modules without its torch import
     redact    secrets masked in everything printed or written (imports nothing of jtrain)
 """

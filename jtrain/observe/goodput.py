@@ -6,7 +6,7 @@ wall time is cut into consecutive intervals, each given to exactly one category:
     startup      from the session's start (the process's, when it is the process's
                  first run) to its first step's result: observe.startup's phases
     steps        the loop between the marks below: dispatch, draining, logging; split
-                 at the end into productive (kept) and redone (see below)
+                 at the end into productive (kept) and recomputed (see below)
     compile      compiles after the first step (observe.compiles), cut out of
                  whichever interval holds them
     checkpoints  the time the loop blocks in a save (and in the last save's wait)
@@ -15,7 +15,7 @@ wall time is cut into consecutive intervals, each given to exactly one category:
     other        the end of the session (its summary)
 
 Across sessions: the steps a session computed beyond the checkpoint a later session
-resumed from were recomputed there: their step seconds are *redone*, the rest are
+resumed from were recomputed there: their step seconds are *recomputed*, the rest are
 *productive*; the time between a session's last record and the next session's start is
 a *restart gap* (a killed session's last seconds, the process's exit, the scheduler).
 The categories add up to the run's wall time, from the first session's start to the
@@ -200,25 +200,25 @@ def _steps_at(record: dict, step: int) -> float:
 
 def block(records: list[dict]) -> dict:
     """summary.json's "goodput": seconds per category over the sessions (in order), the
-    steps kept and redone, the fraction; `other` is what no category holds."""
+    steps kept and recomputed, the fraction; `other` is what no category holds."""
     seconds = dict.fromkeys(("productive", "startup", "compile", "checkpoints", "eval",
-                             "data", "redone", "restart_gaps", "other"), 0.0)
+                             "data", "recomputed", "restart_gaps", "other"), 0.0)
     phases: dict[str, float] = {}
-    redone_steps = steps = 0
+    recomputed_steps = steps = 0
     for i, r in enumerate(records):
         for c in ("startup", "compile", "checkpoints", "eval", "data", "other"):
             seconds[c] += r[c]
         for p, s in r["phases"].items():
             phases[p] = phases.get(p, 0.0) + s
-        redone = 0.0
+        recomputed = 0.0
         later = [q["first_step"] for q in records[i + 1:]]
         if later and r["step"] > min(later):  # a later session computed these again
             kept = max(min(later), r["first_step"])
-            redone_steps += r["step"] - kept
-            redone = r["steps"] - _steps_at(r, kept)
+            recomputed_steps += r["step"] - kept
+            recomputed = r["steps"] - _steps_at(r, kept)
         steps += r["step"] - r["first_step"]
-        seconds["redone"] += redone
-        seconds["productive"] += r["steps"] - redone
+        seconds["recomputed"] += recomputed
+        seconds["productive"] += r["steps"] - recomputed
         if i:
             seconds["restart_gaps"] += max(r["start"] - records[i - 1]["end"], 0.0)
     total = records[-1]["end"] - records[0]["start"]
@@ -227,7 +227,7 @@ def block(records: list[dict]) -> dict:
             "total_sec": round(total, 3), "sessions": len(records),
             "seconds": {k: round(v, 3) for k, v in seconds.items()},
             "startup_phases": {k: round(v, 3) for k, v in phases.items()},
-            "steps": {"computed": steps, "redone": redone_steps},
+            "steps": {"computed": steps, "recomputed": recomputed_steps},
             "start": records[0]["start"], "end": records[-1]["end"]}
 
 
@@ -240,10 +240,10 @@ def _sec(s: float) -> str:
 def line(goodput: dict) -> str:
     """The end-of-run line."""
     s, n = goodput["seconds"], goodput["sessions"]
-    redone = goodput["steps"]["redone"]
+    recomputed = goodput["steps"]["recomputed"]
     return (f"jtrain: goodput {100 * goodput['fraction']:.1f}% of {_sec(goodput['total_sec'])}"
             f" over {n} session{'s' if n != 1 else ''}: start-up {_sec(s['startup'])}, "
             f"compile {_sec(s['compile'])}, checkpoints {_sec(s['checkpoints'])}, "
-            f"eval {_sec(s['eval'])}, data {_sec(s['data'])}, redone {_sec(s['redone'])}"
-            f" ({redone} step{'s' if redone != 1 else ''}), restart gaps "
+            f"eval {_sec(s['eval'])}, data {_sec(s['data'])}, recomputed {_sec(s['recomputed'])}"
+            f" ({recomputed} step{'s' if recomputed != 1 else ''}), restart gaps "
             f"{_sec(s['restart_gaps'])}, other {_sec(s['other'])}")

@@ -117,8 +117,8 @@ RUN = (
      '"max_skipped_share", exit_code 4; perf/*, startup/<phase>_sec (time to first step by '
      'phase), compile/* (count, seconds, cache hits / misses, compiles after the first step with '
      'their cause); goodput: the run\'s wall time over all its sessions by category (productive, '
-     'startup, compile, checkpoints, eval, data, redone, restart_gaps, other: seconds), '
-     'fraction (productive / total), sessions, steps computed and redone; with data.mixture, '
+     'startup, compile, checkpoints, eval, data, recomputed, restart_gaps, other: seconds), '
+     'fraction (productive / total), sessions, steps computed and recomputed; with data.mixture, '
      'data.mixture: {component: {weight (at the last batch), '
      'size ("stream" for a stream component), draws, epochs (draws / size; a stream: its '
      'completed passes)}}'),

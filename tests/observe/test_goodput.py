@@ -1,6 +1,6 @@
 """The goodput ledger (jtrain/observe/goodput.py) on real in-process runs: one session's
 categories add up to its wall time, measured outside; a run that crashed, was stopped by
-SIGTERM and resumed accounts for its three sessions, its redone steps exactly (those
+SIGTERM and resumed accounts for its three sessions, its recomputed steps exactly (those
 after the checkpoint the next session resumed from) and its restart gaps."""
 
 import json
@@ -15,7 +15,7 @@ from jtrain.engine import loop as loop_lib
 from jtrain.observe import goodput
 
 TOTAL = 40
-NAMED = ("productive", "startup", "compile", "checkpoints", "eval", "data", "redone",
+NAMED = ("productive", "startup", "compile", "checkpoints", "eval", "data", "recomputed",
          "restart_gaps")
 
 
@@ -57,8 +57,8 @@ def test_one_session_adds_up(tmp_path):
     t1 = time.time()
     block = summary["goodput"]
     check_sums(block, t0, t1)
-    assert block["sessions"] == 1 and block["steps"] == {"computed": 20, "redone": 0}
-    assert block["seconds"]["redone"] == 0 and block["seconds"]["restart_gaps"] == 0
+    assert block["sessions"] == 1 and block["steps"] == {"computed": 20, "recomputed": 0}
+    assert block["seconds"]["recomputed"] == 0 and block["seconds"]["restart_gaps"] == 0
     lines = (tmp_path / "run" / goodput.FILE).read_bytes().split(b"\n")[:-1]
     assert [len(x) + 1 for x in lines] == [goodput.WIDTH]
     record = json.loads(lines[0])
@@ -71,7 +71,7 @@ class Crash(Exception):
 
 def test_crash_term_resume_accounts_every_session(tmp_path, monkeypatch):
     """Session 1 crashes right after dispatching step 15 (checkpoint 10: steps 11-15 are
-    redone), session 2 resumes at 10 and is stopped by SIGTERM after 15 more steps (step
+    recomputed), session 2 resumes at 10 and is stopped by SIGTERM after 15 more steps (step
     25, saved), session 3 finishes; a fourth call finds it finished and leaves the ledger."""
     workdir = tmp_path / "run"
     t0 = time.time()
@@ -92,21 +92,21 @@ def test_crash_term_resume_accounts_every_session(tmp_path, monkeypatch):
         stopped = train(workdir).summary
     assert stopped["stopped_by"] == "SIGTERM" and stopped["step"] == 25
     assert stopped["goodput"]["sessions"] == 2
-    assert stopped["goodput"]["steps"] == {"computed": 30, "redone": 5}
+    assert stopped["goodput"]["steps"] == {"computed": 30, "recomputed": 5}
     done = train(workdir).summary
     t1 = time.time()
     block = done["goodput"]
     check_sums(block, t0, t1)
     assert block["sessions"] == 3
-    assert block["steps"] == {"computed": 45, "redone": 5}  # 15 + 15 + 15; 11-15 twice
+    assert block["steps"] == {"computed": 45, "recomputed": 5}  # 15 + 15 + 15; 11-15 twice
     s = block["seconds"]
-    assert s["restart_gaps"] >= 0.3 and s["redone"] > 0
+    assert s["restart_gaps"] >= 0.3 and s["recomputed"] > 0
     records = [json.loads(x) for x in (workdir / goodput.FILE).read_bytes().split(b"\n")[:-1]]
     assert [(r["first_step"], r["step"], r["done"]) for r in records] == [
         (0, 15, False), (10, 25, True), (25, 40, True)]
     # The crashed session's steps 11-15: its step seconds after its save at step 10.
     first = records[0]
-    assert s["redone"] == pytest.approx(first["steps"] - dict(first["saves"])[10], abs=2e-3)
+    assert s["recomputed"] == pytest.approx(first["steps"] - dict(first["saves"])[10], abs=2e-3)
     again = train(workdir).summary
     assert again["goodput"] == block  # the stored summary; the ledger is unchanged
     assert len((workdir / goodput.FILE).read_bytes()) == 3 * goodput.WIDTH
