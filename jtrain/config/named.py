@@ -28,3 +28,21 @@ def load_named(path: str, key: str, error: type = DataError):
             raise error(key, f"{module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     return obj
+
+
+def call_factory(section: str, factory, path: str, kwargs: dict, shown: dict):
+    """`factory(**kwargs)` named by `<section>.factory` = `path`: what it raises as the
+    config's error, one line (a TypeError: `<section>.kwargs`; anything else:
+    `<section>.factory`); `shown`: the kwargs as the config gave them (the line's)."""
+    from jtrain.errors import ConfigError
+
+    try:
+        return factory(**kwargs)
+    except ConfigError:
+        raise
+    except TypeError as e:  # wrong keyword arguments: the config's fault
+        raise ConfigError(f"{section}.kwargs", f"{path}(**{shown}) raised TypeError: {e}"
+                          ) from None
+    except Exception as e:  # noqa: BLE001 - the user's factory: its first line
+        raise ConfigError(f"{section}.factory", f"{path}(**{shown}) raised "
+                                                f"{type(e).__name__}: {first_line(e)}") from None

@@ -47,18 +47,12 @@ _BUILT_IN_ONLY = (
 def load(step_cfg) -> step_lib.Step:
     """`step.factory(**step.kwargs)`: a jtrain.step.Step (a ConfigError naming the key
     when it cannot be loaded, raises, or returns something else)."""
-    from jtrain.config.named import load_named
+    from jtrain.config.named import call_factory, load_named
 
     factory = load_named(step_cfg.factory, "step.factory", ConfigError)
     kwargs = dict(step_cfg.kwargs)
+    made = call_factory("step", factory, step_cfg.factory, kwargs, kwargs)
     call = f"{step_cfg.factory}(**{kwargs})"
-    try:
-        made = factory(**kwargs)
-    except TypeError as e:
-        raise ConfigError("step.kwargs", f"{call} raised TypeError: {e}") from None
-    except Exception as e:  # noqa: BLE001 - the user's factory: its first line
-        raise ConfigError("step.factory", f"{call} raised {type(e).__name__}: "
-                                          f"{first_line(e)}") from None
     if not isinstance(made, step_lib.Step):
         raise ConfigError("step.factory", f"{call} returned {type(made).__name__}, not a "
                                           "jtrain.step.Step(init=..., update=..., evaluate=...)")
@@ -219,17 +213,29 @@ def _fresh(user_state, *, policy, rng):
         halted_at=jnp.asarray(0, jnp.int32), lr_factor=jnp.asarray(1.0, jnp.float32))
 
 
+def _bits(x) -> np.ndarray:
+    """A trace constant as numpy (a PRNG key as its key data)."""
+    if jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+        return np.asarray(jax.random.key_data(x))
+    return np.asarray(x)
+
+
 def _init(step, example, rng, policy, shardings, mesh):
-    """The fresh state in its shardings; `init` run twice must agree (a pure function of
-    rng and example), else a ModelError before the first step."""
+    """The fresh state in its shardings; `init` traced twice must give the same program
+    and constants (a pure function of rng and example: a numpy or Python draw becomes a
+    different constant in each trace), else a ModelError before the first step. Nothing
+    runs twice."""
     def create():
         user = nn.unbox(step.init(jax.random.fold_in(rng, 0), example))
         return _fresh(user, policy=policy, rng=rng)
 
-    with jax.set_mesh(mesh):  # two traces (two functions): numpy or Python draws differ
-        first = jax.jit(lambda: create(), out_shardings=shardings)()
-        again = jax.jit(lambda: create(), out_shardings=shardings)()
-    if state_lib.state_sha256(first) != state_lib.state_sha256(again):
+    with jax.set_mesh(mesh):
+        traces = [jax.make_jaxpr(lambda: create())() for _ in range(2)]
+        first = jax.jit(create, out_shardings=shardings)()
+    a, b = traces
+    if str(a.jaxpr) != str(b.jaxpr) or len(a.consts) != len(b.consts) or not all(
+            np.array_equal(_bits(x), _bits(y)) for x, y in zip(a.consts, b.consts,
+                                                                strict=True)):
         raise ModelError(f"step {name_of(step)}", "init(rng, example) gave different "
                          "states for the same rng: make it a pure function of its "
                          "arguments (draw randomness from rng, not numpy or Python)")

@@ -132,10 +132,20 @@ def from_linen(module: nn.Module) -> ModelFns:
         return {k: nn.unbox(v) for k, v in variables_of(rng, inputs).items()
                 if k not in _NOT_STATE}
 
+    shapes: dict = {}  # the state's shapes per input shape: traced once, not per call
+
+    def default_state(inputs):
+        """Zeros of the state's shapes (a call with plain params: shape checks only)."""
+        key = (str(jax.tree.structure(inputs)),
+               tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(inputs)))
+        if key not in shapes:
+            shapes[key] = jax.eval_shape(state_init, jax.random.key(0), inputs)
+        return _zeros(shapes[key])
+
     def apply(params, inputs, rng=None, train=False, mutable=False):
         params, state = split_variables(params)
         if state is None:
-            state = _zeros(jax.eval_shape(state_init, jax.random.key(0), inputs))
+            state = default_state(inputs)
         rngs = {"dropout": rng} if (train and rng is not None) else {}
         kwargs = _mode_kwargs(module.__call__, train)
         if mutable:

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import inspect
 
-from jtrain.errors import ConfigError, first_line
+from jtrain.errors import ConfigError
 
 
 def build(model_cfg, *, dtype, param_dtype):
-    from jtrain.config.named import load_named
+    from jtrain.config.named import call_factory, load_named
 
     factory = load_named(model_cfg.factory, "model.factory", ConfigError)
     kwargs = dict(model_cfg.kwargs)
@@ -28,17 +28,8 @@ def build(model_cfg, *, dtype, param_dtype):
     for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
         if name in accepted and name not in kwargs:
             kwargs[name] = value
-    try:
-        model = factory(**kwargs)
-    except ConfigError:
-        raise
-    except TypeError as e:  # wrong keyword arguments: the config's fault
-        raise ConfigError("model.kwargs", f"{model_cfg.factory}(**{dict(model_cfg.kwargs)})"
-                                          f" raised TypeError: {e}") from None
-    except Exception as e:  # noqa: BLE001 - the user's factory: its first line
-        raise ConfigError("model.factory", f"{model_cfg.factory}(**{dict(model_cfg.kwargs)})"
-                                           f" raised {type(e).__name__}: {first_line(e)}"
-                          ) from None
+    model = call_factory("model", factory, model_cfg.factory, kwargs, dict(model_cfg.kwargs))
+
     from jtrain.models.adapters import model_kind_error
 
     why = model_kind_error(model)
