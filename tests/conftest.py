@@ -71,20 +71,29 @@ def _marked(item) -> bool:
 # these start first and the short files fill in around them; a long group handed out last
 # would leave the other worker idle at the end. Groups not named keep their file order.
 SLOW_GROUPS = (
-    "multidevice",
     "tests/recipes/test_recipes.py",
     "tests/journeys/test_doc_examples.py",
+    "multidevice",
     "tests/multihost/test_launch_runs.py",
     "tests/checkpoint/test_resume_chaos.py",
+    "tests/journeys/test_own_step_recipes.py",
     "tests/tune/test_tune_journey.py",
+    "tests/journeys/test_own_step_journey.py",
     "tests/checkpoint/test_elastic_resume.py",
     "tests/journeys/test_journeys.py",
-    "tests/control/test_watchdog.py",
     "tests/bench/test_peers.py",
+    "tests/control/test_run_control_journey.py",
     "tests/journeys/test_papercuts_user.py",
+    "tests/control/test_watchdog.py",
     "tests/observe/test_startup.py",
-    "tests/journeys/test_optimizers_journey.py",
     "tests/multihost/test_launchers.py",
+    "tests/checkpoint/test_resume.py",
+    "tests/observe/test_run_records.py",
+    "tests/cli/test_every_form.py",
+    "tests/engine/test_train_e2e.py",
+    "tests/models/test_lora.py",
+    "tests/journeys/test_optimizers_journey.py",
+    "tests/journeys/test_ema_journey.py",
     "tests/bench/test_scaling_bench.py",
 )
 

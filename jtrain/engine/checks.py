@@ -111,7 +111,7 @@ def check_model_and_loss(apply_fn, loss_fn, abstract_params, examples: dict, *,
     first eval) and returns something, and a `loss_fn` takes (outputs, batch) and returns
     a scalar mean or (loss_sum, weight_sum), each optionally with a dict of named terms.
     A one-line DataError naming the split, the shapes and the fix."""
-    seen = None
+    seen, traced = None, {}  # a split whose inputs match one traced already: its outputs
     for name, example in examples.items():
         batch = example_batch(example)
         try:
@@ -120,10 +120,20 @@ def check_model_and_loss(apply_fn, loss_fn, abstract_params, examples: dict, *,
             raise ConfigError("data.model_inputs", f"{name}: {e.args[0]}") from None
         shapes = describe_inputs(inputs)
         note = f" (train_data's inputs: {seen})" if seen not in (None, shapes) else ""
-        outputs = traced_outputs(apply_fn, abstract_params, inputs, name, model, note)
+        key = _signature(inputs)
+        if key not in traced:
+            traced[key] = traced_outputs(apply_fn, abstract_params, inputs, name, model, note)
+        outputs = traced[key]
         seen = seen or shapes
         if loss_fn is not None:
             _check_loss(loss_fn, outputs, batch, name)
+
+
+def _signature(tree) -> tuple:
+    """A pytree of arrays or ShapeDtypeStructs by its structure, shapes and dtypes: equal
+    signatures trace the same."""
+    return (jax.tree.structure(tree),
+            tuple((tuple(x.shape), np.dtype(x.dtype)) for x in jax.tree.leaves(tree)))
 
 
 def _check_loss(loss_fn, outputs, batch, name: str) -> None:
