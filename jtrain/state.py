@@ -88,7 +88,7 @@ def make_abstract_state(model_fns, tx, policy, sample_inputs, mesh, seed: int, *
     with jax.set_mesh(mesh):
         abstract_params, param_shardings = model_fns.abstract_and_shardings(
             rng, sample_inputs, mesh, auto_shard_min_bytes=auto_shard_min_bytes)
-        model_state = _no_empty(jax.eval_shape(model_fns.state_init, rng, sample_inputs))
+        model_state = _no_empty(model_fns.abstract_state(rng, sample_inputs))
     abstract = jax.eval_shape(lambda p, m: _fresh_state(p, tx, policy, rng, ema, m),
                               abstract_params, model_state)
     repl = NamedSharding(mesh, P())

@@ -80,6 +80,8 @@ class ModelFns:
     # (rng, inputs) -> the model's state beyond parameters ({} when it has none)
     state_init: Callable[[jax.Array, Any], Any] = lambda rng, inputs: {}
     existing_state: Any = None  # NNX instance: its current state (BatchNorm statistics)
+    # Linen: (rng, inputs) -> (annotated abstract params, abstract state), one trace for both
+    abstract_variables: Callable[[jax.Array, Any], tuple[Any, Any]] | None = None
 
     def abstract_and_shardings(self, rng, inputs, mesh, *,
                                auto_shard_min_bytes: int | None = None):
@@ -101,7 +103,15 @@ class ModelFns:
         variables): what mesh.logical_to_shardings and mesh.sharding_conflicts read."""
         if self.kind == "nnx":
             return self.nnx_graph.template
+        if self.abstract_variables is not None:
+            return self.abstract_variables(rng, inputs)[0]
         return jax.eval_shape(self.init, rng, inputs)
+
+    def abstract_state(self, rng, inputs):
+        """The shapes of `state_init(rng, inputs)` (nothing allocated)."""
+        if self.abstract_variables is not None:
+            return self.abstract_variables(rng, inputs)[1]
+        return jax.eval_shape(self.state_init, rng, inputs)
 
 
 def _mode_kwargs(fn: Callable, train: bool) -> dict:
@@ -132,6 +142,14 @@ def from_linen(module: nn.Module) -> ModelFns:
         return {k: nn.unbox(v) for k, v in variables_of(rng, inputs).items()
                 if k not in _NOT_STATE}
 
+    def abstract_variables(rng, inputs):
+        """The abstract params (boxed) and state of one trace of init (JAX keeps the trace
+        of `variables_of` per argument shapes: the parameter shardings, the abstract state
+        and a call with plain params all reuse it)."""
+        variables = jax.eval_shape(variables_of, rng, inputs)
+        return variables["params"], {k: nn.unbox(v) for k, v in variables.items()
+                                     if k not in _NOT_STATE}
+
     shapes: dict = {}  # the state's shapes per input shape: traced once, not per call
 
     def default_state(inputs):
@@ -139,7 +157,7 @@ def from_linen(module: nn.Module) -> ModelFns:
         key = (str(jax.tree.structure(inputs)),
                tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(inputs)))
         if key not in shapes:
-            shapes[key] = jax.eval_shape(state_init, jax.random.key(0), inputs)
+            shapes[key] = abstract_variables(jax.random.key(0), inputs)[1]
         return _zeros(shapes[key])
 
     def apply(params, inputs, rng=None, train=False, mutable=False):
@@ -154,7 +172,8 @@ def from_linen(module: nn.Module) -> ModelFns:
             return out, {**state, **changed}
         return module.apply({"params": params, **state}, inputs, rngs=rngs, **kwargs)
 
-    return ModelFns(init=init, apply=apply, kind="linen", state_init=state_init)
+    return ModelFns(init=init, apply=apply, kind="linen", state_init=state_init,
+                    abstract_variables=abstract_variables)
 
 
 def _zeros(abstract):
