@@ -57,9 +57,25 @@ def pytest_configure(config):
     from journey import trust_key_file
 
     trust_key_file()  # before xdist starts its workers: they and every subprocess share it
+    _bytecode_once()
     config.addinivalue_line(
         "markers", f"multidevice: needs {MULTIDEVICE_COUNT} fake CPU devices; runs in the "
         "suite's multidevice child process (see tests/conftest.py)")
+
+
+def _bytecode_once() -> None:
+    """Compile jtrain's modules to bytecode once, before the workers start. An editable
+    install has no .pyc files, and where PYTHONDONTWRITEBYTECODE is set Python never writes
+    them: every one of the suite's hundreds of Python launches would compile jtrain's
+    sources again. A user's installed wheel (or a first import without that variable)
+    leaves them in place, so this makes the launches what they are for a user."""
+    if CHILD_REPORTS or hasattr(_CONFIG[-1], "workerinput"):
+        return
+    import compileall
+
+    import jtrain
+
+    compileall.compile_dir(os.path.dirname(jtrain.__file__), quiet=1)
 
 
 def _marked(item) -> bool:
