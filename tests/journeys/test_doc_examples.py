@@ -52,7 +52,7 @@ def kind(marker: str | None) -> str:
     return "tested" if head == "readme-commands" else head
 
 
-def tested_path(marker: str) -> Path:
+def _tested_path(marker: str) -> Path:
     return REPO / marker.split(":", 1)[1].split()[0]
 
 
@@ -131,7 +131,7 @@ def test_every_code_block_runs_or_says_why_not(page):
         if kind(marker) == "not run":
             assert len(marker.split(":", 1)[1].split()) >= 2, (_name(page), i, marker)
         if kind(marker) == "tested":
-            test = tested_path(marker)
+            test = _tested_path(marker)
             assert test.is_file(), (_name(page), marker)
             source, longest = test.read_text(), max(body.splitlines(), key=len).strip()
             assert page.name in source or longest in source, \
