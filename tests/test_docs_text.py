@@ -161,7 +161,8 @@ def test_the_readme_lists_every_command_and_each_module_form():
     listed = re.search(r"`jtrain ((?:\w+ \| )+\w+)` are also `python -m jtrain CMD`", text)
     assert listed, "README.md lost its list of commands"
     assert sorted(listed.group(1).split(" | ")) == sorted(COMMANDS)
-    modules = {c.prog.split()[-1] for c in COMMANDS.values() if c.prog.startswith("python -m jtrain.")}
+    modules = {c.prog.split()[-1] for c in COMMANDS.values()
+               if c.prog.startswith("python -m jtrain.")}
     named = set(re.findall(r"`(?:python -m )?(jtrain\.\w+)`", text.split("are also", 1)[1]
                            .split("every form starts", 1)[0]))
     assert named == modules, (named, modules)
