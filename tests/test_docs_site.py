@@ -37,6 +37,8 @@ def test_the_site_builds_strictly_with_every_page(tmp_path):
                  "jtrain.optim.make_optimizer", "jtrain.config.resolve"):
         assert f'id="{name}"' in api, name
     assert "Resumes from the newest checkpoint" in api  # train()'s docstring, rendered
+    gpus = (tmp_path / "site" / "guide" / "gpus-and-clusters" / "index.html").read_text()
+    assert "Not run by the test suite: needs an NVIDIA GPU" in gpus  # the marker, shown
 
 
 def nav_pages(nav) -> list[str]:
