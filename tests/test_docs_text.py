@@ -178,3 +178,11 @@ def test_the_benchmarking_guide_names_every_benchmark():
     opening = (GUIDE / "benchmarking.md").read_text().split("\n\n")[1]
     for name in bench.commands():
         assert f"`{name}`" in opening, name
+
+
+def test_every_test_file_the_docs_name_exists():
+    """A test named in prose or code (`tests/journeys/test_notebook.py`) is a file of the
+    suite: a renamed or removed test cannot leave the docs pointing at nothing."""
+    for page in _doc_pages():
+        for path in set(re.findall(r"\btests/[\w/.-]+\.py\b", page.read_text())):
+            assert (REPO / path).is_file(), f"{page.relative_to(REPO)} names {path}"
