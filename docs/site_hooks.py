@@ -1,7 +1,9 @@
 """MkDocs hook (mkdocs.yml `hooks:`): links from a page to repository files outside docs/
 (`../README.md`, `../../configs/base.py`) work on GitHub but have no page on the site.
 On the site they become the file's name in code; a link to a file that does not exist
-is a warning, which `mkdocs build --strict` turns into an error, as for any broken link."""
+is a warning, which `mkdocs build --strict` turns into an error, as for any broken link.
+A code block's `<!-- not run: REASON -->` marker (tests/journeys/test_doc_examples.py)
+is shown on the site as a line above the block, so the reader sees why it is not run."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import re
 
 log = logging.getLogger("mkdocs.plugins.jtrain")
 _LINK = re.compile(r"(?<!!)\[([^\]\n]+)\]\(([^)\s]+)\)")
+_NOT_RUN = re.compile(r"^<!-- not run: (.*?) -->$", re.M)
 _FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
 
 
@@ -36,6 +39,7 @@ def on_page_markdown(markdown, page, config, files):
     page_dir = os.path.dirname(os.path.join(docs_dir, page.file.src_path))
 
     def rewrite(chunk: str) -> str:
+        chunk = _NOT_RUN.sub(lambda m: f"*Not run by the test suite: {m.group(1)}.*\n", chunk)
         return _LINK.sub(lambda m: _outside(m, page_dir, docs_dir, repo, page.file.src_path),
                          chunk)
 

@@ -150,3 +150,39 @@ def test_design_names_the_state_fields():
     listed = re.search(r"of arrays: (.*?)\(None unless", " ".join(rule.split())).group(1)
     names = [n.strip(" ,") for n in listed.split(",")]
     assert names == [f.name for f in dataclasses.fields(TrainState)]
+
+
+def test_the_readme_lists_every_command_and_each_module_form():
+    """README's "The commands, end to end": the `jtrain A | B | ...` list is exactly the
+    dispatcher's commands, and the module forms named are exactly those that exist."""
+    from jtrain.cli import COMMANDS
+
+    text = " ".join((REPO / "README.md").read_text().split())
+    listed = re.search(r"`jtrain ((?:\w+ \| )+\w+)` are also `python -m jtrain CMD`", text)
+    assert listed, "README.md lost its list of commands"
+    assert sorted(listed.group(1).split(" | ")) == sorted(COMMANDS)
+    modules = {c.prog.split()[-1] for c in COMMANDS.values()
+               if c.prog.startswith("python -m jtrain.")}
+    named = set(re.findall(r"`(?:python -m )?(jtrain\.\w+)`", text.split("are also", 1)[1]
+                           .split("every form starts", 1)[0]))
+    assert named == modules, (named, modules)
+    for name in COMMANDS:
+        if not COMMANDS[name].prog.startswith("python -m jtrain."):
+            assert f"all but {name}" in text, name
+
+
+def test_the_benchmarking_guide_names_every_benchmark():
+    """docs/guide/benchmarking.md's opening paragraph names each `jtrain bench` command."""
+    from jtrain.cli import bench
+
+    opening = (GUIDE / "benchmarking.md").read_text().split("\n\n")[1]
+    for name in bench.commands():
+        assert f"`{name}`" in opening, name
+
+
+def test_every_test_file_the_docs_name_exists():
+    """A test named in prose or code (`tests/journeys/test_notebook.py`) is a file of the
+    suite: a renamed or removed test cannot leave the docs pointing at nothing."""
+    for page in _doc_pages():
+        for path in set(re.findall(r"\btests/[\w/.-]+\.py\b", page.read_text())):
+            assert (REPO / path).is_file(), f"{page.relative_to(REPO)} names {path}"

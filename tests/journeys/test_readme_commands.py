@@ -112,3 +112,13 @@ def test_readme_commands_as_typed(tmp_path):
     assert "initialized from exports/debug" in tuned.stderr, tuned.stderr[-3000:]
     assert json.loads(tuned.stdout.strip().splitlines()[-1])["step"] == TOTAL
     assert not os.path.exists(tmp_path / "runs/ft/checkpoints.damaged")
+
+
+def test_the_getting_started_first_run_is_the_readme_blocks_first_line():
+    """docs/guide/getting-started.md's first run is the command this test's journey runs
+    first (the README block's first line, without its comment)."""
+    first = shlex.join(readme_commands()[0])
+    page = (REPO / "docs" / "guide" / "getting-started.md").read_text()
+    block = re.search(r"<!-- tested: tests/journeys/test_readme_commands.py -->\n```bash\n(.*?)```",
+                      page, re.S)
+    assert block and block.group(1).strip() == first, (first, block and block.group(1))
