@@ -1,4 +1,5 @@
-"""Fault injection for `--verify_resume` and the tests (never set it by hand).
+"""Faults on purpose: `debug.faults`, the user's (below), and JTRAIN_FAULT, for
+`--verify_resume` and the tests (never set it by hand).
 
 JTRAIN_FAULT=`step:N` SIGKILLs this process right after its N-th step was dispatched,
 `eval:N` shortly after its N-th evaluation began, `save:N` while its N-th checkpoint is
@@ -34,6 +35,7 @@ import time
 
 from jtrain.config.rules import Fault, parse_faults
 from jtrain.errors import ConfigError
+from jtrain.observe import layout
 
 FAULT_ENV = "JTRAIN_FAULT"
 FAULT_PROCESS_ENV = "JTRAIN_FAULT_PROCESS"
@@ -66,12 +68,10 @@ class _Plan:
             return
         line = json.dumps({"fault": fault.text, "process": self.process, "step": step,
                            "time": round(time.time(), 3)}) + "\n"
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
-        try:
-            os.write(fd, line.encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with layout.open_append(self.path) as f:  # never through a link
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 _plan = _Plan([], None, 0)

@@ -97,12 +97,11 @@ class _Session:
 
 
 def run_loop(cfg, run: Run):
-    """Returns (state, session); `train()` turns them into a TrainResult. The state goes
-    through the functions below, each returning it (a drain may roll it back)."""
+    """(state, session), which `train()` turns into a TrainResult; the state goes through
+    the functions below, each returning it (a drain may roll it back, a fault poison it)."""
     state, total = run.state, cfg.total_steps
-    start = int(jax.device_get(state.step))
+    step = start = int(jax.device_get(state.step))
     session = _start(cfg, run, start)
-    step = start
     for step in range(start + 1, total + 1 if not session.stopped_by else start + 1):
         first = step == start + 1  # it compiles: timed, with its own allowance
         batch, timing = _next_batch(cfg, run, session, step, first)

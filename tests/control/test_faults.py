@@ -71,6 +71,38 @@ def test_a_hang_for_good_needs_the_watchdog():
     faults.arm_plan(jtrain.resolve({"model": {"name": "mlp"}}), None)  # disarmed again
 
 
+def test_step_faults_fire_by_step_and_process_once_per_workdir(tmp_path, monkeypatch):
+    """slow, hang and kill at their global steps on their processes (sleeps and signals
+    recorded, not made); armed again from the same workdir, none fires twice."""
+    cfg = jtrain.resolve({"model": {"name": "mlp"}, "total_steps": 10, "debug": {
+        "faults": "slow@2-3:p0:0.5s,hang@4:2s,kill@5:p1,kill@6"}})
+    acted = []
+    monkeypatch.setattr(faults.time, "sleep", lambda s: acted.append(("sleep", s)))
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: acted.append(("kill", sig)))
+
+    def steps(process):
+        faults.arm_plan(cfg, str(tmp_path), process, 2)
+        done = []
+        for step in range(1, 8):
+            acted.clear()
+            faults.fault_point("step", step=step)
+            done += [(step, *a) for a in acted]
+        return done
+
+    try:
+        assert steps(0) == [(2, "sleep", 0.5), (3, "sleep", 0.5), (4, "sleep", 2.0),
+                            (6, "kill", faults.signal.SIGKILL)]
+        assert steps(1) == [(4, "sleep", 2.0), (5, "kill", faults.signal.SIGKILL),
+                            (6, "kill", faults.signal.SIGKILL)]
+        assert steps(0) == steps(1) == []  # every one fired already in this workdir
+    finally:
+        faults.arm_plan(jtrain.resolve({"model": {"name": "mlp"}}), None)
+    fired = [json.loads(x) for x in (tmp_path / faults.FILE).read_text().splitlines()]
+    assert [(f["fault"], f["process"], f["step"]) for f in fired] == [
+        ("slow@2-3:p0:0.5s", 0, 2), ("hang@4:2s", 0, 4), ("kill@6", 0, 6),
+        ("hang@4:2s", 1, 4), ("kill@5:p1", 1, 5), ("kill@6", 1, 6)]
+
+
 def _train(workdir, policy: str):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(192, 8)).astype(np.float32)
