@@ -294,6 +294,7 @@ class Checkpointer:
                                      f"{step}{integrity.TMP_MARK}*"))
         if len(tmp) != 1:
             raise CheckpointError(f"cannot find the temporary directory of step {step}")
+        faults.tear(step, tmp[0])  # debug.faults torn_ckpt: a crash mid-write
         integrity.write_manifest(tmp[0], step, spec)
 
     def _raise_background_error(self, fn):

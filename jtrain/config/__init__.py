@@ -43,7 +43,7 @@ from jtrain.config.schema import (ACTIVATIONS, DTYPES, INT_MAX, METRIC_NAMES,  #
 from jtrain.config import schema_population, space as space_lib
 from jtrain.config.rules import (  # noqa: F401  (config.check_mesh, config.check_optim)
     _check_checkpoint, _check_early_stop, _check_regexes, check_mesh, check_optim,
-    check_train_metrics)
+    check_train_metrics, parse_faults)
 from jtrain.errors import ConfigError  # noqa: F401  (jtrain.config.ConfigError)
 
 
@@ -280,6 +280,7 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
     _check_early_stop(tree["early_stop"])
     schema_population.check(tree)
     check_train_metrics(tree["log"]["train_metrics"])
+    parse_faults(tree["debug"]["faults"], tree["total_steps"])
     if tree["eval"]["weights"] != "params" and not optim["ema"]["decay"]:
         raise ConfigError("eval.weights", f"{tree['eval']['weights']!r} evaluates the "
                           "weight EMA: set optim.ema.decay > 0 (e.g. 0.999)")

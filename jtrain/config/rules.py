@@ -5,6 +5,7 @@ optimizer (with the run's total_steps), early stopping, checkpoints, regex lists
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 from jtrain.errors import ConfigError
 
@@ -113,3 +114,86 @@ def _check_checkpoint(ckpt: dict) -> None:
         raise ConfigError("checkpoint.monitor", "required when checkpoint.keep_top_k > 0")
     if ckpt["init_from_opt"] and not ckpt["init_from"]:
         raise ConfigError("checkpoint.init_from_opt", "set checkpoint.init_from too")
+
+
+# debug.faults: the kinds, and what each takes besides its step (jtrain.control.faults).
+FAULT_KINDS = ("kill", "hang", "slow", "nan", "torn_ckpt", "writer_fail")
+_FAULT_TAKES = {"kill": "p", "hang": "ps", "slow": "psr", "nan": "", "torn_ckpt": "",
+                "writer_fail": ""}  # p: a process, s: seconds, r: a step range
+_FAULT_SYNTAX = "KIND@STEP[-STEP][:pI][:SECONDSs], comma-separated"
+
+
+class Fault(NamedTuple):
+    """One injected fault of debug.faults. `text`: as written (its identity in
+    WORKDIR/faults.jsonl); `first`..`last`: its steps; `process`: None = every
+    process; `seconds`: a slow step's extra time, a hang's length (None: for good)."""
+    text: str
+    kind: str
+    first: int
+    last: int
+    process: int | None
+    seconds: float | None
+
+
+def parse_faults(text: str, total_steps: int | None = None) -> list[Fault]:
+    """debug.faults -> its faults, or a ConfigError naming the key and the fault."""
+    out: list[Fault] = []
+    for item in (s.strip() for s in str(text or "").split(",")):
+        if not item:
+            continue
+        fault = _parse_fault(item)
+        if fault.text in {f.text for f in out}:
+            raise ConfigError("debug.faults", f"{item!r} is given twice")
+        if total_steps is not None and fault.first > total_steps:
+            raise ConfigError("debug.faults", f"{item!r}: step {fault.first} is after "
+                              f"total_steps={total_steps}; it would never fire")
+        out.append(fault)
+    return out
+
+
+def _parse_fault(item: str) -> Fault:
+    def bad(why: str) -> ConfigError:
+        return ConfigError("debug.faults", f"{item!r}: {why} (syntax: {_FAULT_SYNTAX})")
+
+    head, *options = item.split(":")
+    kind, at, steps = head.partition("@")
+    if kind == "lost_local":
+        raise ConfigError("debug.faults", f"{item!r}: losing a local-tier checkpoint needs "
+                          "the local checkpoint tier, which is not implemented yet")
+    if kind not in _FAULT_TAKES:
+        raise bad(f"unknown kind {kind!r}; kinds: {', '.join(FAULT_KINDS)}")
+    takes = _FAULT_TAKES[kind]
+    first_s, dash, last_s = steps.partition("-")
+    if not at or not first_s.isdigit() or (dash and not last_s.isdigit()):
+        raise bad("expected a step number after '@'")
+    first, last = int(first_s), int(last_s or first_s)
+    if dash and "r" not in takes:
+        raise bad(f"{kind} takes one step, not a range")
+    if first < 1 or last < first:
+        raise bad("steps start at 1 and a range goes up")
+    process = seconds = None
+    for option in options:
+        if option[:1] == "p" and option[1:].isdigit() and process is None:
+            if "p" not in takes:
+                raise bad(f"{kind} takes no process: " + (
+                    "the loss is the same on every process" if kind == "nan" else
+                    "process 0 does it (it writes the checkpoint's commit and the metrics)"))
+            process = int(option[1:])
+        elif option.endswith("s") and seconds is None and _number(option[:-1]) is not None:
+            if "s" not in takes:
+                raise bad(f"{kind} takes no seconds")
+            seconds = _number(option[:-1])
+        else:
+            raise bad(f"cannot read {option!r}: a process is pI (p0, p1, ...), a length "
+                      "is seconds with an s (0.5s)")
+    if kind == "slow" and seconds is None:
+        raise bad("a slow fault needs its seconds per step (slow@5-9:0.2s)")
+    return Fault(item, kind, first, last, process, seconds)
+
+
+def _number(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if value >= 0 and value == value and value != float("inf") else None

@@ -154,10 +154,15 @@ CONTROL_SECTIONS: dict[str, Any] = {
                         "can vary); > 1: no pruning, one worker per study; 1 = one run "
                         "per trial"),
     }),
-    # Run forensics (WORKDIR/hashes.jsonl, read by `jtrain diff` and `jtrain replay`).
+    # Run forensics (WORKDIR/hashes.jsonl, read by `jtrain diff` and `jtrain replay`) and
+    # faults injected on purpose (debug.faults).
     "debug": _resume_safe({  # read by jtrain.observe.hashes (the loop records)
         "hash_every_steps": F(int, 0, (0, INF), "every N steps, record an exact digest of "
                               "the whole train state and the step's example indices in "
                               "WORKDIR/hashes.jsonl (jtrain diff, jtrain replay); 0 = off"),
+        # read by jtrain.control.faults; the syntax in docs/guide/run-control.md
+        "faults": F(str, "", None, "faults injected on purpose, each fired once per run "
+                    "(WORKDIR/faults.jsonl): 'kill@7,nan@12,hang@20:p1,slow@5-9:p0:0.2s,"
+                    "torn_ckpt@10,writer_fail@15'; '' = none"),
     }),
 }

@@ -3,7 +3,7 @@
     signals   SIGTERM / SIGINT -> stop after the current step, on every process (Stopper)
     record    the run-control record every checkpoint carries (RunControl)
     changes   config diffs on resume and which keys need checkpoint.allow_changes
-    faults    test-only fault injection for --verify_resume (JTRAIN_FAULT)
+    faults    faults on purpose (debug.faults, once per run) and the test-only JTRAIN_FAULT
     watchdog  a step, eval or save past watchdog.timeout_s -> stacks dumped, exit 5 (Watchdog)
     monitors  early stopping, plateau, loss-spike and best-value trackers, JSON state
     divergence  the divergence warning (log.divergence_warning): once, JSON state

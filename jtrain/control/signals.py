@@ -126,7 +126,7 @@ class Stopper:
 
     def should_stop(self, step: int) -> bool:
         """True when the run must stop after `step`; the same on every process."""
-        fault_point("step")
+        fault_point("step", step=step)  # test-only plans and debug.faults
         if not self._multi:
             return self.signal_name is not None
         from jax.experimental import multihost_utils

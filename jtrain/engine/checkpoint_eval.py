@@ -7,8 +7,9 @@ itself is `jtrain.engine.evaluation` (shared with training; its names are re-exp
                               [--weights=params|ema|both]
 
 writes WORKDIR/eval_<step>.json (every metric, the confusion matrix for classification)
-and PNGs beside it: eval_<step>_curves.png (training curves from metrics.jsonl) and
-eval_<step>_confusion.png. `best` is the best checkpoint by checkpoint.monitor /
+and PNGs beside it: eval_<step>_curves.png (training curves from metrics.jsonl),
+eval_<step>_confusion.png and goodput.png (goodput.jsonl: each session's seconds by
+category). `best` is the best checkpoint by checkpoint.monitor /
 checkpoint.mode as logged in metrics.jsonl, ties going to the newer step (the rule
 checkpoint retention uses: jtrain.checkpoint.policy.best_steps). `--weights=ema` scores the
 weight EMA (a run with optim.ema.decay > 0), its metrics named eval/ema/<name>; `both` the
@@ -176,6 +177,16 @@ def _json_number(v: float):
     return v if math.isfinite(v) else str(v)
 
 
+def goodput_sessions(workdir: str) -> list[dict]:
+    """The run's sessions from goodput.jsonl (observe.goodput.sessions); [] without it."""
+    from jtrain.observe import goodput
+
+    if not os.path.exists(os.path.join(workdir, goodput.FILE)):
+        return []
+    records = goodput.read(workdir)
+    return goodput.sessions(records) if records else []
+
+
 def write_report(workdir: str, report: dict, result: Evaluation, *, plots: bool = True
                  ) -> list[str]:
     """eval_<step>.json and the PNGs; returns the file names written."""
@@ -196,6 +207,10 @@ def write_report(workdir: str, report: dict, result: Evaluation, *, plots: bool 
                                        os.path.join(workdir, name),
                                        title=f"confusion matrix, step {step} ({report['data']})")
             files.append(name)
+        sessions = goodput_sessions(workdir)
+        if sessions:
+            plots_lib.goodput_bars(sessions, os.path.join(workdir, "goodput.png"))
+            files.append("goodput.png")
     report = dict(report, files=files)
     layout.write_file(os.path.join(workdir, files[0]), json.dumps(report, indent=2))
     return files

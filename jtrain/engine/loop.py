@@ -39,7 +39,7 @@ from jtrain import control as control_lib
 from jtrain import state as state_lib
 from jtrain import step as step_lib
 from jtrain.control import decide as decide_lib
-from jtrain.control.faults import fault_point, perturb
+from jtrain.control.faults import before_step, fault_point, perturb
 from jtrain.data import RunData
 from jtrain.data.prefetch import DevicePrefetch
 from jtrain.engine import evaluation as evaluator
@@ -97,15 +97,15 @@ class _Session:
 
 
 def run_loop(cfg, run: Run):
-    """Returns (state, session); `train()` turns them into a TrainResult. The state goes
-    through the functions below, each returning it (a drain may roll it back)."""
+    """(state, session), which `train()` turns into a TrainResult; the state goes through
+    the functions below, each returning it (a drain may roll it back, a fault poison it)."""
     state, total = run.state, cfg.total_steps
-    start = int(jax.device_get(state.step))
+    step = start = int(jax.device_get(state.step))
     session = _start(cfg, run, start)
-    step = start
     for step in range(start + 1, total + 1 if not session.stopped_by else start + 1):
         first = step == start + 1  # it compiles: timed, with its own allowance
         batch, timing = _next_batch(cfg, run, session, step, first)
+        state = before_step(step, state, run.out.writer)  # debug.faults: nan, writer_fail
         with _compiling(run.startup, first):
             state, metrics = run.build.train_step(state, batch)
             if first:
@@ -212,7 +212,7 @@ def _dispatched(cfg, run: Run, session: _Session, state, step: int, metrics, tim
         run.out.perf.set_first(su.breakdown())
     else:
         run.out.perf.step_done(step, waited, time.perf_counter() - t1)
-    state = perturb(step, state)  # test-only (JTRAIN_FAULT=noise:N): a no-op
+    state = perturb(step, state)  # JTRAIN_FAULT=noise:N, debug.faults nan; else a no-op
     session.hashes.dispatch(step, state)  # on the devices, fetched when drained
     _report_recompiles(run, step)
     if run.out.profiler.after_step(step, metrics):

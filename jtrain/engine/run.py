@@ -31,6 +31,7 @@ from jtrain import precision as precision_lib
 from jtrain import state as state_lib
 from jtrain import step as step_lib
 from jtrain.control import decide as decide_lib
+from jtrain.control import faults as faults_lib
 from jtrain.control import ledger as ledger_lib
 from jtrain.control import watchdog as watchdog_lib
 from jtrain.engine import loop as loop_lib
@@ -122,6 +123,7 @@ def train_and_evaluate(config, workdir, given: _Given | None = None, *, on_eval=
     # (jtrain.control.signals); one that came during the CLI's imports is taken over.
     with control_lib.Stopper(cfg.checkpoint.grace_seconds) as stopper, startup.recorder:
         config_lib.validate(cfg, num_devices=jax.device_count())
+        faults_lib.arm_plan(cfg, workdir, jax.process_index(), jax.process_count())
         if jax.process_index() == 0:  # a writer that cannot start: one line, no step run
             writers_lib.check(workdir, cfg.log)
         # Every process: the same config hash, device count and jtrain version.

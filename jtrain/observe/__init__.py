@@ -14,7 +14,7 @@
     hashes    hashes.jsonl (debug.hash_every_steps): exact on-device state digests and
               each recorded step's example indices, for jtrain diff / replay
     perf      steps/s, tokens/s, MFU, data wait, compile time; the profiler
-    plots     PNG plots for `python -m jtrain.evaluate`
+    plots     PNG plots for `python -m jtrain.evaluate` (curves, confusion, goodput.png)
     startup   time to first step split into phases, in the header and summary.json
     compiles  the persistent compilation cache; every compile counted, recompiles named
     goodput   every second of a run over its sessions (goodput.jsonl): productive,

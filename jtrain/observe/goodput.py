@@ -86,11 +86,7 @@ class Ledger:
         size = os.fstat(self._file.fileno()).st_size
         self._at = size - size % WIDTH  # a torn last line (a crash mid-append) is replaced
         self._file.seek(0)
-        for line in self._file.read(self._at).split(b"\n"):
-            with contextlib.suppress(ValueError):
-                record = json.loads(line)
-                if isinstance(record, dict) and "start" in record:
-                    self._previous.append(record)
+        self._previous = _records(self._file.read(self._at))
 
     # -- the marks the loop sets ------------------------------------------------------
 
@@ -198,37 +194,70 @@ def _steps_at(record: dict, step: int) -> float:
     return record["steps"]
 
 
-def block(records: list[dict]) -> dict:
-    """summary.json's "goodput": seconds per category over the sessions (in order), the
-    steps kept and recomputed, the fraction; `other` is what no category holds."""
-    seconds = dict.fromkeys(("productive", "startup", "compile", "checkpoints", "eval",
-                             "data", "recomputed", "restart_gaps", "other"), 0.0)
-    phases: dict[str, float] = {}
-    recomputed_steps = steps = 0
+SESSION_KEYS = ("productive", "startup", "compile", "checkpoints", "eval", "data",
+                "recomputed", "restart_gaps", "other")
+
+
+def sessions(records: list[dict]) -> list[dict]:
+    """Each session's seconds by category (SESSION_KEYS; `restart_gaps`: the gap before
+    it), with its steps computed and recomputed (those a later session computed again)."""
+    rows = []
     for i, r in enumerate(records):
+        row = dict.fromkeys(SESSION_KEYS, 0.0)
         for c in ("startup", "compile", "checkpoints", "eval", "data", "other"):
-            seconds[c] += r[c]
-        for p, s in r["phases"].items():
-            phases[p] = phases.get(p, 0.0) + s
-        recomputed = 0.0
+            row[c] = r[c]
+        recomputed, recomputed_steps = 0.0, 0
         later = [q["first_step"] for q in records[i + 1:]]
         if later and r["step"] > min(later):  # a later session computed these again
             kept = max(min(later), r["first_step"])
-            recomputed_steps += r["step"] - kept
+            recomputed_steps = r["step"] - kept
             recomputed = r["steps"] - _steps_at(r, kept)
-        steps += r["step"] - r["first_step"]
-        seconds["recomputed"] += recomputed
-        seconds["productive"] += r["steps"] - recomputed
+        row["recomputed"] = recomputed
+        row["productive"] = r["steps"] - recomputed
         if i:
-            seconds["restart_gaps"] += max(r["start"] - records[i - 1]["end"], 0.0)
+            row["restart_gaps"] = max(r["start"] - records[i - 1]["end"], 0.0)
+        rows.append({"seconds": row, "computed": r["step"] - r["first_step"],
+                     "recomputed": recomputed_steps})
+    return rows
+
+
+def block(records: list[dict]) -> dict:
+    """summary.json's "goodput": seconds per category over the sessions (in order), the
+    steps kept and recomputed, the fraction; `other` is what no category holds."""
+    seconds = dict.fromkeys(SESSION_KEYS, 0.0)
+    phases: dict[str, float] = {}
+    for r in records:
+        for p, s in r["phases"].items():
+            phases[p] = phases.get(p, 0.0) + s
+    rows = sessions(records)
+    for row in rows:
+        for k, v in row["seconds"].items():
+            seconds[k] += v
     total = records[-1]["end"] - records[0]["start"]
     seconds["other"] += total - sum(seconds.values())  # clock residue; 0 up to rounding
     return {"fraction": round(seconds["productive"] / total, 4) if total > 0 else 0.0,
             "total_sec": round(total, 3), "sessions": len(records),
             "seconds": {k: round(v, 3) for k, v in seconds.items()},
             "startup_phases": {k: round(v, 3) for k, v in phases.items()},
-            "steps": {"computed": steps, "recomputed": recomputed_steps},
+            "steps": {"computed": sum(r["computed"] for r in rows),
+                      "recomputed": sum(r["recomputed"] for r in rows)},
             "start": records[0]["start"], "end": records[-1]["end"]}
+
+
+def read(workdir: str) -> list[dict]:
+    """The session records of WORKDIR/goodput.jsonl, in order (a torn line skipped)."""
+    with open(os.path.join(workdir, FILE), "rb") as f:
+        return _records(f.read())
+
+
+def _records(data: bytes) -> list[dict]:
+    out = []
+    for line in data.split(b"\n"):
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict) and "start" in record:
+                out.append(record)
+    return out
 
 
 def _sec(s: float) -> str:

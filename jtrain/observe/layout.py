@@ -99,6 +99,12 @@ RUN = (
      'per category (startup, steps, compile, checkpoints, eval, data, other), the start-up '
      'phases, the step seconds at each save; summary.json\'s "goodput" adds them up over the '
      'sessions'),
+    ('faults.jsonl', 'faults.jsonl',
+     'with debug.faults: one line per injected fault that fired {"fault", "process", "step", '
+     '"time"}, written before it acts; a fault listed here never fires again in this run'),
+    ('goodput.png', 'goodput.png',
+     'from jtrain evaluate: goodput.jsonl drawn, one stacked bar of seconds by category per '
+     'session (its numbers also in the PNG\'s "goodput" text field)'),
     ('tb/', 'tb',
      'TensorBoard event files (tensorboard --logdir WORKDIR/tb)'),
     ('checkpoints/N/', 'checkpoints',

@@ -1,10 +1,13 @@
-"""PNG plots for `python -m jtrain.evaluate`: training curves and a confusion matrix;
-and a population run's population.png (every member's curves, their mean, the winner).
+"""PNG plots for `python -m jtrain.evaluate`: training curves, a confusion matrix and
+goodput.png (where the run's time went, per session); and a population run's
+population.png (every member's curves, their mean, the winner).
 
 matplotlib with the Agg backend (no display needed), imported only when plotting.
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 
@@ -149,3 +152,34 @@ def population_curves(records: list[dict], path: str, size: int,
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return True
+
+
+def goodput_bars(rows: list[dict], path: str) -> dict:
+    """goodput.png: one stacked bar per session of its seconds by category
+    (`observe.goodput.sessions(records)`; the restart gap before a session is part of
+    its bar). The numbers drawn go into the PNG's "goodput" text field as JSON (what a
+    reader or a test checks against goodput.jsonl); returned as well."""
+    from jtrain.observe import goodput
+
+    drawn = {"sessions": [{k: round(r["seconds"][k], 6) for k in goodput.SESSION_KEYS}
+                          for r in rows]}
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(2.0 + 0.9 * len(rows), 4.5), constrained_layout=True)
+    colors = plt.get_cmap("tab10")
+    bottom = np.zeros(len(rows))
+    x = np.arange(1, len(rows) + 1)
+    for i, key in enumerate(goodput.SESSION_KEYS):
+        values = np.array([s[key] for s in drawn["sessions"]], dtype=np.float64)
+        if not values.any():
+            continue
+        ax.bar(x, values, bottom=bottom, color=colors(i), label=key.replace("_", " "))
+        bottom += np.clip(values, 0, None)
+    total = sum(map(sum, (s.values() for s in drawn["sessions"])))
+    productive = sum(s["productive"] for s in drawn["sessions"])
+    ax.set(xlabel="session", ylabel="seconds", xticks=x,
+           title=f"goodput {100 * productive / total if total > 0 else 0:.1f}% of "
+                 f"{total:.1f} s")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.savefig(path, dpi=80, metadata={"goodput": json.dumps(drawn)})
+    plt.close(fig)
+    return drawn

@@ -324,6 +324,12 @@ class MetricWriter:
             return
         self._queue.put(("text", (int(step), time.time(), redact_text(key), redact_text(text))))
 
+    def fail(self, error: Exception) -> None:
+        """The first backend fails with `error` at its next write, in the writer thread
+        (debug.faults writer_fail): the caller hears of it as of any backend's failure."""
+        if self._accepting():
+            self._queue.put(("fail", error))
+
     def run_ids(self) -> dict:
         """Run ids of the tracking backends, to store in checkpoints for resuming."""
         return dict(self._ids)
@@ -376,6 +382,9 @@ class MetricWriter:
             if op == "flush":
                 self._call_all("flush", ())
                 args.set()
+            elif op == "fail":
+                self._failed.add(self._backends[0].name)
+                self._error = self._error or (self._backends[0].name, args)
             elif op == "close":
                 self._call_all("flush", ())
                 self._call_all("close", ())

@@ -1,5 +1,6 @@
 """The hang watchdog: a phase past its deadline ends the process with exit code 5, one
-line and the stacks of all threads; beats in time keep it quiet; the `hang:N` fault."""
+line and the stacks of all threads; beats in time keep it quiet; the `hang:N` fault and
+debug.faults' hang and kill (one flag for every process, `:p1` picks the process)."""
 
 from __future__ import annotations
 
@@ -142,9 +143,9 @@ def _copy_configs(tmp_path):
 
 def test_cli_step_that_hangs_exits_5_with_stacks(tmp_path):
     _copy_configs(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "jtrain.main", *TRAIN_ARGS], cwd=tmp_path,
-                          env=_env(JTRAIN_FAULT="hang:3"), capture_output=True, text=True,
-                          timeout=300, check=False)
+    proc = subprocess.run([sys.executable, "-m", "jtrain.main", *TRAIN_ARGS,
+                           "--config.debug.faults=hang@3"], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 5, proc.stderr[-3000:]
     assert HANG_LINE in proc.stderr.splitlines()
     stacks = proc.stderr.split(HANG_LINE, 1)[1]
@@ -160,17 +161,17 @@ def _free_port():
 
 
 def test_two_processes_one_hangs_both_exit(tmp_path):
-    """Process 1 sleeps at its 3rd step: its watchdog ends it with 5 and tells the peers;
-    process 0, blocked in the next collective, exits 5 too; neither waits out the 3600 s
-    sleep."""
+    """Process 1 stops at step 3 for good (debug.faults hang@3:p1): its watchdog ends it
+    with 5 and tells the peers; process 0, blocked in the next collective, exits 5 too;
+    neither waits for the hang."""
     _copy_configs(tmp_path)
     env = _env(XLA_FLAGS="--xla_force_host_platform_device_count=1",
                JTRAIN_COORDINATOR=f"127.0.0.1:{_free_port()}", JTRAIN_NUM_PROCESSES="2")
     procs = [subprocess.Popen(
-        ["timeout", "-k", "5", "240", sys.executable, "-m", "jtrain.main", *TRAIN_ARGS],
+        ["timeout", "-k", "5", "240", sys.executable, "-m", "jtrain.main", *TRAIN_ARGS,
+         "--config.debug.faults=hang@3:p1"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**env, "JTRAIN_PROCESS_ID": str(i), **({"JTRAIN_FAULT": "hang:3"} if i else {})})
-        for i in range(2)]
+        env={**env, "JTRAIN_PROCESS_ID": str(i)}) for i in range(2)]
     outs = [p.communicate()[1] for p in procs]
     assert procs[1].returncode == 5, outs[1][-3000:]
     assert HANG_LINE in outs[1].splitlines() and "fault_point" in outs[1]
@@ -182,7 +183,7 @@ def test_two_processes_one_hangs_both_exit(tmp_path):
 
 
 def test_two_processes_one_dies_the_other_exits_5_with_one_line(tmp_path):
-    """Process 1 is SIGKILLed after its 3rd step: process 0's next collective fails, or
+    """Process 1 is SIGKILLed after step 3 (kill@3:p1): process 0's next collective fails, or
     its peer monitor finds process 1 silent (distributed.heartbeat_timeout_s); it names
     the peer in one line and exits 5 at once (without waiting at jax.distributed's
     shutdown for the dead peer), well before JAX's own abort."""
@@ -190,12 +191,11 @@ def test_two_processes_one_dies_the_other_exits_5_with_one_line(tmp_path):
     env = _env(XLA_FLAGS="--xla_force_host_platform_device_count=1",
                JTRAIN_COORDINATOR=f"127.0.0.1:{_free_port()}", JTRAIN_NUM_PROCESSES="2")
     args = [*TRAIN_ARGS, "--config.watchdog.timeout_s=0",  # the peer checks alone
-            "--config.distributed.heartbeat_timeout_s=3"]
+            "--config.distributed.heartbeat_timeout_s=3", "--config.debug.faults=kill@3:p1"]
     procs = [subprocess.Popen(
         ["timeout", "-k", "5", "240", sys.executable, "-m", "jtrain.main", *args],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**env, "JTRAIN_PROCESS_ID": str(i), **({"JTRAIN_FAULT": "step:3"} if i else {})})
-        for i in range(2)]
+        env={**env, "JTRAIN_PROCESS_ID": str(i)}) for i in range(2)]
     outs = [p.communicate()[1] for p in procs]
     assert procs[1].returncode == -9
     assert procs[0].returncode == 5, outs[0][-3000:]

@@ -202,7 +202,7 @@ def test_evaluate_cli_writes_json_and_pngs(classification_run, capsys):
                         rel_tol=1e-6)
     assert math.isclose(report["metrics"]["eval/accuracy"], np.trace(cm) / 150, rel_tol=1e-9)
     assert set(report["files"]) == {f"eval_{best}.json", f"eval_{best}_curves.png",
-                                    f"eval_{best}_confusion.png"}
+                                    f"eval_{best}_confusion.png", "goodput.png"}
     for name in report["files"][1:]:
         assert (workdir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
