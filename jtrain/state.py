@@ -200,28 +200,11 @@ def init_state(model_fns, tx, policy, sample_inputs, mesh, seed: int, shardings
     (with the weight EMA when `shardings` has one: make_abstract_state(..., ema=True)).
 
     Examples:
-        A loop of your own from the public pieces (what `jtrain.build` assembles):
-
         ```python
-        import jax
-        import numpy as np
-        import jtrain
-        from jtrain import losses
-
-        cfg = jtrain.resolve({"total_steps": 10, "optim": {"lr": 1e-2}})
-        mesh = jtrain.make_mesh(cfg.mesh)
-        model_fns = jtrain.to_model_fns(Net, mesh)          # Net: an nnx.Module class
-        policy = jtrain.make_policy(cfg.model)
-        tx, schedule = jtrain.make_optimizer(cfg.optim, cfg.total_steps)
-        inputs = jax.ShapeDtypeStruct((8, 4), np.float32)   # one global batch of inputs
         abstract, shardings = jtrain.make_abstract_state(model_fns, tx, policy, inputs,
                                                          mesh, seed=0)
         state = jtrain.init_state(model_fns, tx, policy, inputs, mesh, 0, shardings)
-        train_step = jax.jit(jtrain.make_train_step(model_fns.apply, losses.default_loss,
-                                                    tx, schedule))
-        batch = jtrain.host_to_device({"inputs": x, "targets": y}, mesh)  # numpy [8, ...]
-        state, metrics = train_step(state, batch)
-        print(int(state.step), float(metrics["train/loss"]))
+        print(jtrain.state_sha256(state))   # the same for the same seed, on any run
         ```
     """
     ema, stateful = shardings.ema is not None, shardings.model_state is not None
