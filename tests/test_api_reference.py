@@ -20,7 +20,7 @@ PAGE = REPO / "docs" / "reference" / "api.md"
 # keeps an `__all__` of its public names.
 PUBLIC_MODULES = ("jtrain", "jtrain.step", "jtrain.state", "jtrain.losses", "jtrain.data",
                   "jtrain.errors", "jtrain.checkpoint", "jtrain.evaluate", "jtrain.diff",
-                  "jtrain.replay", "jtrain.export")
+                  "jtrain.replay", "jtrain.export", "jtrain.metrics")
 
 
 def entries(text: str) -> list[str]:
@@ -80,8 +80,11 @@ def problems(path: str, obj, doc: str) -> list[str]:
     examples = doc.split("Examples:", 1)[1] if "Examples:" in doc else ""
     if "```" not in examples and ">>>" not in examples:
         found.append(f"{path}: no example (an `Examples:` section with code)")
-    listed = re.findall(r"^    (\w+):", doc.split("Attributes:", 1)[1], re.M) \
-        if "Attributes:" in doc else []
+    listed = []  # a subclass may leave its base's fields to the base's entry
+    for cls in (obj.__mro__ if inspect.isclass(obj) else ()):
+        text = doc if cls is obj else (inspect.getdoc(cls) or "")
+        if "Attributes:" in text:
+            listed += re.findall(r"^    (\w+):", text.split("Attributes:", 1)[1], re.M)
     missing = [f for f in fields(obj) if f not in listed]
     if missing:
         found.append(f"{path}: fields not in its `Attributes:` section: {missing}")
