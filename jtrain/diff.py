@@ -10,9 +10,19 @@ if __name__ == "__main__":
 
 from jtrain.engine.diff import diff_runs, lines  # noqa: E402,F401
 
+__all__ = ["diff_runs", "main"]
+
 
 def main(argv=None) -> int:
-    """`jtrain diff ARGS` from Python: the exit code (after the one line of a failure)."""
+    """`jtrain diff ARGS` from Python: the exit code (after the one line of a failure).
+
+    Examples:
+        ```python
+        import jtrain.diff
+
+        code = jtrain.diff.main(["runs/a", "runs/b"])  # = jtrain diff runs/a runs/b
+        ```
+    """
     import sys
 
     from jtrain import cli

@@ -19,6 +19,10 @@ from __future__ import annotations
 
 import errno
 
+__all__ = ["CheckpointError", "ConfigError", "DataError", "DiskFullError", "EvaluateError",
+           "ExportError", "HangError", "JtrainError", "ModelError", "NonFiniteError",
+           "PeerError", "RestoreError", "UsageError", "WorkdirError", "exit_code", "render"]
+
 # What each exit code means, for every command (docs/reference/exit_codes.md).
 EXIT_CODES = {
     0: "done, stopped early (early stopping, `on_eval`), or stopped by SIGTERM / SIGINT "
@@ -53,7 +57,20 @@ class JtrainError(Exception):
     `JtrainError(key, why)` names what to change (`e.key`, `e.why`);
     `JtrainError(message)` names nothing (`e.key` is None, `e.why` is the message).
     str(e) is `<key>: <why>` or the message. Keyword arguments are further fields for
-    the code that catches it (`RestoreError(..., changed_keys=[...], what=...)`)."""
+    the code that catches it (`RestoreError(..., changed_keys=[...], what=...)`).
+
+    Examples:
+        ```python
+        import jtrain
+        from jtrain.errors import JtrainError, render
+
+        try:
+            jtrain.train(config, "runs/a", train_data=data)
+        except JtrainError as e:          # every error of jtrain's, with its fields
+            print(render(e))              # jtrain: <kind> error: <key>: <why>
+            raise SystemExit(e.exit_code)
+        ```
+    """
 
     kind = "jtrain"
     exit_code = 1
@@ -75,7 +92,23 @@ def message(key: str | None, why: str) -> str:
 
 class ConfigError(JtrainError, ValueError):
     """A bad config key or value (`ConfigError(dotted.key, why)`), found before any
-    training."""
+    training.
+
+    Examples:
+        ```python
+        import jtrain
+        from jtrain.errors import ConfigError, render
+
+        try:
+            jtrain.train({"optim": {"lr": -1.0}}, "runs/a")
+        except ConfigError as e:
+            print(e.key, e.why)  # optim.lr must be >= 0.0, got -1.0
+
+        e = ConfigError("optim.lr", "must be >= 0.0, got -1.0")
+        print(render(e))      # jtrain: config error: optim.lr: must be >= 0.0, got -1.0
+        print(e.exit_code)    # 2 (the exit status of the command)
+        ```
+    """
 
     kind, exit_code = "config", 2
 
@@ -84,26 +117,66 @@ class ConfigError(JtrainError, ValueError):
 
 
 class DataError(JtrainError, ValueError):
-    """Bad input data: names the dataset and the item or field."""
+    """Bad input data: names the dataset and the item or field.
+
+    Examples:
+        ```python
+        from jtrain.errors import DataError, render
+
+        e = DataError("train_data", "item 7: targets is a str")
+        print(render(e))      # jtrain: data error: train_data: item 7: targets is a str
+        print(e.exit_code)    # 2 (the exit status of the command)
+        ```
+    """
 
     kind, exit_code = "data", 2
 
 
 class ModelError(JtrainError, ValueError):
     """A model or step of the user's that jtrain cannot train as it is: names it and
-    what to change."""
+    what to change.
+
+    Examples:
+        ```python
+        from jtrain.errors import ModelError, render
+
+        e = ModelError("model", "Net takes no inputs argument")
+        print(render(e))      # jtrain: model error: model: Net takes no inputs argument
+        print(e.exit_code)    # 2 (the exit status of the command)
+        ```
+    """
 
     kind, exit_code = "model", 2
 
 
 class UsageError(JtrainError, ValueError):
-    """A bad command line: an unknown flag, a missing or malformed argument."""
+    """A bad command line: an unknown flag, a missing or malformed argument.
+
+    Examples:
+        ```python
+        from jtrain.errors import UsageError, render
+
+        e = UsageError("--step", "expected an integer, got 'last'")
+        print(render(e))      # jtrain: usage error: --step: expected an integer, got 'last'
+        print(e.exit_code)    # 2 (the exit status of the command)
+        ```
+    """
 
     kind, exit_code = "usage", 2
 
 
 class EvaluateError(JtrainError, ValueError):
-    """An evaluation that cannot be done as asked (no such step, no eval split)."""
+    """An evaluation that cannot be done as asked (no such step, no eval split).
+
+    Examples:
+        ```python
+        from jtrain.errors import EvaluateError, render
+
+        e = EvaluateError("--step", "no checkpoint at step 500")
+        print(render(e))      # jtrain: evaluate error: --step: no checkpoint at step 500
+        print(e.exit_code)    # 2 (the exit status of the command)
+        ```
+    """
 
     kind, exit_code = "evaluate", 2
 
@@ -112,26 +185,66 @@ class WorkdirError(JtrainError):
     """The workdir (or an output directory) cannot hold a run: a file, a read-only file
     system, no permission; found before anything is written. Or a run opened by evaluate,
     replay or report whose config.json names code the user has not trusted (`jtrain
-    trust RUN`), found before anything it names is imported."""
+    trust RUN`), found before anything it names is imported.
+
+    Examples:
+        ```python
+        from jtrain.errors import WorkdirError, render
+
+        e = WorkdirError("runs/a", "is a file; choose another --workdir")
+        print(render(e))      # jtrain: workdir error: runs/a: is a file; choose another --workdir
+        print(e.exit_code)    # 2 (the exit status of the command)
+        ```
+    """
 
     kind, exit_code = "workdir", 2
 
 
 class RestoreError(JtrainError):
     """A checkpoint that cannot be used as asked: damaged with `--strict_restore`,
-    another model, a changed config."""
+    another model, a changed config.
+
+    Examples:
+        ```python
+        from jtrain.errors import RestoreError, render
+
+        e = RestoreError("checkpoint", "another model (model.hidden)")
+        print(render(e))      # jtrain: restore error: checkpoint: another model (model.hidden)
+        print(e.exit_code)    # 3 (the exit status of the command)
+        ```
+    """
 
     kind, exit_code = "restore", 3
 
 
 class ExportError(JtrainError):
-    """An export that cannot be written or read."""
+    """An export that cannot be written or read.
+
+    Examples:
+        ```python
+        from jtrain.errors import ExportError, render
+
+        e = ExportError("export", "no checkpoint in runs/a")
+        print(render(e))      # jtrain: export error: export: no checkpoint in runs/a
+        print(e.exit_code)    # 3 (the exit status of the command)
+        ```
+    """
 
     kind, exit_code = "export", 3
 
 
 class CheckpointError(JtrainError):
-    """A checkpoint write that failed (possibly in the background)."""
+    """A checkpoint write that failed (possibly in the background).
+
+    Examples:
+        ```python
+        from jtrain.errors import CheckpointError, render
+
+        e = CheckpointError("checkpoint", "the write of step 200 failed")
+        print(render(e))      # jtrain: checkpoint error: checkpoint: the write of step 200 failed
+        print(e.exit_code)    # 3 (the exit status of the command)
+        ```
+    """
 
     kind, exit_code = "checkpoint", 3
 
@@ -139,27 +252,67 @@ class CheckpointError(JtrainError):
 class NonFiniteError(JtrainError):
     """Training halted on a non-finite loss or gradient (`nonfinite.policy=halt`, or
     `nonfinite.max_consecutive` skips in a row), or a run ended with more than
-    `nonfinite.max_skipped_share` of its updates skipped (checkpoints kept)."""
+    `nonfinite.max_skipped_share` of its updates skipped (checkpoints kept).
+
+    Examples:
+        ```python
+        from jtrain.errors import NonFiniteError, render
+
+        e = NonFiniteError("nonfinite.policy", "the loss is NaN at step 31")
+        print(render(e))  # jtrain: non-finite error: nonfinite.policy: the loss is NaN at step 31
+        print(e.exit_code)    # 4 (the exit status of the command)
+        ```
+    """
 
     kind, exit_code = "non-finite", 4
 
 
 class HangError(JtrainError):
     """A step, eval or save took longer than `watchdog.timeout_s`. The watchdog renders
-    it and exits the process itself (a stuck thread cannot raise)."""
+    it and exits the process itself (a stuck thread cannot raise).
+
+    Examples:
+        ```python
+        from jtrain.errors import HangError, render
+
+        e = HangError("watchdog.timeout_s", "step 12 took over 600 s")
+        print(render(e))      # jtrain: hang error: watchdog.timeout_s: step 12 took over 600 s
+        print(e.exit_code)    # 5 (the exit status of the command)
+        ```
+    """
 
     kind, exit_code = "hang", 5
 
 
 class PeerError(JtrainError):
-    """A collective with the other processes failed: a peer died or hung up."""
+    """A collective with the other processes failed: a peer died or hung up.
+
+    Examples:
+        ```python
+        from jtrain.errors import PeerError, render
+
+        e = PeerError("process 1 stopped answering")
+        print(render(e))      # jtrain: peer error: process 1 stopped answering
+        print(e.exit_code)    # 5 (the exit status of the command)
+        ```
+    """
 
     kind, exit_code = "peer", 5
 
 
 class DiskFullError(JtrainError):
     """No space left on the device (ENOSPC) while writing the run's files: free space,
-    rerun the same command to continue from the newest checkpoint."""
+    rerun the same command to continue from the newest checkpoint.
+
+    Examples:
+        ```python
+        from jtrain.errors import DiskFullError, render
+
+        e = DiskFullError("no space left on the device holding runs/a")
+        print(render(e))      # jtrain: disk error: no space left on the device holding runs/a
+        print(e.exit_code)    # 6 (the exit status of the command)
+        ```
+    """
 
     kind, exit_code = "disk", 6
 
@@ -210,13 +363,33 @@ def classify(e: BaseException, where: str = "", flag: str = "--workdir") -> Base
 
 
 def exit_code(e: BaseException) -> int:
+    """The exit status a command ends with for `e`: the error class's `exit_code`
+    (docs/reference/exit_codes.md), 1 for any other exception.
+
+    Examples:
+        ```python
+        from jtrain.errors import PeerError, exit_code
+
+        exit_code(PeerError("process 1 stopped answering"))   # 5
+        exit_code(ValueError("boom"))                         # 1
+        ```
+    """
     return e.exit_code if isinstance(e, JtrainError) else 1
 
 
 def render(e: BaseException, kind: str | None = None) -> str:
     """`jtrain: <kind> error: <key>: <why>` (a jtrain error, from its fields) or
     `jtrain: <kind> error: <first line>` (any other exception): what a person sees,
-    secrets masked."""
+    secrets masked.
+
+    Examples:
+        ```python
+        from jtrain.errors import ConfigError, render
+
+        render(ConfigError("optim.lr", "must be >= 0.0"))  # 'jtrain: config error: optim.lr: ...'
+        render(ValueError("boom"))                          # 'jtrain: internal error: boom'
+        ```
+    """
     from jtrain.observe.redact import redact_text
 
     if isinstance(e, JtrainError):

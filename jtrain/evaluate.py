@@ -14,9 +14,19 @@ from jtrain.engine.checkpoint_eval import (evaluate_checkpoint, read_jsonl,  # n
 from jtrain.engine.evaluation import (Evaluation, evaluate_weights, format_line,  # noqa: E402,F401
                                       headline, make_spec, run_eval)
 
+__all__ = ["evaluate_checkpoint", "main"]
+
 
 def main(argv=None) -> int:
-    """`jtrain evaluate ARGS` from Python: the exit code (after the one line of a failure)."""
+    """`jtrain evaluate ARGS` from Python: the exit code (after the one line of a failure).
+
+    Examples:
+        ```python
+        import jtrain.evaluate
+
+        code = jtrain.evaluate.main(["--workdir=runs/a", "--step=best"])
+        ```
+    """
     import sys
 
     from jtrain import cli

@@ -8,9 +8,19 @@ if __name__ == "__main__":
 
     _cli.module_main("export")
 
+__all__ = ["main"]
+
 
 def main(argv=None) -> int:
-    """`jtrain export ARGS` from Python: the exit code (after the one line of a failure)."""
+    """`jtrain export ARGS` from Python: the exit code (after the one line of a failure).
+
+    Examples:
+        ```python
+        import jtrain.export
+
+        code = jtrain.export.main(["--workdir=runs/a"])  # = jtrain export ...
+        ```
+    """
     import sys
 
     from jtrain import cli

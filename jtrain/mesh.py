@@ -109,6 +109,15 @@ def make_mesh(mesh_cfg=None, devices=None) -> Mesh:
 
     Auto, not jax.make_mesh's default Explicit: FSDP-style parameter sharding with
     sharding constraints fails under Explicit axes (see PITFALLS).
+
+    Examples:
+        ```python
+        import jtrain
+
+        mesh = jtrain.make_mesh()                  # every device on the data axis
+        mesh = jtrain.make_mesh({"fsdp": 2})       # data x 2-way fsdp (8 devices: 4 x 2)
+        print(dict(mesh.shape))
+        ```
     """
     devices = list(jax.devices() if devices is None else devices)
     shape = resolve_axis_sizes(sections.section("mesh", mesh_cfg), len(devices))
@@ -124,7 +133,14 @@ def make_mesh(mesh_cfg=None, devices=None) -> Mesh:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Leading (batch) dimension split over data x fsdp; everything else replicated."""
+    """Leading (batch) dimension split over data x fsdp; everything else replicated.
+
+    Examples:
+        ```python
+        mesh = jtrain.make_mesh()
+        x = jax.device_put(batch["inputs"], jtrain.batch_sharding(mesh))
+        ```
+    """
     return NamedSharding(mesh, P(BATCH_AXES))
 
 
@@ -327,7 +343,15 @@ def process_values(value: int) -> list[int]:
 
 def host_to_device(batch, mesh: Mesh):
     """THE host->device transfer: per-process numpy batch -> global arrays sharded on
-    the batch axis. Every process passes its own rows, in process order."""
+    the batch axis. Every process passes its own rows, in process order.
+
+    Examples:
+        ```python
+        mesh = jtrain.make_mesh()
+        batch = {"inputs": np.zeros((8, 4), np.float32), "targets": np.zeros(8, np.int32)}
+        on_devices = jtrain.host_to_device(batch, mesh)   # sharded on the batch axis
+        ```
+    """
     sharding = batch_sharding(mesh)
     if jax.process_count() == 1:  # the local batch is the global batch; ~2x cheaper
         return jax.device_put(batch, sharding)

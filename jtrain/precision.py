@@ -78,7 +78,16 @@ class Policy:
 
 def make_policy(model_cfg=None, platform: str | None = None) -> Policy:
     """`model.dtype="auto"` means bfloat16 compute on GPU/TPU and float32 on CPU.
-    `model_cfg`: the `model` section, whole or partial (`{"dtype": "bfloat16"}`)."""
+    `model_cfg`: the `model` section, whole or partial (`{"dtype": "bfloat16"}`).
+
+    Examples:
+        ```python
+        import jtrain
+
+        policy = jtrain.make_policy({"dtype": "bfloat16"})
+        print(policy.describe())    # params float32, compute bfloat16
+        ```
+    """
     model_cfg = sections.section("model", model_cfg)
     platform = platform or jax.default_backend()
     name = model_cfg.dtype

@@ -10,9 +10,19 @@ if __name__ == "__main__":
 
 from jtrain.engine.replay import read_run, replay  # noqa: E402,F401
 
+__all__ = ["replay", "main"]
+
 
 def main(argv=None) -> int:
-    """`jtrain replay ARGS` from Python: the exit code (after the one line of a failure)."""
+    """`jtrain replay ARGS` from Python: the exit code (after the one line of a failure).
+
+    Examples:
+        ```python
+        import jtrain.replay
+
+        code = jtrain.replay.main(["runs/a", "--step=150"])  # = jtrain replay runs/a --step=150
+        ```
+    """
     import sys
 
     from jtrain import cli

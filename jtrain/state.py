@@ -17,9 +17,37 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jtrain import mesh as mesh_lib
 from jtrain import precision
 
+__all__ = ["TrainState", "eval_params", "init_state", "make_abstract_state", "state_sha256"]
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainState:
+    """Everything a step changes, as one pytree: what a checkpoint saves, what
+    `state_sha256` hashes (params, optimizer state, EMA and model state), what
+    `jtrain.train` returns as `result.state`.
+
+    Attributes:
+        step: int32 [], batches consumed (skipped updates included).
+        params: the model's parameters (plain arrays); a step of your own: its whole state.
+        opt_state: the optax state.
+        rng: uint32 [2], raw key data; the step's key is `fold_in(rng, step)`.
+        loss_scale: `{"scale": f32 [], "good_steps": i32 []}`; scale 1 unless fp16.
+        skipped_steps: int32 [], updates skipped (non-finite, invalid batch).
+        consecutive_skips: int32 [], non-finite skips in a row.
+        halted_at: int32 [], the step `nonfinite.*` halted at; 0 while running.
+        lr_factor: float32 [], ReduceLROnPlateau's factor on the schedule.
+        ema: the parameters' moving average (`optim.ema`), None when off.
+        model_state: the model's state beyond parameters (BatchNorm statistics), or None.
+
+    Examples:
+        ```python
+        result = jtrain.train(config, "runs/a", model=Net, train_data=data)
+        state = result.state
+        print(int(state.step), int(state.skipped_steps), float(state.lr_factor))
+        params = jtrain.state.eval_params(state)       # the EMA's when eval.weights says so
+        state = state.replace(lr_factor=jnp.float32(0.5))
+        ```
+    """
     step: jax.Array  # int32 [], batches consumed (skipped updates included: skipped_steps)
     params: Any  # the model's parameters (plain arrays, no metadata boxes)
     opt_state: Any  # optax state
@@ -81,7 +109,33 @@ def make_abstract_state(model_fns, tx, policy, sample_inputs, mesh, seed: int, *
     "schema" = the schema's default; None = off; `jtrain.mesh.auto_dims`); optimizer
     state that mirrors a parameter gets that parameter's sharding (so FSDP shards
     Adam's moments too), and so does the weight EMA (`ema`: keep one); everything else
-    is replicated."""
+    is replicated.
+
+    Examples:
+        A loop of your own from the public pieces (what `jtrain.build` assembles):
+
+        ```python
+        import jax
+        import numpy as np
+        import jtrain
+        from jtrain import losses
+
+        cfg = jtrain.resolve({"total_steps": 10, "optim": {"lr": 1e-2}})
+        mesh = jtrain.make_mesh(cfg.mesh)
+        model_fns = jtrain.to_model_fns(Net, mesh)          # Net: an nnx.Module class
+        policy = jtrain.make_policy(cfg.model)
+        tx, schedule = jtrain.make_optimizer(cfg.optim, cfg.total_steps)
+        inputs = jax.ShapeDtypeStruct((8, 4), np.float32)   # one global batch of inputs
+        abstract, shardings = jtrain.make_abstract_state(model_fns, tx, policy, inputs,
+                                                         mesh, seed=0)
+        state = jtrain.init_state(model_fns, tx, policy, inputs, mesh, 0, shardings)
+        train_step = jax.jit(jtrain.make_train_step(model_fns.apply, losses.default_loss,
+                                                    tx, schedule))
+        batch = jtrain.host_to_device({"inputs": x, "targets": y}, mesh)  # numpy [8, ...]
+        state, metrics = train_step(state, batch)
+        print(int(state.step), float(metrics["train/loss"]))
+        ```
+    """
     rng = jax.random.key(seed)
     if auto_shard_min_bytes == "schema":
         auto_shard_min_bytes = mesh_lib.auto_shard_bytes()
@@ -143,7 +197,16 @@ def _fresh_state(params, tx, policy, rng, ema: bool = False, model_state=None):
 def init_state(model_fns, tx, policy, sample_inputs, mesh, seed: int, shardings
                ) -> TrainState:
     """A fresh TrainState, created directly in its shardings by one jitted function
-    (with the weight EMA when `shardings` has one: make_abstract_state(..., ema=True))."""
+    (with the weight EMA when `shardings` has one: make_abstract_state(..., ema=True)).
+
+    Examples:
+        ```python
+        abstract, shardings = jtrain.make_abstract_state(model_fns, tx, policy, inputs,
+                                                         mesh, seed=0)
+        state = jtrain.init_state(model_fns, tx, policy, inputs, mesh, 0, shardings)
+        print(jtrain.state_sha256(state))   # the same for the same seed, on any run
+        ```
+    """
     ema, stateful = shardings.ema is not None, shardings.model_state is not None
     rng = jax.random.key(seed)
     inputs = jax.tree.map(lambda s: jnp.zeros((1,) + tuple(s.shape[1:]), s.dtype),
@@ -172,7 +235,15 @@ def eval_params(state: TrainState, which: str = "params"):
     (the trained ones; for a schedule-free optimizer the average it defines for
     evaluation) or "ema" (the weight EMA, in the params' dtypes; a ValueError when the
     state has none: optim.ema.decay = 0), with the model's state when it keeps one
-    (`models.adapters.Variables`: BatchNorm's running statistics)."""
+    (`models.adapters.Variables`: BatchNorm's running statistics).
+
+    Examples:
+        ```python
+        result = jtrain.train(config, "runs/a", model=Net, train_data=data)
+        params = jtrain.state.eval_params(result.state)          # or which="ema"
+        logits = model_fns.apply(params, x)
+        ```
+    """
     params = _eval_params(state, which)
     if state.model_state is None:
         return params
@@ -206,7 +277,16 @@ def state_sha256(state: TrainState) -> str:
     """SHA-256 over params, optimizer state, the weight EMA and the model's state (when
     kept): leaf paths,
     dtypes, shapes and bytes in path order. The same on every process, and across runs
-    for identical state."""
+    for identical state.
+
+    Examples:
+        ```python
+        a = jtrain.train(config, "runs/a", model=Net, train_data=data)
+        b = jtrain.train(config, "runs/b", model=Net, train_data=data)
+        assert jtrain.state_sha256(a.state) == jtrain.state_sha256(b.state)
+        assert a.summary["state_sha256"] == jtrain.state_sha256(a.state)
+        ```
+    """
     tree = {"params": state.params, "opt_state": state.opt_state}
     if state.ema is not None:
         tree["ema"] = state.ema

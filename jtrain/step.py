@@ -27,6 +27,9 @@ from jtrain import optim
 from jtrain import precision
 from jtrain.state import TrainState, Variables, ema_rate_fn, ema_update
 
+__all__ = ["Context", "Step", "accumulated", "make_eval_step", "make_step_train",
+           "make_train_step", "optimizer_update"]
+
 
 def _split_microbatches(batch, k: int):
     """[B, ...] -> [k, B/k, ...] where microbatch j holds rows j, j+k, j+2k, ...
@@ -113,7 +116,15 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
     `train_metrics` (log.train_metrics, an EvalSpec): their metric states of this batch,
     from the training forward's outputs (through `predict_fn`, as eval does), merged
     exactly over microbatches, come back as `metrics[TRAIN_METRICS]`
-    (`train_metric_values` turns them into train/<name>)."""
+    (`train_metric_values` turns them into train/<name>).
+
+    Examples:
+        ```python
+        step = jax.jit(jtrain.make_train_step(model_fns.apply, losses.default_loss, tx,
+                                              schedule))  # the rest: make_abstract_state
+        state, metrics = step(state, jtrain.host_to_device(batch, mesh))
+        ```
+    """
 
     def loss_and_aux(params, batch, key, scale, model_state):
         inputs = inputs_of(batch, model_inputs)
@@ -188,7 +199,17 @@ def optimizer_update(tx: optax.GradientTransformation, grads, opt_state, params,
     factor: `context.lr_factor` in a step of your own) scaling the learning rate: passed
     to a schedule-free optimizer's update, multiplying the updates of any other. What the
     built-in update applies, and what a step of your own can call for each optimizer it
-    keeps."""
+    keeps.
+
+    Examples:
+        ```python
+        def update(state, batch, rng, context):       # a GAN's generator, say
+            grads = jax.grad(g_loss)(state["g"], state["d"], batch, rng)
+            g, g_opt = optimizer_update(tx_g, grads, state["g_opt"], state["g"],
+                                        context.lr_factor)
+            ...
+        ```
+    """
     if optim.takes_lr_factor(tx):  # schedule-free: the factor scales its base step
         updates, opt_state = tx.update(grads, opt_state, params, lr_factor=lr_factor)
     else:
@@ -243,7 +264,18 @@ def accumulated(value_and_grad: Callable, k: int, *, carry: bool = False) -> Cal
 
     With `carry`: `value_and_grad(params, batch, key, scale, c) -> ((value, (aux, c')),
     grads)` and the result is (aux, grads, c), the carry passed from each microbatch to
-    the next (a model's state: BatchNorm's statistics move once per microbatch)."""
+    the next (a model's state: BatchNorm's statistics move once per microbatch).
+
+    Examples:
+        ```python
+        def loss_and_aux(params, batch, key, scale):  # aux: sums, added up
+            loss_sum, weight = losses.default_loss(apply(params, batch["inputs"]), batch)
+            return loss_sum * scale, (loss_sum, weight)
+
+        grad_fn = accumulated(jax.value_and_grad(loss_and_aux, has_aux=True), 4)
+        (loss_sum, weight), grads = grad_fn(params, batch, key, 1.0)  # 4 microbatches
+        ```
+    """
 
     def one(params, batch, key, scale, c=None):
         if carry:
@@ -333,7 +365,15 @@ def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool,
     counts once per row, so batch means average weighted by their row counts. `predict_fn(outputs,
     batch) -> (predictions, targets[, weights])` is what the metrics compare.
     `forward(params, batch) -> outputs` replaces the model call (a step of your own: its
-    `evaluate(state, batch)`, given the batch without the engine's keys)."""
+    `evaluate(state, batch)`, given the batch without the engine's keys).
+
+    Examples:
+        ```python
+        ev = jax.jit(jtrain.make_eval_step(model_fns.apply, losses.default_loss,
+                                           user_loss=False))
+        sums = ev(state.params, batch)  # loss_sum / weight, correct / counted
+        ```
+    """
     device_metrics = (None if metrics is None
                       else metrics_lib.make_collection(metrics).partition()[0])
 
@@ -420,10 +460,20 @@ def metric_view(outputs, batch, predict_fn: Callable | None = None):
 
 @dataclasses.dataclass(frozen=True)
 class Context:
-    """What the engine decides and a step reads: `step`, the updates applied so far
-    (int32; a schedule's position), `lr_factor`, ReduceLROnPlateau's factor on the
-    learning rate (float32; 1 until a plateau lowers it), and `loss_scale`, fp16's
-    dynamic loss scale (float32; 1 otherwise)."""
+    """What the engine decides and a step of your own reads (`update`'s `context`).
+
+    Attributes:
+        step: int32 [], the updates applied so far (skipped ones not counted).
+        lr_factor: float32 [], ReduceLROnPlateau's factor on the learning rate.
+        loss_scale: float32 [], fp16's dynamic loss scale (1 otherwise).
+
+    Examples:
+        ```python
+        def update(state, batch, rng, context):
+            lr = 0.1 * context.lr_factor              # follows ReduceLROnPlateau
+            ...
+        ```
+    """
     step: jax.Array
     lr_factor: jax.Array
     loss_scale: Any = 1.0  # a float32 [] array inside the step
@@ -452,24 +502,39 @@ BUILT_IN_VIEW = View(get=lambda s: Updated(s.params, s.opt_state, s.ema, s.model
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """A training step of your own, as pure functions.
-
-    init(rng, example) -> state          any pytree of arrays: several models' params,
-                                         several optimizers' states, a frozen teacher,
-                                         a target network, counters
-    update(state, batch, rng, context) -> (state, metrics)
-                                         one update; the state keeps its structure and
-                                         dtypes; metrics: scalars, with "loss" among them.
-                                         The state may come back as a function () ->
-                                         state with a "grad_norm" metric: the engine
-                                         runs it only when the update is kept (the
-                                         built-in update applies optax that way)
-    evaluate(state, batch) -> outputs    optional: what jtrain's eval metrics and loss
-                                         score (needed when the run evaluates)
+    """A training step of your own, as pure functions (docs/guide/own-step.md).
 
     `example` is one training example (no batch axis); `batch` a global batch as the
     built-in step gets it; `rng` a fresh key per step (fold_in of the run's key and the
-    step). Metrics are logged as train/<name>."""
+    step). Metrics are logged as train/<name>.
+
+    Attributes:
+        init: `init(rng, example) -> state`, any pytree of arrays: several models'
+            params, several optimizers' states, a frozen teacher, a target network.
+        update: `update(state, batch, rng, context) -> (state, metrics)`, one update; the
+            state keeps its structure and dtypes; metrics: scalars, "loss" among them.
+            The state may come back as a function `() -> state` with a "grad_norm"
+            metric: the engine runs it only when the update is kept.
+        evaluate: `evaluate(state, batch) -> outputs`, what jtrain's eval metrics and
+            loss score (needed when the run evaluates), or None.
+        name: shown in the run's header.
+
+    Examples:
+        ```python
+        def init(rng, example):
+            return {"w": jnp.zeros(3)}
+
+        def update(state, batch, rng, context):
+            def loss(w):
+                return ((batch["inputs"] @ w - batch["targets"]) ** 2).mean()
+            value, grad = jax.value_and_grad(loss)(state["w"])
+            return {"w": state["w"] - 0.1 * context.lr_factor * grad}, {"loss": value}
+
+        step = Step(init=init, update=update, evaluate=lambda s, b: b["inputs"] @ s["w"])
+        result = jtrain.train({"total_steps": 100}, "runs/own", step=step,
+                              train_data=(x, y), eval_data=(x_eval, y_eval))
+        ```
+    """
     init: Callable[[jax.Array, Any], Any]
     update: Callable[[Any, Any, jax.Array, Context], tuple[Any, dict]]
     evaluate: Callable[[Any, Any], Any] | None = None
@@ -486,7 +551,14 @@ def make_step_train(step: Step, *, view: View = OWN_VIEW, halt_on_nonfinite: boo
     (the built-in), else every floating leaf of the new state (`guarded_update`:
     otherwise the state is as it was, `skipped_steps` counts it, `train/status` says
     why). Metrics come back as train/<name>; "tokens" (the examples of the batch when the
-    step returns none) feeds tokens/s."""
+    step returns none) feeds tokens/s.
+
+    Examples:
+        ```python
+        train_step = jax.jit(make_step_train(Step(init=init, update=update)))
+        state, metrics = train_step(state, batch)   # state.params: the step's state
+        ```
+    """
 
     def train_step(state: TrainState, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)

@@ -65,6 +65,22 @@ class _Unreadable(Exception):
 
 @dataclasses.dataclass
 class Start:
+    """What `Checkpointer.restore_or_init` starts a run from.
+
+    Attributes:
+        state: the TrainState, restored or fresh.
+        step: the checkpoint step resumed from; None for init_from or a fresh start.
+        data_state: the data iterator's position to set when resuming, else None.
+        source: "checkpoint", "init_from" or "fresh".
+        control: the run-control record the checkpoint carried (monitors, eval history).
+        origin: the header's start-up line: where the weights came from.
+
+    Examples:
+        ```python
+        start = ckpt.restore_or_init(b.state_abstract, b.init)
+        print(start.source, start.step, start.origin)   # e.g. checkpoint 200 resumed ...
+        ```
+    """
     state: Any
     step: int | None  # the checkpoint step resumed from; None for init_from / fresh
     data_state: dict | None  # the iterator position to set, if resuming
@@ -77,7 +93,21 @@ class Checkpointer:
     """Saves and restores a run's checkpoints in `WORKDIR/checkpoints`.
 
     `config` is the resolved run config (its `checkpoint` subtree is read here; the rest
-    is recorded and compared on resume). `data_info` describes the dataset."""
+    is recorded and compared on resume). `data_info` describes the dataset.
+
+    Examples:
+        ```python
+        from jtrain.checkpoint import Checkpointer
+
+        ckpt = Checkpointer("runs/a", cfg)               # cfg: jtrain.resolve(...)
+        start = ckpt.restore_or_init(b.state_abstract, b.init)
+        state = start.state
+        ...                                              # train
+        ckpt.save(step, state, data_state={})
+        ckpt.wait()                                      # the background write done
+        ckpt.close()
+        ```
+    """
 
     def __init__(self, workdir: str, config, data_info: dict | None = None):
         if not hasattr(config, "checkpoint"):
@@ -344,7 +374,18 @@ class Checkpointer:
 class CheckpointReader:
     """Read-only access to a run's checkpoints (`jtrain.evaluate`, tools): moves and
     deletes nothing, so it is safe while another process trains in the same workdir.
-    `path`: a workdir or its checkpoints/ directory."""
+    `path`: a workdir or its checkpoints/ directory.
+
+    Examples:
+        ```python
+        from jtrain.checkpoint import CheckpointReader
+
+        reader = CheckpointReader("runs/a")
+        print(reader.all_steps())                        # [100, 200]
+        state, data_state, control = reader.restore(200, b.state_abstract)
+        reader.close()
+        ```
+    """
 
     def __init__(self, path: str):
         path = os.path.abspath(path)
@@ -397,6 +438,13 @@ def _state_restore_args(abstract_state):
 
 
 def abstract_with_shardings(abstract_tree, shardings):
-    """ShapeDtypeStructs carrying the target shardings: what orbax restores into."""
+    """ShapeDtypeStructs carrying the target shardings: what orbax restores into.
+
+    Examples:
+        ```python
+        target = abstract_with_shardings(b.state_abstract, b.state_shardings)
+        # target's leaves: jax.ShapeDtypeStruct(shape, dtype, sharding=...)
+        ```
+    """
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         abstract_tree, shardings)

@@ -12,8 +12,10 @@ from jtrain import errors
 
 
 def _doc(cls) -> str:
-    """A class's docstring as one line (its paragraphs joined)."""
-    return " ".join(inspect.getdoc(cls).split())
+    """A class's docstring as one line: its paragraphs joined, up to its first section
+    (`Examples:`, shown on the API page)."""
+    text = inspect.getdoc(cls).split("\nExamples:")[0]
+    return " ".join(text.split())
 
 
 def rows() -> list[tuple[int, str, list[type]]]:

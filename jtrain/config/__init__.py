@@ -59,7 +59,18 @@ def _build(schema: dict) -> dict:
 
 
 def defaults(model: str = "transformer") -> ml_collections.ConfigDict:
-    """A complete config of defaults for a built-in model family."""
+    """A complete config of defaults for a built-in model family.
+
+    Examples:
+        ```python
+        import jtrain
+
+        cfg = jtrain.defaults("mlp")       # or "transformer"
+        cfg.total_steps = 200
+        cfg.model.hidden = (64, 64)
+        print(cfg.optim.name, cfg.data.batch_size)
+        ```
+    """
     _check_value("model.name", str, tuple(MODEL_FAMILIES), model)
     tree = _build(schema_for(model))
     tree["model"]["name"] = model
@@ -101,7 +112,18 @@ def resolve(config=None, *, data_settings=None) -> ml_collections.ConfigDict:
     `data_settings(data_cfg) -> {key: value}`: called once with the validated `data`
     section; what it returns overrides `data.*` in this same resolution (a torch
     DataLoader's batch size, shuffle, ... read by jtrain.data before anything else reads
-    the config)."""
+    the config).
+
+    Examples:
+        ```python
+        import jtrain
+
+        cfg = jtrain.resolve({"total_steps": 100, "optim": {"lr": 3e-4}})
+        print(cfg.optim.name, cfg.optim.lr)       # the rest are the defaults
+
+        jtrain.resolve({"optim": {"lr": -1.0}})    # raises jtrain.ConfigError naming optim.lr
+        ```
+    """
     user = schema_population.nest_vary(space_lib.nest_dotted(_as_dict(config)))
     for key in RUN_RECORD_KEYS:
         user.pop(key, None)

@@ -47,9 +47,9 @@ from jtrain.data.mixture import Mixture
 from jtrain.data.prefetch import DevicePrefetch
 from jtrain.data.sources import MapSource, item_rng, with_transform
 
-__all__ = ["BUILTIN", "Data", "DataError", "Mixture", "RunData", "UserData", "as_data",
-           "device_prefetch", "eval_batches", "item_rng", "load_user_data", "make_sources",
-           "make_train_iterator", "num_eval_examples", "prepare", "with_transform"]
+# The names a user's code imports (docs/reference/api.md); the rest of this module is
+# the engine's hand-off (prepare, RunData, make_sources, ...), reached as attributes.
+__all__ = ["DataError", "Mixture", "item_rng", "with_transform"]
 
 BUILTIN = {"pystdlib": text.make_pystdlib}
 VOCAB_SCAN = 1024  # examples check_vocab reads (all of them for smaller datasets)
@@ -291,4 +291,4 @@ def num_eval_examples(source, max_batches: int, global_batch: int) -> int:
 
 
 # Last: prepare.py is built from the functions above.
-from jtrain.data.prepare import RunData, UserData, prepare  # noqa: E402
+from jtrain.data.prepare import RunData, UserData, prepare  # noqa: E402,F401

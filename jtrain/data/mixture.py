@@ -36,7 +36,19 @@ class Mixture:
     """`train_data=Mixture({"a": ds_a, "b": ds_b}, weights={"a": 0.7, "b": 0.3})`:
     components are any map-style input (arrays, a torch Dataset, a grain MapDataset,
     ...); `eval` optionally maps component names to their eval sets. Weights need not
-    sum to 1 (they are normalised); data.mixture_schedule can change them at steps."""
+    sum to 1 (they are normalised); data.mixture_schedule can change them at steps.
+
+    Examples:
+        ```python
+        import jtrain
+        from jtrain.data import Mixture
+
+        data = Mixture({"web": web_ds, "code": code_ds}, weights={"web": 3, "code": 1},
+                       eval={"web": web_eval, "code": code_eval})
+        result = jtrain.train(config, "runs/mix", model=Net, train_data=data)
+        print(result.summary["eval/web/loss"], result.summary["eval/code/loss"])
+        ```
+    """
 
     def __init__(self, components: dict, weights: dict | None = None,
                  eval: dict | None = None):  # noqa: A002 - the split's name

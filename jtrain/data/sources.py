@@ -61,7 +61,16 @@ def item_seed(seed: int, epoch: int, index: int, domain: int = DOMAIN_ITEM,
 
 
 def item_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
-    """The per-item Generator handed to random transforms."""
+    """The per-item Generator handed to random transforms.
+
+    Examples:
+        ```python
+        from jtrain.data import item_rng
+
+        rng = item_rng(seed=0, epoch=1, index=42)   # what with_transform hands fn
+        rng.normal()                                # the same number on every call
+        ```
+    """
     return np.random.Generator(np.random.Philox(key=item_seed(seed, epoch, index)))
 
 
@@ -334,7 +343,20 @@ class WithTransform:
 def with_transform(dataset, fn: Callable[[Any, np.random.Generator], Any]) -> WithTransform:
     """`dataset` whose items go through `fn(item, rng)`; `rng` is a numpy Generator seeded
     from (config seed, epoch, index): random augmentation that resumes exactly and does not
-    depend on the number of worker processes."""
+    depend on the number of worker processes.
+
+    Examples:
+        ```python
+        import numpy as np
+        from jtrain.data import with_transform
+
+        def jitter(item, rng):                  # rng: a numpy Generator for this item
+            x, y = item
+            return x + rng.normal(0, 0.1, x.shape).astype(np.float32), y
+
+        train_data = with_transform(dataset, jitter)
+        ```
+    """
     return WithTransform(dataset, fn)
 
 

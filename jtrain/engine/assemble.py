@@ -32,7 +32,22 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
     `train_example`: one training example; with a memory budget (control.memory) the
     step's grad_accum_steps is planned from it. `step`: a step of your own
     (jtrain.step.Step; also taken as `model`, and built from `step.factory` when the
-    config names one), composed from jtrain.engine.own_step's parts instead."""
+    config names one), composed from jtrain.engine.own_step's parts instead.
+
+    Examples:
+        ```python
+        import numpy as np
+        import jtrain
+
+        cfg = jtrain.resolve({"total_steps": 10})
+        b = jtrain.build(cfg, sample=np.zeros(4, np.float32),
+                         eval_example={"inputs": np.zeros(4, np.float32),
+                                       "targets": np.int32(0)},
+                         model=Net)                  # Net: an nnx.Module class
+        state = b.init()                             # the fresh state, in its shardings
+        state, metrics = b.train_step(state, jtrain.host_to_device(batch, b.mesh))
+        ```
+    """
     if isinstance(model, step_lib.Step):
         step, model = model, None
     if step is None and cfg.step.factory:

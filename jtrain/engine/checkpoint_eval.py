@@ -50,7 +50,17 @@ def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data="eval"
     "both"; None = the run's eval.weights.
 
     The model, mesh, state and eval step come from `jtrain.engine.run.build`, as in training.
-    Returns the report (what eval_<step>.json holds)."""
+    Returns the report (what eval_<step>.json holds).
+
+    Examples:
+        ```python
+        from jtrain.evaluate import evaluate_checkpoint
+
+        report = evaluate_checkpoint("runs/a", step="best", data=(x_eval, y_eval),
+                                     model=Net, plots=False)   # Net: the model trained
+        print(report["step"], report["metrics"]["eval/accuracy"])
+        ```
+    """
     from flax import linen as nn
 
     shown, workdir = workdir, os.path.abspath(workdir)

@@ -31,7 +31,17 @@ DATA_KEYS = ("name", "kind", "num_examples", "num_eval_examples", "fingerprint")
 def diff_runs(run_a: str, run_b: str) -> dict:
     """The comparison above as a dict: {"identical", "config": [{"key", "a", "b"}],
     "data": {...}, "versions": {...}, "hashes": {"compared", "first_step",
-    "first_examples_step"}, "leaf": {"step", "path", "max_abs_diff"} | None}."""
+    "first_examples_step"}, "leaf": {"step", "path", "max_abs_diff"} | None}.
+
+    Examples:
+        ```python
+        from jtrain.diff import diff_runs
+
+        d = diff_runs("runs/a", "runs/b")
+        if not d["identical"]:
+            print(d["config"], d["hashes"]["first_step"], d["leaf"])
+        ```
+    """
     a, b = os.path.abspath(run_a), os.path.abspath(run_b)
     configs = read_run(a, "RUN_A"), read_run(b, "RUN_B")
     controls = _control(a), _control(b)

@@ -55,7 +55,44 @@ def _one_member(state, evaluate):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Build:
     """What `build` sets up: everything a run, an evaluation or a benchmark needs before
-    the first array exists. `init()` builds the fresh state directly in its shardings."""
+    the first array exists. `init()` builds the fresh state directly in its shardings.
+
+    Attributes:
+        mesh: the device mesh (`jtrain.make_mesh`).
+        policy: the dtype policy (`jtrain.make_policy`).
+        model_fns: the model as pure functions (`jtrain.to_model_fns`).
+        model_name: the built-in family, or "user <Class>".
+        sample_inputs: ShapeDtypeStructs of one global batch of inputs.
+        loss_fn: the user's or the config's loss; None for the default loss.
+        tx: the optax optimizer.
+        schedule: its learning-rate schedule.
+        abstract: one member's state as ShapeDtypeStructs.
+        shardings: its NamedShardings.
+        state_abstract: the whole state (a population: the member axis in front).
+        state_shardings: the whole state's NamedShardings.
+        init: `init() -> TrainState`, the fresh state built in its shardings.
+        train_step: `jit(state, batch) -> (state, metrics)`, the state donated.
+        eval_step: `jit(params, batch) -> (metric states, rows, loss terms)`.
+        eval_tail: the eval step on replicated rows (a loss over the whole batch).
+        eval_spec: the metrics an evaluation computes (`jtrain.metrics.EvalSpec`).
+        grad_accum_steps: microbatches per update (the memory plan's, if any).
+        trainable: `{"train" | "frozen": (leaves, count)}` of the parameters.
+        memory_plan: the plan when `control.memory` gave a budget, else None.
+        population: the population when `population.size` > 1, else None.
+        flops_per_example: training FLOPs of one example, when known.
+        per_member: `(state, evaluate) -> Evaluation` of what the state holds.
+        reports: what the parts add to summary.json, `(cfg, run, state, session,
+            final_eval) -> dict` each.
+        decided: the values the set-up decided (run.json's "decided").
+        user_step: a step of your own (`jtrain.step.Step`), None for the built-in.
+
+    Examples:
+        ```python
+        b = jtrain.build(cfg, sample=example_inputs, eval_example=example, model=Net)
+        print(b.model_name, b.grad_accum_steps, b.mesh.shape)
+        state = b.init()
+        ```
+    """
     mesh: Any = None
     policy: precision_lib.Policy | None = None
     model_fns: adapters.ModelFns | None = None

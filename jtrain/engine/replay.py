@@ -56,7 +56,18 @@ def replay(workdir: str, step: int, *, model=None, train_data=None, loss_fn=None
     """Re-runs step `step` of the run in `workdir` (see the module docstring); returns
     {"step", "from_step", "recorded", "replayed", "reproduced", "examples_match",
     "leaf", "max_abs_diff"} ("leaf": the first differing leaf against the checkpoint at
-    `step`, when the hash differs and that checkpoint exists)."""
+    `step`, when the hash differs and that checkpoint exists).
+
+    Examples:
+        ```python
+        from jtrain.replay import replay
+
+        # runs/a: jtrain.train(config, "runs/a", model=Net, train_data=(x, y)) with
+        # config["debug"] = {"hash_every_steps": 10}, the hashes replay compares with
+        r = replay("runs/a", 150, model=Net, train_data=(x, y))   # what the run was given
+        assert r["reproduced"], (r["recorded"], r["replayed"], r["leaf"])
+        ```
+    """
     from flax import linen as nn
 
     say = say or (lambda line: None)

@@ -49,6 +49,26 @@ from jtrain.observe.redact import redact
 
 @dataclasses.dataclass
 class TrainResult:
+    """What `jtrain.train` returns: the final state and what the run recorded.
+
+    Attributes:
+        state: the final `TrainState` (on the devices, in its shardings).
+        history: one entry per evaluation, `{"step": s, "eval/<metric>": v, ...}`.
+        summary: what `summary.json` holds: the final step and eval metrics,
+            `state_sha256`, `best_step` / `best_value`, `stopped_by` / `stop_reason`,
+            `resumed_from`, `skipped_steps`, throughput and goodput.
+        train_history: `{"step": s, "train/loss": v, ...}` at this session's log steps.
+        stopped_by: None when the run reached `total_steps`; else "SIGTERM", "SIGINT",
+            "early_stop" or "on_eval" (the run can be resumed).
+
+    Examples:
+        ```python
+        result = jtrain.train(config, "runs/a", train_data=train_data)
+        print(result.summary["state_sha256"], result.stopped_by)
+        for record in result.history:
+            print(record["step"], record["eval/loss"])
+        ```
+    """
     state: state_lib.TrainState
     history: list[dict[str, float]]  # one entry per evaluation: {"step": s, "eval/...": v}
     summary: dict[str, Any]  # = summary.json: final metrics, best_step / best_value,
@@ -65,18 +85,63 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
           eval_data=None, loss_fn: Callable | None = None,
           on_eval: Callable[[int, dict], bool] | None = None,
           allow_changes: Sequence[str] = (), step=None) -> TrainResult:
-    """Train `model` (built-in from config.model if None) on `train_data` (built-in from
-    config.data if None). Resumes from the newest checkpoint in `workdir`; a run that
-    already finished is not run again: its stored result comes back.
+    """Train `model` on `train_data`. Resumes from the newest checkpoint in `workdir`.
 
-    `loss_fn(outputs, batch)` returns `(loss_sum, weight_sum)` (exact token weighting)
-    or a scalar mean; default: cross-entropy for int targets, MSE for float targets.
-    `on_eval(step, metrics) -> bool`: called on process 0 after every evaluation with the
-    globally reduced metrics; True stops the run there (checkpointed, on every process).
-    `allow_changes`: config keys (fnmatch patterns) that may differ from the checkpoint's
-    when resuming (added to checkpoint.allow_changes).
-    `step`: a step of your own (jtrain.step.Step: init, update, evaluate) in place of the
-    built-in update (from a config: step.factory); `model` is then not used.
+    A run that already finished is not run again: its stored result comes back. Every
+    argument but `config` and `workdir` is optional; what is not given comes from the
+    config (a built-in model from `model.*`, data from `data.*`).
+
+    Args:
+        config: a partial config (a dict or `ConfigDict` with only the keys you set): the
+            schema fills the rest, and an unknown key or bad value is a `ConfigError`
+            naming it (docs/reference/config.md).
+        workdir: the run's directory (created; every file of the run lives there).
+        model: a Flax NNX module, its class or a function `rngs -> module`; a Flax Linen
+            module; a pure `(init, apply)` pair; None for the built-in `model.name`.
+        train_data: arrays or an `(inputs, targets)` tuple, a map-style dataset (a torch
+            `Dataset`, a list), a stream (`IterableDataset`, grain), a torch
+            `DataLoader` or a `jtrain.data.Mixture`; None: `data.source` / `data.name`.
+        eval_data: the same kinds; every example is scored once per evaluation.
+        loss_fn: `loss_fn(outputs, batch)` returning `(loss_sum, weight_sum)` (exact
+            token weighting) or a scalar mean; default: cross-entropy for int targets,
+            mean squared error for float targets (`jtrain.losses.default_loss`).
+        on_eval: `on_eval(step, metrics) -> bool`, called on process 0 after every
+            evaluation with the globally reduced metrics; True stops the run there
+            (checkpointed, on every process; `stopped_by == "on_eval"`).
+        allow_changes: config keys (fnmatch patterns) that may differ from the
+            checkpoint's when resuming (added to `checkpoint.allow_changes`).
+        step: a step of your own (`jtrain.step.Step`: init, update, evaluate) in place of
+            the built-in update (from a config: `step.factory`); `model` is then unused.
+
+    Returns:
+        The `TrainResult`: the final state, the eval history and `summary.json`.
+
+    Raises:
+        ConfigError: a bad config key or value, before any step.
+        DataError: data the model or the loss cannot take, before any step.
+        RestoreError: the workdir's checkpoint is of another config or model.
+
+    Examples:
+        ```python
+        import numpy as np
+        from flax import nnx
+        import jtrain
+
+        class Net(nnx.Module):
+            def __init__(self, rngs: nnx.Rngs):
+                self.linear = nnx.Linear(4, 3, rngs=rngs)
+
+            def __call__(self, x):
+                return self.linear(x)
+
+        x = np.random.default_rng(0).normal(size=(256, 4)).astype(np.float32)
+        y = (x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0).astype(np.int32)
+        result = jtrain.train({"total_steps": 100, "data": {"batch_size": 32},
+                               "optim": {"lr": 1e-2}},
+                              "runs/net", model=Net, train_data=(x, y),
+                              eval_data=(x[:64], y[:64]))
+        print(result.summary["step"], result.summary["eval/accuracy"])
+        ```
     """
     try:
         return train_and_evaluate(config, workdir,

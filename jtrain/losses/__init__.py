@@ -41,10 +41,29 @@ import jax.numpy as jnp
 import jax.scipy.special
 import optax
 
+__all__ = ["ROW_MASK", "binary_cross_entropy", "default_loss", "gaussian_nll", "mae",
+           "masked_cross_entropy", "mse", "negative_binomial_nll", "pearson_loss",
+           "poisson_nll", "weighted", "weights_for"]
+
 # The engine's row mask of padded batches ([B] float32, 0 = padding), beside the user's
 # fields: the data layer adds it, `jtrain.step` keeps it from the model, a dataset that
 # yields this key is refused (`jtrain.data.items`).
 ROW_MASK = "__jtrain_row_mask__"
+"""The batch key of the engine's row mask ([B] float32, 0 = a padding row).
+
+A loss of your own sees it in `batch` for padded eval batches (and train batches with
+`data.drop_last=False`); `weights_for(batch, shape)` folds it into the weights.
+
+Examples:
+    ```python
+    from jtrain import losses
+
+    def loss_fn(outputs, batch):
+        rows = batch.get(losses.ROW_MASK)     # None when no row is padding
+        w = losses.weights_for(batch, outputs.shape[:1])   # includes the row mask
+        return ((outputs[:, 0] - batch["targets"]) ** 2 * w).sum(), w.sum()
+    ```
+"""
 
 
 def batch_rows(batch) -> int:
@@ -59,7 +78,18 @@ def row_mask(batch):
 
 def weights_for(batch, shape) -> jnp.ndarray:
     """Per-element weights of shape `shape`: `weights` (broadcast over trailing axes)
-    times the engine's row mask."""
+    times the engine's row mask.
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        from jtrain import losses
+
+        batch = {"targets": jnp.array([0, 1]), "weights": jnp.array([1.0, 0.0])}
+        losses.weights_for(batch, (2,))           # [1., 0.]
+        losses.weights_for(batch, (2, 5)).shape   # (2, 5): broadcast over the tokens
+        ```
+    """
     w = jnp.ones(shape, jnp.float32)
     if "weights" in batch:
         w = w * jnp.broadcast_to(_expand(batch["weights"], len(shape)), shape)
@@ -90,7 +120,23 @@ def default_loss(outputs, batch):
     trailing axes per example, or, with `weights` of more than one axis, per element
     (weights broadcast over the targets' trailing axes: an availability mask).
     Weight-0 elements are selected out, never multiplied: a NaN or inf target there
-    (a missing value) adds exactly 0 to the loss and its gradient."""
+    (a missing value) adds exactly 0 to the loss and its gradient.
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        from jtrain import losses
+
+        logits = jnp.array([[2.0, 0.0], [0.0, 2.0]])
+        losses.default_loss(logits, {"targets": jnp.array([0, 1])})    # (0.2539, 2.0): CE
+        pred = jnp.array([[1.0], [3.0]])
+        losses.default_loss(pred, {"targets": jnp.array([[1.0], [1.0]])})  # (4.0, 2.0): MSE
+
+        def loss_fn(outputs, batch):              # a loss of your own around it
+            loss_sum, weight = losses.default_loss(outputs["logits"], batch)
+            return loss_sum, weight
+        ```
+    """
     targets = batch["targets"]
     if jnp.issubdtype(targets.dtype, jnp.integer):
         per = per_example_loss(outputs, targets)
@@ -163,14 +209,39 @@ def _kept(x, w):
 
 
 def weighted(per_element, batch):
-    """(sum, weight) of a per-element loss under the batch's `weights` and row `mask`."""
+    """(sum, weight) of a per-element loss under the batch's `weights` and row `mask`.
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        from jtrain import losses
+
+        batch = {"targets": jnp.array([0, 1]), "weights": jnp.array([1.0, 0.0])}
+        losses.weighted(jnp.array([3.0, 5.0]), batch)    # (3.0, 1.0): the second row weighs 0
+
+        def loss_fn(outputs, batch):
+            return losses.weighted(jnp.abs(outputs - batch["targets"]), batch)
+        ```
+    """
     per_element = jnp.asarray(per_element)
     return _reduce(per_element, weights_for(batch, per_element.shape))
 
 
 def masked_cross_entropy(logits, labels, weights=None, ignore_index=-100):
     """Softmax CE of logits [..., C] against int labels [...]; labels == ignore_index
-    and weight-0 elements do not count (torch F.cross_entropy with ignore_index)."""
+    and weight-0 elements do not count (torch F.cross_entropy with ignore_index).
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        from jtrain import losses
+
+        logits = jnp.array([[2.0, 0.0], [0.0, 2.0], [1.0, 1.0]])
+        labels = jnp.array([0, 1, -100])                 # -100: not counted
+        loss_sum, n = losses.masked_cross_entropy(logits, labels)   # (0.2539, 2.0)
+        mean = loss_sum / n
+        ```
+    """
     logits = jnp.asarray(logits).astype(jnp.float32)
     labels = jnp.asarray(labels)
     valid = labels != ignore_index
@@ -189,21 +260,54 @@ def _pair(a, b):
 
 
 def mse(pred, target, weights=None):
-    """Mean squared error per element; weight = sum of the (broadcast) element weights."""
+    """Mean squared error per element; weight = sum of the (broadcast) element weights.
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        from jtrain import losses
+
+        pred, target = jnp.array([1.0, 2.0, 4.0]), jnp.array([1.0, jnp.nan, 2.0])
+        losses.mse(pred, target, weights=jnp.array([1.0, 0.0, 1.0]))   # (4.0, 2.0): NaN unseen
+
+        def loss_fn(outputs, batch):
+            return losses.mse(outputs, batch["targets"],
+                              weights=losses.weights_for(batch, batch["targets"].shape))
+        ```
+    """
     pred, target = _pair(pred, target)
     w = _weights(weights, pred.shape)
     return _reduce((pred - _kept(target, w)) ** 2, w)
 
 
 def mae(pred, target, weights=None):
-    """Mean absolute error per element; weight = sum of the (broadcast) element weights."""
+    """Mean absolute error per element; weight = sum of the (broadcast) element weights.
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        from jtrain import losses
+
+        losses.mae(jnp.array([1.0, 2.0, 4.0]), jnp.array([1.0, 2.0, 2.0]))   # (2.0, 3.0)
+        ```
+    """
     pred, target = _pair(pred, target)
     w = _weights(weights, pred.shape)
     return _reduce(jnp.abs(pred - _kept(target, w)), w)
 
 
 def binary_cross_entropy(logits, targets, weights=None):
-    """Sigmoid CE on logits, stable for large |logits| (torch BCE-with-logits)."""
+    """Sigmoid CE on logits, stable for large |logits| (torch BCE-with-logits).
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        from jtrain import losses
+
+        logits, targets = jnp.array([0.0, 0.0]), jnp.array([1.0, 0.0])
+        losses.binary_cross_entropy(logits, targets)    # (1.3863, 2.0): 2 x log 2
+        ```
+    """
     x, t = _pair(logits, targets)
     w = _weights(weights, x.shape)
     t = _kept(t, w)
@@ -214,7 +318,18 @@ def binary_cross_entropy(logits, targets, weights=None):
 
 def negative_binomial_nll(counts, mean, dispersion, weights=None, eps=1e-8):
     """-log NB(counts; mean mu, inverse dispersion theta) with the lgamma terms, i.e.
-    scipy nbinom.logpmf(x, n=theta, p=theta/(theta+mu)) negated (scVI log_nb_positive)."""
+    scipy nbinom.logpmf(x, n=theta, p=theta/(theta+mu)) negated (scVI log_nb_positive).
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        from jtrain import losses
+
+        counts = jnp.array([0.0, 3.0])
+        mean, dispersion = jnp.array([1.0, 2.0]), jnp.array([2.0, 2.0])
+        losses.negative_binomial_nll(counts, mean, dispersion)   # (2.8904, 2.0)
+        ```
+    """
     x = jnp.asarray(counts).astype(jnp.float32)
     mu = jnp.asarray(mean).astype(jnp.float32)
     theta = jnp.asarray(dispersion).astype(jnp.float32)
@@ -237,7 +352,17 @@ def _clamp_min_straight_through(v, lo):
 
 def gaussian_nll(target, mean, var, weights=None, eps=1e-6, full=False):
     """0.5 (log var + (target - mean)^2 / var) per element, var clamped at eps, plus
-    0.5 log(2 pi) if `full` (torch F.gaussian_nll_loss)."""
+    0.5 log(2 pi) if `full` (torch F.gaussian_nll_loss).
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        from jtrain import losses
+
+        target, mean, var = jnp.array([0.0, 1.0]), jnp.zeros(2), jnp.ones(2)
+        losses.gaussian_nll(target, mean, var)    # (0.5, 2.0): 0.5 * (log var + (x - m)^2 / var)
+        ```
+    """
     target, mean = _pair(target, mean)
     var = jnp.asarray(var).astype(jnp.float32)
     if var.shape == target.shape[:-1]:  # torch: var may lack the last (feature) axis
@@ -253,7 +378,17 @@ def gaussian_nll(target, mean, var, weights=None, eps=1e-6, full=False):
 def poisson_nll(log_rate_or_rate, target, weights=None, log_input=True, full=False,
                 eps=1e-8):
     """Poisson NLL without the log(target!) term, or with its Stirling approximation
-    (target > 1) if `full` (torch F.poisson_nll_loss)."""
+    (target > 1) if `full` (torch F.poisson_nll_loss).
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        from jtrain import losses
+
+        log_rate, target = jnp.zeros(2), jnp.array([1.0, 2.0])
+        losses.poisson_nll(log_rate, target)      # (2.0, 2.0): exp(log_rate) - target * log_rate
+        ```
+    """
     inp, t = _pair(log_rate_or_rate, target)
     w = _weights(weights, t.shape)
     t = _kept(t, w)
@@ -275,7 +410,17 @@ def pearson_loss(pred, target, weights=None, axis=0, eps=1e-8):
     undefined). Rows with weight 0 (e.g. eval padding: pass weights_for(batch, shape))
     are excluded, whatever their values; non-binary weights weight the moments.
     Features whose weight total is 0 do not count. `eps` floors each standard deviation
-    (a constant column gives r = 0)."""
+    (a constant column gives r = 0).
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        from jtrain import losses
+
+        pred, target = jnp.array([1.0, 2.0, 3.0]), jnp.array([2.0, 4.0, 6.5])
+        losses.pearson_loss(pred, target)         # (0.0021, 1.0): r = 0.998
+        ```
+    """
     p, t = _pair(pred, target)
     w = _weights(weights, p.shape)
     p, t, w = (jnp.moveaxis(v, axis, 0) for v in (p, t, w))

@@ -50,12 +50,12 @@ from jtrain.metrics.classification import (Accuracy, ConfusionMatrix, PrecisionR
 from jtrain.metrics.collection import MetricCollection, reduce_across_processes
 from jtrain.metrics.gathered import AUROC, Spearman
 from jtrain.metrics.regression import MAE, MSE, R2, Moments, Pearson
-from jtrain.metrics.tasks import (METRIC_NAMES, EvalSpec, default_names, infer_task,
-                                  make_collection, metric_batch, update_from_outputs)
+from jtrain.metrics.tasks import (EvalSpec, default_names, infer_task, make_collection,
+                                  metric_batch, update_from_outputs)
 
 __all__ = [
     "AUROC", "Accuracy", "Average", "BitsPerByte", "ConfusionMatrix", "EvalSpec", "Loss",
-    "MAE", "METRIC_NAMES", "MSE", "MetricCollection", "Moments", "Pearson", "Perplexity",
+    "MAE", "MSE", "MetricCollection", "Moments", "Pearson", "Perplexity",
     "PrecisionRecallF1", "R2", "Spearman", "TopKAccuracy", "default_names", "infer_task",
     "make_collection", "metric_batch", "reduce_across_processes", "update_from_outputs",
 ]

@@ -17,6 +17,23 @@ class Average:
     """Weighted mean of ``batch[key]`` (per example [B] or per token [B, T]).
 
     A float mask is a weight (0 = padding). compute() -> float (nan when nothing was seen).
+
+    Attributes:
+        total: the weighted sum of the values (float32 on device, float64 merged).
+        count: the sum of the weights.
+        key: the batch key averaged (static).
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        from jtrain import metrics
+
+        m = metrics.Average.empty().update(values=jnp.array([1.0, 2.0, 6.0]))
+        m.compute()                                               # 3.0
+        m = metrics.Average.empty().update(values=jnp.array([1.0, 2.0, 6.0]),
+                                           mask=jnp.array([1.0, 1.0, 0.0]))
+        m.compute()                                               # 1.5: the padding left out
+        ```
     """
     total: Array    # float32 on device, float64 after a host merge
     count: Array    # sum of weights
@@ -52,7 +69,18 @@ class Average:
 
 @struct.dataclass
 class Loss(Average):
-    """Average of ``batch["loss"]``."""
+    """Average of ``batch["loss"]``.
+
+    Its fields are those of `Average`.
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        from jtrain import metrics
+
+        metrics.Loss.empty().update(loss=jnp.array([0.5, 1.5])).compute()   # 1.0
+        ```
+    """
 
     @classmethod
     def empty(cls, key: str = "loss"):
@@ -61,7 +89,18 @@ class Loss(Average):
 
 @struct.dataclass
 class Perplexity(Average):
-    """exp(mean token cross-entropy in nats), from ``batch["loss"]`` (per token) and mask."""
+    """exp(mean token cross-entropy in nats), from ``batch["loss"]`` (per token) and mask.
+
+    Its fields are those of `Average`.
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        from jtrain import metrics
+
+        metrics.Perplexity.empty().update(loss=jnp.array([[0.5, 1.5]])).compute()   # e = 2.718
+        ```
+    """
 
     @classmethod
     def empty(cls, key: str = "loss"):
@@ -76,7 +115,18 @@ class Perplexity(Average):
 
 @struct.dataclass
 class BitsPerByte(Average):
-    """mean cross-entropy (nats per byte) / ln 2, for byte-level language models."""
+    """mean cross-entropy (nats per byte) / ln 2, for byte-level language models.
+
+    Its fields are those of `Average`.
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        from jtrain import metrics
+
+        metrics.BitsPerByte.empty().update(loss=jnp.array([0.6931472])).compute()   # 1.0
+        ```
+    """
 
     @classmethod
     def empty(cls, key: str = "loss"):

@@ -14,7 +14,22 @@ from jtrain.metrics.base import (Array, check_mergeable, class_predictions, rati
 
 @struct.dataclass
 class Accuracy:
-    """argmax(logits, -1) == labels (or integer ``preds`` == labels), token level for [B, T]."""
+    """argmax(logits, -1) == labels (or integer ``preds`` == labels), token level for [B, T].
+
+    Attributes:
+        correct: the count of entries whose prediction is the label.
+        count: the count of entries (mask > 0).
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        from jtrain import metrics
+
+        logits = jnp.array([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 3.0], [1.0, 2.0, 0.0]])
+        labels = jnp.array([0, 1, 1, 0])
+        metrics.Accuracy.empty().update(logits=logits, labels=labels).compute()   # 0.5
+        ```
+    """
     correct: Array  # int32
     count: Array    # int32
     JITTABLE: ClassVar[bool] = True
@@ -39,7 +54,23 @@ class Accuracy:
 
 @struct.dataclass
 class TopKAccuracy:
-    """The label's logit is among the k largest (ties count as hits); needs ``logits``."""
+    """The label's logit is among the k largest (ties count as hits); needs ``logits``.
+
+    Attributes:
+        correct: the count of entries whose label is among the k largest logits.
+        count: the count of entries (mask > 0).
+        k: how many of the largest logits count (static).
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        from jtrain import metrics
+
+        logits = jnp.array([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 3.0], [1.0, 2.0, 0.0]])
+        labels = jnp.array([0, 1, 1, 0])
+        metrics.TopKAccuracy.empty(k=2).update(logits=logits, labels=labels).compute()  # 1.0
+        ```
+    """
     correct: Array
     count: Array
     k: int = struct.field(pytree_node=False, default=5)
@@ -77,6 +108,23 @@ class ConfusionMatrix:
 
     Valid entries whose label or prediction lies outside [0, num_classes) are not counted.
     compute() -> int64 array [C, C] (not a scalar: use PrecisionRecallF1 in a collection).
+
+    Attributes:
+        counts: int [C, C], counts[true, predicted].
+        num_classes: C (static).
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        from jtrain import metrics
+
+        logits = jnp.array([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 3.0], [1.0, 2.0, 0.0]])
+        labels = jnp.array([0, 1, 1, 0])
+        metrics.ConfusionMatrix.empty(3).update(logits=logits, labels=labels).compute()
+        # [[1 1 0]
+        #  [0 1 1]
+        #  [0 0 0]]
+        ```
     """
     counts: Array  # [C, C] int32
     num_classes: int = struct.field(pytree_node=False, default=2)
@@ -119,6 +167,23 @@ class PrecisionRecallF1:
     compute() keys: precision_macro, recall_macro, f1_macro, precision_micro, recall_micro,
     f1_micro, and with per_class=True also precision/<i>, recall/<i>, f1/<i>. Macro averages
     run over all num_classes classes (sklearn with labels=range(num_classes)).
+
+    Attributes:
+        confusion: the ConfusionMatrix it is computed from.
+        per_class: whether compute() adds each class's precision/<i>, recall/<i>, f1/<i>.
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        from jtrain import metrics
+
+        logits = jnp.array([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 3.0], [1.0, 2.0, 0.0]])
+        labels = jnp.array([0, 1, 1, 0])
+        m = metrics.PrecisionRecallF1.empty(3, per_class=False)
+        m.update(logits=logits, labels=labels).compute()
+        # {'precision_macro': 0.5, 'recall_macro': 0.333, 'f1_macro': 0.389,
+        #  'precision_micro': 0.5, 'recall_micro': 0.5, 'f1_micro': 0.5}
+        ```
     """
     confusion: ConfusionMatrix
     per_class: bool = struct.field(pytree_node=False, default=True)

@@ -22,6 +22,22 @@ class MetricCollection:
     A metric computing a float is reported under its name; one computing a dict contributes
     its own keys (e.g. f1_macro). A ConfusionMatrix computes a matrix: compute() leaves it
     out and compute_arrays() returns it under its name.
+
+    Attributes:
+        metrics: `{name: metric state}`.
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        from jtrain import metrics
+
+        logits = jnp.array([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 3.0], [1.0, 2.0, 0.0]])
+        labels = jnp.array([0, 1, 1, 0])
+        c = metrics.MetricCollection.empty({"accuracy": metrics.Accuracy.empty(),
+                                           "loss": metrics.Loss.empty()})
+        c = c.update(logits=logits, labels=labels, loss=jnp.array([0.1, 0.2, 0.3, 0.4]))
+        c.compute()                                    # {'accuracy': 0.5, 'loss': 0.25}
+        ```
     """
     metrics: dict[str, Any]
 
@@ -108,6 +124,15 @@ def reduce_across_processes(metric):
     per process. Every process must call this with the same metric structure (a collective).
     A state whose leaves are global arrays spanning processes came out of a jitted step over
     a global batch: it already covers every process and is only fetched, not summed again.
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        from jtrain import metrics
+
+        total = metrics.reduce_across_processes(local)   # local: this process's merged state
+        print(total.compute())                          # the same on every process
+        ```
     """
     if jax.process_count() == 1:
         return metric

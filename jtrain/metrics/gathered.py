@@ -75,6 +75,22 @@ class AUROC:
     are turned into probabilities with a float64 softmax. A class with no positive or no
     negative example has an undefined AUROC: compute() returns nan then (as sklearn does for
     the binary case). Holding more than ``max_examples`` valid examples raises ValueError.
+
+    Attributes:
+        scores: the kept scores (numpy, host side).
+        labels: the kept labels.
+        num_classes: 2 for binary, or the classes of a one-vs-rest macro (static).
+        max_examples: how many valid entries it may keep (static).
+
+    Examples:
+        ```python
+        import numpy as np
+        from jtrain import metrics
+
+        m = metrics.AUROC.empty().update(scores=np.array([0.1, 0.4, 0.35, 0.8]),
+                                        labels=np.array([0, 0, 1, 1]))
+        m.compute()                                               # 0.75
+        ```
     """
     scores: tuple   # float64 chunks, [n] (binary) or [n, C]
     labels: tuple   # int64 chunks, [n]
@@ -131,6 +147,20 @@ class Spearman:
     """Spearman rank correlation of preds and labels (ties get average ranks, like scipy).
 
     Host-side, not jittable: keeps every valid pair; more than ``max_examples`` raises.
+
+    Attributes:
+        preds: the kept predictions, float64 chunks on the host.
+        labels: the kept labels, likewise.
+        max_examples: how many valid pairs it may keep (static).
+
+    Examples:
+        ```python
+        import numpy as np
+        from jtrain.metrics import Spearman
+
+        preds, labels = np.array([1.0, 2.0, 3.0, 4.0]), np.array([1.0, 3.0, 2.0, 4.0])
+        Spearman.empty().update(preds=preds, labels=labels).compute()   # 0.8
+        ```
     """
     preds: tuple    # float64 chunks [n]
     labels: tuple   # float64 chunks [n]

@@ -43,7 +43,27 @@ _MAX_PER_CLASS = 10
 
 @dataclasses.dataclass(frozen=True)
 class EvalSpec:
-    """What an evaluation computes; static (hashable), decided before the step compiles."""
+    """What an evaluation computes; static (hashable), decided before the step compiles.
+
+    Attributes:
+        task: "classification", "sequence", "regression" or "other".
+        names: the metrics computed, from `eval.metrics`'s choices.
+        num_classes: classification / sequence: the size of the last output axis.
+        top_k: the k of top_k_accuracy.
+        max_gathered: how many examples AUROC and Spearman keep at most.
+        num_outputs: regression: the outputs r2 scores apart (the targets' last axis).
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        import numpy as np
+        from jtrain import metrics
+
+        spec = metrics.EvalSpec.create((3,), (), np.int32)   # [3] logits, int labels
+        spec.task, spec.names     # 'classification', ('loss', 'accuracy', 'precision_recall_f1',
+                                  #   'confusion_matrix', 'auroc')
+        ```
+    """
     task: str                       # classification | sequence | regression | other
     names: tuple[str, ...]          # from METRIC_NAMES
     num_classes: int = 0            # classification / sequence: size of the last output axis
@@ -79,7 +99,19 @@ class EvalSpec:
 
 
 def infer_task(output_shape, targets_shape, targets_dtype) -> tuple[str, int]:
-    """(task, num_classes) from per-example shapes (no batch axis); see the module doc."""
+    """(task, num_classes) from per-example shapes (no batch axis); see the module doc.
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        import numpy as np
+        from jtrain import metrics
+
+        metrics.infer_task((3,), (), np.int32)           # ('classification', 3)
+        metrics.infer_task((8, 256), (8,), np.int32)     # ('sequence', 256)
+        metrics.infer_task((1,), (1,), np.float32)       # ('regression', 0)
+        ```
+    """
     if output_shape is None:
         return "other", 0
     out, tgt = tuple(output_shape), tuple(targets_shape)
@@ -95,6 +127,20 @@ def infer_task(output_shape, targets_shape, targets_dtype) -> tuple[str, int]:
 
 def default_names(task: str, num_classes: int = 0, *, top_k: int = 5,
                   byte_level: bool = False) -> tuple[str, ...]:
+    """The metrics an evaluation computes for `task` when `eval.metrics` names none.
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        import numpy as np
+        from jtrain import metrics
+
+        metrics.default_names("classification", 3)
+        # ('loss', 'accuracy', 'precision_recall_f1', 'confusion_matrix', 'auroc')
+        metrics.default_names("regression")
+        # ('loss', 'mse', 'mae', 'r2', 'pearson', 'spearman')
+        ```
+    """
     if task == "classification":
         names = ["loss", "accuracy"]
         if num_classes > top_k:
@@ -111,7 +157,20 @@ def default_names(task: str, num_classes: int = 0, *, top_k: int = 5,
 
 
 def make_collection(spec: EvalSpec) -> MetricCollection:
-    """The empty metric states for `spec`, keyed by the names they report under."""
+    """The empty metric states for `spec`, keyed by the names they report under.
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        import numpy as np
+        from jtrain import metrics
+
+        spec = metrics.EvalSpec.create((3,), (), np.int32)
+        logits, batch = jnp.zeros((4, 3)), {"targets": jnp.array([0, 1, 1, 0])}
+        list(metrics.make_collection(spec).metrics)
+        # ['loss', 'accuracy', 'precision_recall_f1', 'confusion_matrix', 'auroc']
+        ```
+    """
     c = spec.num_classes
     build = {
         "loss": lambda: ("loss", Loss.empty()),
@@ -136,7 +195,19 @@ def metric_batch(outputs, batch: dict, spec: EvalSpec) -> dict:
     """The metric keys (logits or preds, labels, mask) for jtrain's batch conventions.
 
     The mask is `weights` x row `mask` (an LM's loss mask drops padding tokens); metrics
-    other than the averages count an entry iff its mask is > 0."""
+    other than the averages count an entry iff its mask is > 0.
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        import numpy as np
+        from jtrain import metrics
+
+        spec = metrics.EvalSpec.create((3,), (), np.int32)
+        logits, batch = jnp.zeros((4, 3)), {"targets": jnp.array([0, 1, 1, 0])}
+        metrics.metric_batch(logits, batch, spec).keys()   # logits, labels, mask
+        ```
+    """
     if spec.task in ("classification", "sequence"):
         labels = batch["targets"]
         return {"logits": outputs, "labels": labels,
@@ -153,7 +224,22 @@ def update_from_outputs(collection: MetricCollection, outputs, batch: dict, loss
     """`collection` plus one batch. Jittable for jittable collections.
 
     Averages (loss, perplexity, bits per byte) take the loss function's exact
-    (loss_sum, weight); every other metric reads `metric_batch`."""
+    (loss_sum, weight); every other metric reads `metric_batch`.
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        import numpy as np
+        from jtrain import metrics
+
+        spec = metrics.EvalSpec.create((3,), (), np.int32)
+        logits, batch = jnp.zeros((4, 3)), {"targets": jnp.array([0, 1, 1, 0])}
+        collection = metrics.make_collection(spec)
+        loss_sum, weight = jnp.float32(2.0), jnp.float32(4.0)   # the loss function's
+        collection = metrics.update_from_outputs(collection, logits, batch, loss_sum, weight, spec)
+        collection.compute()["loss"]                             # 0.5
+        ```
+    """
     inputs = metric_batch(outputs, batch, spec)
     new = {}
     for name, metric in collection.metrics.items():

@@ -37,7 +37,16 @@ def _family(model_cfg_or_name):
 
 def make_model(model_cfg, *, dtype, param_dtype):
     """The module for `model_cfg.name` (a partial `model` section is completed with the
-    schema's defaults and checked); params in `param_dtype`, matmuls in `dtype`."""
+    schema's defaults and checked); params in `param_dtype`, matmuls in `dtype`.
+
+    Examples:
+        ```python
+        import jtrain
+
+        mlp = jtrain.make_model({"name": "mlp", "hidden": (16,), "num_outputs": 3},
+                                dtype="float32", param_dtype="float32")
+        ```
+    """
     family = _family(model_cfg)
     return family.build(config_lib.resolve_model(model_cfg), dtype=dtype,
                         param_dtype=param_dtype)

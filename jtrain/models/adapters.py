@@ -72,6 +72,25 @@ class NnxGraph:
 
 @dataclasses.dataclass(frozen=True)
 class ModelFns:
+    """A model as pure functions, whatever it was handed over as (Linen, NNX or a pure
+    `(init, apply)` pair): what the state, the steps and the checks call.
+
+    Attributes:
+        init: `init(rng, inputs) -> params`, plain arrays.
+        apply: `apply(params, inputs, ...) -> outputs`.
+        kind: "linen", "nnx" or "pure".
+        existing_params: an NNX instance's own parameters, used instead of `init`.
+        nnx_graph: NNX: the split model that `apply` merges the parameters into.
+        state_init: `(rng, inputs) -> the model's state beyond parameters` ({} if none).
+        existing_state: an NNX instance's current state (BatchNorm statistics).
+
+    Examples:
+        ```python
+        fns = jtrain.to_model_fns((init, apply))    # a pure pair
+        params = fns.init(jax.random.key(0), x)
+        y = fns.apply(params, x)
+        ```
+    """
     init: Callable[[jax.Array, Any], Any]
     apply: Callable[..., Any]
     kind: str  # "linen", "nnx", "pure"
@@ -381,7 +400,16 @@ def model_kind_error(model) -> str | None:
 def to_model_fns(model, mesh=None) -> ModelFns:
     """Dispatch on what the user handed over; a clear ModelTypeError (one line, key
     `model`) for anything else. `mesh`: where an NNX factory's partitioned parameters
-    will live (see from_nnx)."""
+    will live (see from_nnx).
+
+    Examples:
+        ```python
+        fns = jtrain.to_model_fns(Net)              # an NNX class, instance or factory,
+        params = fns.init(jax.random.key(0), x)     # a Linen module, or (init, apply)
+        logits = fns.apply(params, x)
+        print(fns.kind)                             # "nnx"
+        ```
+    """
     why = model_kind_error(model)
     if why:
         raise ModelTypeError("model", why)

@@ -332,7 +332,18 @@ def make_optimizer(optim_cfg, total_steps, *, extra_trainable=(), decay_in_state
     the schema's defaults fill the rest; a ConfigError names an unknown key or a bad
     value.
     `extra_trainable`: patterns added to optim.trainable by the run (LoRA's adapters).
-    `decay_in_state`: the weight decay rate in the state (jtrain.optim.decay)."""
+    `decay_in_state`: the weight decay rate in the state (jtrain.optim.decay).
+
+    Examples:
+        ```python
+        import jtrain
+
+        tx, schedule = jtrain.make_optimizer({"name": "adamw", "lr": 1e-3,
+                                              "warmup_steps": 100}, total_steps=1000)
+        opt_state = tx.init(params)
+        print(schedule(100))        # the peak learning rate
+        ```
+    """
     _check_names(optim_cfg)
     optim_cfg = sections.section("optim", optim_cfg, total_steps=total_steps)
     name = optim_cfg["name"]
