@@ -12,7 +12,8 @@ largest absolute difference.
 Only the workdir is needed (config.json, run.json, hashes.jsonl, checkpoints/), on this
 or another machine with the run's device count. A model, loss or data passed to
 `jtrain.train` from Python cannot be rebuilt from the config: pass the same objects to
-`replay(workdir, step, model=..., train_data=..., loss_fn=...)`.
+`replay(workdir, step, model=..., train_data=..., eval_data=..., loss_fn=...)` (eval_data
+too when the run was given one: without it the train data is split as the run's was not).
 
 Exit codes: 0 reproduced, 7 not reproduced, 2 a bad command line or a path that is not
 a run (one line). One JSON line on stdout; the human lines on stderr.
@@ -51,8 +52,8 @@ def read_run(workdir: str, flag: str = "RUN") -> dict:
                          ) from None
 
 
-def replay(workdir: str, step: int, *, model=None, train_data=None, loss_fn=None,
-           say=None) -> dict:
+def replay(workdir: str, step: int, *, model=None, train_data=None, eval_data=None,
+           loss_fn=None, say=None) -> dict:
     """Re-runs step `step` of the run in `workdir` (see the module docstring); returns
     {"step", "from_step", "recorded", "replayed", "reproduced", "examples_match",
     "leaf", "max_abs_diff"} ("leaf": the first differing leaf against the checkpoint at
@@ -65,6 +66,7 @@ def replay(workdir: str, step: int, *, model=None, train_data=None, loss_fn=None
         # runs/a: jtrain.train(config, "runs/a", model=Net, train_data=(x, y)) with
         # config["debug"] = {"hash_every_steps": 10}, the hashes replay compares with
         r = replay("runs/a", 150, model=Net, train_data=(x, y))   # what the run was given
+        # a run given eval_data=(xe, ye) too: replay(..., eval_data=(xe, ye))
         assert r["reproduced"], (r["recorded"], r["replayed"], r["leaf"])
         ```
     """
@@ -87,7 +89,7 @@ def replay(workdir: str, step: int, *, model=None, train_data=None, loss_fn=None
     cfg = config_lib.resolve(recorded_cfg)
     config_lib.validate(cfg, num_devices=jax.device_count())
     precision_lib.set_deterministic(cfg.deterministic)
-    user = data_lib.UserData(train_data, None, processes=lambda: (0, 1))
+    user = data_lib.UserData(train_data, eval_data, processes=lambda: (0, 1))
     user.settings(cfg.data)
     data = data_lib.prepare(cfg.data, user, seed=cfg.seed, gather=mesh_lib.process_values)
     b = build(cfg, sample=model_sample(cfg, data.train_example), eval_example=data.example,

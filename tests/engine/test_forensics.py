@@ -25,7 +25,7 @@ def _data():  # 40 rows of 4 features, class 1 where the first is positive
     return mydata.make(40, train=None)
 
 
-def _train(workdir, **over):
+def _train(workdir, eval_data=None, **over):
     cfg = {"total_steps": 6, "seed": 0, "data": {"batch_size": 8},
            "eval": {"every_steps": 0}, "checkpoint": {"every_steps": 2, "max_to_keep": 5},
            "log": {"verbosity": 0, "writers": ("jsonl",)},
@@ -34,7 +34,8 @@ def _train(workdir, **over):
     for k, v in over.items():
         section, key = k.split("__")
         cfg[section] = {**cfg[section], key: v}
-    return jtrain.train(cfg, str(workdir), model=Net(), train_data=_data())
+    return jtrain.train(cfg, str(workdir), model=Net(), train_data=_data(),
+                        eval_data=eval_data)
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +85,14 @@ def test_diff_of_identical_runs_and_of_one_changed_key(runs):
 def test_replay_reproduces_a_recorded_step_bitwise(runs):
     out = replay_lib.replay(str(runs / "a"), 5, model=Net(), train_data=_data())
     assert out["reproduced"] and out["from_step"] == 4 and out["examples_match"], out
+
+
+def test_replay_of_a_run_given_its_own_eval_data(tmp_path):
+    held_out = {k: v[40:] for k, v in mydata.make(56, train=None).items()}
+    _train(tmp_path / "e", eval_data=held_out)
+    out = replay_lib.replay(str(tmp_path / "e"), 5, model=Net(), train_data=_data(),
+                            eval_data=held_out)
+    assert out["reproduced"] and out["examples_match"], out
 
 
 def test_replay_reports_a_planted_nondeterministic_op(tmp_path, monkeypatch):
