@@ -313,7 +313,9 @@ class Checkpointer:
         except Exception as e:
             step = self._inflight[0] if self._inflight else "?"
             first = first_line(e)[:300]
-            what = f"saving checkpoint step {step} in {self.directory}"  # disk full: named
+            where = (f"{self.mirror.uri}/checkpoints" if self.mirror is not None
+                     else self.directory)
+            what = f"saving checkpoint step {step} in {where}"  # disk full: named
             raise CheckpointError(f"{what} failed: {type(e).__name__}: {first}", what=what) \
                 from e
 

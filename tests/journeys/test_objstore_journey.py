@@ -14,27 +14,9 @@ from pathlib import Path
 
 from journey import free_address, run_python, s3_server, user_dir, user_env
 from test_doc_examples import _argv, bash_lines, blocks
+from test_forensics_journey import CONFIG  # the user's Linen model and data, 8 steps
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "object-storage.md"
-
-CONFIG = '''
-from jtrain.config import defaults
-
-
-def get_config():
-    c = defaults(model="user")
-    c.model.factory = "linen_classifier:Net"
-    c.seed = 0
-    c.total_steps = 8
-    c.data.source = "mydata:make"
-    c.data.kwargs = {"n": 48, "train": None}
-    c.data.batch_size = 8
-    c.eval.every_steps = 0
-    c.checkpoint.every_steps = 2
-    c.log.writers = ("jsonl",)
-    c.debug.hash_every_steps = 1
-    return c
-'''
 
 
 def page_lines(bucket: str) -> list[list[str]]:
