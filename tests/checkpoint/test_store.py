@@ -4,6 +4,9 @@ started here): a step is uploaded, then committed by its marker; a step without 
 a server killed mid-upload and restarted leaves no committed step behind; the keep
 policy's deletions reach the bucket; errors are one line naming the URI."""
 
+import os
+import pathlib
+import shutil
 import uuid
 
 import pytest
@@ -143,3 +146,38 @@ def test_errors_are_one_line_naming_the_uri(s3, monkeypatch):
     monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # keys checked now
     with pytest.raises(WorkdirError, match=rf"^s3://{bucket}/r: access denied"):
         store.check(f"s3://{bucket}/r")
+
+
+def test_push_uploads_what_changed_and_a_reader_deletes_nothing(s3, monkeypatch):
+    uri = f"s3://{s3[2]}/files"
+    train(uri, [1, 2], keep_top_k=0)
+    mirror = owner(uri)
+    mirror.pull()
+    tmp = pathlib.Path(mirror.local)
+    (tmp / "tb").mkdir()
+    (tmp / "tb" / "events.out.tfevents.1").write_bytes(b"event-1")
+    (tmp / "metrics.jsonl").write_text('{"step": 1}\n')
+    sent = []
+    put = store.Mirror._call
+
+    def counting(self, doing, fn, *args, **kwargs):
+        if doing == "uploading":
+            sent.append(sorted(p.rsplit("/files/", 1)[1] for p in args[1]))
+        return put(self, doing, fn, *args, **kwargs)
+
+    monkeypatch.setattr(store.Mirror, "_call", counting)
+    mirror.push()
+    (tmp / "tb" / "events.out.tfevents.1").write_bytes(b"event-1 event-2")
+    mirror.push()
+    mirror.push()
+    mirror.close()
+    assert sent == [["metrics.jsonl", "tb/events.out.tfevents.1"],
+                    ["tb/events.out.tfevents.1"]]
+    fs = store.filesystem(uri)
+    assert fs.cat(f"{s3[2]}/files/tb/events.out.tfevents.1") == b"event-1 event-2"
+
+    with store.local_copy(uri, write_back=True) as run:  # e.g. jtrain evaluate
+        assert sorted(os.listdir(f"{run}/checkpoints")) == ["1", "2"]
+        shutil.rmtree(f"{run}/checkpoints/1")
+        (pathlib.Path(run) / "eval_2.json").write_text("{}")
+    assert fs.exists(f"{s3[2]}/files/eval_2.json") and committed(uri) == [1, 2]

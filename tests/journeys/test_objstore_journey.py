@@ -57,6 +57,9 @@ def test_train_kill_resume_evaluate_export_from_a_bucket(tmp_path):
         summary = json.loads(fs.cat(f"{bucket}/runs/exp1/summary.json"))
         expected = json.loads((tmp_path / "runs/ref/summary.json").read_text())
         assert summary["step"] == 8 and summary["state_sha256"] == expected["state_sha256"]
+        # the records of both sessions, the killed one's past its checkpoint dropped
+        assert fs.cat(f"{bucket}/runs/exp1/hashes.jsonl").decode() == \
+            (tmp_path / "runs/ref/hashes.jsonl").read_text()
         assert json.loads(resumed.stdout.splitlines()[-1])["workdir"] == run
         assert f"wrote eval_8.json in {run}" in evaluated.stdout
         assert json.loads(fs.cat(f"{bucket}/runs/exp1/eval_8.json"))["step"] == 8
