@@ -124,8 +124,12 @@ def parse_flags(argv, fv: flags.FlagValues) -> list[str]:
 
 
 def run_log(fv) -> tuple[str, int] | None:
-    """Library logs into WORKDIR/train.log unless verbosity 2 (jtrain.observe.liblogs)."""
-    if not fv.workdir or fv.print_config:
+    """Library logs into WORKDIR/train.log unless verbosity 2 (jtrain.observe.liblogs).
+    A workdir on an object store: on the console (its train.log is a staging copy's,
+    made later, uploaded whole)."""
+    from jtrain.checkpoint.store import is_remote
+
+    if not fv.workdir or fv.print_config or is_remote(fv.workdir):
         return None
     verbosity = fv.verbosity
     if verbosity is None:
