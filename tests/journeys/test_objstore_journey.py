@@ -36,6 +36,9 @@ def test_train_kill_resume_evaluate_export_from_a_bucket(tmp_path):
     user_dir(tmp_path, ["linen_classifier", "mydata"], {"cfg.py": CONFIG})
     train = ["-m", "jtrain.main", "--config=cfg.py"]
     with s3_server(bucket) as (_, env):
+        # a killed run leaves its staging copy in TMPDIR: this test's, not the machine's
+        (tmp_path / "tmp").mkdir()
+        env = {**env, "TMPDIR": str(tmp_path / "tmp")}
         fs = fsspec.filesystem("s3", skip_instance_cache=True)
         ref = run_python(tmp_path, *train, "--workdir=runs/ref")
         assert ref.returncode == 0, ref.stderr[-2000:]
@@ -77,6 +80,8 @@ def test_train_kill_resume_evaluate_export_from_a_bucket(tmp_path):
         replay = run_python(tmp_path, "-m", "jtrain.replay", run, "--step=5", **env)
         assert replay.returncode == 0, replay.stderr[-2000:]
         assert json.loads(replay.stdout)["reproduced"] is True
+        # every command removed its staging copy; the killed run could not
+        assert len(list((tmp_path / "tmp").glob("jtrain-run-*"))) == 1
 
     nowhere = f"http://{free_address()}"  # a loopback port nothing listens on
     dead = run_python(tmp_path, *train, f"--workdir=s3://{bucket}/runs/x",
