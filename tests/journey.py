@@ -4,6 +4,7 @@ PYTHONPATH into this repository, no XLA_FLAGS faking devices, no conftest — an
 JAX. `python -m` and `python script.py` put the cwd / the script's folder on sys.path,
 so the user's own modules import as they would for them."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -98,3 +99,39 @@ def metric_by_step(workdir, key: str = "train/loss") -> dict:
     with open(os.path.join(str(workdir), "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     return {r["step"]: r[key] for r in rows if key in r}
+
+
+@contextlib.contextmanager
+def s3_server(*buckets: str):
+    """A real S3-protocol server (moto's server mode) on 127.0.0.1 and a free port, with
+    `buckets` created; yields (server, env): `env` is what a user's shell sets for it
+    (AWS_ENDPOINT_URL, dummy credentials, no config file of this machine's), for
+    run_python(..., **env) and for the test's own client (set in os.environ meanwhile).
+    The buckets' contents live in this process (moto's backend) across a server's stop
+    and a new server on the same port."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing-secret-value", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+           "AWS_EC2_METADATA_DISABLED": "true"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        import fsspec
+
+        fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        for bucket in buckets:
+            fs.mkdir(bucket)
+        yield server, env
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        with contextlib.suppress(Exception):  # a test may have stopped it already
+            server.stop()

@@ -12,6 +12,8 @@
                 `init_from=hf:DIR` reading, config checks, `checkpoint.init_map`
     hf_export   `export --format=hf`: a directory transformers loads (needs the hf extra)
     verify      `--verify_resume`: kill/restart chaos run vs an uninterrupted one
+    store       a run directory on object storage (s3://, gs://, through fsspec): the
+                staging copy, steps committed by a marker after their upload
 
 Public names: Checkpointer, CheckpointReader, Start, abstract_with_shardings, and the
 errors RestoreError, CheckpointError (from jtrain.errors).

@@ -47,7 +47,7 @@ from jtrain import optim
 from jtrain import state as state_lib
 from jtrain.checkpoint import export as export_lib
 from jtrain.checkpoint import hf
-from jtrain.checkpoint import integrity
+from jtrain.checkpoint import integrity, store
 from jtrain.errors import ConfigError, ExportError, RestoreError
 from jtrain.models import lora
 from jtrain.observe.console import say
@@ -55,8 +55,17 @@ from jtrain.observe.console import say
 
 def init_from(ckpt_cfg, abstract_state, init_fn):
     """(state, origin): `origin` is the header's start-up line, `initialized from PATH
-    (step S, K leaves, E excluded)`."""
-    path = ckpt_cfg.init_from
+    (step S, K leaves, E excluded)`. A run or an export in a bucket (s3://, gs://) is read
+    from a staging copy (its committed steps only)."""
+    uri = ckpt_cfg.init_from
+    if not store.is_remote(uri):
+        return _init_from(ckpt_cfg, uri, abstract_state, init_fn)
+    with store.local_copy(uri, say=say) as local:
+        state, origin = _init_from(ckpt_cfg, local, abstract_state, init_fn, shown=uri)
+    return state, origin
+
+
+def _init_from(ckpt_cfg, path: str, abstract_state, init_fn, shown: str | None = None):
     from_hf = path.startswith(hf.HF_PREFIX)
     local = path[len(hf.HF_PREFIX):] if from_hf else path
     if not os.path.exists(local):
@@ -72,7 +81,9 @@ def init_from(ckpt_cfg, abstract_state, init_fn):
         if from_hf:
             loaded, source, source_step = _load_hf(ckpt_cfg, local, target, excludes)
         else:
-            loaded, source, source_step = _load(ckpt_cfg, abstract_state.ema is not None)
+            loaded, source, source_step = _load(ckpt_cfg, path,
+                                                abstract_state.ema is not None)
+            source = shown or source
     except ExportError as e:
         raise RestoreError(f"checkpoint.init_from: {e}") from None
 
@@ -105,7 +116,7 @@ def init_from(ckpt_cfg, abstract_state, init_fn):
         + ("; the source's LoRA adapters are not used: export it with --merge_lora"
            if any(lora.is_adapter(p) for p in unused) else "")
         + "; starting at step 0")
-    origin = (f"initialized {into + ' ' if into else ''}from {path} ("
+    origin = (f"initialized {into + ' ' if into else ''}from {shown or path} ("
               + ("Hugging Face weights" if from_hf else f"step {source_step}")
               + f", {len(taken)} leaves, "
               f"{len(excluded)} excluded)")
@@ -133,10 +144,10 @@ def _inside(target: dict, into: str, with_opt: bool) -> dict:
     return view
 
 
-def _load(ckpt_cfg, with_ema: bool):
-    """(leaves as "params/<path>", "opt_state/...", "ema/<path>", source, step) of an
-    export or a run, renamed by checkpoint.init_map."""
-    path, with_opt = ckpt_cfg.init_from, ckpt_cfg.init_from_opt
+def _load(ckpt_cfg, path: str, with_ema: bool):
+    """(leaves as "params/<path>", "opt_state/...", "ema/<path>", source, step) of the
+    export or run at `path`, renamed by checkpoint.init_map."""
+    with_opt = ckpt_cfg.init_from_opt
     if export_lib.is_export(path):
         if with_opt:
             raise RestoreError(f"checkpoint.init_from={path} is an export (parameters "

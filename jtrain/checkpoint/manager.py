@@ -109,12 +109,14 @@ class Checkpointer:
         ```
     """
 
-    def __init__(self, workdir: str, config, data_info: dict | None = None):
+    def __init__(self, workdir: str, config, data_info: dict | None = None, *,
+                 mirror=None):
         if not hasattr(config, "checkpoint"):
             raise TypeError("Checkpointer(workdir, run_config): it owns (and cleans up) "
                             "WORKDIR/checkpoints; for read-only access use CheckpointReader")
         self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
         self.cfg = config.checkpoint
+        self.mirror = mirror  # checkpoint.store.Mirror: a workdir on an object store
         resolved = redact(config.to_dict())
         self.control = control_lib.RunControl(
             # the hash of what is stored: a hash of the secrets would confirm a guess
@@ -297,12 +299,13 @@ class Checkpointer:
                 self.control.record_eval(entry["step"], entry, self.cfg.monitor)
         if step in self._mngr.all_steps():
             return False
+        self._raise_background_error(lambda: self._mngr.wait_until_finished())
+        self.push()
         self.control.stopped_by = stopped_by
         if monitors is not None:
             self.control.monitors = monitors
         if skip_ledger is not None:
             self.control.skip_ledger = list(skip_ledger)
-        self._raise_background_error(lambda: self._mngr.wait_until_finished())
         self._inflight = (step, integrity.tree_spec(state))
         self._raise_background_error(lambda: self._mngr.save(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeSave(state),
@@ -326,6 +329,14 @@ class Checkpointer:
             raise CheckpointError(f"cannot find the temporary directory of step {step}")
         faults.tear(step, tmp[0])  # debug.faults torn_ckpt: a crash mid-write
         integrity.write_manifest(tmp[0], step, spec)
+        if self.mirror is not None:  # uploaded, then committed: visible only when whole
+            self.mirror.commit_step(step, tmp[0])
+
+    def push(self) -> None:
+        """A workdir on an object store: the run's changed files uploaded and the steps
+        the keep policy dropped deleted there (between saves: no upload in flight)."""
+        if self.mirror is not None:
+            self.mirror.push()
 
     def _raise_background_error(self, fn):
         try:
@@ -333,7 +344,9 @@ class Checkpointer:
         except Exception as e:
             step = self._inflight[0] if self._inflight else "?"
             first = first_line(e)[:300]
-            what = f"saving checkpoint step {step} in {self.directory}"  # disk full: named
+            where = (f"{self.mirror.uri}/checkpoints" if self.mirror is not None
+                     else self.directory)
+            what = f"saving checkpoint step {step} in {where}"  # disk full: named
             raise CheckpointError(f"{what} failed: {type(e).__name__}: {first}", what=what) \
                 from e
 
@@ -364,6 +377,7 @@ class Checkpointer:
     def close(self) -> None:
         try:
             self.wait()
+            self.push()
         finally:
             try:
                 self._mngr.close()

@@ -8,6 +8,7 @@ import sys
 
 from absl import logging as absl_logging
 
+from jtrain.checkpoint import store
 from jtrain.engine.diff import diff_runs, lines
 from jtrain.errors import EXIT_DIFFERENT, UsageError
 
@@ -23,7 +24,11 @@ def main(fv, args, argv=None) -> int:
     if len(args) != 2:
         raise UsageError("usage: jtrain diff RUN_A RUN_B (two run directories)")
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes on every restore
-    result = diff_runs(*args)
+    with store.local_copy(args[0]) as a, store.local_copy(args[1]) as b:  # s3://, gs://
+        result = diff_runs(a, b)
+    for key, given in zip(("run_a", "run_b"), args, strict=True):
+        if store.is_remote(given):  # named as given, not by its staging copy
+            result[key] = given
     for line in lines(result):
         sys.stderr.write(line + "\n")
     print(json.dumps(result, default=str))

@@ -8,6 +8,7 @@ import os
 from absl import flags
 from absl import logging as absl_logging
 
+from jtrain.checkpoint import store
 from jtrain.engine.checkpoint_eval import evaluate_checkpoint, headline
 from jtrain.errors import EvaluateError, JtrainError, UsageError, first_line
 
@@ -34,16 +35,18 @@ def main(fv, args, argv=None) -> int:
     if not fv.workdir:
         raise UsageError("--workdir: required (the run's directory)")
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every restore at INFO
-    try:
-        report = evaluate_checkpoint(fv.workdir, step=fv.step, data=fv.data,
-                                     num_batches=fv.num_batches,
-                                     plots=fv.plots and not fv.no_plots,
-                                     weights=fv.weights)
+    try:  # a bucket's run (s3://, gs://): read from a staging copy, the report uploaded
+        with store.local_copy(fv.workdir, write_back=True) as workdir:
+            report = evaluate_checkpoint(workdir, step=fv.step, data=fv.data,
+                                         num_batches=fv.num_batches,
+                                         plots=fv.plots and not fv.no_plots,
+                                         weights=fv.weights)
     except (FileNotFoundError, ValueError) as e:
         if isinstance(e, JtrainError):
             raise
         raise EvaluateError(first_line(e)) from None
     print(f"jtrain: eval of step {report['step']} on {report['data']} "
           f"({report['num_examples']:,} examples): {headline(report['metrics'])}")
-    print(f"jtrain: wrote {', '.join(report.get('files', []))} in {os.path.abspath(fv.workdir)}")
+    shown = fv.workdir if store.is_remote(fv.workdir) else os.path.abspath(fv.workdir)
+    print(f"jtrain: wrote {', '.join(report.get('files', []))} in {shown}")
     return 0

@@ -11,6 +11,7 @@ from absl import flags
 
 from jtrain.checkpoint import export as export_lib
 from jtrain.checkpoint import hf_export  # imports transformers only when used
+from jtrain.checkpoint import store
 from jtrain.errors import ExportError, UsageError, classify, first_line
 
 PROG = "python -m jtrain.export"
@@ -58,9 +59,12 @@ def main(fv, args, argv=None) -> int:
         raise UsageError("--out: required (the export directory)")
     try:
         run_export = hf_export.export if fv.format == "hf" else export_lib.export
-        record = run_export(args[0], fv.out, step=fv.step, dtype=fv.dtype,
-                            merge_lora=fv.merge_lora, weights=fv.weights,
-                            member=fv.member, subtree=fv.subtree)
+        # s3:// or gs://: the run read from a staging copy, the export written to one
+        # and uploaded when it is whole
+        with store.local_copy(args[0]) as run, store.local_copy(fv.out, pull=False) as out:
+            record = run_export(run, out, step=fv.step, dtype=fv.dtype,
+                                merge_lora=fv.merge_lora, weights=fv.weights,
+                                member=fv.member, subtree=fv.subtree)
     except OSError as e:
         known = classify(e, fv.out, flag="--out")  # --out on a full or read-only disk
         if known is not e:

@@ -9,6 +9,7 @@ import sys
 from absl import flags
 from absl import logging as absl_logging
 
+from jtrain.checkpoint import store
 from jtrain.engine.replay import replay
 from jtrain.errors import EXIT_DIFFERENT, UsageError
 
@@ -34,7 +35,8 @@ def main(fv, args, argv=None) -> int:
     def say(line):
         sys.stderr.write(line + "\n")
 
-    result = replay(workdir, fv.step, say=say)
+    with store.local_copy(workdir) as local:  # a bucket's run: a staging copy
+        result = replay(local, fv.step, say=say)
     if result["reproduced"]:
         say(f"jtrain: replay: step {fv.step} reproduced bitwise (hash "
             f"{result['replayed'][:16]}...)")

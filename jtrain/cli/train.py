@@ -124,8 +124,12 @@ def parse_flags(argv, fv: flags.FlagValues) -> list[str]:
 
 
 def run_log(fv) -> tuple[str, int] | None:
-    """Library logs into WORKDIR/train.log unless verbosity 2 (jtrain.observe.liblogs)."""
-    if not fv.workdir or fv.print_config:
+    """Library logs into WORKDIR/train.log unless verbosity 2 (jtrain.observe.liblogs).
+    A workdir on an object store: on the console (its train.log is a staging copy's,
+    made later, uploaded whole)."""
+    from jtrain.checkpoint.store import is_remote
+
+    if not fv.workdir or fv.print_config or is_remote(fv.workdir):
         return None
     verbosity = fv.verbosity
     if verbosity is None:
@@ -151,7 +155,12 @@ def main(fv: flags.FlagValues, args: list[str], argv: list[str]) -> int:
     # orbax and others log every save at INFO through absl; jtrain prints its own lines.
     absl_logging.set_verbosity(absl_logging.WARNING)
     if fv.verify_resume:
-        from jtrain.checkpoint import verify
+        from jtrain.checkpoint import store, verify
+
+        if store.is_remote(fv.workdir):  # it watches the runs' checkpoint folders
+            raise errors.ConfigError("--verify_resume", "needs a local --workdir (it "
+                                     "watches the runs' files as they are written); "
+                                     f"{fv.workdir} is on an object store")
 
         return verify.run_from_cli(["jtrain", *argv], fv.workdir, kills=fv.verify_kills,
                                    negative_control=fv.verify_negative_control)
@@ -174,7 +183,7 @@ def main(fv: flags.FlagValues, args: list[str], argv: list[str]) -> int:
 
 def _start(fv, config: dict):
     """The run's start-up before its page: the one resolution (a bad key or value, or a
-    gs:// workdir: one line before waiting for any peer), the workdir checked,
+    unreachable s3:// workdir: one line before waiting for any peer), the workdir checked,
     `multihost.start` (timeouts from config.distributed; a missing peer, a busy port or
     no cluster for --distributed=auto: one line), processes other than 0 quieted.
     Returns the resolved config."""

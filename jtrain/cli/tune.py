@@ -18,7 +18,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from jtrain.cli import runner as cli
-from jtrain.errors import ConfigError, UsageError
+from jtrain.errors import ConfigError, UsageError, WorkdirError
 
 PROG = "python -m jtrain.tune"
 DESCRIPTION = __doc__.split("\n\n", 1)[0]
@@ -92,6 +92,7 @@ def main(fv, args, argv) -> int:
     from jtrain import config as config_lib
     from jtrain.config import space as space_lib
     from jtrain.observe import startup
+    from jtrain.checkpoint import store
     from jtrain.engine.run import check_workdir
 
     startup.mark("imports", boot.since_start())  # flags, config file and imports
@@ -100,6 +101,10 @@ def main(fv, args, argv) -> int:
     if not space_lib.flatten(cfg.tune.space):
         raise ConfigError("tune.space", "empty: nothing to search; e.g. tune.space = "
                           "{'optim': {'lr': ('log_uniform', 1e-4, 1e-1)}}")
+    if store.is_remote(fv.workdir):
+        raise WorkdirError(fv.workdir, "a search's workdir must be a local or mounted path "
+                           "(an object-store workdir is for jtrain train, evaluate, export, "
+                           "diff and replay)")
     workdir = os.path.abspath(fv.workdir)
     check_workdir(workdir)
     # As for a run: the roll call, distributed.* timeouts, the peer heartbeat; a missing

@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import re
 import tempfile
 import time
 from typing import Any, Callable, Sequence
@@ -36,6 +35,7 @@ from jtrain.control import ledger as ledger_lib
 from jtrain.control import watchdog as watchdog_lib
 from jtrain.engine import loop as loop_lib
 from jtrain.engine import summary as summary_lib
+from jtrain.checkpoint import store
 from jtrain.engine import own_step
 from jtrain.engine.assemble import (LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, Build, build,  # noqa: F401
                                     check_run, model_sample)
@@ -44,6 +44,7 @@ from jtrain.observe import compiles as compiles_lib, goodput as goodput_lib
 from jtrain.observe import outputs as outputs_lib
 from jtrain.observe import startup as startup_lib
 from jtrain.observe import writers as writers_lib
+from jtrain.observe.console import say
 from jtrain.observe.redact import redact
 
 
@@ -172,8 +173,30 @@ def train_and_evaluate(config, workdir, given: _Given | None = None, *, on_eval=
     directly, so its messages name command-line flags. `resolved`: `(cfg, notices)` from
     `config.resolve_for_run(config)` when the command resolved the config already (to
     report a bad key before waiting for its peers); the run then uses that object."""
-    given = given or _Given()
-    workdir, t_start = _checked_workdir(workdir), time.perf_counter()
+    given, t_start = given or _Given(), time.perf_counter()
+    if not store.is_remote(workdir):
+        return _train_and_evaluate(config, _checked_workdir(workdir), given, on_eval,
+                                   allow_changes, resolved, t_start, None)
+    check_workdir(workdir)  # s3:// or gs://: a staging copy mirrored to the bucket
+    if jax.process_count() > 1:
+        raise WorkdirError(workdir, "a workdir on an object store is for single-process "
+                           "runs; use a mounted path (e.g. gcsfuse) for several processes")
+    mirror = store.Mirror(workdir, owner=True, say=say)
+    try:
+        mirror.pull()
+        try:
+            return _train_and_evaluate(config, mirror.local, given, on_eval,
+                                       allow_changes, resolved, t_start, mirror)
+        except BaseException:
+            with contextlib.suppress(Exception):  # train.log and summary.json of a halt
+                mirror.push()
+            raise
+    finally:
+        mirror.close()
+
+
+def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_changes,
+                        resolved, t_start: float, mirror) -> TrainResult:
     startup = startup_lib.Startup(compiles_lib.Recorder())
     # Resolved once: a data.source factory runs and a torch DataLoader's settings become
     # data.* inside that resolution (run.json records them as decided).
@@ -211,7 +234,7 @@ def train_and_evaluate(config, workdir, given: _Given | None = None, *, on_eval=
                 check_run(cfg, b, data)
             _precompile(cfg, b, data, startup)
             with startup.phase("state"):  # newest checkpoint, else init_from, else fresh
-                ckpt = checkpoint.Checkpointer(workdir, cfg, data.info)
+                ckpt = checkpoint.Checkpointer(workdir, cfg, data.info, mirror=mirror)
                 start = ckpt.restore_or_init(b.abstract_with_shardings(), b.init)
             ledger = goodput_lib.Ledger(workdir, t_start=t_start, startup=startup,
                                         first_step=start.step or 0,
@@ -226,7 +249,8 @@ def train_and_evaluate(config, workdir, given: _Given | None = None, *, on_eval=
                         else b.model_name,
                         loss_fn=given.loss_fn, decided={**data.decided, **b.decided}),
                     run_ids=control_lib.writer_run_ids(start.control),
-                    determinism=determinism, t_start=t_start)
+                    determinism=determinism, t_start=t_start,
+                    shown=mirror.uri if mirror is not None else None)
             ckpt.control.writer_run_ids = out.writer.run_ids()  # reused on resume
             run = loop_lib.Run(
                 workdir=workdir, build=b, state=start.state, data=data, train_iter=train_iter,
@@ -248,6 +272,8 @@ def train_and_evaluate(config, workdir, given: _Given | None = None, *, on_eval=
                 summary = summary_lib.summarize(cfg, run, state, session)
                 history = (list(ckpt.control.eval_history) if session.stored is not None
                            else session.history)  # finished before: the stored result
+            if mirror is not None:  # summary.json, the last lines of train.log
+                mirror.push()
             return TrainResult(state=state, history=history, summary=summary,
                                train_history=session.train_history)
 
@@ -311,19 +337,16 @@ def _precompile(cfg, b: Build, data, startup) -> None:
                                         mesh_lib.batch_sharding(b.mesh)), mesh=b.mesh)
 
 
-_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
 def check_workdir(path: str) -> None:
-    """A WorkdirError naming the workdir when it cannot be a run's directory: a remote
-    URI (jtrain writes with local file I/O), a file, or not writable. Writing is tried (a
-    file created and removed in the workdir, or in its nearest existing parent when it
-    does not exist yet), not inferred from permission bits: root passes every os.access
-    check, and a read-only file system fails only the write."""
-    if _URI.match(path):
-        raise WorkdirError(f"{path} is a remote URI; jtrain writes its run directory (logs, "
-                           "metrics, checkpoints) with local file I/O: use a local or "
-                           "mounted path (e.g. a gcsfuse or NFS mount)")
+    """A WorkdirError naming the workdir when it cannot be a run's directory: an
+    object-store URI that is not supported or cannot be reached, a file, or not
+    writable. Writing is tried (a file created and removed in the workdir, or in its
+    nearest existing parent when it does not exist yet), not inferred from permission
+    bits: root passes every os.access check, and a read-only file system fails only the
+    write."""
+    if store.is_remote(path):  # s3:// or gs://: reachable and readable, else one line
+        store.check(path)
+        return
     path = parent = os.path.abspath(path)
     while not os.path.exists(parent):  # the nearest existing ancestor must be writable
         parent = os.path.dirname(parent)

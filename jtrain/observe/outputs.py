@@ -94,10 +94,11 @@ def replan_line(start, resolved: dict) -> str | None:
 
 def open_outputs(cfg, workdir: str, *, build, data, start, record: dict,
                  run_ids: dict | None, determinism: str | None,
-                 t_start: float) -> Outputs:
+                 t_start: float, shown: str | None = None) -> Outputs:
     """Writes config.json and run.json, opens the writers, prints the header. `build`: a
     jtrain.engine.assemble.Build, `data`: a jtrain.data.RunData, `start`: the restore-or-init
-    result (its step, origin)."""
+    result (its step, origin). `shown`: the workdir as the header names it (an
+    object-store URI whose staging copy is `workdir`)."""
     primary = jax.process_index() == 0
     resolved = cfg.to_dict()
     if primary:
@@ -115,8 +116,8 @@ def open_outputs(cfg, workdir: str, *, build, data, start, record: dict,
         verbosity=cfg.log.verbosity, log_path=os.path.join(workdir, console.LOG_FILE),
         all_hosts=cfg.log.all_hosts, process_index=jax.process_index())
     peak = perf_lib.peak_flops_per_device(cfg.perf.peak_flops)
-    header = header_lib.describe_run(cfg, build, data, workdir=workdir, origin=start.origin,
-                                     peak=peak, determinism=determinism)
+    header = header_lib.describe_run(cfg, build, data, workdir=shown or workdir,
+                                     origin=start.origin, peak=peak, determinism=determinism)
     replan = replan_line(start, resolved)
     if replan:  # right under "resumed from step N"
         header += "\n" + replan

@@ -1,0 +1,280 @@
+"""Run directories on object storage (`s3://bucket/run`, `gs://bucket/run`) through fsspec.
+
+jtrain writes a run with local file I/O (symlink-safe writes, appends, orbax's renames).
+A workdir on an object store is therefore a local staging copy (a temporary directory)
+mirrored to the bucket by `Mirror`:
+
+- `pull`: the bucket's run into the staging copy before the run (or a command) reads it:
+  every file outside `checkpoints/`, and each checkpoint step that carries the commit
+  marker. A step without the marker is a torn upload: never restored (the owner, a
+  training run, deletes it with a warning; a reader skips it).
+- `commit_step`: a finished step's files uploaded, then the marker `COMMIT` last (an
+  object store has no atomic rename: the marker is the commit). Called from the
+  Checkpointer's post-finalization hook, in the background save thread.
+- `push`: the run's other files (metrics.jsonl, train.log, summary.json, tb/, ...)
+  uploaded when they changed, and the steps the keep policy deleted locally deleted in
+  the bucket (marker first). Called before each save, at the end and on an error.
+
+Credentials come from the environment and the provider's standard chain only (for S3
+botocore's: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE, ~/.aws, instance
+roles; AWS_ENDPOINT_URL for another endpoint); a URI with credentials in it is refused
+(masked). A bucket that cannot be reached or read is one WorkdirError naming the URI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+
+from jtrain.errors import JtrainError, WorkdirError, first_line
+from jtrain.observe.redact import redact_text
+
+COMMIT = "jtrain_committed.json"
+CHECKPOINTS = "checkpoints"
+# scheme -> (fsspec protocol, the package that implements it, the extra that installs it)
+SCHEMES = {"s3": ("s3", "s3fs", "pip install 'jtrain[s3]'"),
+           "gs": ("gcs", "gcsfs", "pip install gcsfs")}
+_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://([^/]*)(/.*)?$")
+_STEP = re.compile(r"^[0-9]+$")
+
+
+def is_remote(path) -> bool:
+    """Whether `path` is a URI (scheme://...) rather than a local path."""
+    return isinstance(path, str) and _URI.match(path) is not None
+
+
+def split(uri: str) -> tuple[str, str]:
+    """(scheme, "bucket/prefix") of a supported URI; else one WorkdirError naming it."""
+    m = _URI.match(uri)
+    if m is None:
+        raise WorkdirError(uri, "not a URI (scheme://bucket/path)")
+    scheme, bucket, rest = m.group(1).lower(), m.group(2), (m.group(3) or "").strip("/")
+    if "@" in bucket:
+        raise WorkdirError(redact_text(uri), "credentials in the URI are refused: jtrain "
+                           "takes them from the environment or the provider's standard "
+                           "chain (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)")
+    if scheme not in SCHEMES:
+        raise WorkdirError(uri, f"{scheme}:// is not a supported store (supported: "
+                           f"{', '.join(s + '://' for s in SCHEMES)}; else a local or "
+                           "mounted path)")
+    if not bucket:
+        raise WorkdirError(uri, "names no bucket")
+    return scheme, f"{bucket}/{rest}" if rest else bucket
+
+
+def filesystem(uri: str, *, quick: bool = False):
+    """The fsspec filesystem of `uri`'s scheme. `quick`: one attempt per request (the
+    start-up check: an unreachable endpoint is one line within seconds, not retried)."""
+    scheme, _ = split(uri)
+    protocol, package, install = SCHEMES[scheme]
+    import fsspec
+
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except ImportError:
+        raise WorkdirError(uri, f"{scheme}:// needs the {package} package ({install})") \
+            from None
+    kwargs: dict = {"skip_instance_cache": True}
+    if quick and scheme == "s3":
+        kwargs.update(config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 10})
+    fs = cls(**kwargs)
+    if quick and hasattr(fs, "retries"):
+        fs.retries = 1  # s3fs's own retry loop around botocore's
+    return fs
+
+
+def failure(uri: str, e: BaseException, doing: str = "") -> WorkdirError:
+    """One WorkdirError naming `uri` for a storage client's exception."""
+    text = f"{type(e).__name__} {e}"
+    doing = f" ({doing})" if doing else ""
+    if isinstance(e, PermissionError) or re.search(
+            r"AccessDenied|Forbidden|InvalidAccessKeyId|SignatureDoesNotMatch|"
+            r"NoCredentials|Unable to locate credentials|\b40[13]\b", text):
+        why = ("access denied: check the credentials in the environment (e.g. "
+               "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE) and the "
+               "bucket's permissions")
+    elif re.search(r"bucket does not exist|NoSuchBucket", text):
+        why = "no such bucket"
+    elif re.search(r"[Cc]onnect|[Ee]ndpoint|[Tt]imeout|[Tt]imed out|resolve", text):
+        why = (f"cannot reach the object store ({first_line(e)[:200]}); check the "
+               "network and AWS_ENDPOINT_URL")
+    else:
+        why = f"{type(e).__name__}: {first_line(e)[:200]}"
+    return WorkdirError(redact_text(uri), why + doing)
+
+
+def check(uri: str) -> None:
+    """The start-up check of a workdir URI: supported, its package installed, its bucket
+    reachable and readable with the environment's credentials (one attempt each)."""
+    _, root = split(uri)
+    fs = filesystem(uri, quick=True)
+    try:
+        fs.ls(root.split("/", 1)[0], refresh=True)
+    except Exception as e:
+        raise failure(uri, e) from None
+
+
+def _files(top: str, skip=()) -> dict[str, os.stat_result]:
+    """{relative path: stat} of the regular files under `top` (no links followed)."""
+    out = {}
+    for d, dirs, names in os.walk(top):
+        rel_d = os.path.relpath(d, top)
+        if rel_d == ".":
+            dirs[:] = [x for x in dirs if x not in skip]
+        for n in names:
+            p = os.path.join(d, n)
+            st = os.lstat(p)
+            if os.path.isfile(p) and not os.path.islink(p) and not n.endswith(".tmp"):
+                out[os.path.normpath(os.path.join(rel_d, n))] = st
+    return out
+
+
+class Mirror:
+    """A run directory at `uri` and its local staging copy (`self.local`).
+
+    `owner`: the training run, the one writer: it deletes torn uploads and the steps its
+    keep policy dropped. A reader (evaluate, export, diff, replay) deletes nothing."""
+
+    def __init__(self, uri: str, *, owner: bool, say=None):
+        self.uri = uri.rstrip("/")
+        self.scheme, self.root = split(self.uri)
+        self.owner, self._say = owner, say or (lambda line: None)
+        self.fs = filesystem(self.uri)
+        self.local = tempfile.mkdtemp(prefix="jtrain-run-")
+        self._pushed: dict[str, tuple[int, int]] = {}  # rel -> (size, mtime_ns) uploaded
+        self._steps: set[int] = set()  # committed steps the local copy holds (or held)
+        self._lock = threading.Lock()
+        self.found = False  # pull found something under the prefix
+
+    def _remote(self, rel: str) -> str:
+        return f"{self.root}/{rel.replace(os.sep, '/')}"
+
+    def _call(self, doing: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except WorkdirError:
+            raise
+        except Exception as e:
+            raise failure(self.uri, e, doing) from None
+
+    # -- reading ------------------------------------------------------------------------
+    def committed_steps(self) -> tuple[list[int], list[int], dict[str, list[str]]]:
+        """(committed steps, torn steps, {rel dir: [rel files]}) in the bucket."""
+        found = self._call("listing", self.fs.find, self.root, detail=False)
+        by_step: dict[str, list[str]] = {}
+        for path in found:
+            rel = path[len(self.root) + 1:] if path.startswith(self.root + "/") else None
+            if not rel:
+                continue
+            parts = rel.split("/")
+            key = "/".join(parts[:2]) if parts[0] == CHECKPOINTS and len(parts) > 2 \
+                else ""
+            by_step.setdefault(key, []).append(rel)
+        committed, torn = [], []
+        for key, rels in by_step.items():
+            if not key:
+                continue
+            name = key.split("/")[1]
+            if not _STEP.match(name):
+                continue
+            (committed if f"{key}/{COMMIT}" in rels else torn).append(int(name))
+        return sorted(committed), sorted(torn), by_step
+
+    def pull(self) -> list[int]:
+        """The bucket's run into the staging copy; returns the committed steps fetched."""
+        committed, torn, by_step = self.committed_steps()
+        for step in torn:
+            if self.owner:
+                self._say(f"warning: {self.uri}/{CHECKPOINTS}/{step}: an unfinished upload "
+                          "(no commit marker); removed")
+                self._call("deleting a torn upload", self.fs.rm,
+                           self._remote(f"{CHECKPOINTS}/{step}"), recursive=True)
+        rels = list(by_step.get("", []))
+        for step in committed:
+            rels += [r for r in by_step[f"{CHECKPOINTS}/{step}"]
+                     if not r.endswith("/" + COMMIT)]
+        if rels:
+            locals_ = [os.path.join(self.local, *r.split("/")) for r in rels]
+            for p in locals_:
+                os.makedirs(os.path.dirname(p), exist_ok=True)
+            self._call("downloading", self.fs.get, [self._remote(r) for r in rels],
+                       locals_)
+        self.found = bool(by_step)
+        self._pushed = {rel: (st.st_size, st.st_mtime_ns) for rel, st in
+                        _files(self.local, skip=(CHECKPOINTS,)).items()}
+        self._steps = set(committed)
+        return committed
+
+    # -- writing ------------------------------------------------------------------------
+    def commit_step(self, step: int, directory: str) -> None:
+        """Uploads a finished step's files from `directory`, then its commit marker."""
+        files = sorted(_files(directory))
+        prefix = f"{CHECKPOINTS}/{step}"
+        with self._lock:
+            self._call(f"uploading checkpoint step {step}", self.fs.put,
+                       [os.path.join(directory, r) for r in files],
+                       [self._remote(f"{prefix}/{r}") for r in files])
+            self._call(f"committing checkpoint step {step}", self.fs.pipe,
+                       self._remote(f"{prefix}/{COMMIT}"),
+                       json.dumps({"step": step, "files": len(files)}).encode())
+            self._steps.add(step)
+
+    def push(self) -> None:
+        """Uploads the run's changed files; deletes in the bucket the steps no longer kept
+        locally (owner only)."""
+        changed = [(rel, (st.st_size, st.st_mtime_ns)) for rel, st in
+                   _files(self.local, skip=(CHECKPOINTS,)).items()
+                   if self._pushed.get(rel) != (st.st_size, st.st_mtime_ns)]
+        if changed:
+            self._call("uploading", self.fs.put,
+                       [os.path.join(self.local, r) for r, _ in changed],
+                       [self._remote(r) for r, _ in changed])
+            self._pushed.update(changed)
+        if not self.owner:
+            return
+        with self._lock:
+            directory = os.path.join(self.local, CHECKPOINTS)
+            kept = {int(n) for n in (os.listdir(directory) if os.path.isdir(directory)
+                                     else ()) if _STEP.match(n)}
+            for step in sorted(self._steps - kept):  # dropped by the keep policy / damaged
+                prefix = self._remote(f"{CHECKPOINTS}/{step}")
+                self._call(f"deleting checkpoint step {step}", self.fs.rm,
+                           f"{prefix}/{COMMIT}")
+                self._call(f"deleting checkpoint step {step}", self.fs.rm, prefix,
+                           recursive=True)
+                self._steps.discard(step)
+
+    def close(self) -> None:
+        shutil.rmtree(self.local, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def local_copy(path: str, *, write_back: bool = False, pull: bool = True, say=None):
+    """`path` itself when local; for a URI, a staging copy of the run (pulled, read-only
+    in the bucket) removed afterwards. `write_back`: files the command added or changed
+    (e.g. an evaluation report) are uploaded when it succeeds. `pull=False`: an empty
+    directory (an output, e.g. export --out=s3://...), uploaded when it succeeds."""
+    if not is_remote(path):
+        yield path
+        return
+    mirror = Mirror(path, owner=False, say=say)
+    try:
+        if pull:
+            mirror.pull()
+            if not mirror.found:
+                raise WorkdirError(mirror.uri, "holds no run (nothing under that prefix)")
+        try:
+            yield mirror.local
+        except JtrainError as e:  # named by its URI, not by the staging copy
+            if mirror.local not in str(e):
+                raise
+            raise type(e)(str(e).replace(mirror.local, mirror.uri)) from None
+        if write_back or not pull:
+            mirror.push()
+    finally:
+        mirror.close()

@@ -1,0 +1,183 @@
+"""checkpoint.store against a real S3-protocol server (moto's server mode on 127.0.0.1,
+started here): a step is uploaded, then committed by its marker; a step without the marker
+(a torn upload) or with a shard missing is never restored: the previous intact step is;
+a server killed mid-upload and restarted leaves no committed step behind; the keep
+policy's deletions reach the bucket; errors are one line naming the URI."""
+
+import os
+import pathlib
+import shutil
+import uuid
+
+import pytest
+
+from jtrain import checkpoint
+from jtrain.checkpoint import store
+from jtrain.errors import WorkdirError
+
+from journey import s3_server
+from test_checkpoint import abstract, make_config, make_state, same
+
+
+@pytest.fixture(scope="module")
+def s3():
+    bucket = f"b-{uuid.uuid4().hex[:12]}"
+    with s3_server(bucket) as (server, env):
+        yield server, env, bucket
+
+
+def owner(uri):
+    return store.Mirror(uri, owner=True, say=lines.append)
+
+
+lines: list[str] = []
+
+
+def train(uri, steps, **ckpt):
+    """A session: pull, Checkpointer on the staging copy, saves, close; returns the
+    step restored at its start."""
+    mirror = owner(uri)
+    try:
+        mirror.pull()
+        ck = checkpoint.Checkpointer(mirror.local, make_config(**ckpt), {"name": "unit"},
+                                     mirror=mirror)
+        start = ck.restore_or_init(abstract(make_state()), make_state)
+        for s in steps:
+            ck.save(s, make_state(s, float(s)), {"pos": s})
+        ck.close()
+        return start
+    finally:
+        mirror.close()
+
+
+def restored(uri):
+    """(step, state) a new session restores from `uri`."""
+    mirror = owner(uri)
+    try:
+        mirror.pull()
+        ck = checkpoint.Checkpointer(mirror.local, make_config(), {"name": "unit"},
+                                     mirror=mirror)
+        start = ck.restore_or_init(abstract(make_state()), make_state)
+        ck.close()
+        return start.step, start.state
+    finally:
+        mirror.close()
+
+
+def committed(uri):
+    return store.Mirror(uri, owner=False).committed_steps()[0]
+
+
+def test_steps_commit_restore_and_the_keep_policy_reaches_the_bucket(s3):
+    uri = f"s3://{s3[2]}/keep"
+    train(uri, [1, 2, 3, 4], max_to_keep=2, keep_top_k=0)
+    assert committed(uri) == [3, 4]  # 1 and 2 dropped by the keep policy, marker first
+    step, state = restored(uri)
+    assert step == 4 and same(state, make_state(4, 4.0))
+
+
+def test_a_step_without_its_marker_or_with_a_shard_missing_is_never_restored(s3):
+    fs = store.filesystem(f"s3://{s3[2]}")
+    for case in ("marker", "shard"):
+        uri = f"s3://{s3[2]}/torn-{case}"
+        train(uri, [1, 2], keep_top_k=0)
+        root = f"{s3[2]}/torn-{case}/checkpoints/2"
+        if case == "marker":  # the upload stopped before its commit
+            fs.rm(f"{root}/{store.COMMIT}")
+        else:  # committed, then an object lost (or a marker written too early)
+            fs.rm(max(fs.find(f"{root}/state"), key=lambda p: fs.size(p)))
+        del lines[:]
+        step, state = restored(uri)
+        assert step == 1 and same(state, make_state(1, 1.0)), case
+        if case == "marker":
+            assert any("checkpoints/2: an unfinished upload" in ln for ln in lines), lines
+            assert not fs.find(root)  # the owner removed the torn upload
+
+
+def test_a_server_killed_mid_upload_and_restarted_leaves_no_committed_step(monkeypatch):
+    from moto.server import ThreadedMotoServer
+
+    bucket = f"k-{uuid.uuid4().hex[:12]}"
+    with s3_server(bucket) as (server, env):
+        killed_mid_upload(server, env, bucket, monkeypatch, ThreadedMotoServer)
+
+
+def killed_mid_upload(server, env, bucket, monkeypatch, ThreadedMotoServer):
+    uri = f"s3://{bucket}/killed"
+    train(uri, [1], keep_top_k=0)
+    port = int(env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    put = store.Mirror._call
+
+    def dying(self, doing, fn, *args, **kwargs):  # half the files, then the server dies
+        if doing.startswith("uploading checkpoint") and len(args) == 2:
+            half = len(args[0]) // 2
+            put(self, doing, fn, args[0][:half], args[1][:half])
+            server.stop()
+        return put(self, doing, fn, *args, **kwargs)
+
+    monkeypatch.setattr(store.Mirror, "_call", dying)
+    with pytest.raises(checkpoint.CheckpointError, match="cannot reach the object store"):
+        train(uri, [2], keep_top_k=0, async_save=False)
+    monkeypatch.undo()
+    again = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    again.start()
+    try:
+        fs = store.filesystem(uri)
+        assert fs.find(f"{bucket}/killed/checkpoints/2")  # a part of it was uploaded
+        assert committed(uri) == [1]
+        step, state = restored(uri)
+        assert step == 1 and same(state, make_state(1, 1.0))
+    finally:
+        again.stop()
+
+
+def test_errors_are_one_line_naming_the_uri(s3, monkeypatch):
+    bucket = s3[2]
+    with pytest.raises(WorkdirError, match=r"^s3://no-such-bucket-x/r: no such bucket$"):
+        store.check("s3://no-such-bucket-x/r")
+    with pytest.raises(WorkdirError) as e:
+        store.check(f"s3://AKIAEXAMPLEKEY:wJalrXUtnFEMI9K@{bucket}/r")
+    assert "credentials in the URI are refused" in str(e.value)
+    assert "wJalrXUtnFEMI9K" not in str(e.value) and "AKIAEXAMPLEKEY" not in str(e.value)
+    with pytest.raises(WorkdirError, match=r"^ftp://h/r: ftp:// is not a supported store"):
+        store.check("ftp://h/r")
+    from moto import settings
+
+    monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # keys checked now
+    with pytest.raises(WorkdirError, match=rf"^s3://{bucket}/r: access denied"):
+        store.check(f"s3://{bucket}/r")
+
+
+def test_push_uploads_what_changed_and_a_reader_deletes_nothing(s3, monkeypatch):
+    uri = f"s3://{s3[2]}/files"
+    train(uri, [1, 2], keep_top_k=0)
+    mirror = owner(uri)
+    mirror.pull()
+    tmp = pathlib.Path(mirror.local)
+    (tmp / "tb").mkdir()
+    (tmp / "tb" / "events.out.tfevents.1").write_bytes(b"event-1")
+    (tmp / "metrics.jsonl").write_text('{"step": 1}\n')
+    sent = []
+    put = store.Mirror._call
+
+    def counting(self, doing, fn, *args, **kwargs):
+        if doing == "uploading":
+            sent.append(sorted(p.rsplit("/files/", 1)[1] for p in args[1]))
+        return put(self, doing, fn, *args, **kwargs)
+
+    monkeypatch.setattr(store.Mirror, "_call", counting)
+    mirror.push()
+    (tmp / "tb" / "events.out.tfevents.1").write_bytes(b"event-1 event-2")
+    mirror.push()
+    mirror.push()
+    mirror.close()
+    assert sent == [["metrics.jsonl", "tb/events.out.tfevents.1"],
+                    ["tb/events.out.tfevents.1"]]
+    fs = store.filesystem(uri)
+    assert fs.cat(f"{s3[2]}/files/tb/events.out.tfevents.1") == b"event-1 event-2"
+
+    with store.local_copy(uri, write_back=True) as run:  # e.g. jtrain evaluate
+        assert sorted(os.listdir(f"{run}/checkpoints")) == ["1", "2"]
+        shutil.rmtree(f"{run}/checkpoints/1")
+        (pathlib.Path(run) / "eval_2.json").write_text("{}")
+    assert fs.exists(f"{s3[2]}/files/eval_2.json") and committed(uri) == [1, 2]
