@@ -83,6 +83,8 @@ class ModelFns:
         nnx_graph: NNX: the split model that `apply` merges the parameters into.
         state_init: `(rng, inputs) -> the model's state beyond parameters` ({} if none).
         existing_state: an NNX instance's current state (BatchNorm statistics).
+        abstract_variables: Linen: `(rng, inputs) -> (annotated abstract params,
+            abstract state)` from one trace (None for the other kinds).
 
     Examples:
         ```python
