@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -60,13 +61,15 @@ def test_a_killed_worker_restarts_the_group_which_resumes_bitwise(tmp_path):
 
     # Ray's sockets live under its temp dir, whose path must stay short; its value also
     # marks every process of this cluster. RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps the
-    # cluster on 127.0.0.1 (the node address, hence the coordinator's).
+    # cluster on 127.0.0.1 (the node address, hence the coordinator's). RAY_AUTH_TOKEN:
+    # the cluster's token given, so Ray does not write one into the home directory.
     ray_tmp = tempfile.mkdtemp(prefix="jtray")
     driver = subprocess.Popen(
         [sys.executable, str(LAUNCH / "ray_job.py"), "--num_workers=2", "--address=local",
          "--cpu_devices=1", "--grace_s=3", "--", *RUN, "--config.checkpoint.every_steps=2",
          "--config.debug.faults=kill@7:p1", "--workdir=run"],
-        cwd=cwd, env=env(RAY_TMPDIR=ray_tmp, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"),
+        cwd=cwd, env=env(RAY_TMPDIR=ray_tmp, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+                RAY_AUTH_TOKEN=secrets.token_hex(16)),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         rc, out, err = finish(driver, timeout=420)
