@@ -146,7 +146,7 @@ def train_and_evaluate(config, workdir, given: _Given | None = None, *, on_eval=
                 check_run(cfg, b, data)
             _precompile(cfg, b, data, startup)
             with startup.phase("state"):  # newest checkpoint, else init_from, else fresh
-                ckpt = checkpoint.Checkpointer(workdir, cfg, data.info)
+                ckpt = checkpoint.open_checkpoints(workdir, cfg, data.info)
                 start = ckpt.restore_or_init(b.abstract_with_shardings(), b.init)
             ledger = goodput_lib.Ledger(workdir, t_start=t_start, startup=startup,
                                         first_step=start.step or 0,
