@@ -40,7 +40,7 @@ from typing import Any
 
 import jax
 
-from jtrain.checkpoint.manager import Checkpointer, Start
+from jtrain.checkpoint.manager import Checkpointer, CheckpointReader, Start
 from jtrain.control import faults
 from jtrain.errors import ConfigError
 from jtrain.observe.console import say
@@ -73,6 +73,18 @@ def local_folder(workdir: str, local_dir: str) -> str:
         raise ConfigError("checkpoint.local_dir", f"cannot read {path}: {e}; delete it to "
                           "start the local tier afresh") from None
     return os.path.join(os.path.abspath(os.path.expanduser(local_dir)), run_id)
+
+
+def local_steps(workdir: str, local_dir: str) -> list[int]:
+    """The finished steps (a manifest present) of the run's local tier, read only: what
+    --verify_resume expects a restart to resume from, with `newer_tier`."""
+    try:
+        with open(os.path.join(workdir, ID_FILE), encoding="utf-8") as f:
+            run_id = str(json.load(f)["id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    folder = os.path.join(os.path.abspath(os.path.expanduser(local_dir)), run_id)
+    return CheckpointReader(folder).all_steps() if os.path.isdir(folder) else []
 
 
 def newer_tier(local: int | None, persistent: int | None) -> str | None:

@@ -153,8 +153,10 @@ def main(fv: flags.FlagValues, args: list[str], argv: list[str]) -> int:
     if fv.verify_resume:
         from jtrain.checkpoint import verify
 
+        local_dir = str(fv.config.get("checkpoint", {}).get("local_dir", "") or "")
         return verify.run_from_cli(["jtrain", *argv], fv.workdir, kills=fv.verify_kills,
-                                   negative_control=fv.verify_negative_control)
+                                   negative_control=fv.verify_negative_control,
+                                   local_dir=local_dir)
     if fv.dry_run:
         _dry_run(fv)
         return 0

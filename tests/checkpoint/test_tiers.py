@@ -76,6 +76,9 @@ def test_local_newer_restores_the_local_step_exactly(two_tiers, capsys):
     assert start.origin == "resumed from step 8 (local tier)"
     assert same(start.state, make_state(8, 8.0))
     assert ck.local.directory.startswith(str(local_dir) + os.sep)
+    # What --verify_resume reads to know where a restart resumes from.
+    assert tiers.local_steps(str(workdir), str(local_dir)) == [8]
+    assert tiers.local_steps(str(local_dir), str(local_dir)) == []  # not a workdir
     # The local tier keeps its newest step; a step the persistent tier saves is not local.
     save_steps(ck, range(9, 13))
     assert ck.persistent.all_steps() == [5, 10] and local_steps(ck) == [12]
