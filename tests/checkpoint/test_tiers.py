@@ -169,3 +169,13 @@ def test_bad_local_tier_settings_are_one_line(ckpt, faults_text, why):
     line = errors.render(e.value)
     assert line.startswith("jtrain: config error: ") and why in line, line
     assert "\n" not in line and errors.exit_code(e.value) == 2
+
+
+def test_a_multi_process_run_with_a_local_tier_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(tiers.jax, "process_count", lambda: 2)
+    with pytest.raises(jtrain.ConfigError) as e:
+        tiers.open_checkpoints(str(tmp_path / "run"), cfg_for(tmp_path / "local"))
+    assert errors.render(e.value) == (
+        "jtrain: config error: checkpoint.local_dir: the local tier is implemented for one "
+        "process only; unset it for a multi-process run")
+    assert not (tmp_path / "local").exists()
