@@ -135,3 +135,35 @@ def s3_server(*buckets: str):
                 os.environ[k] = v
         with contextlib.suppress(Exception):  # a test may have stopped it already
             server.stop()
+
+
+def nnx_mlp_config(total_steps: int, eval_every: int, log_every: int,
+                   checkpoint_every: int) -> str:
+    """A user's cfg.py for tests/projects/nnx_mlp.py (batch 8, lr 0.05 after one warmup
+    step, one eval batch, jsonl metrics, a state hash every step)."""
+    return f'''
+from jtrain.config import defaults
+
+
+def get_config():
+    c = defaults(model="user")
+    c.model.factory = "nnx_mlp:make"
+    c.data.source = "nnx_mlp:data"
+    c.data.batch_size = 8
+    c.total_steps = {total_steps}
+    c.optim.update(lr=0.05, warmup_steps=1)
+    c.eval.update(every_steps={eval_every}, num_batches=1)
+    c.log.update(every_steps={log_every}, writers=("jsonl",))
+    c.checkpoint.every_steps = {checkpoint_every}
+    c.debug.hash_every_steps = 1
+    return c
+'''
+
+
+def marked_block(page, test_file: str) -> str:
+    """The python block of docs page `page` marked `<!-- tested: TEST_FILE -->`, as a
+    user copies it."""
+    with open(page, encoding="utf-8") as f:
+        text = f.read()
+    block = text.split(f"<!-- tested: {test_file} -->\n```python\n", 1)[1]
+    return block.split("```", 1)[0]

@@ -4,6 +4,8 @@
                 the read-only CheckpointReader
     integrity   our manifest under orbax: per-file size + CRC-32, tree spec, quarantine
     policy      which checkpoints are kept; priority of background writes
+    tiers       the fast local tier beside the persistent one (checkpoint.local_dir):
+                which tier saves a step, which one a restart restores, lost_local
     init_from   `checkpoint.init_from`: a new run from an export, another run, or
                 Hugging Face weights (hf:DIR)
     export      parameters as safetensors (`python -m jtrain.export`)
@@ -15,13 +17,15 @@
     store       a run directory on object storage (s3://, gs://, through fsspec): the
                 staging copy, steps committed by a marker after their upload
 
-Public names: Checkpointer, CheckpointReader, Start, abstract_with_shardings, and the
+Public names: Checkpointer, CheckpointReader, Start, Tiers, open_checkpoints,
+abstract_with_shardings, and the
 errors RestoreError, CheckpointError (from jtrain.errors).
 """
 
 from jtrain.checkpoint.manager import (Checkpointer, CheckpointReader, Start,
                                        abstract_with_shardings)
+from jtrain.checkpoint.tiers import Tiers, open_checkpoints
 from jtrain.errors import CheckpointError, RestoreError
 
 __all__ = ["CheckpointError", "CheckpointReader", "Checkpointer", "RestoreError", "Start",
-           "abstract_with_shardings"]
+           "Tiers", "abstract_with_shardings", "open_checkpoints"]

@@ -18,6 +18,8 @@ Start-up precedence (`Checkpointer.restore_or_init`; also in WORKSPACE.md):
      optimizer state with checkpoint.init_from_opt; checkpoint.init_exclude keeps
      matching leaves freshly initialized); the run starts at step 0;
   3. else a fresh init.
+(With checkpoint.local_dir, `jtrain.checkpoint.tiers` runs a second Checkpointer on
+the local tier's folder and restores the newer of the two tiers' newest intact steps.)
 Resuming refuses a changed config (one line listing the changed keys, exit 3) unless
 the keys match `checkpoint.allow_changes`; accepted changes are recorded in the record.
 A checkpoint whose tree differs from the model (shape, dtype, missing or extra leaf)
@@ -110,11 +112,14 @@ class Checkpointer:
     """
 
     def __init__(self, workdir: str, config, data_info: dict | None = None, *,
-                 mirror=None):
+                 mirror=None, directory: str | None = None, keep: Any = None):
+        """`mirror`: a workdir on an object store (checkpoint.store.Mirror); `directory`,
+        `keep`: another tier's folder and orbax preservation policy
+        (`jtrain.checkpoint.tiers`: the local tier, which keeps its newest step only)."""
         if not hasattr(config, "checkpoint"):
             raise TypeError("Checkpointer(workdir, run_config): it owns (and cleans up) "
                             "WORKDIR/checkpoints; for read-only access use CheckpointReader")
-        self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+        self.directory = directory or os.path.join(os.path.abspath(workdir), "checkpoints")
         self.cfg = config.checkpoint
         self.mirror = mirror  # checkpoint.store.Mirror: a workdir on an object store
         resolved = redact(config.to_dict())
@@ -127,7 +132,7 @@ class Checkpointer:
             enable_async_checkpointing=True,  # sync saves = save + wait
             async_options=ocp.AsyncOptions(post_finalization_callback=self._seal),
             cleanup_tmp_directories=False,  # done by _select, which never follows symlinks
-            preservation_policy=policy.KeepPolicy(self),
+            preservation_policy=keep or policy.KeepPolicy(self),
             create=True,
         )
         self._mngr = ocp.CheckpointManager(self.directory, options=options,
@@ -193,6 +198,22 @@ class Checkpointer:
             raise
 
     def _restore_or_init(self, abstract_state, init_fn) -> Start:
+        start = self.resume_newest(abstract_state)
+        if start is not None:
+            return start
+        if self.cfg.init_from:
+            state, origin = init_from_lib.init_from(self.cfg, abstract_state, init_fn)
+            return Start(state, None, None, "init_from", self.control, origin)
+        return Start(init_fn(), None, None, "fresh", self.control)
+
+    @property
+    def newest_step(self) -> int | None:
+        """The step `resume_newest` tries first: the newest intact one found at start-up."""
+        return self._restore_step
+
+    def resume_newest(self, abstract_state) -> Start | None:
+        """The newest intact checkpoint restored (one that orbax cannot read is set aside
+        and the one before it tried); None when none is left."""
         while self._restore_step is not None:
             try:
                 return self._resume(self._restore_step, abstract_state)
@@ -201,10 +222,7 @@ class Checkpointer:
                               self.cfg.strict_restore, older=True)
                 self._restore_step = self._select()
                 self._mngr.reload()
-        if self.cfg.init_from:
-            state, origin = init_from_lib.init_from(self.cfg, abstract_state, init_fn)
-            return Start(state, None, None, "init_from", self.control, origin)
-        return Start(init_fn(), None, None, "fresh", self.control)
+        return None
 
     def _resume(self, step: int, abstract_state) -> Start:
         path = os.path.join(self.directory, str(step))

@@ -281,10 +281,12 @@ def _reference_run(command, ref_dir, env, log_path, timeout):
 def verify_resume(command: Callable[[str], list], root: str, *, kills: int = 4,
                   seed: int | None = None, env: dict | None = None,
                   negative_control: bool = False, reference: str | None = None,
-                  plan: list | None = None, timeout: float = TIMEOUT_S) -> Verdict:
+                  plan: list | None = None, timeout: float = TIMEOUT_S,
+                  local_dir: str = "") -> Verdict:
     """Reference run (unless `reference` names a finished one), then the killed run.
     `plan`: the kills to make, as `kill_plan` returns them (default: random); each is
-    placed before the final save on its restart (`place_kill`)."""
+    placed before the final save on its restart (`place_kill`). `local_dir`: the run's
+    checkpoint.local_dir (a restart resumes from the newer tier's step)."""
     rng = random.Random(seed if seed is not None else time.time_ns())
     env = dict(os.environ if env is None else env)
     if "JAX_COMPILATION_CACHE_DIR" not in env:  # restarts reuse compiled programs
@@ -320,6 +322,11 @@ def verify_resume(command: Callable[[str], list], root: str, *, kills: int = 4,
     log_path = os.path.join(root, "interrupted.log")
     for i, entry in enumerate(plan + [None]):
         restored = (_finished_steps(run_dir) or [None])[-1]
+        if local_dir:
+            from jtrain.checkpoint import tiers
+
+            local = (tiers.local_steps(run_dir, local_dir) or [None])[-1]
+            restored = local if tiers.newer_tier(local, restored) == "local" else restored
         placed = None
         if entry is not None:
             placed = place_kill(*entry, restored, timeline, later=len(plan) - i - 1)
@@ -360,7 +367,7 @@ def _fresh(path: str) -> None:
 
 
 def run_from_cli(argv: list, workdir: str, *, kills: int,
-                 negative_control: bool = False) -> int:
+                 negative_control: bool = False, local_dir: str = "") -> int:
     """The --verify_resume driver: reruns the same command line without the verify
     flags, with --workdir pointing into WORKDIR."""
     drop = ("--workdir", "--verify_resume", "--verify_kills", "--verify_negative_control",
@@ -383,7 +390,7 @@ def run_from_cli(argv: list, workdir: str, *, kills: int,
         return [sys.executable, "-m", "jtrain.main", *args, f"--workdir={run_dir}"]
 
     verdict = verify_resume(command, os.path.abspath(workdir), kills=kills,
-                            negative_control=negative_control)
+                            negative_control=negative_control, local_dir=local_dir)
     sys.stdout.write(f"jtrain: verify_resume: {verdict.line}"
                      + (" (negative control: data position not restored)"
                         if negative_control else "") + "\n")

@@ -162,8 +162,10 @@ def main(fv: flags.FlagValues, args: list[str], argv: list[str]) -> int:
                                      "watches the runs' files as they are written); "
                                      f"{fv.workdir} is on an object store")
 
+        local_dir = str(fv.config.get("checkpoint", {}).get("local_dir", "") or "")
         return verify.run_from_cli(["jtrain", *argv], fv.workdir, kills=fv.verify_kills,
-                                   negative_control=fv.verify_negative_control)
+                                   negative_control=fv.verify_negative_control,
+                                   local_dir=local_dir)
     if fv.dry_run:
         _dry_run(fv)
         return 0

@@ -302,7 +302,11 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
     _check_early_stop(tree["early_stop"])
     schema_population.check(tree)
     check_train_metrics(tree["log"]["train_metrics"])
-    parse_faults(tree["debug"]["faults"], tree["total_steps"])
+    faults = parse_faults(tree["debug"]["faults"], tree["total_steps"])
+    lost = [f.text for f in faults if f.kind == "lost_local"]
+    if lost and not tree["checkpoint"]["local_dir"]:
+        raise ConfigError("debug.faults", f"{lost[0]!r} deletes the local checkpoint tier: "
+                          "set checkpoint.local_dir and checkpoint.local_every_steps")
     if tree["eval"]["weights"] != "params" and not optim["ema"]["decay"]:
         raise ConfigError("eval.weights", f"{tree['eval']['weights']!r} evaluates the "
                           "weight EMA: set optim.ema.decay > 0 (e.g. 0.999)")

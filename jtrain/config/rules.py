@@ -114,12 +114,19 @@ def _check_checkpoint(ckpt: dict) -> None:
         raise ConfigError("checkpoint.monitor", "required when checkpoint.keep_top_k > 0")
     if ckpt["init_from_opt"] and not ckpt["init_from"]:
         raise ConfigError("checkpoint.init_from_opt", "set checkpoint.init_from too")
+    if bool(ckpt["local_dir"]) != bool(ckpt["local_every_steps"]):
+        key = "checkpoint.local_every_steps" if ckpt["local_dir"] else "checkpoint.local_dir"
+        raise ConfigError(key, "the local checkpoint tier needs both checkpoint.local_dir "
+                          "and checkpoint.local_every_steps > 0")
+    if "://" in ckpt["local_dir"]:
+        raise ConfigError("checkpoint.local_dir", f"{ckpt['local_dir']!r} is not a local "
+                          "path: the local tier is a folder on this machine's disk")
 
 
 # debug.faults: the kinds, and what each takes besides its step (jtrain.control.faults).
-FAULT_KINDS = ("kill", "hang", "slow", "nan", "torn_ckpt", "writer_fail")
+FAULT_KINDS = ("kill", "hang", "slow", "nan", "torn_ckpt", "writer_fail", "lost_local")
 _FAULT_TAKES = {"kill": "p", "hang": "ps", "slow": "psr", "nan": "", "torn_ckpt": "",
-                "writer_fail": ""}  # p: a process, s: seconds, r: a step range
+                "writer_fail": "", "lost_local": ""}  # p: a process, s: seconds, r: a step range
 _FAULT_SYNTAX = "KIND@STEP[-STEP][:pI][:SECONDSs], comma-separated"
 
 
@@ -157,9 +164,6 @@ def _parse_fault(item: str) -> Fault:
 
     head, *options = item.split(":")
     kind, at, steps = head.partition("@")
-    if kind == "lost_local":
-        raise ConfigError("debug.faults", f"{item!r}: losing a local-tier checkpoint needs "
-                          "the local checkpoint tier, which is not implemented yet")
     if kind not in _FAULT_TAKES:
         raise bad(f"unknown kind {kind!r}; kinds: {', '.join(FAULT_KINDS)}")
     takes = _FAULT_TAKES[kind]

@@ -54,6 +54,10 @@ CONTROL_SECTIONS: dict[str, Any] = {
         "init_map": F("pairs", (), None, "(regex, replacement) pairs renaming the source's "
                       "parameter paths (or HF tensor names) to the model's (re.sub, first "
                       "match; a trailing .T transposes): hf:DIR into your own model"),
+        "local_dir": F(str, "", None, "a folder on this machine's disk for the fast local "
+                       "tier (its newest step only); '' = off"),
+        "local_every_steps": F(int, 0, (0, INF), "save to the local tier every N steps "
+                               "(steps the persistent tier saves excepted)"),
         "writer_nice": F(int, 19, (0, 19), "Linux nice of background-write threads"),
         "save_on_best": F(bool, True, None, "an eval that enters the keep_top_k best saves "
                           "its step (when keep_top_k > 0)"),

@@ -19,7 +19,7 @@ saved data position.
 is the user's plan, by global step and process: `arm_plan` reads it at the start of each
 session, less the faults WORKDIR/faults.jsonl says fired already (a line is written
 before a fault acts, so a kill at step 7 does not kill the restart that recomputes step
-7 again). Its points: `fault_point("step", step)` after each step (kill, hang, slow),
+7 again). Its points: `fault_point("step", step)` after each step (kill, hang, slow, lost_local),
 `before_step` / `perturb` around a step (nan: the first float parameter is NaN for that
 step only; writer_fail), `tear` in a save's commit (torn_ckpt).
 """
@@ -32,6 +32,7 @@ import os
 import signal
 import threading
 import time
+from typing import Callable
 
 from jtrain.config.rules import Fault, parse_faults
 from jtrain.errors import ConfigError
@@ -44,6 +45,7 @@ SKIP_DATA_RESTORE_ENV = "JTRAIN_SKIP_DATA_RESTORE"
 _armed: tuple[str, int, str | None] | None = None  # (plan kind, N, signal or seconds)
 _skip_data_restore = False
 _fault_counts: dict[str, int] = {}
+_lose_local: Callable[[], None] | None = None  # the local tier's lost_local (checkpoint.tiers)
 FILE = "faults.jsonl"  # in the workdir: the faults of debug.faults that fired
 
 
@@ -173,9 +175,16 @@ def perturb(step: int, state):
     return state.replace(params=jax.tree.unflatten(treedef, leaves))
 
 
+def on_lost_local(lose: Callable[[], None] | None) -> None:
+    """What lost_local calls (the local tier's deletion; None: no local tier open)."""
+    global _lose_local
+    _lose_local = lose
+
+
 def _step_faults(step: int) -> None:
     """debug.faults after `step`: a slow step sleeps, a hang stops here (for good: the
-    watchdog ends the process), a kill is SIGKILL."""
+    watchdog ends the process), a kill is SIGKILL, a lost_local deletes the local
+    checkpoint tier (`on_lost_local`) and then is SIGKILL, a replaced machine."""
     plan = _plan
     slow = plan.due("slow", step)
     if slow is not None:
@@ -192,9 +201,11 @@ def _step_faults(step: int) -> None:
         else:
             while True:  # stopped making progress; the watchdog ends the process
                 time.sleep(3600)
-    kill = plan.due("kill", step)
+    kill = plan.due("kill", step) or plan.due("lost_local", step)
     if kill is not None:
         plan.fire(kill, step)
+        if kill.kind == "lost_local" and _lose_local is not None:
+            _lose_local()
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -59,7 +59,7 @@ class Run:
     state: state_lib.TrainState  # restored or fresh
     data: RunData  # sources, eval plan
     train_iter: DevicePrefetch  # the next batches, on the devices
-    ckpt: checkpoint.Checkpointer
+    ckpt: checkpoint.Checkpointer | checkpoint.Tiers  # Tiers: checkpoint.local_dir
     out: Outputs
     resumed_from: int | None  # the restored step; None: a fresh start or init_from
     decisions: decide_lib.Decisions

@@ -234,7 +234,7 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
                 check_run(cfg, b, data)
             _precompile(cfg, b, data, startup)
             with startup.phase("state"):  # newest checkpoint, else init_from, else fresh
-                ckpt = checkpoint.Checkpointer(workdir, cfg, data.info, mirror=mirror)
+                ckpt = checkpoint.open_checkpoints(workdir, cfg, data.info, mirror=mirror)
                 start = ckpt.restore_or_init(b.abstract_with_shardings(), b.init)
             ledger = goodput_lib.Ledger(workdir, t_start=t_start, startup=startup,
                                         first_step=start.step or 0,

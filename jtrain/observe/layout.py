@@ -113,6 +113,9 @@ RUN = (
      '/ plateau / spike state, skip ledger), jtrain_manifest.json (checksums)'),
     ('checkpoints.damaged/', 'checkpoints.damaged',
      'damaged checkpoints moved aside at start-up (never deleted)'),
+    ('local_tier.json', 'local_tier.json',
+     'with checkpoint.local_dir: {"id"}, the name of this run\'s folder in the local tier '
+     '(LOCAL_DIR/<id>/<step>/, its newest step only)'),
     ('summary.json', 'summary.json',
      'at the end: step, state_sha256, final eval metrics (only an eval of that step; an older '
      'one is "last_eval" with its step), best_step / best_value, stopped_by / stop_reason, '
@@ -175,7 +178,11 @@ PRECEDENCE = """\
    is compared with the current one: changed keys whose `resume` rule is false in the
    schema need `checkpoint.allow_changes` (else exit 3 with the diff); the saved tree
    must equal the model's (else exit 3 naming the leaf). The data position, RNG, loss
-   scale, best-k registry and writer run ids continue from it.
+   scale, best-k registry and writer run ids continue from it. With
+   `checkpoint.local_dir` the local tier is scanned the same way (damaged steps go to
+   `LOCAL_DIR/<id>.damaged/`) and the newer of the two tiers' newest intact steps is
+   restored (a tie: the persistent one); an empty or missing local tier means
+   `WORKDIR/checkpoints`.
 2. **Else `checkpoint.init_from`** (an export or another run's workdir/step, read only):
    params, plus optimizer state with `checkpoint.init_from_opt`, minus
    `checkpoint.init_exclude` regexes; the run starts at step 0 with a fresh data order.

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jtrain
-from journey import run_python, user_dir
+from journey import nnx_mlp_config, run_python, marked_block, user_dir
 from jtrain import errors
 from jtrain.config import rules
 from jtrain.control import faults
@@ -26,7 +26,8 @@ GUIDE = REPO / "docs" / "guide" / "run-control.md"
 
 
 @pytest.mark.parametrize("spec, why", [
-    ("boom@3", "unknown kind 'boom'; kinds: kill, hang, slow, nan, torn_ckpt, writer_fail"),
+    ("boom@3", "unknown kind 'boom'; kinds: kill, hang, slow, nan, torn_ckpt, writer_fail, "
+     "lost_local"),
     ("kill", "expected a step number after '@'"),
     ("kill@x", "expected a step number after '@'"),
     ("kill@0", "steps start at 1"),
@@ -39,7 +40,7 @@ GUIDE = REPO / "docs" / "guide" / "run-control.md"
     ("hang@3:q", "cannot read 'q'"),
     ("kill@3,kill@3", "'kill@3' is given twice"),
     ("kill@50", "step 50 is after total_steps=40; it would never fire"),
-    ("lost_local@3", "needs the local checkpoint tier, which is not implemented yet"),
+    ("lost_local@3", "deletes the local checkpoint tier: set checkpoint.local_dir"),
 ])
 def test_a_malformed_fault_is_one_line_naming_the_key(spec, why):
     with pytest.raises(jtrain.ConfigError) as e:
@@ -142,30 +143,12 @@ def test_nan_halts_or_is_skipped_a_writer_fails_and_each_fires_once(tmp_path):
         ("nan@3", 3, 0), ("nan@5", 5, 0), ("writer_fail@7", 7, 0)]
 
 
-CONFIG = '''
-from jtrain.config import defaults
-
-
-def get_config():
-    c = defaults(model="user")
-    c.model.factory = "nnx_mlp:make"
-    c.data.source = "nnx_mlp:data"
-    c.data.batch_size = 8
-    c.total_steps = 12
-    c.optim.update(lr=0.05, warmup_steps=1)
-    c.eval.update(every_steps=4, num_batches=1)
-    c.log.update(every_steps=2, writers=("jsonl",))
-    c.checkpoint.every_steps = 4
-    c.debug.hash_every_steps = 1
-    return c
-'''
+CONFIG = nnx_mlp_config(total_steps=12, eval_every=4, log_every=2, checkpoint_every=4)
 
 
 def guide_script() -> str:
     """The restart loop of the guide's fault section, as a user copies it."""
-    text = GUIDE.read_text()
-    block = text.split("<!-- tested: tests/control/test_faults.py -->\n```python\n", 1)[1]
-    return block.split("```", 1)[0]
+    return marked_block(GUIDE, "tests/control/test_faults.py")
 
 
 @pytest.fixture(scope="module")

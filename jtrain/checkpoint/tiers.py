@@ -1,0 +1,213 @@
+"""Two-tier checkpoints: a fast local tier beside the persistent one. Reads
+`checkpoint.local_dir` and `checkpoint.local_every_steps`.
+
+The persistent tier is WORKDIR/checkpoints as always (`checkpoint.every_steps` /
+`every_seconds`, the keep policy of `jtrain.checkpoint.policy`). The local tier is a
+folder on the machine's own disk, LOCAL_DIR/<id>/<step>/, written every
+`local_every_steps` steps in the same format (state, data position, run-control
+record, manifest) and keeping its newest step only. `<id>` is a random name stored in
+WORKDIR/local_tier.json at the first start: a new workdir, or one deleted and made
+again, never reads another run's local checkpoints.
+
+Which tier saves a step: the persistent tier when a persistent save is due (or the
+loop saves for a stop, a best eval or the end), else the local tier when
+`local_every_steps` divides the step. A step is never written to both.
+
+The invariant (checked by `lag`): every persistent save is of the step just run, and
+local saves are of earlier or equal steps, so once a persistent save of step P is
+committed the local tier holds nothing newer than P that it lacks; until the next
+persistent save the local tier is ahead by less than one persistent interval. Losing
+the local tier (a replaced machine) therefore loses at most what a run without it
+loses: the steps since the newest persistent checkpoint.
+
+Restore (`restore_or_init`): each tier is scanned as `Checkpointer` scans it (an
+unfinished save removed, a damaged one moved to `<folder>.damaged/` and the step before
+it taken), then the newer of the two newest intact steps is restored (`newer_tier`; a
+tie goes to the persistent tier); a local checkpoint that orbax cannot read falls back
+to the persistent tier. An empty or missing local folder means the persistent tier.
+
+One process only: a multi-process run with `checkpoint.local_dir` is a config error (a
+local tier per host, each holding that host's shards, is not implemented).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from typing import Any
+
+import jax
+
+from jtrain.checkpoint.manager import Checkpointer, CheckpointReader, Start
+from jtrain.control import faults
+from jtrain.errors import ConfigError
+from jtrain.observe.console import say
+
+ID_FILE = "local_tier.json"  # in the workdir: {"id": the local tier's subfolder}
+
+
+def open_checkpoints(workdir: str, config, data_info: dict | None = None, *, mirror=None):
+    """The run's checkpointer: a `Checkpointer`, or `Tiers` with checkpoint.local_dir
+    (`mirror`: a workdir on an object store, for the persistent tier)."""
+    if not config.checkpoint.local_dir:
+        return Checkpointer(workdir, config, data_info, mirror=mirror)
+    return Tiers(workdir, config, data_info, mirror=mirror)
+
+
+def local_folder(workdir: str, local_dir: str) -> str:
+    """LOCAL_DIR/<id>, the id read from (or first written to) WORKDIR/local_tier.json."""
+    if "://" in local_dir:
+        raise ConfigError("checkpoint.local_dir", f"{local_dir!r} is not a local path: the "
+                          "local tier is a folder on this machine's disk")
+    path = os.path.join(os.path.abspath(workdir), ID_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            run_id = str(json.load(f)["id"])
+    except FileNotFoundError:
+        run_id = uuid.uuid4().hex[:16]
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"id": run_id}, f)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError("checkpoint.local_dir", f"cannot read {path}: {e}; delete it to "
+                          "start the local tier afresh") from None
+    return os.path.join(os.path.abspath(os.path.expanduser(local_dir)), run_id)
+
+
+def local_steps(workdir: str, local_dir: str) -> list[int]:
+    """The finished steps (a manifest present) of the run's local tier, read only: what
+    --verify_resume expects a restart to resume from, with `newer_tier`."""
+    try:
+        with open(os.path.join(workdir, ID_FILE), encoding="utf-8") as f:
+            run_id = str(json.load(f)["id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    folder = os.path.join(os.path.abspath(os.path.expanduser(local_dir)), run_id)
+    return CheckpointReader(folder).all_steps() if os.path.isdir(folder) else []
+
+
+def newer_tier(local: int | None, persistent: int | None) -> str | None:
+    """Which tier holds the newest intact step: "local", "persistent" or None (neither
+    holds one); a tie goes to the persistent tier."""
+    if local is not None and (persistent is None or local > persistent):
+        return "local"
+    return None if persistent is None else "persistent"
+
+
+def save_tier(step: int, every_steps: int, local_every_steps: int,
+              persistent_due: bool) -> str | None:
+    """Which tier saves after `step`: "persistent" when its save is due, else "local"
+    every `local_every_steps`, else None."""
+    if persistent_due:
+        return "persistent"
+    if local_every_steps and step % local_every_steps == 0:
+        return "local"
+    return None
+
+
+def lag(total_steps: int, every_steps: int, local_every_steps: int) -> int:
+    """The most steps the local tier is ever ahead of the persistent tier over a run
+    of `total_steps` saved by `save_tier` (the invariant: below `every_steps`)."""
+    persistent = local = worst = 0
+    for step in range(1, total_steps + 1):
+        due = bool(every_steps and step % every_steps == 0) or step == total_steps
+        tier = save_tier(step, every_steps, local_every_steps, due)
+        if tier == "persistent":
+            persistent = step
+        elif tier == "local":
+            local = step
+        worst = max(worst, local - persistent)
+    return worst
+
+
+class _NewestOnly:
+    """orbax's preservation-policy protocol: the local tier keeps its newest step."""
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        return [i == len(checkpoints) - 1 for i in range(len(checkpoints))]
+
+
+class Tiers:
+    """The persistent `Checkpointer` and the local one, behind the interface the loop
+    uses (`due`, `save`, `wait`, `restore_or_init`, ...). Everything but the save of a
+    local step, the restore of the newest step and closing is the persistent tier's."""
+
+    def __init__(self, workdir: str, config, data_info: dict | None = None, *, mirror=None):
+        if jax.process_count() > 1:
+            raise ConfigError("checkpoint.local_dir", "the local tier is implemented for "
+                              "one process only; unset it for a multi-process run")
+        self.local_every_steps = int(config.checkpoint.local_every_steps)
+        folder = local_folder(workdir, config.checkpoint.local_dir)
+        self.persistent = Checkpointer(workdir, config, data_info, mirror=mirror)
+        try:
+            self.local = Checkpointer(workdir, config, data_info, directory=folder,
+                                      keep=_NewestOnly())
+        except BaseException:
+            self.persistent.close()
+            raise
+        self._due: tuple[int, str] | None = None  # (step, tier) of the last `due`
+        faults.on_lost_local(self.lose_local)
+
+    @property
+    def control(self):
+        return self.persistent.control
+
+    @control.setter
+    def control(self, value) -> None:
+        self.persistent.control = value
+
+    def __getattr__(self, name: str) -> Any:  # latest_step, all_steps, restore_state, ...
+        if name in ("persistent", "local"):  # not set yet: __init__ failed
+            raise AttributeError(name)
+        return getattr(self.persistent, name)
+
+    # -- start-up -------------------------------------------------------------------------
+    def restore_or_init(self, abstract_state, init_fn) -> Start:
+        try:
+            persistent = self.persistent.newest_step
+            if newer_tier(self.local.newest_step, persistent) == "local":
+                start = self.local.resume_newest(abstract_state)
+                if start is not None and newer_tier(start.step, persistent) == "local":
+                    self.persistent.control = self.local.control
+                    start.origin += " (local tier)"
+                    return start
+            return self.persistent.restore_or_init(abstract_state, init_fn)
+        except BaseException:
+            self.local.close()
+            raise
+
+    # -- saving ---------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        tier = save_tier(step, self.persistent.cfg.every_steps, self.local_every_steps,
+                         self.persistent.due(step))
+        self._due = None if tier is None else (step, tier)
+        return tier is not None
+
+    def save(self, step: int, state, data_state: dict, **record) -> bool:
+        """The local tier saves `step` when `due(step)` chose it; every other save
+        (a stop, a best eval, the end, a persistent interval) is persistent."""
+        due, self._due = self._due, None
+        if due != (step, "local"):
+            return self.persistent.save(step, state, data_state, **record)
+        self.local.control = self.persistent.control  # one record, both tiers
+        return self.local.save(step, state, data_state, **record)
+
+    def wait(self) -> None:
+        self.local.wait()
+        self.persistent.wait()
+
+    def lose_local(self) -> None:
+        """debug.faults lost_local: the local tier's checkpoints deleted, as a replaced
+        machine has none (its write in flight finished first)."""
+        self.local.wait()
+        shutil.rmtree(self.local.directory, ignore_errors=True)
+        say(f"fault: deleted the local checkpoint tier {self.local.directory}")
+
+    def close(self) -> None:
+        faults.on_lost_local(None)
+        try:
+            self.local.close()
+        finally:
+            self.persistent.close()
