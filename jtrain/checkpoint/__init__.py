@@ -17,9 +17,9 @@
     store       a run directory on object storage (s3://, gs://, through fsspec): the
                 staging copy, steps committed by a marker after their upload
 
-Public names: Checkpointer, CheckpointReader, Start, Tiers, open_checkpoints,
-abstract_with_shardings, and the
-errors RestoreError, CheckpointError (from jtrain.errors).
+Public names: Checkpointer, CheckpointReader, Start, abstract_with_shardings, and the
+errors RestoreError, CheckpointError (from jtrain.errors). The engine opens a run's
+checkpoints with `open_checkpoints` (a `Checkpointer`, or `Tiers` with a local tier).
 """
 
 from jtrain.checkpoint.manager import (Checkpointer, CheckpointReader, Start,
@@ -28,4 +28,4 @@ from jtrain.checkpoint.tiers import Tiers, open_checkpoints
 from jtrain.errors import CheckpointError, RestoreError
 
 __all__ = ["CheckpointError", "CheckpointReader", "Checkpointer", "RestoreError", "Start",
-           "Tiers", "abstract_with_shardings", "open_checkpoints"]
+           "abstract_with_shardings"]
