@@ -160,4 +160,16 @@ CONTROL_SECTIONS: dict[str, Any] = {
                               "the whole train state and the step's example indices in "
                               "WORKDIR/hashes.jsonl (jtrain diff, jtrain replay); 0 = off"),
     }),
+    # The same bits on any number of devices (jtrain.invariant, docs/guide/determinism.md).
+    "determinism": {
+        "topology_invariant": F(bool, False, None, "train and evaluate with every sum "
+                                "across devices in a fixed order: the same state, hashes, "
+                                "metrics and evals on 1, 2, 4 or 8 devices (data and fsdp "
+                                "axes), in one process or several, and across an elastic "
+                                "resume; costs whole params and gradients on every device "
+                                "during the update (no tensor parallelism, no population)"),
+        "chunks": F(int, 8, (1, 4096), "topology_invariant: the global batch (and each eval "
+                    "batch) is cut into this many equal chunks whatever the device count; "
+                    "it must divide the batch and be a multiple of data x fsdp"),
+    },
 }
