@@ -12,6 +12,7 @@
                 `init_from=hf:DIR` reading, config checks, `checkpoint.init_map`
     hf_export   `export --format=hf`: a directory transformers loads (needs the hf extra)
     verify      `--verify_resume`: kill/restart chaos run vs an uninterrupted one
+    topologies  `--verify_topologies`: the same run on several device counts, hashes compared
 
 Public names: Checkpointer, CheckpointReader, Start, abstract_with_shardings, and the
 errors RestoreError, CheckpointError (from jtrain.errors).
