@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jtrain import invariant
 from jtrain import losses
 from jtrain import metrics as metrics_lib
 from jtrain import optim
@@ -104,7 +105,8 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
                     model_inputs: tuple = (), ema_decay: float = 0.0,
                     ema_warmup: str = "none",
                     train_metrics: metrics_lib.EvalSpec | None = None,
-                    predict_fn: Callable | None = None) -> Callable:
+                    predict_fn: Callable | None = None,
+                    invariant: tuple | None = None) -> Callable:
     """Returns train_step(state, batch) -> (state, metrics). Jit it with shardings.
 
     The update is applied through `guarded_update`: only when the loss and the gradient
@@ -116,7 +118,9 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
     `train_metrics` (log.train_metrics, an EvalSpec): their metric states of this batch,
     from the training forward's outputs (through `predict_fn`, as eval does), merged
     exactly over microbatches, come back as `metrics[TRAIN_METRICS]`
-    (`train_metric_values` turns them into train/<name>).
+    (`train_metric_values` turns them into train/<name>). `invariant` = (mesh, chunks):
+    determinism.topology_invariant's update (`jtrain.invariant`), the same bits on any
+    number of devices.
 
     Examples:
         ```python
@@ -173,11 +177,61 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
             metrics[TRAIN_METRICS] = states
         return applied, metrics
 
+    if invariant is not None:
+        update = _invariant_update(jax.value_and_grad(loss_and_aux, has_aux=True), tx,
+                                   schedule, ema_rate, grad_accum_steps, *invariant)
     return make_step_train(Step(init=_engine_init, update=update, name="built-in"),
                            view=BUILT_IN_VIEW, valid_fn=valid_fn,
                            dynamic_loss_scale=dynamic_loss_scale,
                            halt_on_nonfinite=halt_on_nonfinite,
                            max_consecutive=max_consecutive)
+
+
+def _invariant_update(value_and_grad, tx, schedule, ema_rate, grad_accum_steps, mesh, k):
+    """The built-in update with every cross-device sum in a fixed order: each of the k
+    chunks' sums and gradients (`accumulated` over its microbatches) on the device that
+    holds it, gathered and added in `invariant.tree_sum`'s order, then the update on
+    whole arrays (`jtrain.invariant`)."""
+    one = accumulated(value_and_grad, grad_accum_steps, carry=True)
+
+    def per_chunk(whole, chunk, key):
+        inner, scale, _ = whole
+        aux, grads, model_state = one(inner.params, chunk, key, scale, inner.model_state)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        # The model's state after the batch: the mean of the chunks' states.
+        model_state = jax.tree.map(lambda m: m / k if jnp.issubdtype(m.dtype, jnp.inexact)
+                                   else m // k, model_state)
+        return aux, grads, model_state
+
+    def combine(whole, summed):
+        inner, scale, context = whole
+        (loss_sum, weight, terms, states), grads, model_state = summed
+        model_state = jax.tree.map(lambda n, o: n.astype(o.dtype), model_state,
+                                    inner.model_state)
+        denom = jnp.maximum(weight, 1e-12) * scale
+        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, inner.params)
+        params, opt_state = optimizer_update(tx, grads, inner.opt_state, inner.params,
+                                             context.lr_factor)
+        ema = inner.ema if ema_rate is None else ema_update(inner.ema, params,
+                                                            ema_rate(context.step))
+        metrics = {"loss": loss_sum / jnp.maximum(weight, 1e-12),
+                   "grad_norm": optax.tree.norm(grads),
+                   "lr": jnp.asarray(schedule(context.step), jnp.float32) * context.lr_factor,
+                   "tokens": weight}
+        for name, (term_sum, term_weight) in terms.items():
+            metrics[name] = term_sum / jnp.maximum(term_weight, 1e-12)
+        if not (isinstance(states, dict) and not states):  # log.train_metrics
+            metrics[TRAIN_METRICS] = states
+        return Updated(params, opt_state, ema, model_state), metrics
+
+    sums = invariant.chunk_sums(per_chunk, mesh, k, combine)
+
+    def update(inner: Updated, batch, key, context: Context):
+        new, metrics = sums((inner, context.loss_scale, context), batch,
+                            invariant.chunk_keys(key, k))
+        return (lambda: new), metrics
+
+    return update
 
 
 class Updated(NamedTuple):
@@ -543,7 +597,7 @@ class Step:
 
 def make_step_train(step: Step, *, view: View = OWN_VIEW, halt_on_nonfinite: bool = False,
                     max_consecutive: int = 8, valid_fn: Callable | None = None,
-                    dynamic_loss_scale: bool = False) -> Callable:
+                    dynamic_loss_scale: bool = False, whole_on=None) -> Callable:
     """train_step(TrainState, batch) -> (TrainState, metrics) around `step.update`, for
     the built-in update and a step of your own alike: the per-step key, the context, and
     the guard. The update is kept only when every row is valid (`row_validity`), the
@@ -551,7 +605,9 @@ def make_step_train(step: Step, *, view: View = OWN_VIEW, halt_on_nonfinite: boo
     (the built-in), else every floating leaf of the new state (`guarded_update`:
     otherwise the state is as it was, `skipped_steps` counts it, `train/status` says
     why). Metrics come back as train/<name>; "tokens" (the examples of the batch when the
-    step returns none) feeds tokens/s.
+    step returns none) feeds tokens/s. `whole_on` (a mesh; determinism.topology_invariant
+    for a step of your own): `update` runs whole on every device (`invariant.replicated`),
+    its new state computed eagerly.
 
     Examples:
         ```python
@@ -559,6 +615,12 @@ def make_step_train(step: Step, *, view: View = OWN_VIEW, halt_on_nonfinite: boo
         state, metrics = train_step(state, batch)   # state.params: the step's state
         ```
     """
+    user_update = step.update
+    if whole_on is not None:
+        def eager(*args):
+            new, metrics = step.update(*args)
+            return (new() if callable(new) else new), metrics
+        user_update = invariant.replicated(eager, whole_on)
 
     def train_step(state: TrainState, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
@@ -566,7 +628,7 @@ def make_step_train(step: Step, *, view: View = OWN_VIEW, halt_on_nonfinite: boo
                           loss_scale=state.loss_scale["scale"])
         seen = batch if view.engine_keys else {k: v for k, v in batch.items()
                                                 if k not in ENGINE_KEYS}
-        new, metrics = step.update(view.get(state), seen, key, context)
+        new, metrics = user_update(view.get(state), seen, key, context)
         metrics = dict(metrics)
         states = metrics.pop(TRAIN_METRICS, None)
         loss = jnp.asarray(metrics["loss"], jnp.float32)

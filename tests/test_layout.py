@@ -180,7 +180,7 @@ def test_tests_need_no_convenience_a_user_lacks():
 FLOORS = {
     0: ("jtrain.cli.boot", "jtrain.errors", "jtrain.observe.redact", "jtrain.cli.hostmem"),
     1: ("jtrain.config", "jtrain.step", "jtrain.state", "jtrain.optim", "jtrain.precision",
-        "jtrain.mesh", "jtrain.losses", "jtrain.metrics"),
+        "jtrain.mesh", "jtrain.losses", "jtrain.metrics", "jtrain.invariant"),
     2: ("jtrain.multihost",),
     3: ("jtrain.data", "jtrain.models", "jtrain.control", "jtrain.checkpoint",
         "jtrain.observe", "jtrain.recipes"),

@@ -16,6 +16,7 @@
     verify      `--verify_resume`: kill/restart chaos run vs an uninterrupted one
     store       a run directory on object storage (s3://, gs://, through fsspec): the
                 staging copy, steps committed by a marker after their upload
+    topologies  `--verify_topologies`: the same run on several device counts, hashes compared
 
 Public names: Checkpointer, CheckpointReader, Start, abstract_with_shardings, and the
 errors RestoreError, CheckpointError (from jtrain.errors). The engine opens a run's

@@ -366,22 +366,31 @@ def _fresh(path: str) -> None:
     os.makedirs(path)
 
 
-def run_from_cli(argv: list, workdir: str, *, kills: int,
-                 negative_control: bool = False, local_dir: str = "") -> int:
-    """The --verify_resume driver: reruns the same command line without the verify
-    flags, with --workdir pointing into WORKDIR."""
-    drop = ("--workdir", "--verify_resume", "--verify_kills", "--verify_negative_control",
-            "--noverify_resume", "--noverify_negative_control")
+def without_flags(argv: list, drop: tuple, valued: tuple) -> list:
+    """argv less the flags named in `drop` (those in `valued` take the next argument as
+    their value when written without `=`): a verifier's own flags, before it reruns the
+    command."""
     args, skip = [], False
-    for a in argv[1:]:
+    for a in argv:
         if skip:
             skip = False
             continue
         name = a.split("=", 1)[0]
         if name in drop:
-            skip = "=" not in a and name in ("--workdir", "--verify_kills")
+            skip = "=" not in a and name in valued
             continue
         args.append(a)
+    return args
+
+
+def run_from_cli(argv: list, workdir: str, *, kills: int,
+                 negative_control: bool = False, local_dir: str = "") -> int:
+    """The --verify_resume driver: reruns the same command line without the verify
+    flags, with --workdir pointing into WORKDIR."""
+    args = without_flags(argv[1:], ("--workdir", "--verify_resume", "--verify_kills",
+                                    "--verify_negative_control", "--noverify_resume",
+                                    "--noverify_negative_control"),
+                         valued=("--workdir", "--verify_kills"))
     if any(a.startswith(("--num_processes", "--distributed=auto")) for a in args):
         sys.stderr.write("jtrain: verify_resume: single-process runs only\n")
         return 2

@@ -96,8 +96,14 @@ def define_flags(fv: flags.FlagValues, sys_argv=None) -> None:
                          "--dry_run on this many fake CPU devices (e.g. 64 for a big "
                          "topology); 0 = the devices this machine has.", flag_values=fv)
     flags.DEFINE_bool("verify_negative_control", False,
-                      "--verify_resume with the data position not restored: must FAIL.",
-                      flag_values=fv)
+                      "--verify_resume with the data position not restored, "
+                      "--verify_topologies with determinism.topology_invariant off: "
+                      "must FAIL.", flag_values=fv)
+    flags.DEFINE_list("verify_topologies", [],
+                      "Run the config on each of these fake CPU device counts (e.g. "
+                      "2,4,8; in WORKDIR/devices_N) with determinism.topology_invariant "
+                      "and compare hashes.jsonl and the evals step by step; exit 1 on a "
+                      "mismatch.", flag_values=fv)
     flags.DEFINE_integer("verbosity", None, "0: errors and the result; 1: + header, progress"
                          " and evals (default); 2: + debug lines and the logs of orbax, absl "
                          "and grain on the console (= --config.log.verbosity=N).",
@@ -166,6 +172,19 @@ def main(fv: flags.FlagValues, args: list[str], argv: list[str]) -> int:
         return verify.run_from_cli(["jtrain", *argv], fv.workdir, kills=fv.verify_kills,
                                    negative_control=fv.verify_negative_control,
                                    local_dir=local_dir)
+    if fv.verify_topologies:
+        from jtrain.checkpoint import topologies
+
+        counts = []
+        for c in fv.verify_topologies:
+            if not c.isascii() or not c.isdigit() or int(c) < 1:
+                raise errors.ConfigError("--verify_topologies",
+                                         f"device counts, e.g. 2,4,8; got {c!r}")
+            counts.append(int(c))
+        if len(counts) < 2:
+            raise errors.ConfigError("--verify_topologies", "name two device counts or more")
+        return topologies.run_from_cli(["jtrain", *argv], fv.workdir, counts,
+                                       negative_control=fv.verify_negative_control)
     if fv.dry_run:
         _dry_run(fv)
         return 0

@@ -169,4 +169,16 @@ CONTROL_SECTIONS: dict[str, Any] = {
                     "(WORKDIR/faults.jsonl): 'kill@7,nan@12,hang@20:p1,slow@5-9:p0:0.2s,"
                     "torn_ckpt@10,writer_fail@15'; '' = none"),
     }),
+    # The same bits on any number of devices (jtrain.invariant, docs/guide/determinism.md).
+    "determinism": {
+        "topology_invariant": F(bool, False, None, "train and evaluate with every sum "
+                                "across devices in a fixed order: the same state, hashes, "
+                                "metrics and evals on 1, 2, 4 or 8 devices (data and fsdp "
+                                "axes), in one process or several, and across an elastic "
+                                "resume; costs whole params and gradients on every device "
+                                "during the update (no tensor parallelism, no population)"),
+        "chunks": F(int, 8, (1, 4096), "topology_invariant: the global batch (and each eval "
+                    "batch) is cut into this many equal chunks whatever the device count; "
+                    "it must divide the batch and be a multiple of data x fsdp"),
+    },
 }

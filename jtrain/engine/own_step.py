@@ -99,9 +99,11 @@ def state(cfg, s: parts_lib.Setup) -> parts_lib.Setup:
 def train_step(cfg, s: parts_lib.Setup) -> parts_lib.Setup:
     """`update` inside the engine's guard (jtrain.step.make_step_train), jitted with the
     state's shardings and the state donated."""
+    chosen = parts_lib.invariant_of(cfg, s)
     fn = step_lib.make_step_train(s.user_step, halt_on_nonfinite=cfg.nonfinite.policy == "halt",
                                   max_consecutive=cfg.nonfinite.max_consecutive,
-                                  valid_fn=s.valid_fn)
+                                  valid_fn=s.valid_fn,
+                                  whole_on=None if chosen is None else chosen[0])
     return s.replace(train_step=jax.jit(
         fn, in_shardings=(s.state_shardings, mesh_lib.batch_sharding(s.mesh)),
         out_shardings=(s.state_shardings, mesh_lib.replicated(s.mesh)), donate_argnums=0))
@@ -124,7 +126,7 @@ def eval_step(cfg, s: parts_lib.Setup) -> parts_lib.Setup:
                                  forward=step.evaluate)
     batch_sharding, repl = mesh_lib.batch_sharding(s.mesh), mesh_lib.replicated(s.mesh)
     s = s.replace(eval_spec=spec, eval_fn=fn, eval_step=jax.jit(
-        fn, in_shardings=(s.shardings.params, batch_sharding),
+        parts_lib.eval_of(cfg, s, fn), in_shardings=(s.shardings.params, batch_sharding),
         out_shardings=(repl, batch_sharding, repl)))
     return parts_lib.eval_tail(cfg, s)
 

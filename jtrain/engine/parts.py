@@ -30,7 +30,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jtrain import checkpoint, losses
+from jtrain import checkpoint, invariant, losses
 from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
 from jtrain import models as models_lib
@@ -363,8 +363,15 @@ def eval_step(cfg, s: Setup) -> Setup:
         batch_loss=s.batch_loss)
     batch_sharding, repl = mesh_lib.batch_sharding(s.mesh), mesh_lib.replicated(s.mesh)
     return s.replace(eval_spec=spec, eval_fn=fn, eval_step=jax.jit(
-        fn, in_shardings=(state_lib.eval_part(s.shardings), batch_sharding),
+        eval_of(cfg, s, fn), in_shardings=(state_lib.eval_part(s.shardings), batch_sharding),
         out_shardings=(repl, batch_sharding, repl)))
+
+
+def eval_of(cfg, s: Setup, fn: Callable) -> Callable:
+    """The eval step as jitted: determinism.topology_invariant's chunked form
+    (`invariant.chunked_eval`), else `fn`."""
+    chosen = invariant_of(cfg, s)
+    return fn if chosen is None else invariant.chunked_eval(fn, *chosen)
 
 
 def eval_tail(cfg, s: Setup) -> Setup:
@@ -393,13 +400,41 @@ def train_step_of(cfg, s: Setup, **options):
         dynamic_loss_scale=s.policy.dynamic_loss_scale,
         halt_on_nonfinite=cfg.nonfinite.policy == "halt",
         max_consecutive=cfg.nonfinite.max_consecutive, valid_fn=s.valid_fn,
-        model_inputs=s.model_inputs,
+        model_inputs=s.model_inputs, invariant=invariant_of(cfg, s),
         **{"grad_accum_steps": s.grad_accum_steps, **s.step_options, **options})
     for wrap in s.step_wraps:
         step = wrap(step)
     return jax.jit(step, in_shardings=(s.state_shardings, mesh_lib.batch_sharding(s.mesh)),
                    out_shardings=(s.state_shardings, mesh_lib.replicated(s.mesh)),
                    donate_argnums=0)
+
+
+def invariant_of(cfg, s: Setup):
+    """(mesh, chunks) for determinism.topology_invariant, None when off; a ConfigError
+    for what the mode does not cover."""
+    det = cfg.determinism
+    if not det.topology_invariant:
+        return None
+    if s.mesh.shape["tensor"] > 1:
+        raise ConfigError("determinism.topology_invariant", "not implemented with tensor "
+                          f"parallelism (mesh.tensor={s.mesh.shape['tensor']}); use the data "
+                          "and fsdp axes")
+    if cfg.population.size > 1:
+        raise ConfigError("determinism.topology_invariant", "not implemented for a "
+                          "population (population.size > 1)")
+    rows = cfg.data.batch_size
+    n = mesh_lib.data_parallel_size(s.mesh)
+    if s.mesh.devices.size == 1:
+        raise ConfigError("determinism.topology_invariant", "not implemented on 1 device: "
+                          "XLA compiles a one-device program through other passes than a "
+                          "partitioned one, and its bits differ; use 2 or more devices")
+    if rows % det.chunks:
+        raise ConfigError("determinism.chunks", f"{det.chunks} does not divide "
+                          f"data.batch_size={rows}")
+    if det.chunks % n:
+        raise ConfigError("determinism.chunks", f"{det.chunks} is not a multiple of the "
+                          f"{n} devices of the data and fsdp axes")
+    return s.mesh, det.chunks
 
 
 def model_flops_per_example(model, model_cfg, input_shape) -> float | None:

@@ -1,0 +1,89 @@
+"""determinism.topology_invariant in one process with 8 fake devices: the same run on
+meshes of 2, 4 and 8 of them (data and fsdp axes) ends in bitwise-equal states and eval
+results for a user's NNX model, a user's Linen model and a step of your own; without the
+mode the same runs differ (the negative control: the comparison can fail)."""
+
+import jax
+import numpy as np
+import pytest
+
+import jtrain
+from jtrain import invariant
+from jtrain import mesh as mesh_lib
+from jtrain.errors import ConfigError
+from projects import nnx_mlp
+from projects.linen_classifier import Net
+from test_own_step import data as own_data, make as own_step
+
+pytestmark = pytest.mark.multidevice
+
+MESHES = ((2, 1), (8, 1), (2, 4))  # (data, fsdp) sizes
+MAKE_MESH = mesh_lib.make_mesh
+
+
+def _config(fsdp=1, on=True, steps=3, batch=16, chunks=8):
+    return {"total_steps": steps, "seed": 0, "data": {"batch_size": batch},
+            "optim": {"name": "adamw", "lr": 3e-2, "clip_norm": 0.5, "weight_decay": 0.1},
+            "mesh": {"data": -1, "fsdp": fsdp, "auto_shard": True,
+                     "auto_shard_min_bytes": 0},
+            "eval": {"every_steps": steps}, "checkpoint": {"every_steps": 0},
+            "compile": {"cache_dir": ""},
+            "determinism": {"topology_invariant": on, "chunks": chunks}}
+
+
+def _train(tmp_path, monkeypatch, kind, data, fsdp, on=True):
+    monkeypatch.setattr(mesh_lib, "make_mesh", lambda mesh_cfg=None, devices=None: MAKE_MESH(
+        mesh_cfg, devices=jax.devices()[:data * fsdp]))
+    workdir = str(tmp_path / f"{kind}_{data}x{fsdp}_{on}")
+    if kind == "own":
+        r = jtrain.train(_config(fsdp, on), workdir, step=own_step(), train_data=own_data(),
+                         eval_data=own_data(40, seed=1))
+    else:
+        model = nnx_mlp.make() if kind == "nnx" else Net(hidden=32)
+        r = jtrain.train(_config(fsdp, on), workdir, model=model, train_data=nnx_mlp.data(64),
+                         eval_data=nnx_mlp.data(40))
+    state = jax.device_get((r.state.params, r.state.opt_state))
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(state)], r.history[-1]
+
+
+@pytest.mark.parametrize("kind", ["nnx", "linen", "own"])
+def test_same_bits_on_2_4_8_devices(tmp_path, monkeypatch, kind):
+    runs = {m: _train(tmp_path, monkeypatch, kind, *m) for m in MESHES}
+    first_state, first_eval = runs[MESHES[0]]
+    for m, (state, evals) in runs.items():
+        assert state == first_state, f"{kind}: data x fsdp = {m}: state differs"
+        assert evals == first_eval, f"{kind}: data x fsdp = {m}: eval differs"
+    if kind != "nnx":
+        return
+    # The negative control: without the mode the device count shows in the bits.
+    off = [_train(tmp_path, monkeypatch, kind, *m, on=False)[0] for m in ((2, 1), (8, 1))]
+    assert off[0] != off[1], f"{kind}: the default step agreed bitwise"
+
+
+def test_tree_sum_order():
+    xs = [np.float32(v) for v in (1e8, 1.0, -1e8, 1.0, 3.0)]
+    assert invariant.tree_sum(xs) == ((xs[0] + xs[1]) + (xs[2] + xs[3])) + xs[4]
+
+
+@pytest.mark.parametrize("over,message", [
+    ({"batch": 24, "chunks": 16}, "determinism.chunks: 16 does not divide data.batch_size=24"),
+    ({"chunks": 4}, "determinism.chunks: 4 is not a multiple of the 8 devices"),
+])
+def test_chunks_must_fit(tmp_path, over, message):
+    with pytest.raises(ConfigError) as e:
+        jtrain.train(_config(**over), str(tmp_path), model=nnx_mlp.make(),
+                     train_data=nnx_mlp.data(64))
+    assert str(e.value).startswith(message)
+
+
+def test_not_implemented_one_line(tmp_path, monkeypatch):
+    cfg = _config()
+    cfg["mesh"] = {"data": 2, "tensor": 4}
+    with pytest.raises(ConfigError, match="not implemented with tensor parallelism"):
+        jtrain.train(cfg, str(tmp_path / "t"), model=nnx_mlp.make(),
+                     train_data=nnx_mlp.data(64))
+    monkeypatch.setattr(mesh_lib, "make_mesh", lambda mesh_cfg=None, devices=None: MAKE_MESH(
+        mesh_cfg, devices=jax.devices()[:1]))
+    with pytest.raises(ConfigError, match="not implemented on 1 device"):
+        jtrain.train(_config(), str(tmp_path / "one"), model=nnx_mlp.make(),
+                     train_data=nnx_mlp.data(64))
