@@ -25,7 +25,7 @@ checkpoints with `open_checkpoints` (a `Checkpointer`, or `Tiers` with a local t
 
 from jtrain.checkpoint.manager import (Checkpointer, CheckpointReader, Start,
                                        abstract_with_shardings)
-from jtrain.checkpoint.tiers import Tiers, open_checkpoints
+from jtrain.checkpoint.tiers import Tiers, open_checkpoints  # noqa: F401 - the engine's
 from jtrain.errors import CheckpointError, RestoreError
 
 __all__ = ["CheckpointError", "CheckpointReader", "Checkpointer", "RestoreError", "Start",

@@ -51,8 +51,9 @@ Choices worth knowing:
   leaves, which for these optimizers is multiplying their learning rate (weight decay
   included, as it is scaled by the learning rate).
 
-Its modules: schedules.py (optim.schedule) and decay.py (weight decay whose rate is
-in the optimizer state, one per population member).
+Its modules: schedules.py (optim.schedule), decay.py (weight decay whose rate is in
+the optimizer state, one per population member) and update.py (one optimizer update,
+gradients summed over microbatches: jtrain.step.optimizer_update / accumulated).
 """
 
 import functools
