@@ -85,6 +85,7 @@ class Checkpointer:
                             "WORKDIR/checkpoints; for read-only access use CheckpointReader")
         self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
         self.cfg = config.checkpoint
+        self.held: set[int] = set()  # eval.mode=async: kept until their eval is applied
         resolved = redact(config.to_dict())
         self.control = control_lib.RunControl(
             # the hash of what is stored: a hash of the secrets would confirm a guess

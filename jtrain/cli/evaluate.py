@@ -26,14 +26,23 @@ def define_flags(fv, argv=None) -> None:
     flags.DEFINE_enum("weights", None, ["params", "ema", "both"], "Weights evaluated: the "
                       "params, the weight EMA (eval/ema/...) or both; default: the run's "
                       "eval.weights.", flag_values=fv)
+    flags.DEFINE_bool("follow", False, "Follow the run: evaluate each new finished "
+                      "checkpoint once (WORKDIR/evals/<step>.json; a run not in "
+                      "eval.mode=async also gets the metrics in metrics.jsonl with their "
+                      "step) until its summary.json says it finished. The workdir may be "
+                      "given as the argument: --follow WORKDIR.", flag_values=fv)
 
 
 def main(fv, args, argv=None) -> int:
+    if fv.follow and len(args) == 1 and not fv.workdir:
+        fv.workdir, args = args[0], []
     if args:
         raise UsageError(f"unexpected arguments: {' '.join(args)}")
     if not fv.workdir:
         raise UsageError("--workdir: required (the run's directory)")
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every restore at INFO
+    if fv.follow:
+        return _follow(fv.workdir)
     try:
         report = evaluate_checkpoint(fv.workdir, step=fv.step, data=fv.data,
                                      num_batches=fv.num_batches,
@@ -46,4 +55,18 @@ def main(fv, args, argv=None) -> int:
     print(f"jtrain: eval of step {report['step']} on {report['data']} "
           f"({report['num_examples']:,} examples): {headline(report['metrics'])}")
     print(f"jtrain: wrote {', '.join(report.get('files', []))} in {os.path.abspath(fv.workdir)}")
+    return 0
+
+
+def _follow(workdir: str) -> int:
+    from jtrain.engine import async_eval
+
+    try:
+        steps = async_eval.follow(workdir, say=lambda line: print(line, flush=True))
+    except (FileNotFoundError, ValueError) as e:
+        if isinstance(e, JtrainError):
+            raise
+        raise EvaluateError(first_line(e)) from None
+    print(f"jtrain: follow: the run finished; evaluated {len(steps)} checkpoints "
+          f"(WORKDIR/evals) in {os.path.abspath(workdir)}", flush=True)
     return 0

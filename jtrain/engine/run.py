@@ -34,6 +34,7 @@ from jtrain.control import decide as decide_lib
 from jtrain.control import faults as faults_lib
 from jtrain.control import ledger as ledger_lib
 from jtrain.control import watchdog as watchdog_lib
+from jtrain.engine import async_eval
 from jtrain.engine import loop as loop_lib
 from jtrain.engine import summary as summary_lib
 from jtrain.engine import own_step
@@ -148,6 +149,7 @@ def train_and_evaluate(config, workdir, given: _Given | None = None, *, on_eval=
             with startup.phase("state"):  # newest checkpoint, else init_from, else fresh
                 ckpt = checkpoint.Checkpointer(workdir, cfg, data.info)
                 start = ckpt.restore_or_init(b.abstract_with_shardings(), b.init)
+                async_evals = async_eval.for_run(cfg, workdir, ckpt, start.step)
             ledger = goodput_lib.Ledger(workdir, t_start=t_start, startup=startup,
                                         first_step=start.step or 0,
                                         primary=jax.process_index() == 0)
@@ -168,13 +170,16 @@ def train_and_evaluate(config, workdir, given: _Given | None = None, *, on_eval=
                 ckpt=ckpt, out=out, resumed_from=start.step, watchdog=watchdog,
                 decisions=_decisions(cfg, workdir, ckpt.control, start, data, train_iter,
                                      on_eval, out.progress.message),
-                stopper=stopper, startup=startup, goodput=ledger, record=out.record)
+                stopper=stopper, startup=startup, goodput=ledger, record=out.record,
+                async_evals=async_evals)
             for line in notices:  # after the header: e.g. a warmup shortened for a short run
                 out.progress.message(f"jtrain: note: {line}")
             # Steps trace under the mesh and the logical-axis rules, so models' activation
             # constraints (nn.with_logical_constraint) resolve to this mesh.
             with contextlib.closing(run), jax.set_mesh(b.mesh), \
                     nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
+                if async_evals is not None:  # config.json is written: it can read the run
+                    async_evals.start()
                 try:
                     state, session = loop_lib.run_loop(cfg, run)
                 except NonFiniteError as e:  # exit 4: its line in train.log and summary.json
