@@ -19,6 +19,7 @@ recorded (history, best step, metrics.jsonl) without deciding anything more.
 
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
@@ -102,7 +103,7 @@ class AsyncEvals:
                     f"eval.mode=async: the evaluator process ended (exit code "
                     f"{self.proc.returncode}) before step {step} was evaluated; its output "
                     f"is in WORKDIR/{layout.EVALS}/{LOG}")
-            if not os.path.isdir(os.path.join(self.ckpt.directory, str(step))):
+            if not glob.glob(os.path.join(self.ckpt.directory, f"{step}*")):  # nor in flight
                 raise EvaluateError(f"eval.mode=async: checkpoint {step} is gone before it "
                                     "was evaluated")
             beat()

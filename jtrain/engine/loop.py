@@ -9,7 +9,10 @@ At an eval step (every `eval.every_steps`, and always the last step) the loop ev
 *before* it saves, so the checkpoint of that step holds its eval (best-k registry,
 history, early-stopping state); then early stopping, the plateau factor and `on_eval`
 decide (jtrain.control.decide), and an eval that enters the top k saves its step
-(checkpoint.save_on_best). Before every save all steps in flight are drained (a halt is
+(checkpoint.save_on_best). With eval.mode=async (engine.async_eval) the loop evaluates
+nothing: it saves each evaluation point for the evaluator process and, at a multiple of
+eval.every_steps, applies the eval of eval.async_lag points earlier through the same
+decision path (`_decide`). Before every save all steps in flight are drained (a halt is
 never checkpointed) and the params are checked finite.
 
 With `spike.zscore`, a drained step whose train loss spikes makes the loop roll back to
