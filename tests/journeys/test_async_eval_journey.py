@@ -6,7 +6,8 @@ killed by `debug.faults=kill@N` and rerun (resumed), stop at the same step with 
 best step and the same final state hash; the stop step is the one the logged evals
 imply at that lag. `jtrain evaluate --follow` on a run trained in sync mode writes one
 eval record per checkpoint into its metrics.jsonl, with its step, and agrees with the
-run's own eval of its last step."""
+run's own eval of its last step. Best-k keeping ranks the applied evals: the best one's
+checkpoint is kept."""
 
 import json
 
@@ -93,6 +94,11 @@ def test_async_eval_decides_the_same_on_a_rerun_and_a_resume(tmp_path):
         assert ((other["step"], other["best_step"], other["state_sha256"])
                 == (a["step"], a["best_step"], a["state_sha256"]))
     assert metric_by_step(tmp_path / "runs/c", "eval/loss") == evals
+    # best-k keeping (checkpoint.keep_top_k=1 beside max_to_keep=1) ranked the evals
+    # applied by the last save: the best of them is kept, in both runs
+    applied = [(v, -s) for s, v in evals.items() if s <= a["step"] - LAG * EVERY]
+    for run in "ac":
+        assert (tmp_path / f"runs/{run}/checkpoints/{-min(applied)[1]}").is_dir()
     assert (tmp_path / "runs/a/evals").is_dir()
 
 
