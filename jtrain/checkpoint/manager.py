@@ -122,6 +122,7 @@ class Checkpointer:
         self.directory = directory or os.path.join(os.path.abspath(workdir), "checkpoints")
         self.cfg = config.checkpoint
         self.mirror = mirror  # checkpoint.store.Mirror: a workdir on an object store
+        self.held: set[int] = set()  # eval.mode=async: kept until their eval is applied
         resolved = redact(config.to_dict())
         self.control = control_lib.RunControl(
             # the hash of what is stored: a hash of the secrets would confirm a guess

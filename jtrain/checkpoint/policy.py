@@ -15,8 +15,9 @@ class KeepPolicy:
     """Which checkpoints to keep (orbax's PreservationPolicy protocol): exactly the
     latest `max_to_keep` (at least 1: the latest is never deleted to make room for a
     better one) ∪ multiples of `keep_every_steps` ∪ the `keep_top_k` best by `monitor`
-    (`mode`) in the registry of the owner's run-control record. The owner is read at
-    call time: its record is replaced on resume."""
+    (`mode`) in the registry of the owner's run-control record ∪ the owner's `held`
+    steps (eval.mode=async: evaluation points whose eval was not applied yet). The owner
+    is read at call time: its record is replaced on resume."""
 
     owner: Any  # jtrain.checkpoint.Checkpointer
 
@@ -28,6 +29,7 @@ class KeepPolicy:
             keep |= {s for s in steps if s % cfg.keep_every_steps == 0}
         keep |= set(best_steps(self.owner.control.metric_registry, steps, cfg.keep_top_k,
                                cfg.mode))
+        keep |= set(self.owner.held)  # eval.mode=async: not evaluated and applied yet
         return [s in keep for s in steps]
 
 

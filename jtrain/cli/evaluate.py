@@ -27,14 +27,26 @@ def define_flags(fv, argv=None) -> None:
     flags.DEFINE_enum("weights", None, ["params", "ema", "both"], "Weights evaluated: the "
                       "params, the weight EMA (eval/ema/...) or both; default: the run's "
                       "eval.weights.", flag_values=fv)
+    flags.DEFINE_bool("follow", False, "Follow the run: evaluate each new finished "
+                      "checkpoint once (WORKDIR/evals/<step>.json; a run not in "
+                      "eval.mode=async also gets the metrics in metrics.jsonl with their "
+                      "step) until its summary.json says it finished. The workdir may be "
+                      "given as the argument: --follow WORKDIR.", flag_values=fv)
 
 
 def main(fv, args, argv=None) -> int:
+    if fv.follow and len(args) == 1 and not fv.workdir:
+        fv.workdir, args = args[0], []
     if args:
         raise UsageError(f"unexpected arguments: {' '.join(args)}")
     if not fv.workdir:
         raise UsageError("--workdir: required (the run's directory)")
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every restore at INFO
+    if fv.follow:
+        if store.is_remote(fv.workdir):
+            raise UsageError("--follow", "needs a local --workdir (it watches the run's "
+                             f"checkpoint folder); {fv.workdir} is on an object store")
+        return _follow(fv.workdir)
     try:  # a bucket's run (s3://, gs://): read from a staging copy, the report uploaded
         with store.local_copy(fv.workdir, write_back=True) as workdir:
             report = evaluate_checkpoint(workdir, step=fv.step, data=fv.data,
@@ -49,4 +61,18 @@ def main(fv, args, argv=None) -> int:
           f"({report['num_examples']:,} examples): {headline(report['metrics'])}")
     shown = fv.workdir if store.is_remote(fv.workdir) else os.path.abspath(fv.workdir)
     print(f"jtrain: wrote {', '.join(report.get('files', []))} in {shown}")
+    return 0
+
+
+def _follow(workdir: str) -> int:
+    from jtrain.engine import async_eval
+
+    try:
+        steps = async_eval.follow(workdir, say=lambda line: print(line, flush=True))
+    except (FileNotFoundError, ValueError) as e:
+        if isinstance(e, JtrainError):
+            raise
+        raise EvaluateError(first_line(e)) from None
+    print(f"jtrain: follow: the run finished; evaluated {len(steps)} checkpoints "
+          f"(WORKDIR/evals) in {os.path.abspath(workdir)}", flush=True)
     return 0

@@ -137,7 +137,21 @@ SCHEMA: dict[str, Any] = {
         "predict_fn": F(str, "", None, "'package.module:fn', fn(outputs, batch) -> "
                         "(predictions, targets[, weights]) that the metrics compare (e.g. a "
                         "negative-binomial mean vs counts); '' = outputs vs batch targets"),
-    }),
+    }) | {  # these change what the run decides and when: not resume-safe
+        "mode": F(str, "sync", ("sync", "async"), "sync = the loop evaluates and waits; "
+                  "async = each evaluation point's checkpoint is evaluated by a separate "
+                  "process (jtrain evaluate --follow) while training goes on, and early "
+                  "stopping, the plateau and best-k keeping decide at eval.async_lag "
+                  "evaluation points later (docs/guide/evaluation.md)"),
+        "async_lag": F(int, 1, (1, 1000), "eval.mode=async: the decision at evaluation "
+                       "point k uses the eval of point k - async_lag, always; training "
+                       "waits only when that eval is not done yet"),
+        "async_evaluator": F(str, "child", ("child", "external"), "eval.mode=async: child "
+                             "= the train command starts `python -m jtrain.evaluate "
+                             "--follow WORKDIR` beside itself and ends it; external = you "
+                             "run that command (e.g. on another host that reads the workdir)",
+                             resume=True),
+    },
     "loss": {  # jtrain/loss_terms.py; a loss_fn passed to jtrain.train replaces fn / terms
         "fn": F(str, "", None, "'package.module:fn', fn(outputs, batch) -> loss, (sum, "
                 "weight), or either with a dict of named terms; '' = the default loss"),

@@ -15,6 +15,8 @@ commands that read a run.
     population.py       population.size > 1: the member axis, vmapped init and step,
                         each member evaluated, the summary's block and plot
     checkpoint_eval.py  evaluate_checkpoint(): a saved step scored, its report written
+    async_eval.py       eval.mode=async: the evaluator following a workdir, the loop's
+                        held points and the evals it applies at a fixed lag
     diff.py             diff_runs(): where two runs part
     replay.py           replay(): a recorded step re-run, its state hash compared
     dry_run.py          --dry_run: the steps compiled for a topology, memory reported

@@ -18,9 +18,11 @@ params and the EMA; the default is the run's eval.weights.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+from typing import Any
 
 import jax
 import numpy as np
@@ -63,6 +65,52 @@ def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data="eval"
     """
     from flax import linen as nn
 
+    opened = open_run(workdir, model=model, loss_fn=loss_fn, weights=weights, data=data,
+                      eval_defaults=True)
+    cfg, b, weights, workdir = opened.cfg, opened.build, opened.weights, opened.workdir
+    chosen = resolve_step(step, opened.reader.all_steps(), workdir,
+                          monitor=cfg.checkpoint.monitor, mode=cfg.checkpoint.mode)
+    state = opened.reader.restore(chosen, b.abstract_with_shardings())[0]
+    eval_batch = (cfg.eval.batch_size or cfg.data.batch_size) // jax.process_count()
+    with jax.set_mesh(b.mesh), nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
+        result = evaluate_weights(b.eval_step, state, opened.source, weights=weights,
+                                  mesh=b.mesh, local_batch=eval_batch, spec=b.eval_spec,
+                                  max_batches=num_batches, tail_step=b.eval_tail)
+    report = {
+        "step": chosen, "data": opened.data_name, "task": b.eval_spec.task, "weights": weights,
+        "num_examples": result.num_examples,
+        "metrics": {k: _json_number(v) for k, v in result.scalars.items()},
+        **{k: v.tolist() for k, v in result.arrays.items()},
+    }
+    for prefix in ("", "ema_"):  # per class and averaged, as sklearn's
+        if f"{prefix}confusion_matrix" in result.arrays:
+            report[f"{prefix}classification_report"] = classification_report(
+                result.arrays[f"{prefix}confusion_matrix"])
+    if jax.process_index() == 0:
+        files = write_report(workdir, report, result, plots=plots)
+        report["files"] = files
+    return report
+
+
+@dataclasses.dataclass
+class Opened:
+    """A run opened for evaluation: its config, the build of its model, a read-only
+    reader of its checkpoints and the data scored."""
+    workdir: str
+    cfg: Any
+    build: Any
+    reader: checkpoint.CheckpointReader
+    source: Any
+    data_name: str
+    weights: str
+
+
+def open_run(workdir: str, *, model=None, loss_fn=None, weights: str | None = None,
+             data="eval", eval_defaults: bool = True) -> Opened:
+    """The run at `workdir` read back (config.json checked as trusted, the model and
+    loss rebuilt, the data picked) for `evaluate_checkpoint` and `jtrain evaluate
+    --follow`; `eval_defaults`: the task's default metrics besides eval.metrics (False:
+    exactly the metrics the run's own evaluations compute)."""
     shown, workdir = workdir, os.path.abspath(workdir)
     cfg_path = os.path.join(workdir, "config.json")
     if not os.path.exists(cfg_path):
@@ -99,32 +147,12 @@ def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data="eval"
                             "(optim.ema.decay = 0)")
     config_lib.validate(cfg, num_devices=jax.device_count())
     reader = checkpoint.CheckpointReader(workdir)  # read-only: safe beside a running job
-    chosen = resolve_step(step, reader.all_steps(), workdir, monitor=cfg.checkpoint.monitor,
-                          mode=cfg.checkpoint.mode)
     source, data_name, data_info = _pick_data(data, cfg.data)
     b = build(cfg, sample=model_sample(cfg, source[0]), eval_example=source[0], model=model,
               loss_fn=loss_fn,
-              byte_level=data_info.get("name") == "pystdlib", eval_defaults=True)
-    state = reader.restore(chosen, b.abstract_with_shardings())[0]
-    eval_batch = (cfg.eval.batch_size or cfg.data.batch_size) // jax.process_count()
-    with jax.set_mesh(b.mesh), nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
-        result = evaluate_weights(b.eval_step, state, source, weights=weights, mesh=b.mesh,
-                                  local_batch=eval_batch, spec=b.eval_spec,
-                                  max_batches=num_batches, tail_step=b.eval_tail)
-    report = {
-        "step": chosen, "data": data_name, "task": b.eval_spec.task, "weights": weights,
-        "num_examples": result.num_examples,
-        "metrics": {k: _json_number(v) for k, v in result.scalars.items()},
-        **{k: v.tolist() for k, v in result.arrays.items()},
-    }
-    for prefix in ("", "ema_"):  # per class and averaged, as sklearn's
-        if f"{prefix}confusion_matrix" in result.arrays:
-            report[f"{prefix}classification_report"] = classification_report(
-                result.arrays[f"{prefix}confusion_matrix"])
-    if jax.process_index() == 0:
-        files = write_report(workdir, report, result, plots=plots)
-        report["files"] = files
-    return report
+              byte_level=data_info.get("name") == "pystdlib", eval_defaults=eval_defaults)
+    return Opened(workdir=workdir, cfg=cfg, build=b, reader=reader, source=source,
+                  data_name=data_name, weights=weights)
 
 
 def resolve_step(step, available: list[int], workdir: str, *, monitor: str | None = None,

@@ -9,7 +9,10 @@ At an eval step (every `eval.every_steps`, and always the last step) the loop ev
 *before* it saves, so the checkpoint of that step holds its eval (best-k registry,
 history, early-stopping state); then early stopping, the plateau factor and `on_eval`
 decide (jtrain.control.decide), and an eval that enters the top k saves its step
-(checkpoint.save_on_best). Before every save all steps in flight are drained (a halt is
+(checkpoint.save_on_best). With eval.mode=async (engine.async_eval) the loop evaluates
+nothing: it saves each evaluation point for the evaluator process and, at a multiple of
+eval.every_steps, applies the eval of eval.async_lag points earlier through the same
+decision path (`_decide`). Before every save all steps in flight are drained (a halt is
 never checkpointed) and the params are checked finite.
 
 With `spike.zscore`, a drained step whose train loss spikes makes the loop roll back to
@@ -42,7 +45,7 @@ from jtrain.control import decide as decide_lib
 from jtrain.control.faults import before_step, fault_point, perturb
 from jtrain.data import RunData
 from jtrain.data.prefetch import DevicePrefetch
-from jtrain.engine import evaluation as evaluator
+from jtrain.engine import async_eval, evaluation as evaluator
 from jtrain.engine import summary as summary_lib
 from jtrain.engine.assemble import Build
 from jtrain.errors import NonFiniteError
@@ -68,9 +71,12 @@ class Run:
     startup: startup_lib.Startup  # phase timings, compile record, the precompile thread
     goodput: goodput_lib.Ledger  # where the session's seconds go (goodput.jsonl)
     record: dict = dataclasses.field(default_factory=dict)  # run.json (its "decided")
+    async_evals: async_eval.AsyncEvals | None = None  # eval.mode=async; None: sync
 
     def close(self):
         self.watchdog.pause()
+        if self.async_evals is not None:
+            self.async_evals.close()
         if self.startup.precompile is not None:
             self.startup.precompile.join()  # stopped before the first step: let it finish
         self.out.close()
@@ -112,7 +118,10 @@ def run_loop(cfg, run: Run):
                 jax.block_until_ready(metrics)
         state = _dispatched(cfg, run, session, state, step, metrics, timing, first)
         best = False
-        if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == total:
+        if run.async_evals is not None:  # the eval of an earlier point, at a fixed lag
+            state = _apply_lagged(cfg, run, session, state, step)
+            best = async_eval.is_point(cfg, step)  # saved: the evaluator reads it
+        elif (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == total:
             state, best = _evaluate_and_decide(cfg, run, session, state, step)
         if run.stopper.should_stop(step):  # SIGTERM/SIGINT, the same step on all processes
             session.stopped_by = session.stopped_by or run.stopper.signal_name
@@ -121,12 +130,14 @@ def run_loop(cfg, run: Run):
         if session.stopped_by:
             break
     state = _drained(cfg, run, session, state)
+    if run.async_evals is not None and session.stopped_by in (None, "early_stop", "on_eval"):
+        _record_rest(cfg, run, session)  # the evals not applied yet: recorded, not decided
     run.watchdog.beat("final save")
     if step == total == start:  # resumed at the end: its eval is in the checkpoint
         session.stored = summary_lib.stored_summary(run.workdir, state)
         last = [e for e in run.ckpt.control.eval_history if e.get("step") == total]
-        session.history += last[-1:] or run.stopper.interruptible(_evaluate, cfg, run, state,
-                                                                  total)
+        session.history += last[-1:] or session.history[-1:] or run.stopper.interruptible(
+            _evaluate, cfg, run, state, total)
     if run.ckpt.latest_step() != step and not (step == start and session.stopped_by):
         state = _save(cfg, run, session, state, step)
     with run.goodput.phase("checkpoints"):
@@ -233,8 +244,21 @@ def _evaluate_and_decide(cfg, run: Run, session: _Session, state, step: int):
     _report_recompiles(run, step)
     if not result:
         return state, False
-    session.history += result
-    decided = run.decisions.after_eval(step, result[0], primary=jax.process_index() == 0)
+    state = _decide(cfg, run, session, state, step, result[0])
+    return state, run.ckpt.enters_top_k(step, result[0])
+
+
+def _decide(cfg, run: Run, session: _Session, state, step: int, entry: dict, *,
+            act: bool = True):
+    """The one decision path of an eval (sync: of `step`; async: of an earlier point,
+    applied at `step`): into the history (the best-k registry at the next save), then
+    early stopping, the plateau factor and on_eval (control.decide); `act=False` (the
+    async evals left at the end): recorded, nothing applied. Returns the state."""
+    session.history.append(entry)
+    decided = run.decisions.after_eval(entry["step"], entry,
+                                       primary=jax.process_index() == 0)
+    if not act:
+        return state
     if decided.factor is not None:
         state = session.set_factor(state, np.float32(decided.factor))
         run.out.progress.message(
@@ -242,7 +266,37 @@ def _evaluate_and_decide(cfg, run: Run, session: _Session, state, step: int):
             f"learning-rate factor now {decided.factor:.3g} (plateau.factor)")
     if decided.stop:
         session.stop_reason, session.stopped_by = decided.stop, decided.stopped_by
-    return state, run.ckpt.enters_top_k(step, result[0])
+    return state
+
+
+def _apply_lagged(cfg, run: Run, session: _Session, state, step: int):
+    """eval.mode=async at `step`: the eval of step - async_lag * every_steps (waited for
+    when the evaluator is behind), written with its own step and decided on."""
+    target = run.async_evals.due(step)
+    if target is None:
+        return state
+    state = _drained(cfg, run, session, state)
+    entry = _taken(run, target, step)
+    return _decide(cfg, run, session, state, step, entry)
+
+
+def _record_rest(cfg, run: Run, session: _Session) -> None:
+    """The end of an async run: the evals of its held points, waited for, written and
+    recorded (history, monitors' best) in step order; they decide nothing any more."""
+    for target in sorted(run.async_evals.ckpt.held):
+        _decide(cfg, run, session, None, target, _taken(run, target, None), act=False)
+
+
+def _taken(run: Run, target: int, step: int | None) -> dict:
+    """The async eval of `target`, its metrics written with that step and its line."""
+    with run.goodput.phase("eval"):
+        entry = run.async_evals.take(target, lambda: run.watchdog.beat("async eval"))
+    scalars = {k: v for k, v in entry.items() if k != "step"}
+    run.out.writer.write_scalars(target, scalars)
+    at = f", applied at step {step}" if step is not None else ""
+    run.out.progress.message(f"jtrain: eval at step {target} (async{at}): "
+                             + evaluator.headline(scalars), emphasis=True)
+    return entry
 
 
 def _save(cfg, run: Run, session: _Session, state, step: int):
@@ -261,6 +315,8 @@ def _save(cfg, run: Run, session: _Session, state, step: int):
                       stopped_by=session.stopped_by, monitors=run.decisions.state(),
                       skip_ledger=list(run.decisions.ledger.entries))
     session.saved = step
+    if run.async_evals is not None:
+        run.async_evals.saved(step)  # an evaluation point: held until applied
     multihost.heartbeat.note_checkpoint(step)  # for a failed peer's line
     return state
 

@@ -33,13 +33,14 @@ from jtrain.control import decide as decide_lib
 from jtrain.control import faults as faults_lib
 from jtrain.control import ledger as ledger_lib
 from jtrain.control import watchdog as watchdog_lib
+from jtrain.engine import async_eval
 from jtrain.engine import loop as loop_lib
 from jtrain.engine import summary as summary_lib
 from jtrain.checkpoint import store
 from jtrain.engine import own_step
 from jtrain.engine.assemble import (LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, Build, build,  # noqa: F401
                                     check_run, model_sample)
-from jtrain.errors import NonFiniteError, RestoreError, WorkdirError
+from jtrain.errors import ConfigError, NonFiniteError, RestoreError, WorkdirError
 from jtrain.observe import compiles as compiles_lib, goodput as goodput_lib
 from jtrain.observe import outputs as outputs_lib
 from jtrain.observe import startup as startup_lib
@@ -203,6 +204,9 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
     user_data = data_lib.UserData(given.train_data, given.eval_data, processes=_processes)
     with startup.phase("data"):
         cfg, notices = _resolve_once(config, allow_changes, user_data, resolved)
+    if mirror is not None and cfg.eval.mode == "async":
+        raise ConfigError("eval.mode", "async needs a local workdir (its evaluator follows "
+                          f"the checkpoint folder); {mirror.uri} is on an object store")
     determinism = precision_lib.set_deterministic(cfg.deterministic)
     # Before this run's first compile (JAX decides at a compile whether the cache is used).
     startup.cache_dir = compiles_lib.configure_cache(cfg.compile.cache_dir,
@@ -236,6 +240,7 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
             with startup.phase("state"):  # newest checkpoint, else init_from, else fresh
                 ckpt = checkpoint.open_checkpoints(workdir, cfg, data.info, mirror=mirror)
                 start = ckpt.restore_or_init(b.abstract_with_shardings(), b.init)
+                async_evals = async_eval.for_run(cfg, workdir, ckpt, start.step)
             ledger = goodput_lib.Ledger(workdir, t_start=t_start, startup=startup,
                                         first_step=start.step or 0,
                                         primary=jax.process_index() == 0)
@@ -257,13 +262,16 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
                 ckpt=ckpt, out=out, resumed_from=start.step, watchdog=watchdog,
                 decisions=_decisions(cfg, workdir, ckpt.control, start, data, train_iter,
                                      on_eval, out.progress.message),
-                stopper=stopper, startup=startup, goodput=ledger, record=out.record)
+                stopper=stopper, startup=startup, goodput=ledger, record=out.record,
+                async_evals=async_evals)
             for line in notices:  # after the header: e.g. a warmup shortened for a short run
                 out.progress.message(f"jtrain: note: {line}")
             # Steps trace under the mesh and the logical-axis rules, so models' activation
             # constraints (nn.with_logical_constraint) resolve to this mesh.
             with contextlib.closing(run), jax.set_mesh(b.mesh), \
                     nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
+                if async_evals is not None:  # config.json is written: it can read the run
+                    async_evals.start()
                 try:
                     state, session = loop_lib.run_loop(cfg, run)
                 except NonFiniteError as e:  # exit 4: its line in train.log and summary.json

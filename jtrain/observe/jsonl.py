@@ -22,12 +22,24 @@ def json_float(v: float):
 def truncate_after(path: str, step: int) -> None:
     """Drop the records of steps after `step` (a resumed run replays them) and torn
     lines; the rest stays byte for byte. Written beside, then renamed over."""
+    _keep_only(path, lambda record: record["step"] <= step)
+
+
+def drop_evals_after(path: str, step: int) -> None:
+    """Drop the eval-only records (every value an eval/... metric) of steps after `step`
+    (and torn lines): an eval.mode=async run resumed before it applied them writes them
+    again."""
+    _keep_only(path, lambda record: record["step"] <= step or not all(
+        k.startswith("eval/") for k in record if k not in ("step", "time")))
+
+
+def _keep_only(path: str, keep) -> None:
     with open(path, "rb") as f:
         lines = f.readlines()
     kept = []
     for line in lines:
         record, problem = _parse(line)
-        if problem is None and record["step"] <= step:
+        if problem is None and keep(record):
             kept.append(line if line.endswith(b"\n") else line + b"\n")
     if len(kept) == len(lines):
         return

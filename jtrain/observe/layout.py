@@ -66,6 +66,43 @@ def _open_regular(path: str, mode: int) -> int:
     os.set_blocking(fd, True)
     return fd
 
+EVALS = "evals"  # eval.mode=async / jtrain evaluate --follow: one result file per step
+
+
+def eval_result_path(workdir: str, step: int) -> str:
+    """WORKDIR/evals/<step>.json: the evaluation of checkpoint `step` by `jtrain evaluate
+    --follow`."""
+    return os.path.join(workdir, EVALS, f"{int(step)}.json")
+
+
+def write_eval_result(workdir: str, step: int, record: dict) -> None:
+    """The result file of `step`, written whole (a reader never sees half of it)."""
+    import json
+
+    os.makedirs(os.path.join(workdir, EVALS), exist_ok=True)
+    write_file(eval_result_path(workdir, step), json.dumps(record, sort_keys=True))
+
+
+def read_eval_result(workdir: str, step: int) -> dict | None:
+    """The result file of `step`, or None while there is none."""
+    import json
+
+    try:
+        with open(eval_result_path(workdir, step)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def eval_result_steps(workdir: str) -> set[int]:
+    """The steps that have a result file."""
+    try:
+        names = os.listdir(os.path.join(workdir, EVALS))
+    except FileNotFoundError:
+        return set()
+    return {int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit()}
+
+
 # (shown name, fnmatch patterns of the top-level entries it stands for, what it holds)
 RUN = (
     ('config.json', 'config.json',
@@ -142,6 +179,11 @@ RUN = (
      'logs of orbax / absl / grain and the traceback behind an error line'),
     ('profile/', 'profile',
      'jax.profiler traces when profile.num_steps > 0 (TensorBoard profile plugin)'),
+    ('evals/<step>.json', 'evals',
+     'eval.mode=async and jtrain evaluate --follow: the evaluation of checkpoint <step> by the '
+     'evaluator process {"step", "metrics", "num_examples", "skipped" (the checkpoint was '
+     'deleted before it was read)}, written whole; an async run applies it eval.async_lag '
+     'evaluation points later and writes it to metrics.jsonl then'),
     ('eval_<step>.json', 'eval_*',
      'from python -m jtrain.evaluate, with eval_<step>_curves.png (and eval_<step>_confusion.png '
      'for classification)'),

@@ -1,0 +1,237 @@
+"""eval.mode=async: evaluation in a second process, decisions at a fixed lag.
+
+The evaluator (`follow`, the command `jtrain evaluate --follow WORKDIR`) watches the run's
+finished checkpoints (a manifest written last: never a half-written one), evaluates each
+once and writes WORKDIR/evals/<step>.json whole. It works for any run: for a run in
+eval.mode=sync it also appends the eval metrics to metrics.jsonl with their step; for an
+async run the training process writes them, when it applies them.
+
+The training side (`AsyncEvals`): every evaluation point is saved (and held: the keep
+policy never deletes it before its eval was applied). At evaluation point k (step s, a
+multiple of eval.every_steps) the loop applies the eval of point k - eval.async_lag
+(step s - lag * every_steps) through the same decision path as a sync eval (early
+stopping, the plateau factor, on_eval, the best-k registry), waiting for it only when
+the evaluator is further behind. Which eval a decision uses depends on the step alone,
+never on how fast the evaluator was, so a rerun or a resume decides the same. At the end
+of the run (the last step, or an early stop) the evals not yet applied are waited for and
+recorded (history, best step, metrics.jsonl) without deciding anything more.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable
+
+import jax
+
+from jtrain.errors import ConfigError, EvaluateError
+from jtrain.observe import jsonl, layout
+
+PARENT_ENV = "JTRAIN_EVAL_PARENT"  # the training process of a child evaluator
+LOG = "evaluator.log"  # in WORKDIR/evals: the child evaluator's output
+
+
+def check(cfg) -> None:
+    """What eval.mode=async does not cover: one ConfigError before the first step."""
+    if cfg.eval.mode != "async":
+        return
+    if jax.process_count() > 1:
+        raise ConfigError("eval.mode", "async runs on one process only (the evaluator "
+                                       "follows one workdir); use eval.mode=sync")
+    if cfg.population.size > 1:
+        raise ConfigError("eval.mode", "async does not evaluate a population's members; "
+                                       "use eval.mode=sync")
+    if cfg.data.mixture:
+        raise ConfigError("eval.mode", "async does not score a data.mixture's components; "
+                                       "use eval.mode=sync")
+
+
+def is_point(cfg, step: int) -> bool:
+    """An evaluation point: a multiple of eval.every_steps, or the last step."""
+    every = cfg.eval.every_steps
+    return bool(every and step % every == 0) or step == cfg.total_steps
+
+
+class AsyncEvals:
+    """The training process's side: the held checkpoints, the child evaluator, the
+    lagged results."""
+
+    def __init__(self, cfg, workdir: str, ckpt):
+        self.cfg, self.workdir, self.ckpt = cfg, workdir, ckpt
+        self.proc: subprocess.Popen | None = None
+        history = ckpt.control.eval_history
+        self.applied = int(history[-1]["step"]) if history else 0
+        ckpt.held = {s for s in ckpt.all_steps() if s > self.applied and is_point(cfg, s)}
+
+    def start(self) -> None:
+        """The child evaluator (eval.async_evaluator=child), its output in
+        WORKDIR/evals/evaluator.log."""
+        if self.cfg.eval.async_evaluator != "child" or self.proc is not None:
+            return
+        os.makedirs(os.path.join(self.workdir, layout.EVALS), exist_ok=True)
+        with layout.open_append(os.path.join(self.workdir, layout.EVALS, LOG)) as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "jtrain.evaluate", "--follow", self.workdir],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, PARENT_ENV: str(os.getpid())})
+
+    def due(self, step: int) -> int | None:
+        """The eval step applied at `step`: step - async_lag * every_steps, at a multiple
+        of eval.every_steps; None elsewhere (and before the lag has passed)."""
+        every = self.cfg.eval.every_steps
+        if not every or step % every:
+            return None
+        target = step - self.cfg.eval.async_lag * every
+        return target if target > 0 else None
+
+    def saved(self, step: int) -> None:
+        """Checkpoint `step` was saved: an evaluation point is held until applied."""
+        if is_point(self.cfg, step) and step > self.applied:
+            self.ckpt.held.add(step)
+
+    def take(self, step: int, beat: Callable[[], None]) -> dict:
+        """The eval of checkpoint `step` as a history record {"step", "eval/...": v},
+        waited for (`beat`: the watchdog's, while waiting); its hold released."""
+        while (record := layout.read_eval_result(self.workdir, step)) is None:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise EvaluateError(
+                    f"eval.mode=async: the evaluator process ended (exit code "
+                    f"{self.proc.returncode}) before step {step} was evaluated; its output "
+                    f"is in WORKDIR/{layout.EVALS}/{LOG}")
+            if not glob.glob(os.path.join(self.ckpt.directory, f"{step}*")):  # nor in flight
+                raise EvaluateError(f"eval.mode=async: checkpoint {step} is gone before it "
+                                    "was evaluated")
+            beat()
+            time.sleep(0.02)
+        if "skipped" in record:
+            raise EvaluateError(f"eval.mode=async: the evaluator could not read checkpoint "
+                                f"{step}: {record['skipped']}")
+        self.ckpt.held.discard(step)
+        self.applied = max(self.applied, step)
+        return {"step": step, **{k: float(v) for k, v in record["metrics"].items()}}
+
+    def close(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def for_run(cfg, workdir: str, ckpt, resumed_from: int | None) -> AsyncEvals | None:
+    """The run's AsyncEvals (None in eval.mode=sync). On a resume, metrics.jsonl first
+    drops the eval records the restored checkpoint had not applied yet: they are applied
+    (and written) again, at the same steps."""
+    if cfg.eval.mode != "async":
+        return None
+    check(cfg)
+    evals = AsyncEvals(cfg, workdir, ckpt)
+    path = os.path.join(workdir, "metrics.jsonl")
+    if resumed_from is not None and os.path.exists(path):
+        jsonl.drop_evals_after(path, evals.applied)
+    return evals
+
+
+# -- the evaluator: jtrain evaluate --follow WORKDIR ---------------------------------------
+def follow(workdir: str, *, poll_s: float = 0.2, say: Callable[[str], None] = print,
+           model=None, loss_fn=None) -> list[int]:
+    """Evaluates every new finished checkpoint of the run at `workdir` once (an async
+    run's: its evaluation points), writing WORKDIR/evals/<step>.json (and, for a run not
+    in eval.mode=async, the metrics into metrics.jsonl with their step), until the run's
+    summary.json says it finished at its newest checkpoint (or, as a child evaluator,
+    the training process is gone). Returns the steps evaluated."""
+    from jtrain.engine import checkpoint_eval
+
+    opened = checkpoint_eval.open_run(workdir, model=model, loss_fn=loss_fn,
+                                      eval_defaults=False)
+    workdir, cfg = opened.workdir, opened.cfg
+    parent = os.environ.get(PARENT_ENV)
+    if parent:
+        _exit_with(int(parent))
+    own = cfg.eval.mode != "async"  # who writes the metrics into metrics.jsonl
+    done = layout.eval_result_steps(workdir)
+    evaluated: list[int] = []
+    while True:
+        steps = opened.reader.all_steps()
+        todo = [s for s in steps if s not in done and (own or is_point(cfg, s))]
+        for step in todo:
+            record = _evaluate(opened, step, say)
+            layout.write_eval_result(workdir, step, record)
+            done.add(step)
+            if "metrics" in record:
+                evaluated.append(step)
+                if own:
+                    _append_metrics(workdir, step, record["metrics"])
+        if not todo:
+            if _finished(workdir, steps):
+                return evaluated
+            time.sleep(poll_s)
+
+
+def _evaluate(opened, step: int, say) -> dict:
+    """{"step", "metrics", "num_examples"}, or {"step", "skipped"} for a checkpoint
+    deleted under the evaluator (a sync run's keep policy)."""
+    from flax import linen as nn
+
+    from jtrain import mesh as mesh_lib
+    from jtrain.engine import evaluation
+
+    cfg, b = opened.cfg, opened.build
+    try:
+        state = opened.reader.restore(step, b.abstract_with_shardings())[0]
+    except Exception:
+        if os.path.isdir(os.path.join(opened.reader.directory, str(step))):
+            raise
+        why = "deleted before it was evaluated (the run's checkpoint keep policy)"
+        say(f"jtrain: warning: checkpoint {step} was {why}; skipped")
+        return {"step": step, "skipped": why}
+    local_batch = (cfg.eval.batch_size or cfg.data.batch_size) // jax.process_count()
+    with jax.set_mesh(b.mesh), nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
+        result = evaluation.evaluate_weights(
+            b.eval_step, state, opened.source, weights=opened.weights, mesh=b.mesh,
+            local_batch=local_batch, max_batches=cfg.eval.num_batches, spec=b.eval_spec,
+            tail_step=b.eval_tail)
+    say(evaluation.format_line(step, result))
+    return {"step": step, "num_examples": result.num_examples,
+            "metrics": {k: jsonl.json_float(v) for k, v in result.scalars.items()}}
+
+
+def _append_metrics(workdir: str, step: int, metrics: dict) -> None:
+    """One metrics.jsonl record, appended in one write (the training process may be
+    appending its own)."""
+    import json
+
+    line = json.dumps({"step": step, "time": time.time(), **metrics}) + "\n"
+    with layout.open_append(os.path.join(workdir, "metrics.jsonl")) as f:
+        f.write(line)
+
+
+def _finished(workdir: str, steps: list[int]) -> bool:
+    """summary.json names the newest checkpoint: the run ended there."""
+    import json
+
+    try:
+        with open(os.path.join(workdir, "summary.json")) as f:
+            step = json.load(f).get("step")
+    except (FileNotFoundError, ValueError):
+        return False
+    return bool(steps) and step == max(steps)
+
+
+def _exit_with(parent: int) -> None:
+    """A child evaluator ends when its training process is gone (killed included)."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="jtrain-eval-parent").start()

@@ -1,0 +1,123 @@
+"""eval.mode=async as a user meets it, from the CLI in a temp cwd with their own NNX model
+(model.factory) and data module: the training command starts its evaluator beside
+itself, and early stopping and the plateau decide from the eval of a FIXED earlier
+evaluation point (eval.async_lag), so the same command run again, and the same command
+killed by `debug.faults=kill@N` and rerun (resumed), stop at the same step with the same
+best step and the same final state hash; the stop step is the one the logged evals
+imply at that lag. `jtrain evaluate --follow` on a run trained in sync mode writes one
+eval record per checkpoint into its metrics.jsonl, with its step, and agrees with the
+run's own eval of its last step. Best-k keeping ranks the applied evals: the best one's
+checkpoint is kept."""
+
+import json
+
+from journey import copy_project, metric_by_step, run_python
+
+EVERY, LAG, PATIENCE = 2, 2, 2
+
+CONFIG = f'''
+from jtrain.config import defaults
+
+
+def get_config():
+    c = defaults(model="user")
+    c.model.factory = "nnx_mlp:make"
+    c.seed = 0
+    c.total_steps = 40
+    c.data.source = "nnx_mlp:data"
+    c.data.val_fraction = 0.25
+    c.data.batch_size = 8
+    c.optim.lr = 0.02
+    c.optim.warmup_steps = 0
+    c.eval.every_steps = {EVERY}
+    c.eval.mode = "async"
+    c.eval.async_lag = {LAG}
+    c.early_stop.monitor = "eval/loss"
+    c.early_stop.patience = {PATIENCE}
+    c.early_stop.min_delta = 0.01
+    c.plateau.monitor = "eval/loss"
+    c.plateau.patience = 0
+    c.plateau.min_delta = 0.03
+    c.checkpoint.every_steps = 1000
+    c.checkpoint.max_to_keep = 1
+    c.log.every_steps = 2
+    c.log.writers = ("jsonl",)
+    return c
+'''
+
+
+def _summary(path):
+    return json.loads((path / "summary.json").read_text())
+
+
+def _expected_stop(cfg_text: str, evals: dict) -> int:
+    """The stop step the logged evals imply: early stopping fed the evals in step order;
+    the point where it stops plus the lag."""
+    from jtrain.control import monitors
+
+    ns: dict = {}
+    exec(cfg_text, ns)
+    cfg = ns["get_config"]()
+    early = monitors.EarlyStopping(cfg.early_stop)
+    for step in sorted(evals):
+        if early.update(step, {"eval/loss": evals[step]}):
+            return step + LAG * EVERY
+    return cfg.total_steps
+
+
+def test_async_eval_decides_the_same_on_a_rerun_and_a_resume(tmp_path):
+    copy_project(tmp_path, "nnx_mlp")
+    (tmp_path / "cfg.py").write_text(CONFIG)
+    train = ["-m", "jtrain.main", "--config=cfg.py"]
+    first = run_python(tmp_path, *train, "--workdir=runs/a")
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = run_python(tmp_path, *train, "--workdir=runs/b")
+    assert again.returncode == 0, again.stderr[-3000:]
+    a, b = _summary(tmp_path / "runs/a"), _summary(tmp_path / "runs/b")
+    assert a["stopped_by"] == "early_stop", a.get("message")
+    evals = metric_by_step(tmp_path / "runs/a", "eval/loss")
+    assert a["step"] == _expected_stop(CONFIG, evals)
+    # every evaluation point up to the stop, each once, with its own step
+    assert sorted(evals) == list(range(EVERY, a["step"] + 1, EVERY))
+    assert f"(async, applied at step {2 * LAG * EVERY})" in first.stdout + first.stderr
+
+    kill_at = a["step"] - EVERY - 1
+    killed = run_python(tmp_path, *train, "--workdir=runs/c",
+                        f"--config.debug.faults=kill@{kill_at}")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = run_python(tmp_path, *train, "--workdir=runs/c",
+                         f"--config.debug.faults=kill@{kill_at}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step " in resumed.stdout + resumed.stderr
+    c = _summary(tmp_path / "runs/c")
+    for other in (b, c):
+        assert ((other["step"], other["best_step"], other["state_sha256"])
+                == (a["step"], a["best_step"], a["state_sha256"]))
+    assert metric_by_step(tmp_path / "runs/c", "eval/loss") == evals
+    # best-k keeping (checkpoint.keep_top_k=1 beside max_to_keep=1) ranked the evals
+    # applied by the last save: the best of them is kept, in both runs
+    applied = [(v, -s) for s, v in evals.items() if s <= a["step"] - LAG * EVERY]
+    for run in "ac":
+        assert (tmp_path / f"runs/{run}/checkpoints/{-min(applied)[1]}").is_dir()
+    assert (tmp_path / "runs/a/evals").is_dir()
+
+
+def test_evaluate_follow_on_a_sync_run(tmp_path):
+    copy_project(tmp_path, "nnx_mlp")
+    (tmp_path / "cfg.py").write_text(CONFIG)
+    train = ["-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/s",
+             "--config.eval.mode=sync", "--config.eval.every_steps=0",
+             "--config.early_stop.monitor=", "--config.plateau.monitor=",
+             "--config.total_steps=6", "--config.checkpoint.every_steps=2",
+             "--config.checkpoint.max_to_keep=5"]
+    assert run_python(tmp_path, *train).returncode == 0
+    own = metric_by_step(tmp_path / "runs/s", "eval/loss")
+    assert list(own) == [6]  # the run's own eval: its last step only
+    follow = run_python(tmp_path, "-m", "jtrain.evaluate", "--follow", "runs/s")
+    assert follow.returncode == 0, follow.stderr[-3000:]
+    assert "jtrain: follow: the run finished; evaluated 3 checkpoints" in follow.stdout
+    records = [json.loads(line) for line in
+               (tmp_path / "runs/s/metrics.jsonl").read_text().splitlines()]
+    followed = [r for r in records if "eval/loss" in r]
+    assert [r["step"] for r in followed] == [6, 2, 4, 6]  # the run's, then the follower's
+    assert followed[-1]["eval/loss"] == own[6]
