@@ -39,7 +39,7 @@ import ml_collections
 
 from jtrain.config.schema import (ACTIVATIONS, DTYPES, INT_MAX, METRIC_NAMES,  # noqa: F401
                                   MODEL_FAMILIES, OPTIMIZERS, SCHEDULES, SCHEMA, WRITERS,
-                                  Field, describe, resume_safe, schema_for)
+                                  Field, describe, field_of, resume_safe, schema_for)
 from jtrain.config import schema_population, space as space_lib
 from jtrain.config.rules import (  # noqa: F401  (config.check_mesh, config.check_optim)
     _check_checkpoint, _check_early_stop, _check_regexes, check_mesh, check_optim,

@@ -259,6 +259,16 @@ def resume_safe(key: str) -> bool:
     return isinstance(node, Field) and node.resume
 
 
+def field_of(key: str) -> Field | None:
+    """The Field of the dotted `key` (None for a model family's key or an unknown one)."""
+    node: Any = SCHEMA
+    for part in key.split("."):
+        if not (isinstance(node, dict) and part in node):
+            return None
+        node = node[part]
+    return node if isinstance(node, Field) else None
+
+
 def describe() -> list[tuple[str, Field]]:
     """(dotted key, field) for every key, model families as `model.<key> [family]`."""
     out = []

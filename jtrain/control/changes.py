@@ -64,6 +64,17 @@ def _keeps_decay_end(changes: dict, config: dict) -> bool:
     return (d0 or t0) == (d1 or t1)
 
 
+def _new_key_at_its_default(key: str, change: tuple) -> bool:
+    """A key the checkpoint's config lacks (it was saved by a jtrain without that key)
+    and that now holds its schema default: the saved run did what the default does."""
+    old, new = change
+    field = config_lib.field_of(key)
+    default = None if field is None else field.default
+    if isinstance(default, tuple):
+        default = list(default)
+    return old == _ABSENT and field is not None and new == default
+
+
 def unallowed_changes(changes: dict, allowed, config: dict) -> list[str]:
     """The changed keys that need `checkpoint.allow_changes` (fnmatch patterns)."""
     out = []
@@ -72,6 +83,8 @@ def unallowed_changes(changes: dict, allowed, config: dict) -> list[str]:
         # they are still recorded.
         if config_lib.resume_safe(key):
             continue
+        if _new_key_at_its_default(key, changes[key]):
+            continue  # saved before the key existed: that run behaved as its default
         if key == "total_steps" and not schedule_uses_total_steps(config):
             continue  # extending (or shortening) a run whose schedule ignores it
         if key == "optim.decay_steps" and _keeps_decay_end(changes, config):
