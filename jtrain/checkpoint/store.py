@@ -19,6 +19,10 @@ Credentials come from the environment and the provider's standard chain only (fo
 botocore's: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE, ~/.aws, instance
 roles; AWS_ENDPOINT_URL for another endpoint); a URI with credentials in it is refused
 (masked). A bucket that cannot be reached or read is one WorkdirError naming the URI.
+
+JTRAIN_STAGING_DIR (set by --verify_resume, never by hand): the training run's staging
+copy at that path (a folder the verifier created empty and watches) instead of a new
+temporary directory.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from jtrain.errors import JtrainError, WorkdirError, first_line
 from jtrain.observe.redact import redact_text
 
 COMMIT = "jtrain_committed.json"
+STAGING_ENV = "JTRAIN_STAGING_DIR"
 CHECKPOINTS = "checkpoints"
 # scheme -> (fsspec protocol, the package that implements it, the extra that installs it)
 SCHEMES = {"s3": ("s3", "s3fs", "pip install 'jtrain[s3]'"),
@@ -145,7 +150,10 @@ class Mirror:
         self.scheme, self.root = split(self.uri)
         self.owner, self._say = owner, say or (lambda line: None)
         self.fs = filesystem(self.uri)
-        self.local = tempfile.mkdtemp(prefix="jtrain-run-")
+        staging = os.environ.get(STAGING_ENV) if owner else None
+        if staging:  # --verify_resume's: a path it watches
+            os.makedirs(staging, exist_ok=True)
+        self.local = staging or tempfile.mkdtemp(prefix="jtrain-run-")
         self._pushed: dict[str, tuple[int, int]] = {}  # rel -> (size, mtime_ns) uploaded
         self._steps: set[int] = set()  # committed steps the local copy holds (or held)
         self._lock = threading.Lock()

@@ -27,6 +27,14 @@ What a PASS guarantees:
 (JTRAIN_SKIP_DATA_RESTORE): the verifier must then FAIL, which shows it can see a
 resume that is not exact.
 
+A workdir in a bucket (`--workdir=s3://bucket/run`): the two runs are the prefixes
+s3://bucket/run/reference and .../interrupted. Each process of them gets a fresh local
+staging copy that the verifier names (JTRAIN_STAGING_DIR, `jtrain.checkpoint.store`) and
+watches to place its kills; the steps a restart resumes from are the committed ones in
+the bucket, and both summaries are read from the bucket. The logs are uploaded beside
+the runs (s3://bucket/run/reference.log, interrupted.log); the staging copies and the
+compilation cache live in a temporary directory, removed at the end.
+
 Both runs share a JAX compilation cache (WORKDIR/jax_cache unless
 JAX_COMPILATION_CACHE_DIR is set): restarts load the reference's executables instead of
 compiling again, which keeps the check quick and changes no result.
@@ -51,7 +59,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from jtrain.checkpoint import integrity
+from jtrain.checkpoint import integrity, store
 from jtrain.control import faults
 
 TIMEOUT_S = 3600
@@ -263,17 +271,84 @@ def judge(reference: dict, final: dict | None, attempts: list[Attempt],
                    **common)
 
 
+class _LocalRun:
+    """A run directory on this machine: given to the command and watched as it is."""
+
+    def __init__(self, path: str):
+        self.path = self.watched = path
+
+    def fresh(self) -> None:
+        _fresh(self.path)
+
+    def next_process(self) -> dict:
+        """The environment of the next process of this run (and `watched` set for it)."""
+        return {}
+
+    def summary(self) -> dict | None:
+        return _summary(self.path)
+
+    def finished_steps(self) -> list[int]:
+        return _finished_steps(self.path)
+
+
+class _BucketRun(_LocalRun):
+    """A run directory in a bucket: each process gets a fresh staging copy under
+    `scratch`, the one watched; steps and summary.json are read from the bucket."""
+
+    def __init__(self, uri: str, scratch: str):
+        self.path, self._scratch, self._processes = uri, scratch, 0
+        self.watched = os.path.join(scratch, "none")
+
+    def _fs(self):
+        return store.filesystem(self.path), store.split(self.path)[1]
+
+    def fresh(self) -> None:
+        fs, root = self._fs()
+        try:
+            if fs.exists(root):
+                fs.rm(root, recursive=True)
+        except Exception as e:
+            raise store.failure(self.path, e, "emptying the prefix") from None
+
+    def next_process(self) -> dict:
+        self._processes += 1
+        self.watched = os.path.join(self._scratch, "staging", f"{os.path.basename(self.path)}"
+                                    f"-{self._processes}")
+        return {store.STAGING_ENV: self.watched}
+
+    def summary(self) -> dict | None:
+        fs, root = self._fs()
+        try:
+            return json.loads(fs.cat(f"{root}/summary.json"))
+        except (FileNotFoundError, ValueError):
+            return None
+        except Exception as e:
+            raise store.failure(self.path, e, "reading summary.json") from None
+
+    def finished_steps(self) -> list[int]:
+        mirror = store.Mirror(self.path, owner=False)
+        try:
+            return mirror.committed_steps()[0]
+        finally:
+            mirror.close()
+
+
 def _reference_run(command, ref_dir, env, log_path, timeout):
-    """Run the reference, watching its checkpoint directory: (code, seconds, seen)
-    with `seen` = {step: seconds from start when its checkpoint first appeared}."""
+    """Run the reference (a path, a _LocalRun or a _BucketRun), watching its checkpoint
+    directory: (code, seconds, seen) with `seen` = {step: seconds from start when its
+    checkpoint first appeared}."""
     seen: dict[int, float] = {}
+    if isinstance(ref_dir, str):
+        ref_dir = _LocalRun(ref_dir)
+    env = {**env, **ref_dir.next_process()}
 
     def watch(elapsed: float) -> bool:
-        for step in _entries(ref_dir).values():
+        for step in _entries(ref_dir.watched).values():
             seen.setdefault(step, elapsed)
         return False
 
-    code, seconds, _ = _run(command(ref_dir), env, log_path, watch=watch, timeout=timeout)
+    code, seconds, _ = _run(command(ref_dir.path), env, log_path, watch=watch,
+                            timeout=timeout)
     watch(seconds)  # a save that finished after the last poll: at most `seconds`
     return code, seconds, seen
 
@@ -282,11 +357,13 @@ def verify_resume(command: Callable[[str], list], root: str, *, kills: int = 4,
                   seed: int | None = None, env: dict | None = None,
                   negative_control: bool = False, reference: str | None = None,
                   plan: list | None = None, timeout: float = TIMEOUT_S,
-                  local_dir: str = "") -> Verdict:
+                  local_dir: str = "", bucket: str = "") -> Verdict:
     """Reference run (unless `reference` names a finished one), then the killed run.
     `plan`: the kills to make, as `kill_plan` returns them (default: random); each is
     placed before the final save on its restart (`place_kill`). `local_dir`: the run's
-    checkpoint.local_dir (a restart resumes from the newer tier's step)."""
+    checkpoint.local_dir (a restart resumes from the newer tier's step). `bucket`: a
+    URI; the runs are its prefixes reference/ and interrupted/, `root` holds the logs,
+    the staging copies and the compilation cache."""
     rng = random.Random(seed if seed is not None else time.time_ns())
     env = dict(os.environ if env is None else env)
     if "JAX_COMPILATION_CACHE_DIR" not in env:  # restarts reuse compiled programs
@@ -295,25 +372,29 @@ def verify_resume(command: Callable[[str], list], root: str, *, kills: int = 4,
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     env.pop(faults.FAULT_ENV, None)
     env.pop(faults.SKIP_DATA_RESTORE_ENV, None)
+    env.pop(store.STAGING_ENV, None)
     os.makedirs(root, exist_ok=True)
-    ref_dir = reference or os.path.join(root, "reference")
-    run_dir = os.path.join(root, "interrupted")
+    ref_dir: _LocalRun = _LocalRun(reference or os.path.join(root, "reference"))
+    run_dir: _LocalRun = _LocalRun(os.path.join(root, "interrupted"))
+    if bucket:
+        ref_dir, run_dir = (_BucketRun(f"{bucket}/{name}", root)
+                            for name in ("reference", "interrupted"))
     seen: dict[int, float] = {}
     if reference is None:
-        _fresh(ref_dir)
+        ref_dir.fresh()
         code, _, seen = _reference_run(command, ref_dir, env,
                                        os.path.join(root, "reference.log"), timeout)
         if code != 0:
             return Verdict(False, f"FAIL: the reference run exited {code} "
                                   f"(see {os.path.join(root, 'reference.log')})")
-    ref = _summary(ref_dir)
+    ref = ref_dir.summary()
     if ref is None or not isinstance(ref.get("step"), int):
-        return Verdict(False, f"FAIL: no summary.json with a step in {ref_dir}")
+        return Verdict(False, f"FAIL: no summary.json with a step in {ref_dir.path}")
     final_step = ref["step"]
-    timeline = Timeline(final_step, sorted(set(seen) | set(_finished_steps(ref_dir))),
+    timeline = Timeline(final_step, sorted(set(seen) | set(ref_dir.finished_steps())),
                         seen.get(final_step))
 
-    _fresh(run_dir)
+    run_dir.fresh()
     if plan is None:
         plan = kill_plan(kills, rng, steps_hint=final_step,
                          ref_seconds=timeline.last_save_s or 30.0)
@@ -321,11 +402,11 @@ def verify_resume(command: Callable[[str], list], root: str, *, kills: int = 4,
     attempts: list[Attempt] = []
     log_path = os.path.join(root, "interrupted.log")
     for i, entry in enumerate(plan + [None]):
-        restored = (_finished_steps(run_dir) or [None])[-1]
+        restored = (run_dir.finished_steps() or [None])[-1]
         if local_dir:
             from jtrain.checkpoint import tiers
 
-            local = (tiers.local_steps(run_dir, local_dir) or [None])[-1]
+            local = (tiers.local_steps(run_dir.path, local_dir) or [None])[-1]
             restored = local if tiers.newer_tier(local, restored) == "local" else restored
         placed = None
         if entry is not None:
@@ -335,15 +416,15 @@ def verify_resume(command: Callable[[str], list], root: str, *, kills: int = 4,
                                         f"{entry[0]}:{entry[1]} [no room before the "
                                         f"final save]", made=False))
                 continue
-        run_env = dict(env)
+        run_env = {**env, **run_dir.next_process()}
         if negative_control and i > 0:
             run_env[faults.SKIP_DATA_RESTORE_ENV] = "1"
         if placed is not None and placed.fault:
             run_env[faults.FAULT_ENV] = placed.fault
         watch = None
         if placed is not None and placed.when_saving is not None:
-            watch = _new_save_watch(run_dir, placed.when_saving)
-        code, _, by = _run(command(run_dir), run_env, log_path, timeout=timeout,
+            watch = _new_save_watch(run_dir.watched, placed.when_saving)
+        code, _, by = _run(command(run_dir.path), run_env, log_path, timeout=timeout,
                            kill_after=placed.after_s if placed else None, watch=watch)
         label = placed.label if placed else None
         if placed is not None and code == -signal.SIGKILL:
@@ -355,7 +436,7 @@ def verify_resume(command: Callable[[str], list], root: str, *, kills: int = 4,
                                 restored, code, label))
         if code != -signal.SIGKILL:
             break  # finished (a kill that did not land), or failed
-    return judge(ref, _summary(run_dir), attempts, len(plan), log_path)
+    return judge(ref, run_dir.summary(), attempts, len(plan), log_path)
 
 
 def _fresh(path: str) -> None:
@@ -398,10 +479,37 @@ def run_from_cli(argv: list, workdir: str, *, kills: int,
     def command(run_dir):
         return [sys.executable, "-m", "jtrain.main", *args, f"--workdir={run_dir}"]
 
-    verdict = verify_resume(command, os.path.abspath(workdir), kills=kills,
-                            negative_control=negative_control, local_dir=local_dir)
+    if store.is_remote(workdir):
+        verdict = _in_bucket(command, workdir.rstrip("/"), kills=kills,
+                             negative_control=negative_control)
+    else:
+        verdict = verify_resume(command, os.path.abspath(workdir), kills=kills,
+                                negative_control=negative_control, local_dir=local_dir)
     sys.stdout.write(f"jtrain: verify_resume: {verdict.line}"
                      + (" (negative control: data position not restored)"
                         if negative_control else "") + "\n")
     sys.stdout.flush()
     return 0 if verdict.ok else 1
+
+
+def _in_bucket(command, uri: str, **kwargs) -> Verdict:
+    """verify_resume into the bucket prefix `uri`, its scratch in a temporary directory;
+    the logs uploaded beside the runs and named by their URIs in the verdict."""
+    import tempfile
+
+    store.check(uri)
+    scratch = tempfile.mkdtemp(prefix="jtrain-verify-")
+    try:
+        verdict = verify_resume(command, scratch, bucket=uri, **kwargs)
+        logs = [n for n in ("reference.log", "interrupted.log")
+                if os.path.isfile(os.path.join(scratch, n))]
+        if logs:
+            fs, root = store.filesystem(uri), store.split(uri)[1]
+            try:
+                fs.put([os.path.join(scratch, n) for n in logs], [f"{root}/{n}" for n in logs])
+            except Exception as e:
+                raise store.failure(uri, e, "uploading the logs") from None
+        verdict.line = verdict.line.replace(scratch, uri)
+        return verdict
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -163,12 +163,11 @@ def main(fv: flags.FlagValues, args: list[str], argv: list[str]) -> int:
     if fv.verify_resume:
         from jtrain.checkpoint import store, verify
 
-        if store.is_remote(fv.workdir):  # it watches the runs' checkpoint folders
-            raise errors.ConfigError("--verify_resume", "needs a local --workdir (it "
-                                     "watches the runs' files as they are written); "
-                                     f"{fv.workdir} is on an object store")
-
         local_dir = str(fv.config.get("checkpoint", {}).get("local_dir", "") or "")
+        if store.is_remote(fv.workdir) and local_dir:
+            raise errors.ConfigError("checkpoint.local_dir", "--verify_resume with a "
+                                     "workdir on an object store is for runs without a "
+                                     f"local tier; {fv.workdir} with local_dir={local_dir}")
         return verify.run_from_cli(["jtrain", *argv], fv.workdir, kills=fv.verify_kills,
                                    negative_control=fv.verify_negative_control,
                                    local_dir=local_dir)

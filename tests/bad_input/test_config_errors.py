@@ -101,6 +101,8 @@ CASES = [
     ([], "--config", "required"),
     ([DEBUG, "--bogus=1"], "--bogus", "unknown flag"),
     ([DEBUG, "--workdir="], "--workdir", "required"),
+    ([DEBUG, "--workdir=s3://b/r", "--verify_resume", "--config.checkpoint.local_dir=fast"],
+     "checkpoint.local_dir", "is for runs without a local tier"),
 ]
 
 # Need 8 devices: the multidevice marker (tests/conftest.py runs these with 8 fake devices).

@@ -181,3 +181,27 @@ def test_push_uploads_what_changed_and_a_reader_deletes_nothing(s3, monkeypatch)
         shutil.rmtree(f"{run}/checkpoints/1")
         (pathlib.Path(run) / "eval_2.json").write_text("{}")
     assert fs.exists(f"{s3[2]}/files/eval_2.json") and committed(uri) == [1, 2]
+
+
+def test_the_verifier_names_and_reads_a_bucket_runs_staging_copy(s3, tmp_path, monkeypatch):
+    """--verify_resume on a bucket: the training run's staging copy is the path the
+    verifier gives it (a reader's is not); each process of a run gets a fresh one; the
+    committed steps and summary.json are read from the bucket; fresh() empties it."""
+    from jtrain.checkpoint import verify
+
+    uri = f"s3://{s3[2]}/verify/interrupted"
+    run = verify._BucketRun(uri, str(tmp_path))
+    env = run.next_process()
+    monkeypatch.setenv(store.STAGING_ENV, env[store.STAGING_ENV])
+    assert store.Mirror(uri, owner=False).local != run.watched
+    mirror = owner(uri)  # the training run's
+    assert mirror.local == run.watched and os.path.isdir(run.watched)
+    mirror.close()
+    train(uri, [2, 4], max_to_keep=5, keep_top_k=0)
+    assert run.finished_steps() == [2, 4] and run.summary() is None
+    store.filesystem(uri).pipe(f"{s3[2]}/verify/interrupted/summary.json", b'{"step": 4}')
+    assert run.summary() == {"step": 4}
+    first = run.watched
+    assert run.next_process()[store.STAGING_ENV] == run.watched != first
+    run.fresh()
+    assert run.finished_steps() == [] and run.summary() is None

@@ -21,8 +21,8 @@ PAGE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "object-storage.
 
 def page_lines(bucket: str) -> list[list[str]]:
     """The page's tested block, its bucket name replaced by this test's."""
-    body = [b for m, lang, b in blocks(PAGE) if m and m.startswith("tested: ")
-            and lang == "bash"]
+    body = [b for m, lang, b in blocks(PAGE) if lang == "bash"
+            and m == "tested: tests/journeys/test_objstore_journey.py"]
     assert len(body) == 1
     return [[a.replace("my-bucket", bucket) for a in argv] for argv in bash_lines(body[0])]
 
