@@ -102,7 +102,7 @@ def _venv_with(wheel: Path, tmp_path: Path, own: tuple[str, ...] = ()) -> Path:
         fetched = _pip_install(venv, "--only-binary=:all:", "--no-compile", *own)
         assert fetched.returncode == 0, (  # no network: a failure, never a skip
             f"could not install {' '.join(own)} from pip's cache or the package index "
-            f"(this test needs the index once): {fetched.stderr[-2000:]}")
+            f"(the test needs the index or those wheels in the cache): {fetched.stderr[-2000:]}")
     install = _pip_install(venv, "--no-index", str(wheel))
     assert install.returncode == 0, install.stderr[-3000:]
     return venv
