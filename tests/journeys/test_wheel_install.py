@@ -9,15 +9,22 @@ own environment's, seen through a `.pth` file (a venv made from a venv with
 `--system-site-packages` sees the base interpreter's packages, not ours). Installing the
 dependencies themselves from the lock (`pip install -c constraints.txt jtrain-*.whl` into
 a bare venv) took about a minute with every wheel on local disk, too long for one test:
-WORKSPACE.md gives that check as a command."""
+WORKSPACE.md gives that check as a command.
+
+The lock holds the newest jax and flax, while the ranges let a user keep older ones: one
+test installs the lower bounds of jax, jaxlib and flax from `pyproject.toml` into the
+venv's own site-packages (from pip's cache or the package index; the `.pth` comes after
+them, so they win over the lock's) and trains the debug reference run there."""
 
 import email
 import json
 import os
+import re
 import shutil
 import site
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -76,18 +83,36 @@ def wheel(tmp_path_factory) -> Path:
     return wheel
 
 
-def _venv_with(wheel: Path, tmp_path: Path) -> Path:
+def _pip_install(venv: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin/python"),
+                           "install", "-q", "--no-deps", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def _venv_with(wheel: Path, tmp_path: Path, own: tuple[str, ...] = ()) -> Path:
+    """A venv holding the wheel and the requirements `own` (from pip's cache or the index),
+    seeing everything else in this environment through a `.pth` read after its own."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
                    timeout=120)
     (new_site,) = (venv / "lib").glob("python3*/site-packages")
     deps = [p for p in site.getsitepackages() if p.endswith("site-packages")]
     (new_site / "zz_deps.pth").write_text("\n".join(deps) + "\n")  # after the venv's own
-    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin/python"),
-                              "install", "-q", "--no-deps", "--no-index", str(wheel)],
-                             capture_output=True, text=True, timeout=300)
+    if own:
+        fetched = _pip_install(venv, "--only-binary=:all:", "--no-compile", *own)
+        assert fetched.returncode == 0, (  # no network: a failure, never a skip
+            f"could not install {' '.join(own)} from pip's cache or the package index "
+            f"(the test needs the index or those wheels in the cache): {fetched.stderr[-2000:]}")
+    install = _pip_install(venv, "--no-index", str(wheel))
     assert install.returncode == 0, install.stderr[-3000:]
     return venv
+
+
+def _lower_bounds(*names: str) -> dict[str, str]:
+    """The `>=` bound of each name among pyproject.toml's dependencies."""
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    bounds = {m[1]: m[2] for d in deps if (m := re.match(r"([\w-]+)>=([\w.]+)", d))}
+    return {n: bounds[n] for n in names}
 
 
 def test_the_wheel_carries_the_configs_the_license_and_ranges(wheel):
@@ -144,3 +169,28 @@ def test_the_installed_wheel_runs_packaged_configs_by_name_outside_the_checkout(
     out = json.loads(mine.stdout.strip().splitlines()[-1])
     assert out["step"] == 5 and out["jtrain"].startswith(str(venv)), out
     assert (user / "runs/mine/summary.json").is_file()
+
+
+def test_the_wheel_trains_beside_the_lowest_jax_and_flax_outside_the_checkout(wheel, tmp_path):
+    lowest = _lower_bounds("jax", "jaxlib", "flax")
+    venv = _venv_with(wheel, tmp_path, own=tuple(f"{n}=={v}" for n, v in lowest.items()))
+    py, user = venv / "bin" / "python", tmp_path / "user"
+    user.mkdir()
+    env = user_env()
+    trained = subprocess.run(
+        [str(venv / "bin" / "jtrain"), "train", "--config=base:debug", "--workdir=runs/x",
+         "--config.total_steps=2", "--config.eval.num_batches=1"],
+        cwd=user, env=env, capture_output=True, text=True, timeout=300)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    summary = json.loads((user / "runs/x/summary.json").read_text())
+    assert summary["step"] == 2 and summary["exit_code"] == 0, summary
+
+    versions = subprocess.run(
+        [str(py), "-c", "import json, flax, jax, jaxlib, jtrain; print(json.dumps({m.__name__: "
+         "[m.__version__, m.__file__] for m in (jax, jaxlib, flax, jtrain)}))"],
+        cwd=user, env=env, capture_output=True, text=True, timeout=300)
+    assert versions.returncode == 0, versions.stderr[-3000:]
+    used = json.loads(versions.stdout)
+    for name, version in lowest.items():  # the venv's own copies, not the lock's
+        assert used[name][0] == version and used[name][1].startswith(str(venv)), used
+    assert used["jtrain"][1].startswith(str(venv)), used
