@@ -169,10 +169,20 @@ def perturb(step: int, state):
     import jax
     import jax.numpy as jnp
 
-    leaves, treedef = jax.tree.flatten(state.params)
-    i = next(i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating))
+    leaves, treedef, i = _first_float(state)
     leaves[i] = leaves[i] + jnp.asarray(1e-3, leaves[i].dtype)
     return state.replace(params=jax.tree.unflatten(treedef, leaves))
+
+
+def _first_float(state):
+    """(the params' leaves, their treedef, the index of the first floating-point leaf):
+    the parameter `noise` moves and `nan` poisons."""
+    import jax
+    import jax.numpy as jnp
+
+    leaves, treedef = jax.tree.flatten(state.params)
+    return leaves, treedef, next(i for i, x in enumerate(leaves)
+                                 if jnp.issubdtype(x.dtype, jnp.floating))
 
 
 def on_lost_local(lose: Callable[[], None] | None) -> None:
@@ -229,8 +239,7 @@ def before_step(step: int, state, writer=None):
     import jax
     import jax.numpy as jnp
 
-    leaves, treedef = jax.tree.flatten(state.params)
-    i = next(i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating))
+    leaves, treedef, i = _first_float(state)
     plan.poisoned = (i, leaves[i])
     leaves[i] = leaves[i] * jnp.asarray(jnp.nan, leaves[i].dtype)
     return state.replace(params=jax.tree.unflatten(treedef, leaves))

@@ -36,10 +36,14 @@ PARENT_ENV = "JTRAIN_EVAL_PARENT"  # the training process of a child evaluator
 LOG = "evaluator.log"  # in WORKDIR/evals: the child evaluator's output
 
 
-def check(cfg) -> None:
-    """What eval.mode=async does not cover: one ConfigError before the first step."""
+def check(cfg, remote: str | None = None) -> None:
+    """What eval.mode=async does not cover: one ConfigError before the first step.
+    `remote`: the workdir's URI when it is on an object store."""
     if cfg.eval.mode != "async":
         return
+    if remote is not None:
+        raise ConfigError("eval.mode", "async needs a local workdir (its evaluator follows "
+                          f"the checkpoint folder); {remote} is on an object store")
     if jax.process_count() > 1:
         raise ConfigError("eval.mode", "async runs on one process only (the evaluator "
                                        "follows one workdir); use eval.mode=sync")
@@ -128,12 +132,11 @@ class AsyncEvals:
 
 
 def for_run(cfg, workdir: str, ckpt, resumed_from: int | None) -> AsyncEvals | None:
-    """The run's AsyncEvals (None in eval.mode=sync). On a resume, metrics.jsonl first
-    drops the eval records the restored checkpoint had not applied yet: they are applied
-    (and written) again, at the same steps."""
+    """The run's AsyncEvals (None in eval.mode=sync; `check` ran at start-up). On a
+    resume, metrics.jsonl first drops the eval records the restored checkpoint had not
+    applied yet: they are applied (and written) again, at the same steps."""
     if cfg.eval.mode != "async":
         return None
-    check(cfg)
     evals = AsyncEvals(cfg, workdir, ckpt)
     path = os.path.join(workdir, "metrics.jsonl")
     if resumed_from is not None and os.path.exists(path):

@@ -40,7 +40,7 @@ from jtrain.checkpoint import store
 from jtrain.engine import own_step
 from jtrain.engine.assemble import (LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, Build, build,  # noqa: F401
                                     check_run, model_sample)
-from jtrain.errors import ConfigError, NonFiniteError, RestoreError, WorkdirError
+from jtrain.errors import NonFiniteError, RestoreError, WorkdirError
 from jtrain.observe import compiles as compiles_lib, goodput as goodput_lib
 from jtrain.observe import outputs as outputs_lib
 from jtrain.observe import startup as startup_lib
@@ -204,9 +204,6 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
     user_data = data_lib.UserData(given.train_data, given.eval_data, processes=_processes)
     with startup.phase("data"):
         cfg, notices = _resolve_once(config, allow_changes, user_data, resolved)
-    if mirror is not None and cfg.eval.mode == "async":
-        raise ConfigError("eval.mode", "async needs a local workdir (its evaluator follows "
-                          f"the checkpoint folder); {mirror.uri} is on an object store")
     determinism = precision_lib.set_deterministic(cfg.deterministic)
     # Before this run's first compile (JAX decides at a compile whether the cache is used).
     startup.cache_dir = compiles_lib.configure_cache(cfg.compile.cache_dir,
@@ -215,6 +212,7 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
     # (jtrain.control.signals); one that came during the CLI's imports is taken over.
     with control_lib.Stopper(cfg.checkpoint.grace_seconds) as stopper, startup.recorder:
         config_lib.validate(cfg, num_devices=jax.device_count())
+        async_eval.check(cfg, remote=mirror.uri if mirror is not None else None)
         faults_lib.arm_plan(cfg, workdir, jax.process_index(), jax.process_count())
         if jax.process_index() == 0:  # a writer that cannot start: one line, no step run
             writers_lib.check(workdir, cfg.log)

@@ -65,3 +65,15 @@ def test_a_checkpoint_deleted_under_the_evaluator_is_reported_and_skipped(tmp_pa
                                             "checkpoint keep policy)"}
     assert lines == ["jtrain: warning: checkpoint 7 was deleted before it was evaluated "
                      "(the run's checkpoint keep policy); skipped"]
+
+
+def test_async_mode_refuses_a_workdir_on_an_object_store():
+    cfg = config_lib.resolve({"eval": {"mode": "async"}})
+    async_eval.check(cfg)  # a local workdir, one process: fine
+    try:
+        async_eval.check(cfg, remote="s3://bucket/run")
+    except config_lib.ConfigError as e:
+        assert e.key == "eval.mode" and "s3://bucket/run" in str(e), e
+    else:
+        raise AssertionError("eval.mode=async with an s3:// workdir was not refused")
+    async_eval.check(config_lib.resolve({}), remote="s3://bucket/run")  # sync: fine
