@@ -107,7 +107,8 @@ class AsyncEvals:
                     f"eval.mode=async: the evaluator process ended (exit code "
                     f"{self.proc.returncode}) before step {step} was evaluated; its output "
                     f"is in WORKDIR/{layout.EVALS}/{LOG}")
-            if not glob.glob(os.path.join(self.ckpt.directory, f"{step}*")):  # nor in flight
+            folder = os.path.join(self.ckpt.directory, str(step))
+            if not (os.path.isdir(folder) or glob.glob(folder + ".*")):  # nor in flight
                 raise EvaluateError(f"eval.mode=async: checkpoint {step} is gone before it "
                                     "was evaluated")
             beat()
