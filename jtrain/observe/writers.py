@@ -132,6 +132,7 @@ class _TensorBoard(_Backend):
 
     def __init__(self, workdir: str):
         tbx.import_without_torch()
+        tbx.import_record_writer()
         from tensorboardX.event_file_writer import EventsWriter
         from tensorboardX.proto import event_pb2
         from tensorboardX import summary

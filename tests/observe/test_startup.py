@@ -76,21 +76,24 @@ def test_cold_then_warm_cache_and_a_resume_compile_nothing_again(tmp_path):
     assert "compile cache off" in resumed.stderr
 
 
-def test_tensorboard_writer_does_not_import_torch(tmp_path):
+def test_tensorboard_writer_imports_neither_torch_nor_boto3(tmp_path):
     script = '''
 import sys
 from jtrain.observe import writers
 w = writers.MetricWriter("run", writers.config_lib.resolve({}).log, is_primary=True)
 w.write_scalars(1, {"train/loss": 1.5})
 w.close()
-print("torch imported:", "torch" in sys.modules)
+print("torch imported:", "torch" in sys.modules, "boto3 imported:", "boto3" in sys.modules)
 from tensorboardX import SummaryWriter  # the user's own use still works
 print("SummaryWriter:", SummaryWriter.__name__)
+from tensorboardX import record_writer  # and its S3 backend, when boto3 is installed
+print("s3 backend:", record_writer.S3_ENABLED, callable(record_writer.boto3.client))
 '''
     (tmp_path / "tb.py").write_text(script)
     p = run_python(tmp_path, "tb.py")
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "torch imported: False" in p.stdout and "SummaryWriter: SummaryWriter" in p.stdout
+    assert "torch imported: False boto3 imported: False" in p.stdout
+    assert "SummaryWriter: SummaryWriter" in p.stdout and "s3 backend: True True" in p.stdout
     assert any(n.startswith("events") for n in os.listdir(tmp_path / "run" / "tb"))
 
 
