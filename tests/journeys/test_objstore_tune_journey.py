@@ -28,28 +28,15 @@ import pytest
 from jtrain import tune
 from jtrain.tune import trial as trial_lib
 
-from journey import copy_project, free_address, s3_server, user_env
+from journey import free_address, nnx_mlp_config, s3_server, user_dir, user_env
 from test_doc_examples import _argv, bash_lines, blocks
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "object-storage.md"
-CONFIG = '''
-from jtrain.config import defaults
-
-
-def get_config():
-    config = defaults(model="user")
-    config.update({
-        "model": {"factory": "mymodels:make"},
-        "data": {"source": "mydata:make", "batch_size": 16},
-        "total_steps": 8,
-        "eval": {"every_steps": 4, "metrics": ("loss",)},
-        "checkpoint": {"every_steps": 2},
-        "log": {"every_steps": 4, "writers": ("jsonl",)},
-        "tune": {"space": {"optim": {"lr": ("log_uniform", 1e-3, 3e-1)}},
-                 "trials": 2, "pruner": "none"},
-    })
-    return config
-'''
+# The user's NNX model and data (tests/projects/nnx_mlp.py), 8 steps, evals at 4 and 8,
+# a checkpoint every 2 steps, and a search over the learning rate.
+CONFIG = nnx_mlp_config(total_steps=8, eval_every=4, log_every=4, checkpoint_every=2).replace(
+    "    return c\n", "    c.tune.update(space={'optim': {'lr': ('log_uniform', 1e-3, 3e-1)}},\n"
+    "                  trials=2, pruner='none')\n    return c\n")
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +61,7 @@ def _records(fs, path: str) -> list[dict]:
 
 def test_a_search_in_a_bucket_killed_and_rerun(s3, tmp_path):
     bucket, env = s3
-    copy_project(tmp_path, "mymodels", "mydata")
-    (tmp_path / "search.py").write_text(CONFIG)
+    user_dir(tmp_path, ["nnx_mlp"], {"search.py": CONFIG})
     (tmp_path / "tmp").mkdir()  # a killed worker leaves its staging copies here
     env = user_env(**env, TMPDIR=str(tmp_path / "tmp"))
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
@@ -102,7 +88,7 @@ def test_a_search_in_a_bucket_killed_and_rerun(s3, tmp_path):
     assert f"best trial {best['number']}: eval/loss={best['value']:.6g}" in done.stdout
     assert f"wrote trials.jsonl, best_config.py, tune.png in {study}" in done.stdout
     assert "TRIAL = " in fs.cat(f"{root}/best_config.py").decode()
-    assert sorted(os.listdir(tmp_path)) == ["mydata.py", "mymodels.py", "search.py", "tmp"]
+    assert sorted(os.listdir(tmp_path)) == ["nnx_mlp.py", "search.py", "tmp"]
     assert os.listdir(tmp_path / "tmp") == []  # every staging copy removed
 
     # The same command in another prefix, SIGKILLed at trial 0's step 7, then rerun.
