@@ -3,16 +3,16 @@ S3-protocol server (moto's server mode on 127.0.0.1, started here; the endpoint 
 dummy credentials in the environment).
 
 The journey: the command of docs/guide/object-storage.md from a temp cwd with the user's
-model and data modules; every trial's run, its metrics and the study's files are in the
+model and data module; every trial's run, its metrics and the study's files are in the
 bucket and nothing is written to the cwd; each trial's value is its last eval in the
 bucket's metrics.jsonl. The same command SIGKILLed mid-trial and rerun continues the
 killed trial from its checkpoint committed in the bucket (as a local study does,
 tests/tune/test_tune_journey.py) and that trial ends with the value and state of the
 uninterrupted study's trial 0 (same number, same sampled values, an exact resume).
 
-In-process: a missing bucket, an unreachable endpoint and a study whose SQLite lease a
-live worker holds are one line each, exit 2; a trial's newest committed step and its
-final value are read from the bucket."""
+In-process: a missing bucket, an unreachable endpoint, several processes per trial and a
+study whose SQLite lease a live worker holds are one line each, exit 2; a trial's newest
+committed step and its final value are read from the bucket."""
 
 import json
 import os
@@ -130,12 +130,16 @@ def _cfg(tmp_path) -> str:
     return f"--config={tmp_path / 's.py'}"
 
 
-def test_a_missing_bucket_or_endpoint_is_one_line(s3, tmp_path, capsys, monkeypatch):
+def test_a_missing_bucket_an_endpoint_or_processes_is_one_line(s3, tmp_path, capsys, monkeypatch):
     bucket, _ = s3
     nothere = f"s3://{bucket}-none/study"
     assert tune.main([_cfg(tmp_path), f"--workdir={nothere}"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"jtrain: workdir error: {nothere}: no such bucket"]
+    assert tune.main([_cfg(tmp_path), f"--workdir=s3://{bucket}/mp", "--num_processes=2"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"jtrain: workdir error: s3://{bucket}/mp: a search on an object store runs "
+        "single-process trials; use a mounted path (e.g. gcsfuse) for several processes"]
     nowhere = f"http://{free_address()}"
     monkeypatch.setenv("AWS_ENDPOINT_URL", nowhere)
     assert tune.main([_cfg(tmp_path), f"--workdir=s3://{bucket}/study"]) == 2
