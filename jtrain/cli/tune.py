@@ -1,7 +1,8 @@
 """`python -m jtrain.tune --config=FILE --workdir=DIR [--tune.storage=URL]`: one worker of a
 hyperparameter search. Start it N times (on N machines with a shared `tune.storage`) for
 N workers; rerun it after a kill and it continues. Each trial is a jtrain run in
-`DIR/trials/<n>`; see jtrain.tune for the files it writes.
+`DIR/trials/<n>` (DIR may be s3://bucket/prefix: jtrain.tune.bucket); see jtrain.tune for
+the files it writes.
 
 Several processes per trial (`JTRAIN_MODULE=jtrain.tune launch/local.sh N ...`, or
 --coordinator_address / --num_processes / --process_id): process 0 alone talks to the
