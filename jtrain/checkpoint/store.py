@@ -15,6 +15,10 @@ mirrored to the bucket by `Mirror`:
   uploaded when they changed, and the steps the keep policy deleted locally deleted in
   the bucket (marker first). Called before each save, at the end and on an error.
 
+`skip` (a search's study, jtrain.tune.bucket): top-level folders left out of both (each
+trial's run mirrors itself). `committed(uri)` and `read_bytes(uri)` read a run in the
+bucket without a staging copy (a search's trial: the step it resumes, its metrics).
+
 Credentials come from the environment and the provider's standard chain only (for S3
 botocore's: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE, ~/.aws, instance
 roles; AWS_ENDPOINT_URL for another endpoint); a URI with credentials in it is refused
@@ -139,16 +143,67 @@ def _files(top: str, skip=()) -> dict[str, os.stat_result]:
     return out
 
 
+def _listing(uri: str, fs, root: str, skip=()) -> tuple[list[int], list[int],
+                                                        dict[str, list[str]]]:
+    """(committed steps, torn steps, {"checkpoints/N" or "": [rel files]}) under `root`;
+    files under a top-level folder named in `skip` are left out."""
+    try:
+        found = fs.find(root, detail=False)
+    except Exception as e:
+        raise failure(uri, e, "listing") from None
+    by_step: dict[str, list[str]] = {}
+    for path in found:
+        rel = path[len(root) + 1:] if path.startswith(root + "/") else None
+        if not rel:
+            continue
+        parts = rel.split("/")
+        if len(parts) > 1 and parts[0] in skip:
+            continue
+        key = "/".join(parts[:2]) if parts[0] == CHECKPOINTS and len(parts) > 2 else ""
+        by_step.setdefault(key, []).append(rel)
+    committed, torn = [], []
+    for key, rels in by_step.items():
+        if not key:
+            continue
+        name = key.split("/")[1]
+        if not _STEP.match(name):
+            continue
+        (committed if f"{key}/{COMMIT}" in rels else torn).append(int(name))
+    return sorted(committed), sorted(torn), by_step
+
+
+def committed(uri: str) -> list[int]:
+    """The committed checkpoint steps of the run at `uri` (what a restart restores from:
+    the newest of them), read from the bucket; [] when it holds none."""
+    _, root = split(uri.rstrip("/"))
+    return _listing(uri, filesystem(uri), root)[0]
+
+
+def read_bytes(uri: str) -> bytes | None:
+    """The object at `uri` (e.g. a run's metrics.jsonl), or None when there is none."""
+    _, path = split(uri)
+    fs = filesystem(uri)
+    try:
+        return fs.cat_file(path)
+    except FileNotFoundError:
+        return None
+    except Exception as e:
+        raise failure(uri, e, "reading") from None
+
+
 class Mirror:
     """A run directory at `uri` and its local staging copy (`self.local`).
 
     `owner`: the training run, the one writer: it deletes torn uploads and the steps its
-    keep policy dropped. A reader (evaluate, export, diff, replay) deletes nothing."""
+    keep policy dropped. A reader (evaluate, export, diff, replay) deletes nothing.
+    `skip`: top-level folders neither pulled nor pushed (a search's trials: each trial
+    is a run of its own, mirrored by its own training run)."""
 
-    def __init__(self, uri: str, *, owner: bool, say=None):
+    def __init__(self, uri: str, *, owner: bool, say=None, skip: tuple[str, ...] = ()):
         self.uri = uri.rstrip("/")
         self.scheme, self.root = split(self.uri)
         self.owner, self._say = owner, say or (lambda line: None)
+        self.skip = tuple(skip)
         self.fs = filesystem(self.uri)
         staging = os.environ.get(STAGING_ENV) if owner else None
         if staging:  # --verify_resume's: a path it watches
@@ -172,26 +227,9 @@ class Mirror:
 
     # -- reading ------------------------------------------------------------------------
     def committed_steps(self) -> tuple[list[int], list[int], dict[str, list[str]]]:
-        """(committed steps, torn steps, {rel dir: [rel files]}) in the bucket."""
-        found = self._call("listing", self.fs.find, self.root, detail=False)
-        by_step: dict[str, list[str]] = {}
-        for path in found:
-            rel = path[len(self.root) + 1:] if path.startswith(self.root + "/") else None
-            if not rel:
-                continue
-            parts = rel.split("/")
-            key = "/".join(parts[:2]) if parts[0] == CHECKPOINTS and len(parts) > 2 \
-                else ""
-            by_step.setdefault(key, []).append(rel)
-        committed, torn = [], []
-        for key, rels in by_step.items():
-            if not key:
-                continue
-            name = key.split("/")[1]
-            if not _STEP.match(name):
-                continue
-            (committed if f"{key}/{COMMIT}" in rels else torn).append(int(name))
-        return sorted(committed), sorted(torn), by_step
+        """(committed steps, torn steps, {rel dir: [rel files]}) in the bucket (the files
+        of `skip`'s folders left out)."""
+        return _listing(self.uri, self.fs, self.root, self.skip)
 
     def pull(self) -> list[int]:
         """The bucket's run into the staging copy; returns the committed steps fetched."""
@@ -214,7 +252,7 @@ class Mirror:
                        locals_)
         self.found = bool(by_step)
         self._pushed = {rel: (st.st_size, st.st_mtime_ns) for rel, st in
-                        _files(self.local, skip=(CHECKPOINTS,)).items()}
+                        _files(self.local, skip=(CHECKPOINTS, *self.skip)).items()}
         self._steps = set(committed)
         return committed
 
@@ -236,7 +274,7 @@ class Mirror:
         """Uploads the run's changed files; deletes in the bucket the steps no longer kept
         locally (owner only)."""
         changed = [(rel, (st.st_size, st.st_mtime_ns)) for rel, st in
-                   _files(self.local, skip=(CHECKPOINTS,)).items()
+                   _files(self.local, skip=(CHECKPOINTS, *self.skip)).items()
                    if self._pushed.get(rel) != (st.st_size, st.st_mtime_ns)]
         if changed:
             self._call("uploading", self.fs.put,

@@ -1,7 +1,8 @@
 """`python -m jtrain.tune --config=FILE --workdir=DIR [--tune.storage=URL]`: one worker of a
 hyperparameter search. Start it N times (on N machines with a shared `tune.storage`) for
 N workers; rerun it after a kill and it continues. Each trial is a jtrain run in
-`DIR/trials/<n>`; see jtrain.tune for the files it writes.
+`DIR/trials/<n>` (DIR may be s3://bucket/prefix: jtrain.tune.bucket); see jtrain.tune for
+the files it writes.
 
 Several processes per trial (`JTRAIN_MODULE=jtrain.tune launch/local.sh N ...`, or
 --coordinator_address / --num_processes / --process_id): process 0 alone talks to the
@@ -28,8 +29,9 @@ def define_flags(fv: flags.FlagValues, sys_argv) -> None:
     config_flags.DEFINE_config_file("config", None, "Config file with tune.space, e.g. "
                                     "configs/x.py:debug.", lock_config=True, flag_values=fv,
                                     sys_argv=sys_argv)
-    flags.DEFINE_string("workdir", None, "The search's directory: study.db, trials/<n>, "
-                        "trials.jsonl, best_config.py, tune.png.", flag_values=fv)
+    flags.DEFINE_string("workdir", None, "The search's directory (a path or "
+                        "s3://bucket/prefix): study.db, trials/<n>, trials.jsonl, "
+                        "best_config.py, tune.png.", flag_values=fv)
     flags.DEFINE_string("tune.storage", None, "Optuna RDB URL the workers share "
                         "(= --config.tune.storage); default sqlite:///WORKDIR/study.db.",
                         flag_values=fv)
@@ -101,27 +103,35 @@ def main(fv, args, argv) -> int:
     if not space_lib.flatten(cfg.tune.space):
         raise ConfigError("tune.space", "empty: nothing to search; e.g. tune.space = "
                           "{'optim': {'lr': ('log_uniform', 1e-4, 1e-1)}}")
-    if store.is_remote(fv.workdir):
-        raise WorkdirError(fv.workdir, "a search's workdir must be a local or mounted path "
-                           "(an object-store workdir is for jtrain train, evaluate, export, "
-                           "diff and replay)")
-    workdir = os.path.abspath(fv.workdir)
-    check_workdir(workdir)
+    remote = store.is_remote(fv.workdir)
+    if remote and fv.num_processes > 1:
+        raise WorkdirError(fv.workdir, "a search on an object store runs single-process "
+                           "trials; use a mounted path (e.g. gcsfuse) for several processes")
+    workdir = fv.workdir.rstrip("/") if remote else os.path.abspath(fv.workdir)
+    check_workdir(workdir)  # s3://: the bucket reachable and readable, else one line
     # As for a run: the roll call, distributed.* timeouts, the peer heartbeat; a missing
     # peer or a busy port is one line (jtrain.multihost.start).
     from jtrain.multihost import start
 
     start.start(config, fv.coordinator_address, fv.num_processes, fv.process_id)
-    return Worker(cfg, workdir).run()
+    if not remote:
+        return Worker(cfg, workdir).run()
+    from jtrain.tune import bucket
+
+    with bucket.staged(workdir, cfg.tune, say=print) as files:
+        return Worker(cfg, workdir, files).run()
 
 
 class Worker:
-    """Runs trials until the study needs no more (or a SIGTERM stops one)."""
+    """Runs trials until the study needs no more (or a SIGTERM stops one). `files`: a
+    search on an object store (jtrain.tune.bucket.StudyFiles): `workdir` is its URI,
+    the study's files are in the staging copy `files.local`, uploaded at each change."""
 
-    def __init__(self, cfg, workdir: str):
+    def __init__(self, cfg, workdir: str, files=None):
         import jax
 
-        self.cfg, self.workdir = cfg, workdir
+        self.cfg, self.workdir, self.files = cfg, workdir, files
+        self.local = workdir if files is None else files.local  # the study's files
         self.tune, self.base = cfg.tune, cfg.to_dict()
         self.space = self.base["tune"]["space"]
         self.primary = jax.process_index() == 0
@@ -134,9 +144,17 @@ class Worker:
         if self.primary:
             from jtrain.tune import study as study_lib
 
-            os.makedirs(workdir, exist_ok=True)
-            self.study = study_lib.open_study(self.tune, workdir,
-                                              _flat(self.space))
+            os.makedirs(self.local, exist_ok=True)
+            self.study = study_lib.open_study(self.tune, self.local, _flat(self.space),
+                                              name=_basename(workdir))
+            if files is not None and files.leased:  # the lease: nobody runs its trials
+                study_lib.requeue_orphans(self.study, 0.0)
+            self._sync()
+
+    def _sync(self) -> None:
+        """A search on an object store: the study's changed files uploaded."""
+        if self.files is not None:
+            self.files.push()
 
     def say(self, line: str) -> None:
         if self.primary:
@@ -170,6 +188,8 @@ class Worker:
             job = _share(job)
             if job is None:
                 break
+            if self.primary:  # the trial asked (running, its workdir) is in the bucket
+                self._sync()
             if job.members is not None:
                 outcomes = self._run_batch(trials, job)
                 if self.primary:
@@ -197,7 +217,7 @@ class Worker:
                     return trial.should_prune()
             with self._heartbeat(trial):
                 outcome = trial_lib.run(self.base, job.params,
-                                        os.path.join(self.workdir, job.workdir),
+                                        trial_lib.trial_dir(self.workdir, job.workdir),
                                         self.tune.monitor, report)
             # Before the next job is shared: the next trial's start-up checks must not
             # read this trial's reports (jtrain.multihost.preflight).
@@ -255,7 +275,7 @@ class Worker:
         attrs = trial.user_attrs
         rel = attrs.get(study_lib.WORKDIR) or f"trials/{trial.number}"
         trial.set_user_attr(study_lib.WORKDIR, rel)
-        resumed = trial_lib.last_checkpoint(os.path.join(self.workdir, rel))
+        resumed = trial_lib.last_checkpoint(trial_lib.trial_dir(self.workdir, rel))
         if resumed is not None:
             trial.set_user_attr(study_lib.RESUMED, resumed)
         if study_lib.CONTINUES in attrs:
@@ -271,6 +291,7 @@ class Worker:
     def _run_batch(self, trials, job) -> list:
         from jtrain.multihost import preflight
         from jtrain.tune import batch
+        from jtrain.tune import trial as trial_lib
 
         for slot, m in enumerate(job.members):
             if m["number"] is None:
@@ -290,7 +311,7 @@ class Worker:
         with contextlib.ExitStack() as stack:
             for t in trials or ():
                 stack.enter_context(self._heartbeat(t))
-            outcomes = batch.run(self.base, job, os.path.join(self.workdir, job.workdir),
+            outcomes = batch.run(self.base, job, trial_lib.trial_dir(self.workdir, job.workdir),
                                  self.tune.monitor, report)
         preflight.forget()
         return outcomes
@@ -321,7 +342,8 @@ class Worker:
                 self.study.tell(trial, state=TrialState.PRUNED if outcome.state == "pruned"
                                 else TrialState.FAIL)
         recs = results.records(self.study, self.space)
-        results.write_trials(self.workdir, recs)
+        results.write_trials(self.local, recs)
+        self._sync()
         best = results.best(recs, self.tune.mode)
         value = "" if outcome.value is None else f": {self.tune.monitor}={outcome.value:.6g}"
         why = f" ({outcome.reason})" if outcome.state == "failed" else ""
@@ -335,17 +357,18 @@ class Worker:
         from jtrain.tune import results
 
         recs = results.records(self.study, self.space)
-        results.write_trials(self.workdir, recs)
+        results.write_trials(self.local, recs)
         counts = {s: sum(r["state"] == s for r in recs)
                   for s in ("complete", "pruned", "failed", "running", "waiting")}
         files = ["trials.jsonl"]
         best = results.best(recs, self.tune.mode)
         if best is not None:
-            results.write_best_config(self.workdir, self.base, best, self.tune.monitor)
+            results.write_best_config(self.local, self.base, best, self.tune.monitor)
             files.append("best_config.py")
-        if results.write_plot(self.workdir, self.study, recs, self.tune.monitor,
+        if results.write_plot(self.local, self.study, recs, self.tune.monitor,
                               self.tune.mode):
             files.append("tune.png")
+        self._sync()
         summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
         self.say(f"jtrain: tune: {summary or 'no trials'}" + (
             f"; best trial {best['number']}: {self.tune.monitor}={best['value']:.6g} "
@@ -353,6 +376,11 @@ class Worker:
             if best else "; no trial completed"))
         self.say(f"jtrain: tune: wrote {', '.join(files)} in {self.workdir}")
         return best is not None
+
+
+def _basename(workdir: str) -> str:
+    """The study's default name: the workdir's last part (of a path or a URI)."""
+    return os.path.basename(os.path.normpath(workdir.split("://", 1)[-1]))
 
 
 def _flat(space) -> dict:

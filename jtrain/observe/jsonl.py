@@ -86,6 +86,13 @@ def read_records(path: str, check=None) -> list[dict]:
     return out
 
 
+def parse_records(data: bytes) -> list[dict]:
+    """The good records of a metrics.jsonl's bytes (read from elsewhere than a local
+    file, e.g. a bucket): bad lines skipped, as read_records does without `check`."""
+    parsed = [_parse(line) for line in data.splitlines() if line.strip()]
+    return [record for record, problem in parsed if problem is None]
+
+
 def _parse(line: bytes) -> tuple[dict, str | None]:
     try:
         record = json.loads(line.decode("utf-8"))

@@ -19,8 +19,6 @@ a population can vary (jtrain.config.schema_population.VARY_KEYS; checked with t
 
 from __future__ import annotations
 
-import os
-
 from optuna.trial import Trial, TrialState
 
 from jtrain.config import space as space_lib
@@ -143,7 +141,7 @@ def _continuation(study, first, space: dict, workdir: str):
                 storage.set_trial_state_values(t._trial_id, TrialState.RUNNING):
             claimed[slot] = Trial(study, t._trial_id)
             study_lib.mark(claimed[slot])
-    resumed = trial_lib.last_checkpoint(os.path.join(workdir, rel))
+    resumed = trial_lib.last_checkpoint(trial_lib.trial_dir(workdir, rel))
     trials, members = [], []
     for slot, number in enumerate(batch):
         t = claimed.get(slot)

@@ -52,9 +52,10 @@ def storage_url(tune_cfg, workdir: str) -> str:
     return tune_cfg.storage or f"sqlite:///{os.path.join(workdir, 'study.db')}"
 
 
-def open_study(tune_cfg, workdir: str, space: dict) -> optuna.Study:
+def open_study(tune_cfg, workdir: str, space: dict, name: str | None = None) -> optuna.Study:
     """Creates or joins the study; a study made with another space or objective is a
-    ConfigError (its results would mix)."""
+    ConfigError (its results would mix). Its name: tune.study_name, else `name`, else
+    the workdir's last part."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     url = storage_url(tune_cfg, workdir)
     shown = redact_text(url)  # a password in the URL never reaches a message
@@ -70,7 +71,7 @@ def open_study(tune_cfg, workdir: str, space: dict) -> optuna.Study:
                 raise ConfigError("tune.storage", f"cannot open {shown!r}: "
                                   f"{redact_text(first_line(e))}") from None
             time.sleep(0.5 + attempt)
-    name = tune_cfg.study_name or os.path.basename(os.path.normpath(workdir))
+    name = tune_cfg.study_name or name or os.path.basename(os.path.normpath(workdir))
     direction = "minimize" if tune_cfg.mode == "min" else "maximize"
     try:
         study = optuna.create_study(storage=storage, study_name=name, direction=direction,

@@ -74,9 +74,25 @@ def trial_config(base: dict, params: dict, keep_tune: bool = True) -> dict:
     return config
 
 
+def trial_dir(root: str, rel: str) -> str:
+    """The run directory of a trial: `rel` (trials/<n>) under the search's workdir, a
+    path or a URI (s3://bucket/study -> s3://bucket/study/trials/<n>)."""
+    from jtrain.checkpoint import store
+
+    if store.is_remote(root):
+        return f"{root.rstrip('/')}/{rel}"
+    return os.path.join(root, rel)
+
+
 def last_checkpoint(workdir: str) -> int | None:
-    """The newest finished checkpoint step in a trial's workdir (what a rerun resumes)."""
+    """The newest finished checkpoint step in a trial's workdir (what a rerun resumes):
+    on an object store (s3://...), the newest step committed in the bucket."""
+    from jtrain.checkpoint import store
     from jtrain.checkpoint.integrity import MANIFEST
+
+    if store.is_remote(workdir):
+        steps = store.committed(workdir)
+        return steps[-1] if steps else None
 
     root = os.path.join(workdir, "checkpoints")
     try:  # a finished save has our manifest (written before it is renamed into place)
@@ -88,7 +104,8 @@ def last_checkpoint(workdir: str) -> int | None:
 
 
 def run(base: dict, params: dict, workdir: str, monitor: str, report=None) -> Outcome:
-    """Trains the trial in `workdir`. `report(step, value) -> prune?` (process 0 only)."""
+    """Trains the trial in `workdir` (a path, or a URI: s3://bucket/study/trials/<n>).
+    `report(step, value) -> prune?` (process 0 only)."""
     def on_eval(step, metrics):
         value = metrics.get(monitor)
         return bool(report(step, float(value))) if report and value is not None else False
@@ -131,7 +148,13 @@ def train(config: dict, workdir: str, on_eval, monitors: list[str]) -> list[Outc
 
 def final_value(workdir: str, monitor: str) -> float | None:
     """The monitor at the run's last eval, from metrics.jsonl (evals of earlier sessions
-    of a resumed run included)."""
-    records = jsonl.read_records(os.path.join(workdir, "metrics.jsonl"))
+    of a resumed run included); on an object store, the bucket's metrics.jsonl."""
+    from jtrain.checkpoint import store
+
+    if store.is_remote(workdir):
+        data = store.read_bytes(f"{workdir.rstrip('/')}/metrics.jsonl")
+        records = jsonl.parse_records(data or b"")
+    else:
+        records = jsonl.read_records(os.path.join(workdir, "metrics.jsonl"))
     values = [r[monitor] for r in records if monitor in r]
     return float(values[-1]) if values else None
