@@ -142,8 +142,12 @@ def _one(workdir: str, side: str, a: dict) -> dict:
         wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode:
-        with open(log.name) as f:
-            raise RuntimeError(f"the {side} run failed: {f.read().strip()[-500:]}")
+        tails = []
+        for path in (log.name, os.path.join(workdir, "evals", "evaluator.log")):
+            if os.path.exists(path):
+                with open(path) as f:
+                    tails.append(f.read().strip()[-600:])
+        raise RuntimeError(f"the {side} run failed: {' | '.join(tails)}")
     with open(os.path.join(workdir, "summary.json")) as f:
         seconds = json.load(f)["goodput"]["seconds"]
     first_applied = (a["lag"] + 1) * a["every"]  # async: waits for the evaluator's start

@@ -1,7 +1,7 @@
 """eval.mode=async's internals, in process (the journey: tests/journeys/
 test_async_eval_journey.py): which eval a step applies, the resumed run's metrics.jsonl,
-a checkpoint deleted under the evaluator, the held checkpoints the keep policy keeps, the
-child evaluator's nice value and CPUs."""
+a checkpoint deleted under the evaluator, a save renamed into place while it lists, the
+held checkpoints the keep policy keeps, the child evaluator's nice value and CPUs."""
 
 import json
 import types
@@ -118,3 +118,24 @@ def test_confine_reaches_the_threads_xla_starts_afterwards():
     said, threads, nices, cpus = json.loads(out.stdout.splitlines()[-1])
     assert said == f"nice 7, CPUs {cpu}"
     assert threads > 3 and nices == [7] and cpus == [cpu]
+
+
+def test_a_save_renamed_into_place_while_the_evaluator_lists_is_passed_over(tmp_path,
+                                                                           monkeypatch):
+    """The evaluator scans a live run's checkpoints: an entry listed and then renamed
+    (a finished save) or deleted (the keep policy) before its stat is left for the next
+    scan, not an error that ends the evaluator."""
+    from jtrain.checkpoint import integrity
+
+    (tmp_path / "10").mkdir()
+    moving = tmp_path / f"20{integrity.TMP_MARK}1"
+    moving.mkdir()
+    real_lstat = integrity.os.lstat
+
+    def lstat(path):
+        if str(path) == str(moving):
+            raise FileNotFoundError(path)  # renamed to 20 after the listing
+        return real_lstat(path)
+
+    monkeypatch.setattr(integrity.os, "lstat", lstat)
+    assert integrity.scan(str(tmp_path)) == ([10], [], [])
