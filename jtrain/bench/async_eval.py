@@ -185,8 +185,9 @@ def _extra(res: dict, side: str) -> str:
              "slower steps": s["step_ms"] - base["step_ms"]}
     most = max(parts, key=lambda k: parts[k])
     spelled = ", ".join(f"{k} {v:+.1f} ms" for k, v in parts.items())
-    return (f"  {side}: steady loop {s['loop_ms'] - base['loop_ms']:+.1f} ms/step vs none;"
-            f" whole run per step: {spelled}; most: {most}")
+    return (f"  {side}: steady loop {s['loop_ms'] - base['loop_ms']:+.1f} ms/step, trainer "
+            f"CPU {s['cpu_ms'] - base['cpu_ms']:+.1f} ms/step vs none; whole run per step: "
+            f"{spelled}; most: {most}")
 
 
 def format_report(res: dict) -> str:
