@@ -167,7 +167,12 @@ def confine() -> str:
     """A child evaluator, before JAX starts: every thread of this process gets the nice
     value and the CPUs its training process chose (NICE_ENV, CPUS_ENV; the threads
     started later inherit them, XLA:CPU sizes its thread pool to the CPUs). Returns
-    what it applied, in words ("" where nothing: no such variables, not Linux)."""
+    what it applied, in words ("" where nothing: no such variables, not Linux).
+
+    The CPU set is the one lever on the evaluator's threads: with jaxlib 0.10,
+    `--xla_cpu_multi_thread_eigen=false` left a jitted matmul running on two of XLA's
+    pool threads, and `--intra_op_parallelism_threads` is not an XLA flag (XLA_FLAGS
+    refuses it), while under a one-CPU affinity the same work ran on one thread."""
     from jtrain.checkpoint import policy
 
     nice, cpus = os.environ.get(NICE_ENV), os.environ.get(CPUS_ENV)
