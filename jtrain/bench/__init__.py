@@ -12,7 +12,7 @@ and the overhead report: jtrain/cli/bench.py).
     population   K runs one after another vs one population of K (one compiled step)
     machine      what every benchmark records: machine, commit, date, load; unreliable
     profile      the train step's time op by op (XLA:CPU trace), matmul GFLOP/s, copies
-    async_eval   a run with frequent evaluation: eval.mode=sync vs async, side by side
+    async_eval   a run with frequent evaluation: no evals, sync, async, side by side
     table        a benchmark's --out JSON as the markdown tables of docs/benchmarks.md
 """
 

@@ -251,7 +251,10 @@ def scan(directory: str) -> tuple[list[int], list[str], list[str]]:
         return [], [], []
     for name in names:
         path = os.path.join(directory, name)
-        st = os.lstat(path)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:  # renamed into place or deleted by the training process
+            continue               # since the listing (a reader follows a live run)
         if TMP_MARK in name:
             unfinished.append(path)
         elif is_step_name(name):

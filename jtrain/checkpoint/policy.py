@@ -78,6 +78,13 @@ def lower_writer_priority(nice: int, tid: int | None = None) -> None:
                         tids.append(int(name))
             except OSError:  # the thread ended meanwhile
                 pass
+    lower_priority(nice, tids)
+
+
+def lower_priority(nice: int, tids) -> None:
+    """Threads `tids` (Linux thread ids) reniced to `nice`, never raised above it; a
+    thread that ended meanwhile or may not be reniced is passed over. Threads a thread
+    starts afterwards inherit its value."""
     for t in tids:
         try:
             if os.getpriority(os.PRIO_PROCESS, t) < nice:

@@ -294,8 +294,9 @@ def commands() -> dict:
                 "built-in update of the same MLP and AdamW"),
         "profile": (*_module_bench("profile"), "the train step's time op by op (XLA:CPU "
                     "trace), matmul GFLOP/s, copies"),
-        "async_eval": (*_module_bench("async_eval"), "a run with frequent evaluation, "
-                       "eval.mode=sync vs async (step time, wall time, CPU seconds)"),
+        "async_eval": (*_module_bench("async_eval"), "a run with frequent evaluation: "
+                       "no evals vs eval.mode=sync vs async (the loop's step time without "
+                       "waits, waits, saves, CPU seconds, wall time)"),
         "table": (lambda fv: None, table, "a benchmark's --out JSON as a markdown table"),
     }
 

@@ -151,6 +151,14 @@ SCHEMA: dict[str, Any] = {
                              "--follow WORKDIR` beside itself and ends it; external = you "
                              "run that command (e.g. on another host that reads the workdir)",
                              resume=True),
+        "async_nice": F(int, 19, (0, 19), "eval.mode=async, child evaluator: its Linux "
+                        "nice value; 19 = it gets the CPU only when the training process "
+                        "leaves it idle (the step is not slowed; the loop may wait at the "
+                        "lag instead), 0 = it competes as an equal", resume=True),
+        "async_cpus": F(int, 0, (0, INF), "eval.mode=async, child evaluator: N > 0 = "
+                        "pinned to the last N of the CPUs the training process may use "
+                        "(XLA sizes its thread pool to them); 0 = all of them",
+                        resume=True),
     },
     "loss": {  # jtrain/loss_terms.py; a loss_fn passed to jtrain.train replaces fn / terms
         "fn": F(str, "", None, "'package.module:fn', fn(outputs, batch) -> loss, (sum, "

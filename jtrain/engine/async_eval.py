@@ -33,6 +33,8 @@ from jtrain.errors import ConfigError, EvaluateError
 from jtrain.observe import jsonl, layout
 
 PARENT_ENV = "JTRAIN_EVAL_PARENT"  # the training process of a child evaluator
+NICE_ENV = "JTRAIN_EVAL_NICE"  # a child evaluator's eval.async_nice
+CPUS_ENV = "JTRAIN_EVAL_CPUS"  # its CPUs (eval.async_cpus), comma-separated ids
 LOG = "evaluator.log"  # in WORKDIR/evals: the child evaluator's output
 
 
@@ -68,6 +70,7 @@ class AsyncEvals:
     def __init__(self, cfg, workdir: str, ckpt):
         self.cfg, self.workdir, self.ckpt = cfg, workdir, ckpt
         self.proc: subprocess.Popen | None = None
+        self.told = False  # the external evaluator's wait said once
         history = ckpt.control.eval_history
         self.applied = int(history[-1]["step"]) if history else 0
         ckpt.held = {s for s in ckpt.all_steps() if s > self.applied and is_point(cfg, s)}
@@ -82,7 +85,7 @@ class AsyncEvals:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "jtrain.evaluate", "--follow", self.workdir],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, PARENT_ENV: str(os.getpid())})
+                env={**os.environ, **child_env(self.cfg)})
 
     def due(self, step: int) -> int | None:
         """The eval step applied at `step`: step - async_lag * every_steps, at a multiple
@@ -98,10 +101,19 @@ class AsyncEvals:
         if is_point(self.cfg, step) and step > self.applied:
             self.ckpt.held.add(step)
 
-    def take(self, step: int, beat: Callable[[], None]) -> dict:
+    def take(self, step: int, beat: Callable[[], None],
+             say: Callable[[str], None] = print) -> dict:
         """The eval of checkpoint `step` as a history record {"step", "eval/...": v},
-        waited for (`beat`: the watchdog's, while waiting); its hold released."""
+        waited for (`beat`: the watchdog's, while waiting); its hold released. With
+        eval.async_evaluator=external the first wait of the run is said in one line
+        (`say`): no evaluator may be running, and the run waits for one."""
         while (record := layout.read_eval_result(self.workdir, step)) is None:
+            if self.proc is None and not self.told:
+                self.told = True
+                say(f"jtrain: waiting for the eval of step {step} "
+                    "(eval.async_evaluator=external): the run goes on when `jtrain "
+                    f"evaluate --follow {self.workdir}` has evaluated it; start that "
+                    "command if it is not running")
             if self.proc is not None and self.proc.poll() is not None:
                 raise EvaluateError(
                     f"eval.mode=async: the evaluator process ended (exit code "
@@ -132,6 +144,56 @@ class AsyncEvals:
             proc.wait()
 
 
+def child_env(cfg) -> dict[str, str]:
+    """What a child evaluator is told: its training process, its nice value, its CPUs
+    (`confine` applies them in the child before JAX starts its threads)."""
+    env = {PARENT_ENV: str(os.getpid()), NICE_ENV: str(cfg.eval.async_nice)}
+    cpus = evaluator_cpus(cfg.eval.async_cpus)
+    if cpus:
+        env[CPUS_ENV] = ",".join(map(str, cpus))
+    return env
+
+
+def evaluator_cpus(count: int) -> list[int] | None:
+    """eval.async_cpus: the last `count` of the CPUs this process may use; None (no
+    pinning) for 0, for `count` >= all of them, or where affinity is not supported."""
+    if not count or not hasattr(os, "sched_getaffinity"):
+        return None
+    mine = sorted(os.sched_getaffinity(0))
+    return mine[-count:] if count < len(mine) else None
+
+
+def confine() -> str:
+    """A child evaluator, before JAX starts: every thread of this process gets the nice
+    value and the CPUs its training process chose (NICE_ENV, CPUS_ENV; the threads
+    started later inherit them, XLA:CPU sizes its thread pool to the CPUs). Returns
+    what it applied, in words ("" where nothing: no such variables, not Linux).
+
+    The CPU set is the one lever on the evaluator's threads: with jaxlib 0.10,
+    `--xla_cpu_multi_thread_eigen=false` left a jitted matmul running on two of XLA's
+    pool threads, and `--intra_op_parallelism_threads` is not an XLA flag (XLA_FLAGS
+    refuses it), while under a one-CPU affinity the same work ran on one thread."""
+    from jtrain.checkpoint import policy
+
+    nice, cpus = os.environ.get(NICE_ENV), os.environ.get(CPUS_ENV)
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # not Linux
+        return ""
+    done = []
+    if nice:
+        policy.lower_priority(int(nice), tids)
+        done.append(f"nice {os.getpriority(os.PRIO_PROCESS, 0)}")
+    if cpus and hasattr(os, "sched_setaffinity"):
+        for t in tids:
+            try:
+                os.sched_setaffinity(t, {int(c) for c in cpus.split(",")})
+            except OSError:  # a thread that ended, a CPU gone meanwhile
+                pass
+        done.append(f"CPUs {','.join(map(str, sorted(os.sched_getaffinity(0))))}")
+    return ", ".join(done)
+
+
 def for_run(cfg, workdir: str, ckpt, resumed_from: int | None) -> AsyncEvals | None:
     """The run's AsyncEvals (None in eval.mode=sync; `check` ran at start-up). On a
     resume, metrics.jsonl first drops the eval records the restored checkpoint had not
@@ -155,6 +217,9 @@ def follow(workdir: str, *, poll_s: float = 0.2, say: Callable[[str], None] = pr
     the training process is gone). Returns the steps evaluated."""
     from jtrain.engine import checkpoint_eval
 
+    confined = confine()  # a child evaluator: nice value and CPUs before JAX starts
+    if confined:
+        say(f"jtrain: evaluator: {confined}")
     opened = checkpoint_eval.open_run(workdir, model=model, loss_fn=loss_fn,
                                       eval_defaults=False)
     workdir, cfg = opened.workdir, opened.cfg

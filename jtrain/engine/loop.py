@@ -290,7 +290,8 @@ def _record_rest(cfg, run: Run, session: _Session) -> None:
 def _taken(run: Run, target: int, step: int | None) -> dict:
     """The async eval of `target`, its metrics written with that step and its line."""
     with run.goodput.phase("eval"):
-        entry = run.async_evals.take(target, lambda: run.watchdog.beat("async eval"))
+        entry = run.async_evals.take(target, lambda: run.watchdog.beat("async eval"),
+                                     run.out.progress.message)
     scalars = {k: v for k, v in entry.items() if k != "step"}
     run.out.writer.write_scalars(target, scalars)
     at = f", applied at step {step}" if step is not None else ""

@@ -1,6 +1,7 @@
 """eval.mode=async's internals, in process (the journey: tests/journeys/
 test_async_eval_journey.py): which eval a step applies, the resumed run's metrics.jsonl,
-a checkpoint deleted under the evaluator, the held checkpoints the keep policy keeps."""
+a checkpoint deleted under the evaluator, a save renamed into place while it lists, the
+held checkpoints the keep policy keeps, the child evaluator's nice value and CPUs."""
 
 import json
 import types
@@ -77,3 +78,64 @@ def test_async_mode_refuses_a_workdir_on_an_object_store():
     else:
         raise AssertionError("eval.mode=async with an s3:// workdir was not refused")
     async_eval.check(config_lib.resolve({}), remote="s3://bucket/run")  # sync: fine
+
+
+def test_the_child_evaluator_gets_the_last_cpus_and_the_nice_value(monkeypatch):
+    monkeypatch.setattr(async_eval.os, "sched_getaffinity", lambda pid: {3, 0, 2, 1})
+    assert [async_eval.evaluator_cpus(n) for n in (0, 1, 2, 4, 9)] == \
+        [None, [3], [2, 3], None, None]  # all of them or more: no pinning
+    cfg = _cfg()
+    cfg.eval.async_nice, cfg.eval.async_cpus = 5, 1
+    env = async_eval.child_env(cfg)
+    assert (env[async_eval.NICE_ENV], env[async_eval.CPUS_ENV]) == ("5", "3")
+    cfg.eval.async_cpus = 0
+    assert async_eval.CPUS_ENV not in async_eval.child_env(cfg)
+
+
+def test_confine_reaches_the_threads_xla_starts_afterwards():
+    """In a fresh process, as a child evaluator starts: a thread already running, then
+    confine(), then JAX; every thread (that one and XLA:CPU's pool) has the nice value
+    and the one CPU."""
+    import os
+    import subprocess
+    import sys
+
+    cpu = max(os.sched_getaffinity(0))
+    code = ("import json, os, threading, time\n"
+            "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+            "from jtrain.engine import async_eval\n"
+            "said = async_eval.confine()\n"
+            "import jax.numpy as jnp\n"
+            "(jnp.ones((64, 64)) @ jnp.ones((64, 64))).block_until_ready()\n"
+            "tids = [int(t) for t in os.listdir('/proc/self/task')]\n"
+            "print(json.dumps([said, len(tids), sorted({os.getpriority(os.PRIO_PROCESS, t)"
+            " for t in tids}), sorted({c for t in tids for c in os.sched_getaffinity(t)})]))")
+    env = {**os.environ, async_eval.NICE_ENV: "7", async_eval.CPUS_ENV: str(cpu),
+           "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    said, threads, nices, cpus = json.loads(out.stdout.splitlines()[-1])
+    assert said == f"nice 7, CPUs {cpu}"
+    assert threads > 3 and nices == [7] and cpus == [cpu]
+
+
+def test_a_save_renamed_into_place_while_the_evaluator_lists_is_passed_over(tmp_path,
+                                                                           monkeypatch):
+    """The evaluator scans a live run's checkpoints: an entry listed and then renamed
+    (a finished save) or deleted (the keep policy) before its stat is left for the next
+    scan, not an error that ends the evaluator."""
+    from jtrain.checkpoint import integrity
+
+    (tmp_path / "10").mkdir()
+    moving = tmp_path / f"20{integrity.TMP_MARK}1"
+    moving.mkdir()
+    real_lstat = integrity.os.lstat
+
+    def lstat(path):
+        if str(path) == str(moving):
+            raise FileNotFoundError(path)  # renamed to 20 after the listing
+        return real_lstat(path)
+
+    monkeypatch.setattr(integrity.os, "lstat", lstat)
+    assert integrity.scan(str(tmp_path)) == ([10], [], [])

@@ -1,17 +1,25 @@
 """eval.mode=async as a user meets it, from the CLI in a temp cwd with their own NNX model
 (model.factory) and data module: the training command starts its evaluator beside
 itself, and early stopping and the plateau decide from the eval of a FIXED earlier
-evaluation point (eval.async_lag), so the same command run again, and the same command
-killed by `debug.faults=kill@N` and rerun (resumed), stop at the same step with the same
-best step and the same final state hash; the stop step is the one the logged evals
+evaluation point (eval.async_lag), so the same command run again, the same command
+killed by `debug.faults=kill@N` and rerun (resumed), and the same command with
+eval.async_evaluator=external and `jtrain evaluate --follow` started by hand once the run
+says it waits, stop at the same step with the same best step and the same final state
+hash; the stop step is the one the logged evals
 imply at that lag. `jtrain evaluate --follow` on a run trained in sync mode writes one
 eval record per checkpoint into its metrics.jsonl, with its step, and agrees with the
 run's own eval of its last step. Best-k keeping ranks the applied evals: the best one's
 checkpoint is kept."""
 
 import json
+import queue
+import subprocess
+import sys
+import threading
+import time
 
-from journey import copy_project, metric_by_step, run_python
+import pytest
+from journey import copy_project, metric_by_step, run_python, user_env
 
 EVERY, LAG, PATIENCE = 2, 2, 2
 
@@ -46,6 +54,9 @@ def get_config():
 '''
 
 
+TRAIN = ("-m", "jtrain.main", "--config=cfg.py")
+
+
 def _summary(path):
     return json.loads((path / "summary.json").read_text())
 
@@ -65,12 +76,20 @@ def _expected_stop(cfg_text: str, evals: dict) -> int:
     return cfg.total_steps
 
 
-def test_async_eval_decides_the_same_on_a_rerun_and_a_resume(tmp_path):
+@pytest.fixture(scope="module")
+def child_run(tmp_path_factory):
+    """The config's run with its child evaluator: (the user's directory, its process)."""
+    tmp_path = tmp_path_factory.mktemp("async")
     copy_project(tmp_path, "nnx_mlp")
     (tmp_path / "cfg.py").write_text(CONFIG)
-    train = ["-m", "jtrain.main", "--config=cfg.py"]
-    first = run_python(tmp_path, *train, "--workdir=runs/a")
+    first = run_python(tmp_path, *TRAIN, "--workdir=runs/a")
     assert first.returncode == 0, first.stderr[-3000:]
+    return tmp_path, first
+
+
+def test_async_eval_decides_the_same_on_a_rerun_and_a_resume(child_run):
+    tmp_path, first = child_run
+    train = TRAIN
     again = run_python(tmp_path, *train, "--workdir=runs/b")
     assert again.returncode == 0, again.stderr[-3000:]
     a, b = _summary(tmp_path / "runs/a"), _summary(tmp_path / "runs/b")
@@ -99,7 +118,80 @@ def test_async_eval_decides_the_same_on_a_rerun_and_a_resume(tmp_path):
     applied = [(v, -s) for s, v in evals.items() if s <= a["step"] - LAG * EVERY]
     for run in "ac":
         assert (tmp_path / f"runs/{run}/checkpoints/{-min(applied)[1]}").is_dir()
-    assert (tmp_path / "runs/a/evals").is_dir()
+    # the child evaluator ran at eval.async_nice's default, on every CPU (async_cpus 0)
+    log = (tmp_path / "runs/a/evals/evaluator.log").read_text().splitlines()
+    assert log[0] == "jtrain: evaluator: nice 19", log[:3]
+
+
+def _lines(proc):
+    """The lines `proc` prints, read in a thread: (queue, thread)."""
+    lines: queue.Queue = queue.Queue()
+
+    def read():
+        for line in proc.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return lines
+
+
+def _until(lines, text: str | None, timeout: float = 240) -> list[str]:
+    """The lines up to the first one containing `text` (AssertionError without it);
+    `text` None: up to the end of the output."""
+    seen, end = [], time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            continue
+        if line is None:
+            if text is None:
+                return seen
+            break
+        seen.append(line)
+        if text is not None and text in line:
+            return seen
+    raise AssertionError(f"no line with {text!r}; the run said: {seen[-20:]}")
+
+
+def test_an_external_evaluator_started_later_decides_like_the_child(child_run):
+    """eval.async_evaluator=external: the run says once that it waits for the eval of the
+    first point it applies and waits (no exit, no error); `jtrain evaluate --follow`
+    started then lets it finish with the child-mode run's stop step, best step and state."""
+    tmp_path, _ = child_run
+    a = _summary(tmp_path / "runs/a")
+    train = subprocess.Popen([sys.executable, *TRAIN, "--workdir=runs/e",
+                              "--config.eval.async_evaluator=external"],
+                             cwd=tmp_path, env=user_env(), text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        lines = _lines(train)
+        said = _until(lines, "jtrain: waiting for the eval of step")[-1]
+        assert said.startswith(f"jtrain: waiting for the eval of step {EVERY} "
+                               "(eval.async_evaluator=external): the run goes on when "
+                               "`jtrain evaluate --follow "), said
+        assert said.split("--follow ")[1].split("`")[0].endswith("runs/e")
+        time.sleep(2)
+        assert train.poll() is None  # it waits for the evaluator
+        assert not list((tmp_path / "runs/e").glob("evals/*.json"))
+        follow = run_python(tmp_path, "-m", "jtrain.evaluate", "--follow", "runs/e")
+        assert follow.returncode == 0, follow.stderr[-3000:]
+        assert train.wait(timeout=300) == 0
+    finally:
+        if train.poll() is None:
+            train.kill()
+            train.wait()
+    rest = _until(lines, None, timeout=30)
+    assert not any("waiting for the eval" in line for line in rest)  # said once
+    assert f"jtrain: stopped early at step {a['step']} by early_stop" in "\n".join(rest)
+    assert "jtrain: follow: the run finished; evaluated " in follow.stdout
+    e = _summary(tmp_path / "runs/e")
+    assert (e["stopped_by"], e["step"], e["best_step"], e["state_sha256"]) == \
+        (a["stopped_by"], a["step"], a["best_step"], a["state_sha256"])
+    assert metric_by_step(tmp_path / "runs/e", "eval/loss") == \
+        metric_by_step(tmp_path / "runs/a", "eval/loss")
 
 
 def test_evaluate_follow_on_a_sync_run(tmp_path):
