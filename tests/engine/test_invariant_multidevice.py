@@ -17,7 +17,7 @@ from test_own_step import data as own_data, make as own_step
 
 pytestmark = pytest.mark.multidevice
 
-MESHES = ((2, 1), (8, 1), (2, 4))  # (data, fsdp) sizes
+MESHES = ((1, 1), (2, 1), (8, 1), (2, 4))  # (data, fsdp) sizes
 MAKE_MESH = mesh_lib.make_mesh
 
 
