@@ -110,8 +110,8 @@ class _Program:
     """fn as a program compiled for one device, run on every device: compiled once for
     the first device (per argument shapes), its executable then loaded onto each other
     device, so every device runs the same machine code (and N devices cost one compile).
-    Where the executable cannot be moved (a jax without the serialization it uses), each
-    device compiles the same program itself.
+    With several processes (where a moved executable was seen to fail at its first run
+    on XLA:CPU), or where it cannot be moved, each device compiles the same program.
 
     Traced without the model's sharding constraints; its name has a leading underscore
     (observe/compiles.py: not a recompile)."""
@@ -131,7 +131,9 @@ class _Program:
             first = self.jitted.lower(*calls[0]).compile()
             self._loaded[(key, devices[0])] = first
             for d, args in zip(devices[1:], calls[1:], strict=True):
-                self._loaded[(key, d)] = _moved(first, d, self.jitted, args)
+                self._loaded[(key, d)] = (_moved(first, d, self.jitted, args)
+                                          if jax.process_count() == 1
+                                          else self.jitted.lower(*args).compile())
         return [self._loaded[(key, d)](*args) for d, args in zip(devices, calls, strict=True)]
 
     def lower(self, *abstract):
