@@ -24,20 +24,23 @@ device, the same ones on every device count, and what crosses devices only moves
 The step is therefore a Python callable that dispatches these programs (`SplitStep`,
 `SplitEval`, `Whole`), not one jit: the state is not donated (the old state is freed
 when the caller drops it), and `lower(...).compile()` compiles the programs for the
-first device and reports the larger one's memory (the dry run, the memory plan).
+first device and reports the larger one's memory plus the state held beside it (the
+dry run, the memory plan). Each program is compiled for the first device and its
+executable loaded onto the others (`_Program`): every device runs the same machine
+code.
 
 A step of your own (`jtrain.step.Step`) runs whole on every device (`Whole`): the same
 bits on any topology, at the price of no data parallelism for its update.
 
 The cost: every device holds the whole params, gradients and optimizer state during the
 update (FSDP's memory saving is gone for the step) plus the K chunk results gathered for
-the sum; the forward and backward stay data-parallel. Each program is compiled once per
-device (the first step compiles it N times on N devices).
+the sum; the forward and backward stay data-parallel.
 """
 
 from __future__ import annotations
 
 import io
+import types
 from typing import Callable
 
 import jax
@@ -110,8 +113,7 @@ class _Program:
     """fn as a program compiled for one device, run on every device: compiled once for
     the first device (per argument shapes), its executable then loaded onto each other
     device, so every device runs the same machine code (and N devices cost one compile).
-    With several processes (where a moved executable was seen to fail at its first run
-    on XLA:CPU), or where it cannot be moved, each device compiles the same program.
+    Otherwise (`_can_move`), each device compiles the same program itself.
 
     Traced without the model's sharding constraints; its name has a leading underscore
     (observe/compiles.py: not a recompile)."""
@@ -132,12 +134,20 @@ class _Program:
             self._loaded[(key, devices[0])] = first
             for d, args in zip(devices[1:], calls[1:], strict=True):
                 self._loaded[(key, d)] = (_moved(first, d, self.jitted, args)
-                                          if jax.process_count() == 1
+                                          if _can_move()
                                           else self.jitted.lower(*args).compile())
         return [self._loaded[(key, d)](*args) for d, args in zip(devices, calls, strict=True)]
 
     def lower(self, *abstract):
         return self.jitted.lower(*abstract)
+
+
+def _can_move() -> bool:
+    """Whether a compiled executable is moved to the other devices: one process and no
+    persistent compilation cache. On XLA:CPU an executable that came from the cache (or,
+    with several processes, was written to it) lost functions when serialized again:
+    moved, it failed at its first run ("Function ... not found")."""
+    return jax.process_count() == 1 and not jax.config.jax_compilation_cache_dir
 
 
 def _signature(args) -> tuple:
@@ -305,8 +315,10 @@ class SplitStep(_OnEachDevice):
         part = jax.eval_shape(self.first.jitted, state1, rows1, ids1)
         stacked1 = self.one_device(part, lambda s: (self.k, *s[1:]))
         ok1 = self.one_device(jax.ShapeDtypeStruct((rows,), jnp.bool_))
+        resident = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+                       for x in jax.tree.leaves(state) if getattr(x, "sharding", None))
         return _Lowered([self.first.lower(state1, rows1, ids1),
-                         self.second.lower(state1, stacked1, ok1)])
+                         self.second.lower(state1, stacked1, ok1)], resident)
 
 
 class SplitEval(_OnEachDevice):
@@ -349,29 +361,38 @@ class SplitEval(_OnEachDevice):
 
 
 class _Lowered:
-    """`lower(...)` of a split step: `compile()` compiles each program for one device."""
+    """`lower(...)` of a split step: `compile()` compiles each program for one device.
+    `resident`: bytes per device held beside them all step long (the state in its own
+    layout, not donated)."""
 
-    def __init__(self, lowered: list):
-        self.lowered = lowered
+    def __init__(self, lowered: list, resident: int = 0):
+        self.lowered, self.resident = lowered, resident
 
     def compile(self) -> "_Compiled":
-        return _Compiled([lowered.compile() for lowered in self.lowered])
+        return _Compiled([lowered.compile() for lowered in self.lowered], self.resident)
+
+
+_MEMORY = ("argument", "output", "alias", "temp", "generated_code")
 
 
 class _Compiled:
-    """The compiled programs of a split step; `memory_analysis()` is the one whose
-    arguments, outputs and temporaries need the most bytes (they run one after the
-    other on a device)."""
+    """The compiled programs of a split step. `memory_analysis()`: the fields of the one
+    whose arguments, outputs and temporaries need the most bytes (they run one after
+    the other on a device), the resident bytes added to its arguments."""
 
-    def __init__(self, compiled: list):
-        self.compiled = compiled
+    def __init__(self, compiled: list, resident: int = 0):
+        self.compiled, self.resident = compiled, resident
 
     def memory_analysis(self):
         analyses = [c.memory_analysis() for c in self.compiled]
         if any(m is None for m in analyses):
             return None
-        return max(analyses, key=lambda m: m.argument_size_in_bytes + m.output_size_in_bytes
+        peak = max(analyses, key=lambda m: m.argument_size_in_bytes + m.output_size_in_bytes
                    - m.alias_size_in_bytes + m.temp_size_in_bytes)
+        fields = {f"{k}_size_in_bytes": int(getattr(peak, f"{k}_size_in_bytes", 0))
+                  for k in _MEMORY}
+        fields["argument_size_in_bytes"] += self.resident
+        return types.SimpleNamespace(**fields)
 
     def as_text(self) -> str:
         return "\n".join(c.as_text() for c in self.compiled)

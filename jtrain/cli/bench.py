@@ -296,6 +296,8 @@ def commands() -> dict:
                     "trace), matmul GFLOP/s, copies"),
         "async_eval": (*_module_bench("async_eval"), "a run with frequent evaluation, "
                        "eval.mode=sync vs async (step time, wall time, CPU seconds)"),
+        "invariant": (*_module_bench("invariant"), "determinism.topology_invariant vs "
+                      "default: step time and step memory on 1 and 8 devices"),
         "table": (lambda fv: None, table, "a benchmark's --out JSON as a markdown table"),
     }
 
