@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from absl import flags
 
@@ -163,7 +164,6 @@ def main(args) -> int:
         print(f"error: {e}")
         return 1
     print(format_report(res), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2)
+    if args.out:  # the JSON: every round's figures, the machine, the loads
+        Path(args.out).write_text(json.dumps(res, indent=2))
     return 0
