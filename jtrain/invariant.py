@@ -207,11 +207,29 @@ class _OnEachDevice:
         here = jax.process_index()
         self.devices = [d for d in mesh.devices.flat if d.process_index == here]
         self.blocks = int(mesh.devices.size)  # data x fsdp: tensor > 1 is refused
-        self._gather = jax.jit(_identity, out_shardings=self.replicated)
+        self._reshard: dict = {}  # target shardings -> jit(identity)
 
     def gather(self, tree):
         """Every leaf whole on every device: a reshard (an all-gather moves bits)."""
-        return self._gather(tree)
+        return self.reshard(tree, self.replicated)
+
+    def reshard(self, tree, shardings):
+        """tree's leaves in `shardings` (a prefix tree of tree), by a program that only
+        moves bits (an all-gather, a slice); a leaf already replicated where the target
+        is replicated too stays as it is."""
+        leaves, treedef = jax.tree.flatten(tree)
+        targets = jax.tree.leaves(jax.tree.map(
+            lambda s, sub: jax.tree.map(lambda _: s, sub), shardings, tree))
+        todo = [i for i, (x, t) in enumerate(zip(leaves, targets, strict=True))
+                if not (t.is_fully_replicated and x.sharding.is_fully_replicated)]
+        if todo:
+            key = tuple(targets[i] for i in todo)
+            if key not in self._reshard:
+                self._reshard[key] = jax.jit(_identity, out_shardings=list(key))
+            for i, x in zip(todo, self._reshard[key]([leaves[i] for i in todo]),
+                            strict=True):
+                leaves[i] = x
+        return treedef.unflatten(leaves)
 
     def local(self, tree) -> list:
         """One tree per device of this process: that device's shard of every leaf."""
@@ -256,12 +274,12 @@ class Whole(_OnEachDevice):
     def __init__(self, fn: Callable, mesh, out_shardings=None):
         super().__init__(mesh)
         self.fn = _Program(fn)
-        self._scatter = jax.jit(_identity, out_shardings=out_shardings or self.replicated)
+        self.out_shardings = out_shardings or self.replicated
 
     @_off_mesh
     def __call__(self, *args):
         copies = self.local(self.gather(args))
-        return self._scatter(self.whole(self.fn(copies, self.devices)))
+        return self.reshard(self.whole(self.fn(copies, self.devices)), self.out_shardings)
 
     @_off_mesh
     def lower(self, *abstract):
@@ -281,7 +299,7 @@ class SplitStep(_OnEachDevice):
         self.k = k
         self.first, self.second = _Program(first), _Program(second)
         self.validity = jax.jit(validity, out_shardings=self.replicated)
-        self._scatter = jax.jit(_identity, out_shardings=(state_shardings, self.replicated))
+        self.out_shardings = (state_shardings, self.replicated)
         self._ids: dict = {}
 
     def chunk_ids(self, batch) -> list:
@@ -303,8 +321,9 @@ class SplitStep(_OnEachDevice):
         parts = self.first(list(zip(states, self.local(batch), self.chunk_ids(batch),
                                     strict=True)), self.devices)
         stacked = self.local(self.gather(self.blocks_of(parts)))
-        return self._scatter(self.whole(self.second(
-            list(zip(states, stacked, rows_ok, strict=True)), self.devices)))
+        return self.reshard(self.whole(self.second(
+            list(zip(states, stacked, rows_ok, strict=True)), self.devices)),
+            self.out_shardings)
 
     @_off_mesh
     def lower(self, state, batch):
