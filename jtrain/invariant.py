@@ -130,16 +130,31 @@ class _Program:
         """calls[i]: the arguments on devices[i] -> the results, one per device."""
         key = _signature(calls[0])
         if (key, devices[0]) not in self._loaded:
-            first = self.jitted.lower(*calls[0]).compile()
-            self._loaded[(key, devices[0])] = first
-            for d, args in zip(devices[1:], calls[1:], strict=True):
-                self._loaded[(key, d)] = (_moved(first, d, self.jitted, args)
-                                          if _can_move()
+            self._loaded[(key, devices[0])] = self.jitted.lower(*calls[0]).compile()
+        first = self._loaded[(key, devices[0])]
+        for d, args in zip(devices[1:], calls[1:], strict=True):
+            if (key, d) not in self._loaded:
+                self._loaded[(key, d)] = (_moved(first, d, self.jitted, args) if _can_move()
                                           else self.jitted.lower(*args).compile())
         return [self._loaded[(key, d)](*args) for d, args in zip(devices, calls, strict=True)]
 
     def lower(self, *abstract):
-        return self.jitted.lower(*abstract)
+        """Lowered for the device of `abstract`; its compile() is kept for the first
+        call (compile.precompile's work is not done twice)."""
+        return _Kept(self, _signature(abstract), self.jitted.lower(*abstract),
+                     next(iter(jax.tree.leaves(abstract)[0].sharding.device_set)))
+
+
+class _Kept:
+    """A program's lowering whose compile() it keeps for that device."""
+
+    def __init__(self, program: _Program, key, lowered, device):
+        self.program, self.key, self.lowered, self.device = program, key, lowered, device
+
+    def compile(self):
+        compiled = self.lowered.compile()
+        self.program._loaded.setdefault((self.key, self.device), compiled)
+        return compiled
 
 
 def _can_move() -> bool:
@@ -152,8 +167,8 @@ def _can_move() -> bool:
 
 def _signature(args) -> tuple:
     leaves, treedef = jax.tree.flatten(args)
-    return treedef, tuple((x.shape, x.dtype, getattr(getattr(x, "aval", None), "weak_type",
-                                                     False)) for x in leaves)
+    return treedef, tuple((x.shape, x.dtype, bool(getattr(x, "weak_type", False)))
+                          for x in leaves)
 
 
 def _moved(compiled, device, jitted, args):

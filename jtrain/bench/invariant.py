@@ -3,7 +3,7 @@ default, on 1 and 8 fake CPU devices, side by side.
 
 Each device count runs in its own process (fake CPU devices are fixed before JAX
 starts). There, the train step of configs/base.py:debug (or the reference config,
-`--config=base`) is built twice, the mode on and off (`jtrain.build`, mesh.data = the
+`--variant=base`) is built twice, the mode on and off (`jtrain.build`, mesh.data = the
 device count), both from the same initial state and on the same batches of the built-in
 corpus; after one step each (the compile), `--rounds` rounds alternate the two sides, each
 timing `--steps` steps: the wall time per step (`perf_counter` up to
@@ -32,7 +32,7 @@ SIDES = ("default", "invariant")
 
 def define_flags(fv) -> None:
     flags.DEFINE_list("devices", ["1", "8"], "fake CPU device counts", flag_values=fv)
-    flags.DEFINE_enum("config", "debug", ["debug", "base"], "configs/base.py's variant: "
+    flags.DEFINE_enum("variant", "debug", ["debug", "base"], "configs/base.py's variant: "
                       "debug (seconds) or base (the reference run)", flag_values=fv)
     flags.DEFINE_integer("steps", 10, "timed steps per round and side", flag_values=fv)
     flags.DEFINE_integer("rounds", 3, "rounds (each: default, then the mode)", flag_values=fv)
@@ -159,7 +159,7 @@ def main(args) -> int:
         print("error: --devices, --steps and --rounds must be >= 1")
         return 2
     try:
-        res = run(devices, args.config, args.steps, args.rounds)
+        res = run(devices, args.variant, args.steps, args.rounds)
     except RuntimeError as e:
         print(f"error: {e}")
         return 1
