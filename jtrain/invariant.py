@@ -349,8 +349,9 @@ class SplitStep(_OnEachDevice):
         part = jax.eval_shape(self.first.jitted, state1, rows1, ids1)
         stacked1 = self.one_device(part, lambda s: (self.k, *s[1:]))
         ok1 = self.one_device(jax.ShapeDtypeStruct((rows,), jnp.bool_))
-        resident = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-                       for x in jax.tree.leaves(state) if getattr(x, "sharding", None))
+        resident = sum(jax.tree.leaves(jax.tree.map(
+            lambda x, sh: int(np.prod(sh.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize,
+            state, self.out_shardings[0])))
         return _Lowered([self.first.lower(state1, rows1, ids1),
                          self.second.lower(state1, stacked1, ok1)], resident)
 
