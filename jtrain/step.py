@@ -108,9 +108,10 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
     `train_metrics` (log.train_metrics, an EvalSpec): their metric states of this batch,
     from the training forward's outputs (through `predict_fn`, as eval does), merged
     exactly over microbatches, come back as `metrics[TRAIN_METRICS]`
-    (`train_metric_values` turns them into train/<name>). `invariant` = (mesh, chunks):
-    determinism.topology_invariant's update (`jtrain.invariant`), the same bits on any
-    number of devices.
+    (`train_metric_values` turns them into train/<name>). `invariant` = (mesh, chunks,
+    the state's shardings): determinism.topology_invariant's update, the same bits on
+    any number of devices; the step is then an `invariant.SplitStep` (programs for one
+    device dispatched on each device), not to be jitted.
 
     Examples:
         ```python
@@ -167,9 +168,11 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
             metrics[TRAIN_METRICS] = states
         return applied, metrics
 
+    guard = _finisher(BUILT_IN_VIEW, dynamic_loss_scale=dynamic_loss_scale,
+                      halt_on_nonfinite=halt_on_nonfinite, max_consecutive=max_consecutive)
     if invariant is not None:
-        update = _invariant_update(jax.value_and_grad(loss_and_aux, has_aux=True), tx,
-                                   schedule, ema_rate, grad_accum_steps, *invariant)
+        return _invariant_step(jax.value_and_grad(loss_and_aux, has_aux=True), tx, schedule,
+                               ema_rate, grad_accum_steps, guard, valid_fn, *invariant)
     return make_step_train(Step(init=_engine_init, update=update, name="built-in"),
                            view=BUILT_IN_VIEW, valid_fn=valid_fn,
                            dynamic_loss_scale=dynamic_loss_scale,
@@ -177,15 +180,16 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
                            max_consecutive=max_consecutive)
 
 
-def _invariant_update(value_and_grad, tx, schedule, ema_rate, grad_accum_steps, mesh, k):
-    """The built-in update with every cross-device sum in a fixed order: each of the k
-    chunks' sums and gradients (`accumulated` over its microbatches) on the device that
-    holds it, gathered and added in `invariant.tree_sum`'s order, then the update on
-    whole arrays (`jtrain.invariant`)."""
+def _invariant_step(value_and_grad, tx, schedule, ema_rate, grad_accum_steps, guard,
+                    valid_fn, mesh, k, state_shardings):
+    """The built-in update with every cross-device sum in a fixed order, as two programs
+    compiled for one device (`invariant.SplitStep`): each of the k chunks' sums and
+    gradients (`accumulated` over its microbatches) on the device that holds it; then,
+    on every device, the k results added in `invariant.tree_sum`'s order and the update
+    on whole arrays inside the guard."""
     one = accumulated(value_and_grad, grad_accum_steps, carry=True)
 
-    def per_chunk(whole, chunk, key):
-        inner, scale, _ = whole
+    def per_chunk(inner, scale, chunk, key):
         aux, grads, model_state = one(inner.params, chunk, key, scale, inner.model_state)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         # The model's state after the batch: the mean of the chunks' states.
@@ -193,11 +197,20 @@ def _invariant_update(value_and_grad, tx, schedule, ema_rate, grad_accum_steps, 
                                    else m // k, model_state)
         return aux, grads, model_state
 
-    def combine(whole, summed):
-        inner, scale, context = whole
-        (loss_sum, weight, terms, states), grads, model_state = summed
+    def first(state, rows, ids):
+        key, context = step_inputs(state)
+        inner = BUILT_IN_VIEW.get(state)
+        return jax.lax.map(lambda xs: per_chunk(inner, context.loss_scale, *xs),
+                           (invariant.chunked(rows, ids.shape[0]),
+                            invariant.chunk_keys(key, ids)))
+
+    def second(state, stacked, rows_ok):
+        _, context = step_inputs(state)
+        inner, scale = BUILT_IN_VIEW.get(state), context.loss_scale
+        (loss_sum, weight, terms, states), grads, model_state = invariant.sum_stacked(
+            stacked, k)
         model_state = jax.tree.map(lambda n, o: n.astype(o.dtype), model_state,
-                                    inner.model_state)
+                                   inner.model_state)
         denom = jnp.maximum(weight, 1e-12) * scale
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, inner.params)
         params, opt_state = optimizer_update(tx, grads, inner.opt_state, inner.params,
@@ -212,16 +225,11 @@ def _invariant_update(value_and_grad, tx, schedule, ema_rate, grad_accum_steps, 
             metrics[name] = term_sum / jnp.maximum(term_weight, 1e-12)
         if not (isinstance(states, dict) and not states):  # log.train_metrics
             metrics[TRAIN_METRICS] = states
-        return Updated(params, opt_state, ema, model_state), metrics
+        new = Updated(params, opt_state, ema, model_state)
+        return guard(state, lambda: new, metrics, rows_ok)
 
-    sums = invariant.chunk_sums(per_chunk, mesh, k, combine)
-
-    def update(inner: Updated, batch, key, context: Context):
-        new, metrics = sums((inner, context.loss_scale, context), batch,
-                            invariant.chunk_keys(key, k))
-        return (lambda: new), metrics
-
-    return update
+    return invariant.SplitStep(first, second, lambda batch: row_validity(batch, valid_fn),
+                               mesh, k, state_shardings)
 
 
 class Updated(NamedTuple):
@@ -492,7 +500,7 @@ class Step:
 
 def make_step_train(step: Step, *, view: View = OWN_VIEW, halt_on_nonfinite: bool = False,
                     max_consecutive: int = 8, valid_fn: Callable | None = None,
-                    dynamic_loss_scale: bool = False, whole_on=None) -> Callable:
+                    dynamic_loss_scale: bool = False) -> Callable:
     """train_step(TrainState, batch) -> (TrainState, metrics) around `step.update`, for
     the built-in update and a step of your own alike: the per-step key, the context, and
     the guard. The update is kept only when every row is valid (`row_validity`), the
@@ -500,9 +508,8 @@ def make_step_train(step: Step, *, view: View = OWN_VIEW, halt_on_nonfinite: boo
     (the built-in), else every floating leaf of the new state (`guarded_update`:
     otherwise the state is as it was, `skipped_steps` counts it, `train/status` says
     why). Metrics come back as train/<name>; "tokens" (the examples of the batch when the
-    step returns none) feeds tokens/s. `whole_on` (a mesh; determinism.topology_invariant
-    for a step of your own): `update` runs whole on every device (`invariant.replicated`),
-    its new state computed eagerly.
+    step returns none) feeds tokens/s. In determinism.topology_invariant the engine runs
+    it whole on every device (`invariant.Whole`).
 
     Examples:
         ```python
@@ -510,20 +517,33 @@ def make_step_train(step: Step, *, view: View = OWN_VIEW, halt_on_nonfinite: boo
         state, metrics = train_step(state, batch)   # state.params: the step's state
         ```
     """
-    user_update = step.update
-    if whole_on is not None:
-        def eager(*args):
-            new, metrics = step.update(*args)
-            return (new() if callable(new) else new), metrics
-        user_update = invariant.replicated(eager, whole_on)
+    guard = _finisher(view, dynamic_loss_scale=dynamic_loss_scale,
+                      halt_on_nonfinite=halt_on_nonfinite, max_consecutive=max_consecutive)
 
     def train_step(state: TrainState, batch):
-        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        context = Context(step=state.step - state.skipped_steps, lr_factor=state.lr_factor,
-                          loss_scale=state.loss_scale["scale"])
+        key, context = step_inputs(state)
         seen = batch if view.engine_keys else {k: v for k, v in batch.items()
                                                 if k not in ENGINE_KEYS}
-        new, metrics = user_update(view.get(state), seen, key, context)
+        new, metrics = step.update(view.get(state), seen, key, context)
+        return guard(state, new, metrics, row_validity(batch, valid_fn))
+
+    return train_step
+
+
+def step_inputs(state: TrainState):
+    """What a step reads besides the batch: the step's key (fold_in of the run's key and
+    the step) and its Context."""
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    return key, Context(step=state.step - state.skipped_steps, lr_factor=state.lr_factor,
+                        loss_scale=state.loss_scale["scale"])
+
+
+def _finisher(view: View, *, dynamic_loss_scale: bool, halt_on_nonfinite: bool,
+              max_consecutive: int) -> Callable:
+    """guard(state, new, metrics, rows_ok) -> (state, metrics): an update's result kept
+    or not (`guarded_update`), its metrics named train/<name>."""
+
+    def guard(state: TrainState, new, metrics: dict, rows_ok):
         metrics = dict(metrics)
         states = metrics.pop(TRAIN_METRICS, None)
         loss = jnp.asarray(metrics["loss"], jnp.float32)
@@ -539,19 +559,18 @@ def make_step_train(step: Step, *, view: View = OWN_VIEW, halt_on_nonfinite: boo
                 if jnp.issubdtype(leaf.dtype, jnp.inexact):
                     finite = finite & jnp.isfinite(leaf).all()
             signal = jnp.where(finite, 0.0, jnp.nan)
-        new_state, guard = guarded_update(
+        new_state, guarded = guarded_update(
             state, lambda: view.put(state, new() if callable(new) else new), loss, signal,
-            row_validity(batch, valid_fn),
-            dynamic_loss_scale=dynamic_loss_scale, halt_on_nonfinite=halt_on_nonfinite,
-            max_consecutive=max_consecutive)
+            rows_ok, dynamic_loss_scale=dynamic_loss_scale,
+            halt_on_nonfinite=halt_on_nonfinite, max_consecutive=max_consecutive)
         if "tokens" not in metrics:
-            metrics["tokens"] = jax.tree.leaves(batch)[0].shape[0]
+            metrics["tokens"] = rows_ok.shape[0]
         out = {f"train/{k}": jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-        out.update(guard)
+        out.update(guarded)
         if dynamic_loss_scale:
             out["train/loss_scale"] = new_state.loss_scale["scale"]
         if states is not None:
             out[TRAIN_METRICS] = states
         return new_state, out
 
-    return train_step
+    return guard

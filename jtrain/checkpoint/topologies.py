@@ -1,4 +1,4 @@
-"""`jtrain train --config=... --workdir=DIR --verify_topologies=2,4,8`: proof that a run
+"""`jtrain train --config=... --workdir=DIR --verify_topologies=1,2,8`: proof that a run
 gives the same bits on several device counts (determinism.topology_invariant).
 
 Runs the same command once per device count, each a separate process on that many fake
@@ -50,21 +50,25 @@ def compare(workdirs: dict[int, str]) -> tuple[bool, str]:
     for n in counts[1:]:
         rows = _lines(os.path.join(workdirs[n], "hashes.jsonl"))
         if [r["step"] for r in rows] != [r["step"] for r in ref]:
-            return False, (f"{n} devices recorded steps {[r['step'] for r in rows]}, "
-                           f"{counts[0]} devices {[r['step'] for r in ref]}")
+            return False, (f"{_n(n)} recorded steps {[r['step'] for r in rows]}, "
+                           f"{_n(counts[0])} {[r['step'] for r in ref]}")
         for a, b in zip(ref, rows, strict=True):
             if a["hash"] != b["hash"] or a.get("examples") != b.get("examples"):
                 parts = sorted(k for k in a.get("parts", {})
                                if a["parts"][k] != b.get("parts", {}).get(k))
                 what = ("the example indices" if a["hash"] == b["hash"] else
                         f"the state hash ({', '.join(parts) or 'rest'})")
-                return False, (f"{n} devices differ from {counts[0]} devices at step "
+                return False, (f"{_n(n)} differ from {_n(counts[0])} at step "
                                f"{a['step']}: {what}")
         if _evals(workdirs[n]) != _evals(workdirs[counts[0]]):
-            return False, f"{n} devices: eval results differ from {counts[0]} devices"
+            return False, f"{_n(n)}: eval results differ from {_n(counts[0])}"
     return True, (f"{len(ref)} steps, state hashes, example indices and "
                   f"{len(_evals(workdirs[counts[0]]))} evals equal on "
                   f"{', '.join(map(str, counts))} devices")
+
+
+def _n(count: int) -> str:
+    return f"{count} device" + ("" if count == 1 else "s")
 
 
 def run_from_cli(argv: list, workdir: str, counts: list[int], *,

@@ -297,6 +297,8 @@ def commands() -> dict:
         "async_eval": (*_module_bench("async_eval"), "a run with frequent evaluation: "
                        "no evals vs eval.mode=sync vs async (the loop's step time without "
                        "waits, waits, saves, CPU seconds, wall time)"),
+        "invariant": (*_module_bench("invariant"), "determinism.topology_invariant vs "
+                      "default: step time and step memory on 1 and 8 devices"),
         "table": (lambda fv: None, table, "a benchmark's --out JSON as a markdown table"),
     }
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from jtrain import invariant
 from jtrain import mesh as mesh_lib
 from jtrain import precision as precision_lib
 from jtrain import state as state_lib
@@ -99,14 +100,15 @@ def state(cfg, s: parts_lib.Setup) -> parts_lib.Setup:
 def train_step(cfg, s: parts_lib.Setup) -> parts_lib.Setup:
     """`update` inside the engine's guard (jtrain.step.make_step_train), jitted with the
     state's shardings and the state donated."""
-    chosen = parts_lib.invariant_of(cfg, s)
     fn = step_lib.make_step_train(s.user_step, halt_on_nonfinite=cfg.nonfinite.policy == "halt",
                                   max_consecutive=cfg.nonfinite.max_consecutive,
-                                  valid_fn=s.valid_fn,
-                                  whole_on=None if chosen is None else chosen[0])
+                                  valid_fn=s.valid_fn)
+    repl = mesh_lib.replicated(s.mesh)
+    if parts_lib.invariant_of(cfg, s) is not None:  # whole on every device: same bits
+        return s.replace(train_step=invariant.Whole(fn, s.mesh, (s.state_shardings, repl)))
     return s.replace(train_step=jax.jit(
         fn, in_shardings=(s.state_shardings, mesh_lib.batch_sharding(s.mesh)),
-        out_shardings=(s.state_shardings, mesh_lib.replicated(s.mesh)), donate_argnums=0))
+        out_shardings=(s.state_shardings, repl), donate_argnums=0))
 
 
 def eval_step(cfg, s: parts_lib.Setup) -> parts_lib.Setup:
@@ -124,10 +126,8 @@ def eval_step(cfg, s: parts_lib.Setup) -> parts_lib.Setup:
                                  user_loss=s.loss_fn is not None, metrics=spec,
                                  predict_fn=s.predict_fn, batch_loss=s.batch_loss,
                                  forward=step.evaluate)
-    batch_sharding, repl = mesh_lib.batch_sharding(s.mesh), mesh_lib.replicated(s.mesh)
-    s = s.replace(eval_spec=spec, eval_fn=fn, eval_step=jax.jit(
-        parts_lib.eval_of(cfg, s, fn), in_shardings=(s.shardings.params, batch_sharding),
-        out_shardings=(repl, batch_sharding, repl)))
+    s = s.replace(eval_spec=spec, eval_fn=fn,
+                  eval_step=parts_lib.eval_of(cfg, s, fn, s.shardings.params))
     return parts_lib.eval_tail(cfg, s)
 
 

@@ -361,17 +361,19 @@ def eval_step(cfg, s: Setup) -> Setup:
         s.model_fns.apply, s.loss_fn or losses.default_loss, user_loss=s.loss_fn is not None,
         metrics=spec, model_inputs=s.model_inputs, predict_fn=s.predict_fn,
         batch_loss=s.batch_loss)
-    batch_sharding, repl = mesh_lib.batch_sharding(s.mesh), mesh_lib.replicated(s.mesh)
-    return s.replace(eval_spec=spec, eval_fn=fn, eval_step=jax.jit(
-        eval_of(cfg, s, fn), in_shardings=(state_lib.eval_part(s.shardings), batch_sharding),
-        out_shardings=(repl, batch_sharding, repl)))
+    return s.replace(eval_spec=spec, eval_fn=fn,
+                     eval_step=eval_of(cfg, s, fn, state_lib.eval_part(s.shardings)))
 
 
-def eval_of(cfg, s: Setup, fn: Callable) -> Callable:
-    """The eval step as jitted: determinism.topology_invariant's chunked form
-    (`invariant.chunked_eval`), else `fn`."""
+def eval_of(cfg, s: Setup, fn: Callable, params_shardings) -> Callable:
+    """The eval step: jitted with the batch sharded, or determinism.topology_invariant's
+    chunked form (`invariant.SplitEval`: programs for one device on each device)."""
     chosen = invariant_of(cfg, s)
-    return fn if chosen is None else invariant.chunked_eval(fn, *chosen)
+    if chosen is not None:
+        return invariant.SplitEval(fn, *chosen)
+    batch_sharding, repl = mesh_lib.batch_sharding(s.mesh), mesh_lib.replicated(s.mesh)
+    return jax.jit(fn, in_shardings=(params_shardings, batch_sharding),
+                   out_shardings=(repl, batch_sharding, repl))
 
 
 def eval_tail(cfg, s: Setup) -> Setup:
@@ -400,8 +402,10 @@ def train_step_of(cfg, s: Setup, **options):
         dynamic_loss_scale=s.policy.dynamic_loss_scale,
         halt_on_nonfinite=cfg.nonfinite.policy == "halt",
         max_consecutive=cfg.nonfinite.max_consecutive, valid_fn=s.valid_fn,
-        model_inputs=s.model_inputs, invariant=invariant_of(cfg, s),
+        model_inputs=s.model_inputs, invariant=invariant_of(cfg, s, s.state_shardings),
         **{"grad_accum_steps": s.grad_accum_steps, **s.step_options, **options})
+    if isinstance(step, invariant.SplitStep):  # several programs: nothing to jit or donate
+        return step
     for wrap in s.step_wraps:
         step = wrap(step)
     return jax.jit(step, in_shardings=(s.state_shardings, mesh_lib.batch_sharding(s.mesh)),
@@ -409,9 +413,9 @@ def train_step_of(cfg, s: Setup, **options):
                    donate_argnums=0)
 
 
-def invariant_of(cfg, s: Setup):
-    """(mesh, chunks) for determinism.topology_invariant, None when off; a ConfigError
-    for what the mode does not cover."""
+def invariant_of(cfg, s: Setup, *extra):
+    """(mesh, chunks, *extra) for determinism.topology_invariant, None when off; a
+    ConfigError for what the mode does not cover."""
     det = cfg.determinism
     if not det.topology_invariant:
         return None
@@ -424,17 +428,13 @@ def invariant_of(cfg, s: Setup):
                           "population (population.size > 1)")
     rows = cfg.data.batch_size
     n = mesh_lib.data_parallel_size(s.mesh)
-    if s.mesh.devices.size == 1:
-        raise ConfigError("determinism.topology_invariant", "not implemented on 1 device: "
-                          "XLA compiles a one-device program through other passes than a "
-                          "partitioned one, and its bits differ; use 2 or more devices")
     if rows % det.chunks:
         raise ConfigError("determinism.chunks", f"{det.chunks} does not divide "
                           f"data.batch_size={rows}")
     if det.chunks % n:
         raise ConfigError("determinism.chunks", f"{det.chunks} is not a multiple of the "
                           f"{n} devices of the data and fsdp axes")
-    return s.mesh, det.chunks
+    return (s.mesh, det.chunks, *extra)
 
 
 def model_flops_per_example(model, model_cfg, input_shape) -> float | None:

@@ -1,7 +1,9 @@
 """determinism.topology_invariant in one process with 8 fake devices: the same run on
-meshes of 2, 4 and 8 of them (data and fsdp axes) ends in bitwise-equal states and eval
-results for a user's NNX model, a user's Linen model and a step of your own; without the
-mode the same runs differ (the negative control: the comparison can fail)."""
+meshes of 1, 2, 4 and 8 of them (data and fsdp axes) writes byte-identical hashes.jsonl
+and ends in bitwise-equal states (state_sha256 and every leaf's bytes) and eval results
+for a user's NNX model and a user's Linen model (a step of your own: on 1 and 8
+devices); without the mode the same runs on 1 and 8 devices differ (the negative
+control: the comparison can fail)."""
 
 import jax
 import numpy as np
@@ -17,7 +19,7 @@ from test_own_step import data as own_data, make as own_step
 
 pytestmark = pytest.mark.multidevice
 
-MESHES = ((2, 1), (8, 1), (2, 4))  # (data, fsdp) sizes
+MESHES = ((1, 1), (2, 1), (2, 2), (8, 1))  # (data, fsdp) sizes: 1, 2, 4, 8 devices
 MAKE_MESH = mesh_lib.make_mesh
 
 
@@ -27,7 +29,7 @@ def _config(fsdp=1, on=True, steps=3, batch=16, chunks=8):
             "mesh": {"data": -1, "fsdp": fsdp, "auto_shard": True,
                      "auto_shard_min_bytes": 0},
             "eval": {"every_steps": steps}, "checkpoint": {"every_steps": 0},
-            "compile": {"cache_dir": ""},
+            "compile": {"cache_dir": ""}, "debug": {"hash_every_steps": 1},
             "determinism": {"topology_invariant": on, "chunks": chunks}}
 
 
@@ -43,21 +45,27 @@ def _train(tmp_path, monkeypatch, kind, data, fsdp, on=True):
         r = jtrain.train(_config(fsdp, on), workdir, model=model, train_data=nnx_mlp.data(64),
                          eval_data=nnx_mlp.data(40))
     state = jax.device_get((r.state.params, r.state.opt_state))
-    return [np.asarray(x).tobytes() for x in jax.tree.leaves(state)], r.history[-1]
+    hashes = open(f"{workdir}/hashes.jsonl").read()
+    return ([np.asarray(x).tobytes() for x in jax.tree.leaves(state)], hashes,
+            r.summary["state_sha256"], r.history[-1])
 
 
 @pytest.mark.parametrize("kind", ["nnx", "linen", "own"])
-def test_same_bits_on_2_4_8_devices(tmp_path, monkeypatch, kind):
-    runs = {m: _train(tmp_path, monkeypatch, kind, *m) for m in MESHES}
-    first_state, first_eval = runs[MESHES[0]]
-    for m, (state, evals) in runs.items():
-        assert state == first_state, f"{kind}: data x fsdp = {m}: state differs"
-        assert evals == first_eval, f"{kind}: data x fsdp = {m}: eval differs"
+def test_same_bits_on_1_2_4_8_devices(tmp_path, monkeypatch, kind):
+    # A step of your own runs whole on every device: 1 and 8 devices cover it.
+    meshes = MESHES if kind != "own" else (MESHES[0], MESHES[-1])
+    runs = {m: _train(tmp_path, monkeypatch, kind, *m) for m in meshes}
+    reference = runs[MESHES[0]]
+    assert len(reference[1].splitlines()) == 3
+    for m, run in runs.items():
+        for what, got, want in zip(("state", "hashes.jsonl", "state_sha256", "eval"), run,
+                                   reference, strict=True):
+            assert got == want, f"{kind}: data x fsdp = {m}: {what} differs from 1 device"
     if kind != "nnx":
         return
     # The negative control: without the mode the device count shows in the bits.
-    off = [_train(tmp_path, monkeypatch, kind, *m, on=False)[0] for m in ((2, 1), (8, 1))]
-    assert off[0] != off[1], f"{kind}: the default step agreed bitwise"
+    off = [_train(tmp_path, monkeypatch, kind, *m, on=False)[:3] for m in ((1, 1), (8, 1))]
+    assert all(a != b for a, b in zip(*off, strict=True)), "the default step agreed"
 
 
 def test_tree_sum_order():
@@ -76,14 +84,9 @@ def test_chunks_must_fit(tmp_path, over, message):
     assert str(e.value).startswith(message)
 
 
-def test_not_implemented_one_line(tmp_path, monkeypatch):
+def test_not_implemented_one_line(tmp_path):
     cfg = _config()
     cfg["mesh"] = {"data": 2, "tensor": 4}
     with pytest.raises(ConfigError, match="not implemented with tensor parallelism"):
         jtrain.train(cfg, str(tmp_path / "t"), model=nnx_mlp.make(),
-                     train_data=nnx_mlp.data(64))
-    monkeypatch.setattr(mesh_lib, "make_mesh", lambda mesh_cfg=None, devices=None: MAKE_MESH(
-        mesh_cfg, devices=jax.devices()[:1]))
-    with pytest.raises(ConfigError, match="not implemented on 1 device"):
-        jtrain.train(_config(), str(tmp_path / "one"), model=nnx_mlp.make(),
                      train_data=nnx_mlp.data(64))
