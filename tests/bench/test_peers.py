@@ -16,8 +16,12 @@ pytestmark = pytest.mark.skipif(bool(bp.missing_peers()),
 
 
 def test_peers_tiny_run_trains_all_three_sides_alike(tmp_path):
+    # One intra-op thread for the PyTorch sides: at this size their default pool (one
+    # thread per core) spends more CPU spinning between ops than computing, over half of
+    # each PyTorch side's CPU on a 2-core machine. The sides inherit this environment.
     proc = run_python(tmp_path, "-m", "jtrain.bench", "peers", "--cases=lm_tiny,mlp",
-                      "--rounds=1", "--steps=20", "--out=peers.json", timeout=600)
+                      "--rounds=1", "--steps=20", "--out=peers.json", timeout=600,
+                      OMP_NUM_THREADS="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "command: python -m jtrain.bench peers --cases=lm_tiny,mlp --rounds=1 --steps=20" \
         in proc.stdout

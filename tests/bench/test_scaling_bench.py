@@ -4,6 +4,7 @@ note that fake devices measure overhead, the time-to-first-step lines and the JS
 import json
 import math
 
+from jtrain.bench import main as bench_main
 from journey import run_python
 
 
@@ -23,5 +24,9 @@ def test_scaling_bench_tiny_run(tmp_path):
     assert res["warm"]["compile/cache_hits"] == res["warm"]["compile/count"] > 0
     for mode in ("hand", "cold", "warm"):
         assert res[mode]["time_to_first_step_sec"] > 0
-    bad = run_python(tmp_path, "-m", "jtrain.bench", "scaling", "--devices=0")
-    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_bad_devices_is_one_line_exit_2(capsys):
+    assert bench_main(["scaling", "--devices=0"]) == 2  # in-process: fails before any run
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and "devices" in err
