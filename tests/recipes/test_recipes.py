@@ -50,8 +50,14 @@ def test_imputation_beats_mean_imputation(tmp_path):
     assert m, report
     assert float(m.group(1)) > float(m.group(2)) + 0.05
     assert re.search(r"model observed +[\d.-]+ +[\d.-]+", report)
-    bad = run_python(cwd, "-m", "jtrain.recipes.report", "runs/typo")
-    assert bad.returncode == 2 and bad.stderr.strip() == (
+
+
+def test_report_on_a_run_that_never_finished_is_one_line(tmp_path, monkeypatch, capsys):
+    from jtrain.recipes import report
+
+    monkeypatch.chdir(tmp_path)
+    assert report.main(["runs/typo"]) == 2
+    assert capsys.readouterr().err.strip() == (
         "jtrain: report error: runs/typo: no summary.json (not a finished jtrain run)")
 
 
@@ -93,14 +99,17 @@ def _finetune(cwd, kind):
     return out, _summary(cwd, f"runs/ft_{kind}")["eval/accuracy"]
 
 
-def test_pretrained_full_finetune_beats_scratch(pretrained):
+def test_pretrained_full_finetune_beats_scratch(pretrained, monkeypatch, capsys):
     _, scratch = _finetune(pretrained, "scratch")
     out, full = _finetune(pretrained, "full")
     assert "initialized from runs/pretrain" in out and "excluded (fresh init: cls_head" in out
     assert full > scratch + 0.05, (full, scratch)
-    report = _ok(run_python(pretrained, "-m", "jtrain.recipes.report", "runs/ft_scratch",
-                            "runs/ft_full"))
-    assert "from scratch" in report and "from runs/pretrain" in report
+    from jtrain.recipes import report  # its command line: test_imputation_beats_...
+
+    monkeypatch.chdir(pretrained)
+    assert report.main(["runs/ft_scratch", "runs/ft_full"]) == 0
+    out = capsys.readouterr().out
+    assert "from scratch" in out and "from runs/pretrain" in out
 
 
 def test_pretrained_frozen_and_lora_beat_scratch(pretrained):
@@ -114,7 +123,7 @@ def test_pretrained_frozen_and_lora_beat_scratch(pretrained):
     assert frozen > scratch + 0.05 and lora > scratch + 0.05, (frozen, lora, scratch)
 
 
-def test_classify_early_stops_on_f1_and_evaluates_best(tmp_path):
+def test_classify_early_stops_on_f1_and_evaluates_best(tmp_path, monkeypatch):
     cwd = _user_dir(tmp_path)
     out = _ok(run_python(cwd, "-m", "jtrain.main", "--config=configs/recipes/classify.py:debug",
                          "--workdir=runs/cls", "--config.early_stop.patience=2",
@@ -122,8 +131,10 @@ def test_classify_early_stops_on_f1_and_evaluates_best(tmp_path):
     assert "stopped early at step" in out and "eval/f1_macro" in out
     summary = _summary(cwd, "runs/cls")
     assert summary["stopped_by"] == "early_stop" and summary["step"] < 300
-    _ok(run_python(cwd, "-m", "jtrain.evaluate", "--workdir=runs/cls", "--step=best",
-                   "--noplots"))
+    from jtrain import evaluate  # its command line: tests/journeys/test_journeys.py
+
+    monkeypatch.chdir(cwd)
+    assert evaluate.main(["--workdir=runs/cls", "--step=best", "--noplots"]) == 0
     [name] = [f for f in os.listdir(cwd / "runs/cls") if f.startswith("eval_")]
     with open(cwd / "runs/cls" / name) as f:
         report = json.load(f)
@@ -167,16 +178,18 @@ def test_set_completion_two_processes_plateau_and_early_stop(tmp_path):
     shutil.copytree(os.path.join(REPO, "launch"), cwd / "launch")
     proc = subprocess.run(
         ["launch/local.sh", "2", "--config=configs/recipes/set_completion.py:debug",
-         "--workdir=runs/sets", "--config.total_steps=150", "--config.eval.every_steps=50",
-         "--config.plateau.patience=0", "--config.plateau.min_delta=3",
-         "--config.early_stop.patience=2", "--config.early_stop.min_delta=3"],
+         "--workdir=runs/sets", "--config.total_steps=150", "--config.eval.every_steps=25",
+         "--config.optim.warmup_steps=5", "--config.optim.lr=0.01",
+         # no eval improves by 1000: the 2nd eval halves the lr, the 3rd stops (step 75)
+         "--config.plateau.patience=0", "--config.plateau.min_delta=1000",
+         "--config.early_stop.patience=2", "--config.early_stop.min_delta=1000"],
         cwd=cwd, env=user_env(DEVICES="1", PATH=os.path.dirname(sys.executable) + ":"
                               + os.environ["PATH"]),
         capture_output=True, text=True, timeout=600)
     out = _ok(proc)
     assert "2 process(es)" in out
     assert "learning-rate factor now 0.5" in out
-    assert "stopped early at step" in out
+    assert "stopped early at step 75" in out
     baseline = float(re.search(r"popularity baseline eval recall_at_10 ([\d.]+)", out).group(1))
     summary = _summary(cwd, "runs/sets")
     assert summary["eval/recall_at_10"] > 2 * baseline, (summary, baseline)
