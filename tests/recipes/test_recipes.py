@@ -123,7 +123,7 @@ def test_pretrained_frozen_and_lora_beat_scratch(pretrained):
     assert frozen > scratch + 0.05 and lora > scratch + 0.05, (frozen, lora, scratch)
 
 
-def test_classify_early_stops_on_f1_and_evaluates_best(tmp_path, monkeypatch):
+def test_classify_early_stops_on_f1_and_evaluates_best(tmp_path):
     cwd = _user_dir(tmp_path)
     out = _ok(run_python(cwd, "-m", "jtrain.main", "--config=configs/recipes/classify.py:debug",
                          "--workdir=runs/cls", "--config.early_stop.patience=2",
@@ -131,10 +131,8 @@ def test_classify_early_stops_on_f1_and_evaluates_best(tmp_path, monkeypatch):
     assert "stopped early at step" in out and "eval/f1_macro" in out
     summary = _summary(cwd, "runs/cls")
     assert summary["stopped_by"] == "early_stop" and summary["step"] < 300
-    from jtrain import evaluate  # its command line: tests/journeys/test_journeys.py
-
-    monkeypatch.chdir(cwd)
-    assert evaluate.main(["--workdir=runs/cls", "--step=best", "--noplots"]) == 0
+    _ok(run_python(cwd, "-m", "jtrain.evaluate", "--workdir=runs/cls", "--step=best",
+                   "--noplots"))
     [name] = [f for f in os.listdir(cwd / "runs/cls") if f.startswith("eval_")]
     with open(cwd / "runs/cls" / name) as f:
         report = json.load(f)

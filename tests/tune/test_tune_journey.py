@@ -52,11 +52,10 @@ def _sha(workdir):
 
 def test_search_prunes_and_best_config_retrains_bitwise(tmp_path):
     cwd = _user_dir(tmp_path)
-    r = run_python(cwd, "-m", "jtrain.tune", "--config=search.py", "--workdir=runs/s",
-                   "--config.tune.trials=4")
+    r = run_python(cwd, "-m", "jtrain.tune", "--config=search.py", "--workdir=runs/s")
     assert r.returncode == 0, r.stderr[-2000:]
     recs = _records(cwd / "runs/s/trials.jsonl")
-    assert [x["number"] for x in recs] == list(range(4))
+    assert [x["number"] for x in recs] == list(range(6))
     states = [x["state"] for x in recs]
     assert set(states) <= {"complete", "pruned"} and "pruned" in states, states
     for x in recs:
@@ -79,8 +78,7 @@ def test_killed_tuner_reruns_to_the_trial_count_resuming_the_killed_trial(tmp_pa
     cwd = _user_dir(tmp_path)
     args = [sys.executable, "-m", "jtrain.tune", "--config=search.py", "--workdir=runs/k",
             "--config.tune.trials=2", "--config.tune.pruner=none",
-            "--config.total_steps=40", "--config.eval.every_steps=20",
-            "--config.checkpoint.every_steps=10"]
+            "--config.total_steps=40", "--config.eval.every_steps=20"]
     p = subprocess.Popen(args, cwd=cwd, env=user_env(), stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
     ckpts = cwd / "runs/k/trials/0/checkpoints"
@@ -88,7 +86,7 @@ def test_killed_tuner_reruns_to_the_trial_count_resuming_the_killed_trial(tmp_pa
     while not (ckpts.exists() and any(n.isdigit() for n in os.listdir(ckpts))):
         assert p.poll() is None and time.time() < deadline, "trial 0 never saved"
         time.sleep(0.05)
-    p.send_signal(signal.SIGKILL)  # mid-trial: steps 11..40 of trial 0 still to run
+    p.send_signal(signal.SIGKILL)  # mid-trial: steps 5..40 of trial 0 still to run
     p.wait()
 
     r = run_python(cwd, *args[1:])
@@ -101,7 +99,7 @@ def test_killed_tuner_reruns_to_the_trial_count_resuming_the_killed_trial(tmp_pa
     assert cont["params"] == killed["params"] and cont["step"] == 40
     assert new["workdir"] == "trials/2" and new["params"] != killed["params"]
     resumed = cont["resumed_from"]
-    assert 10 <= resumed < 40, cont
+    assert 4 <= resumed < 40, cont
     log = (cwd / "runs/k/trials/0/train.log").read_text()
     assert f"resumed from step {resumed}" in log
     assert f"trial 1 (continues trial 0 from its step {resumed})" in r.stdout
@@ -141,7 +139,7 @@ def test_a_two_process_trial_runs_and_stops_the_same_on_both(tmp_path):
                    JTRAIN_COORDINATOR=f"127.0.0.1:{_free_port()}", JTRAIN_NUM_PROCESSES="2")
     args = ["timeout", "-k", "5", "300", sys.executable, "-m", "jtrain.tune",
             "--config=search.py", "--workdir=runs/mp", "--config.tune.trials=2",
-            "--config.tune.prune_startup_trials=1", "--config.total_steps=4"]
+            "--config.tune.prune_startup_trials=1"]
     procs = [subprocess.Popen(args, cwd=cwd, env={**env, "JTRAIN_PROCESS_ID": str(i)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
@@ -149,7 +147,7 @@ def test_a_two_process_trial_runs_and_stops_the_same_on_both(tmp_path):
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]  # 124: a hang
     recs = _records(cwd / "runs/mp/trials.jsonl")
-    assert [(x["state"], x["step"]) for x in recs] == [("complete", 4), ("pruned", 2)]
+    assert [(x["state"], x["step"]) for x in recs] == [("complete", 8), ("pruned", 2)]
     seen = [line for line in outs[1][0].splitlines() if line.startswith("jtrain: tune: [")]
     assert seen == [f"jtrain: tune: [process 1] trial {x['number']} {x['state']} at step "
                     f"{x['step']}: " + ", ".join(f"{k}={v!r}" for k, v in x["params"].items())
