@@ -50,14 +50,8 @@ def test_imputation_beats_mean_imputation(tmp_path):
     assert m, report
     assert float(m.group(1)) > float(m.group(2)) + 0.05
     assert re.search(r"model observed +[\d.-]+ +[\d.-]+", report)
-
-
-def test_report_on_a_run_that_never_finished_is_one_line(tmp_path, monkeypatch, capsys):
-    from jtrain.recipes import report
-
-    monkeypatch.chdir(tmp_path)
-    assert report.main(["runs/typo"]) == 2
-    assert capsys.readouterr().err.strip() == (
+    bad = run_python(cwd, "-m", "jtrain.recipes.report", "runs/typo")
+    assert bad.returncode == 2 and bad.stderr.strip() == (
         "jtrain: report error: runs/typo: no summary.json (not a finished jtrain run)")
 
 
