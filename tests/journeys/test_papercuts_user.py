@@ -3,8 +3,9 @@ in a fresh cwd with a relative workdir, run with the venv's python.
 
 * Data worker processes from a plain script: grain reads an absl flag while it starts
   them, which raised UnparsedFlagAccessError unless absl flags were parsed (tests/
-  conftest.py marks them parsed, so only a subprocess shows it). The workers are spawned,
-  never forked beside the live JAX runtime.
+  conftest.py marks them parsed, so only a subprocess shows it; one grain worker is
+  enough to start that path). The workers are spawned, never forked beside the live JAX
+  runtime.
 * `model=MyModel`, an NNX Module class taking `rngs`, is built like a function
   rngs -> module (it was refused with a TypeError naming ModuleMeta).
 """
@@ -77,7 +78,7 @@ RUNS = {
     sampler = grain.samplers.IndexSampler(64, shard_options=grain.sharding.ShardByJaxProcess(),
                                           shuffle=True, num_epochs=None, seed=0)
     loader = grain.DataLoader(data_source=Squares(), sampler=sampler,
-                              operations=[grain.transforms.Batch(8)], worker_count=2)
+                              operations=[grain.transforms.Batch(8)], worker_count=1)
     eval_data = (np.zeros((8, 4), np.float32), np.zeros((8,), np.float32))
     jtrain.train(config, "runs/x", model=Net(nnx.Rngs(0)), train_data=loader,
                  eval_data=eval_data)
