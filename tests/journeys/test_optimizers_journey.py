@@ -25,59 +25,48 @@ def test_schedule_free_resume_is_bitwise_and_eval_uses_the_average(tmp_path):
     export = run_python(tmp_path, "-m", "jtrain.export", "runs/v/reference", "--out=x")
     assert export.returncode == 0, export.stderr
     assert json.loads((tmp_path / "x" / "export.json").read_text())["schedule_free_average"]
-    # what the evaluation used, checked in this process (its user journey is the CLI
-    # run above, which logs it)
-    result = sf_eval_check(tmp_path / "runs" / "v" / "reference", tmp_path / "x")
+    check = run_python(tmp_path, "-c", SF_EVAL_CHECK, timeout=600)
+    assert check.returncode == 0, check.stderr[-3000:]
+    result = json.loads(check.stdout.strip().splitlines()[-1])
     assert abs(result["evaluated"] - result["average"]) < 1e-5, result
     assert abs(result["evaluated"] - result["raw"]) > 1e-4, result
     assert result["export_vs_average"] < 1e-6, result  # the export is the averaged params
     assert result["export_vs_raw"] > 1e-5, result
 
 
-def sf_eval_check(workdir, export_dir) -> dict:
-    """Evaluates the run's newest checkpoint here, with spies: the loss of the raw params,
-    of the schedule-free average and of what the evaluation used; and how far the export's
-    tensors are from each (the run and the export are the user's, made above)."""
-    import jax
-    import numpy as np
-    import optax
-
-    import jtrain.engine.checkpoint_eval as ev
-    import jtrain.engine.evaluation as evaluator
-    from jtrain import optim
-    from jtrain.checkpoint import export as ex, integrity
-
-    seen, losses = {}, {}
-    real_params, real_eval = optim.schedule_free_eval_params, evaluator.run_eval
-
-    def params_spy(opt_state, params):
-        seen["raw"], seen["state"] = params, opt_state
-        return real_params(opt_state, params)
-
-    def eval_spy(step, params, *a, **k):
-        sf = [s for s in jax.tree.leaves(seen["state"], is_leaf=lambda x: isinstance(
-            x, optax.contrib.ScheduleFreeState)) if isinstance(s, optax.contrib.ScheduleFreeState)]
-        average = optax.contrib.schedule_free_eval_params(sf[0], seen["raw"])
-        seen["average"] = average
-        for name, p in (("raw", seen["raw"]), ("average", average)):
-            losses[name] = real_eval(step, p, *a, **k).scalars["eval/loss"]
-        result = real_eval(step, params, *a, **k)
-        losses["evaluated"] = result.scalars["eval/loss"]
-        return result
-
-    optim.schedule_free_eval_params, evaluator.run_eval = params_spy, eval_spy
-    try:
-        ev.evaluate_checkpoint(str(workdir), num_batches=2, plots=False)
-    finally:
-        optim.schedule_free_eval_params, evaluator.run_eval = real_params, real_eval
-    tensors, _ = ex.read_safetensors(str(export_dir / "params.safetensors"))
-    for name in ("average", "raw"):
-        flat = {integrity.leaf_path(p): np.asarray(v)
-                for p, v in jax.tree_util.tree_flatten_with_path(seen[name])[0]}
-        assert set(flat) == set(tensors), (sorted(flat), sorted(tensors))
-        losses[f"export_vs_{name}"] = max(float(np.max(np.abs(tensors[k] - flat[k])))
-                                          for k in tensors)
-    return losses
+SF_EVAL_CHECK = '''
+import json, jax, optax
+import jtrain.engine.checkpoint_eval as ev
+import jtrain.engine.evaluation as evaluator
+from jtrain import optim
+seen, losses = {}, {}
+real_params, real_eval = optim.schedule_free_eval_params, evaluator.run_eval
+def params_spy(opt_state, params):
+    seen["raw"], seen["state"] = params, opt_state
+    return real_params(opt_state, params)
+def eval_spy(step, params, *a, **k):
+    sf = [s for s in jax.tree.leaves(seen["state"], is_leaf=lambda x: isinstance(
+        x, optax.contrib.ScheduleFreeState)) if isinstance(s, optax.contrib.ScheduleFreeState)]
+    average = optax.contrib.schedule_free_eval_params(sf[0], seen["raw"])
+    seen["average"] = average
+    for name, p in (("raw", seen["raw"]), ("average", average)):
+        losses[name] = real_eval(step, p, *a, **k).scalars["eval/loss"]
+    result = real_eval(step, params, *a, **k)
+    losses["evaluated"] = result.scalars["eval/loss"]
+    return result
+optim.schedule_free_eval_params, evaluator.run_eval = params_spy, eval_spy
+ev.evaluate_checkpoint("runs/v/reference", num_batches=2, plots=False)
+import numpy as np
+from jtrain.checkpoint import export as ex, integrity
+tensors, _ = ex.read_safetensors("x/params.safetensors")
+for name in ("average", "raw"):
+    flat = {integrity.leaf_path(p): np.asarray(v)
+            for p, v in jax.tree_util.tree_flatten_with_path(seen[name])[0]}
+    assert set(flat) == set(tensors), (sorted(flat), sorted(tensors))
+    losses[f"export_vs_{name}"] = max(float(np.max(np.abs(tensors[k] - flat[k])))
+                                      for k in tensors)
+print(json.dumps(losses))
+'''
 
 
 def test_script_trains_the_users_model_with_muon(tmp_path):
