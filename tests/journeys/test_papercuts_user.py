@@ -27,13 +27,12 @@ HEADER = '''
 import sys
 
 import numpy as np
-import torch
 from flax import nnx
 
 import jtrain
 
 
-class Squares(torch.utils.data.Dataset):
+class Squares:  # map-style (len + getitem): what a torch or a grain DataLoader reads
     def __len__(self):
         return 64
 
@@ -68,6 +67,8 @@ RUNS = {
     jtrain.train(config, "runs/x", model=Net(nnx.Rngs(0)), train_data=Squares())
 ''',
     "torch_dataloader": '''
+    import torch
+
     loader = torch.utils.data.DataLoader(Squares(), batch_size=8, shuffle=True,
                                          num_workers=2, worker_init_fn=announce)
     jtrain.train(config, "runs/x", model=Net, train_data=loader)  # the class itself
