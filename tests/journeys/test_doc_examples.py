@@ -90,11 +90,18 @@ def _check(proc: subprocess.CompletedProcess, what) -> None:
     assert "Traceback" not in proc.stderr, (what, proc.stderr[-3000:])
 
 
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+    """One persistent compilation cache for every page's processes: the same small models
+    and eager ops recur from page to page (jtrain's runs use their own, compile.cache_dir)."""
+    return tmp_path_factory.mktemp("jax_cache")
+
+
 @pytest.mark.parametrize("page", RUNNABLE, ids=_name)
-def test_page_examples_run_as_pasted(page, tmp_path):
+def test_page_examples_run_as_pasted(page, tmp_path, jax_cache):
     for folder in ("configs", "launch"):
         shutil.copytree(REPO / folder, tmp_path / folder)
-    env = user_env(JAX_COMPILATION_CACHE_DIR=str(tmp_path / ".jax_cache"),
+    env = user_env(JAX_COMPILATION_CACHE_DIR=str(jax_cache),
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     ran = 0
