@@ -7,9 +7,14 @@ The cache: `compile.cache_dir` ("auto" = `$XDG_CACHE_HOME/jtrain/xla`, else
 whether the cache is used, and by default skips compiles under 1 s and small entries:
 `configure_cache` sets the directory, caches every compile (thresholds 0) and resets
 JAX's decision, so it works even after arrays exist. Several runs and processes may
-share the directory: in a multi-process run only process 0 writes entries (the others
-read them), and with the size limit `compile.cache_max_gb` JAX takes a file lock around
-every read and write and evicts the least-recently used entries past it.
+share the directory. JAX writes entries from process 0 only, so that processes do not
+contend for one file; on XLA:CPU, though, each process's cache key is its own (the key
+hashes the topology of the process's devices), so the other processes never found an
+entry and compiled every program at every start while process 0 waited for them in the
+first collective. There `write_from_every_process` lets each process write its own
+entries (different keys: different files). With the size limit `compile.cache_max_gb`
+JAX takes a file lock around every read and write and evicts the least-recently used
+entries past it.
 
 `Recorder` listens to JAX's monitoring events (one backend compile each, a cache hit or
 miss each) and to the "Compiling <fn> with global shapes ..." record of JAX's lowering
@@ -71,7 +76,53 @@ def configure_cache(cache_dir: str, max_gb: float = 0.0) -> str | None:
         jax.config.update("jax_compilation_cache_max_size",
                           int(max_gb * 2**30) if max_gb > 0 and _has_filelock() else -1)
     cc.reset_cache()  # JAX checks "is the cache used" once, at the first compile
+    if path is not None:
+        write_from_every_process()
     return path
+
+
+def write_from_every_process() -> bool:
+    """On XLA:CPU, let processes other than 0 write their persistent-cache entries too
+    (see the module docstring); returns whether the writer is in place. Their keys differ
+    from process 0's, so no two processes write one file. Other platforms keep JAX's
+    rule: their keys are the same on every process, and process 0's entry serves all.
+    Needs JAX's private cache writer (`jax._src.compiler._cache_write`); where it is
+    missing or looks different, nothing changes (the others compile, as before)."""
+    try:
+        import inspect
+
+        from jax._src import compilation_cache as jcc
+        from jax._src import compiler, distributed
+    except ImportError:
+        return False
+    write = getattr(compiler, "_cache_write", None)
+    if write is None or getattr(write, "_jtrain_every_process", False):
+        return write is not None
+    try:
+        params = list(inspect.signature(write).parameters)
+    except (TypeError, ValueError):
+        return False
+    if params != ["cache_key", "compile_time_secs", "module_name", "backend", "executable",
+                  "host_callbacks"] or not hasattr(jcc, "put_executable_and_time"):
+        return False
+
+    def every_process(cache_key, compile_time_secs, module_name, backend, executable,
+                      host_callbacks):
+        if (distributed.global_state.process_id == 0 or host_callbacks
+                or getattr(backend, "platform", None) != "cpu"
+                or compile_time_secs < jax.config.jax_persistent_cache_min_compile_time_secs):
+            return write(cache_key, compile_time_secs, module_name, backend, executable,
+                         host_callbacks)
+        try:
+            jcc.put_executable_and_time(cache_key, module_name, executable, backend,
+                                        int(compile_time_secs))
+        except Exception as e:  # noqa: BLE001 - a cache entry not written costs a compile
+            logging.warning("jtrain: compile cache: entry %s not written (%s: %s)",
+                            module_name, type(e).__name__, e)
+
+    every_process._jtrain_every_process = True  # type: ignore[attr-defined]
+    compiler._cache_write = every_process
+    return True
 
 
 def _has_filelock() -> bool:
