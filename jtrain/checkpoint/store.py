@@ -57,6 +57,12 @@ def is_remote(path) -> bool:
     return isinstance(path, str) and _URI.match(path) is not None
 
 
+def join(root: str, rel: str) -> str:
+    """`rel` under `root`, a local path or a URI (s3://bucket/run + metrics.jsonl ->
+    s3://bucket/run/metrics.jsonl)."""
+    return f"{root.rstrip('/')}/{rel}" if is_remote(root) else os.path.join(root, rel)
+
+
 def split(uri: str) -> tuple[str, str]:
     """(scheme, "bucket/prefix") of a supported URI; else one WorkdirError naming it."""
     m = _URI.match(uri)

@@ -176,6 +176,8 @@ def confine() -> str:
     from jtrain.checkpoint import policy
 
     nice, cpus = os.environ.get(NICE_ENV), os.environ.get(CPUS_ENV)
+    if not (nice or cpus):  # not a child evaluator (the training process itself)
+        return ""
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:  # not Linux

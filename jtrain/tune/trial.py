@@ -79,9 +79,7 @@ def trial_dir(root: str, rel: str) -> str:
     path or a URI (s3://bucket/study -> s3://bucket/study/trials/<n>)."""
     from jtrain.checkpoint import store
 
-    if store.is_remote(root):
-        return f"{root.rstrip('/')}/{rel}"
-    return os.path.join(root, rel)
+    return store.join(root, rel)
 
 
 def last_checkpoint(workdir: str) -> int | None:
@@ -152,7 +150,7 @@ def final_value(workdir: str, monitor: str) -> float | None:
     from jtrain.checkpoint import store
 
     if store.is_remote(workdir):
-        data = store.read_bytes(f"{workdir.rstrip('/')}/metrics.jsonl")
+        data = store.read_bytes(store.join(workdir, "metrics.jsonl"))
         records = jsonl.parse_records(data or b"")
     else:
         records = jsonl.read_records(os.path.join(workdir, "metrics.jsonl"))
