@@ -1,7 +1,7 @@
 """The own-step recipes' debug variants (fewer steps: SAM, BYOL, the GAN, distillation
 with a fresh teacher) on 8 devices (the suite's 8-device child, data-parallel) against
-the same run on 1 device, computed in a subprocess: the final state (every leaf: params,
-optimizer states, BYOL's target, the frozen teacher) agrees to a stated tolerance."""
+the same run on a mesh of 1 device: the final state (every leaf: params, optimizer
+states, BYOL's target, the frozen teacher) agrees to a stated tolerance."""
 
 import importlib.util
 import json
@@ -12,26 +12,14 @@ import numpy as np
 import pytest
 
 import jtrain
-from journey import run_python
+from jtrain import mesh as mesh_lib
 
 pytestmark = pytest.mark.multidevice
 
 RECIPES = Path(__file__).resolve().parents[2] / "configs" / "recipes"
 STEPS = {"sam": 60, "byol": 60, "gan": 20, "distill": 20}
 
-ONE_DEVICE = '''
-import sys, importlib.util, numpy as np, jax, jtrain
-spec = importlib.util.spec_from_file_location("recipe", sys.argv[1])
-recipe = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(recipe)
-config = recipe.get_config("debug")
-config.update({"total_steps": int(sys.argv[2]), "eval": {"every_steps": 0},
-               "checkpoint": {"every_steps": 0}})
-assert jax.device_count() == 1
-state = jtrain.train(config, "run").state
-leaves = jax.tree.leaves(jax.device_get(state.params))
-np.savez("one.npz", *[np.asarray(v) for v in leaves])
-'''
+MAKE_MESH = mesh_lib.make_mesh
 
 
 def _config(name):
@@ -45,16 +33,17 @@ def _config(name):
 
 
 @pytest.mark.parametrize("name", ["sam", "byol", "gan", "distill"])
-def test_recipe_on_8_devices_matches_1_device(tmp_path, name):
+def test_recipe_on_8_devices_matches_1_device(tmp_path, monkeypatch, name):
     assert jax.device_count() == 8
-    (tmp_path / "one.py").write_text(ONE_DEVICE)
-    proc = run_python(tmp_path, "one.py", RECIPES / f"{name}.py", STEPS[name])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    one = np.load(tmp_path / "one.npz")
-    one = [one[f"arr_{i}"] for i in range(len(one.files))]
-
     result = jtrain.train(_config(name), str(tmp_path / "eight"))
     eight = [np.asarray(v) for v in jax.tree.leaves(jax.device_get(result.state.params))]
+    with monkeypatch.context() as m:  # the same run on a mesh of the first device only
+        m.setattr(mesh_lib, "make_mesh", lambda mesh_cfg=None, devices=None: MAKE_MESH(
+            mesh_cfg, devices=jax.devices()[:1]))
+        single = jtrain.train(_config(name), str(tmp_path / "one"))
+    assert {len(x.devices()) for x in jax.tree.leaves(single.state.params)} == {1}
+    assert {len(x.devices()) for x in jax.tree.leaves(result.state.params)} == {8}
+    one = [np.asarray(v) for v in jax.tree.leaves(jax.device_get(single.state.params))]
     assert result.summary["step"] == STEPS[name]
     assert len(eight) == len(one)
     # Data-parallel: the batch's sums are split over 8 devices and reduced in another
