@@ -1,6 +1,7 @@
-"""Start-up as a user sees it (a user's table and the built-in MLP): the compile cache (cold, warm, off), the time-to-first-step
-breakdown in the header and summary.json, no recompiles on the eval's padded last batch
-or on a resume, and a TensorBoard writer that does not import torch."""
+"""Start-up as a user sees it (the built-in MLP on a user's table): the compile cache
+(cold, warm, off), the time-to-first-step breakdown in the header and summary.json, no
+recompiles on the eval's padded last batch or on a resume, and a TensorBoard writer that
+does not import torch."""
 
 import json
 import os
