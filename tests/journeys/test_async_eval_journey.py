@@ -1,12 +1,12 @@
 """eval.mode=async as a user meets it, from the CLI in a temp cwd with their own NNX model
-(model.factory) and data module: the training command starts its evaluator beside
-itself, and early stopping and the plateau decide from the eval of a FIXED earlier
-evaluation point (eval.async_lag), so the same command killed by `debug.faults=kill@N`
-and rerun (resumed), and the same command run again with eval.async_evaluator=external
-and `jtrain evaluate --follow` started by hand once the run says it waits, stop at the
-same step with the same best step and the same final state hash; the stop step is the
-one the logged evals imply at that lag. `jtrain evaluate --follow` on a run trained in sync mode writes one
-eval record per checkpoint into its metrics.jsonl, with its step, and agrees with the
+(model.factory) and data module: the training command starts its evaluator beside itself,
+and early stopping and the plateau decide from the eval of a FIXED earlier evaluation
+point (eval.async_lag), so the same command killed by `debug.faults=kill@N` and rerun
+(resumed), and the same command run again with eval.async_evaluator=external and `jtrain
+evaluate --follow` started by hand once the run says it waits, stop at the same step with
+the same best step and the same final state hash; the stop step is the one the logged
+evals imply at that lag. `jtrain evaluate --follow` on a run trained in sync mode writes
+one eval record per checkpoint into its metrics.jsonl, with its step, and agrees with the
 run's own eval of its last step. Best-k keeping ranks the applied evals: the best one's
 checkpoint is kept."""
 
