@@ -54,13 +54,20 @@ def _errors(stderr):
 def test_cli_bad_rows_skip_then_halt_and_early_stop(tmp_path):
     cwd = _cwd(tmp_path)
     bad = "--config.data.kwargs={'bad': (8, 9)}"  # batch 2 (rows 8..15) overflows
-    # skip (the default): the run goes on, the ledger names step 2 and its examples.
-    proc = _cli(cwd, "--workdir=runs/skip", bad)
+    # skip (the default): the run goes on, the ledger names step 2 and its examples;
+    # with a NaN input in 2 more batches (3 of 8 skipped, below
+    # nonfinite.max_skipped_share=0.5) it ends done, exit 0.
+    proc = _cli(cwd, "--workdir=runs/skip",
+                "--config.data.kwargs={'bad': (8, 9), 'missing': (17, 25)}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "1 skipped steps" in proc.stderr
+    last = proc.stderr.rstrip().splitlines()[-1]
+    assert last.startswith("jtrain: done at step 8") and last.endswith("; 3 skipped steps")
+    summary = json.load(open(cwd / "runs/skip/summary.json"))
+    assert (summary["stopped_by"], summary["exit_code"]) == (None, 0)
     ledger = [json.loads(ln) for ln in open(cwd / "runs/skip/skipped.jsonl")]
     assert [(e["step"], e["reason"], e["examples"]) for e in ledger] == [
-        (2, "non-finite loss", list(range(8, 16)))]
+        (2, "non-finite loss", list(range(8, 16))), (3, "invalid batch", [17]),
+        (4, "invalid batch", [25])]
     # halt: exit 4, one line, no traceback; what was saved before stays.
     proc = _cli(cwd, "--workdir=runs/halt", bad, "--config.nonfinite.policy=halt",
                 "--config.checkpoint.every_steps=1")
@@ -95,8 +102,8 @@ def test_cli_bad_rows_skip_then_halt_and_early_stop(tmp_path):
 def test_cli_most_updates_skipped_is_not_done(tmp_path):
     """Rows with a NaN input in 6 of the 8 batches (each skipped with a warning): the run
     reaches step 8 with 2 updates applied, more than nonfinite.max_skipped_share (0.5)
-    skipped: one error line, exit 4, summary.json not done, its checkpoints kept. With
-    2 such batches it ends done, exit 0, as before."""
+    skipped: one error line, exit 4, summary.json not done, its checkpoints kept. (Below
+    the share it ends done, exit 0: test_cli_bad_rows_skip_then_halt_and_early_stop.)"""
     cwd = _cwd(tmp_path)
     many = "--config.data.kwargs={'missing': (17, 25, 33, 41, 49, 57)}"  # not in eval's 16
     proc = _cli(cwd, "--workdir=runs/many", many, "--config.checkpoint.every_steps=4")
@@ -124,13 +131,6 @@ def test_cli_most_updates_skipped_is_not_done(tmp_path):
                 "--config.nonfinite.max_skipped_share=0.8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.load(open(cwd / "runs/many/summary.json"))["stopped_by"] is None
-    # Below the share: done, exit 0, as before.
-    proc = _cli(cwd, "--workdir=runs/few", "--config.data.kwargs={'missing': (17, 25)}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    last = proc.stderr.rstrip().splitlines()[-1]
-    assert last.startswith("jtrain: done at step 8") and last.endswith("; 2 skipped steps")
-    summary = json.load(open(cwd / "runs/few/summary.json"))
-    assert (summary["stopped_by"], summary["exit_code"]) == (None, 0)
 
 
 def test_cli_loss_spike_rolls_back(tmp_path):

@@ -93,12 +93,6 @@ def test_start_up_failures_are_one_line(tmp_path):
                         f"(127.0.0.1:{port}) is already in use on this host (another run?); "
                         "choose another port (--coordinator_address, or PORT= for "
                         "launch/local.sh)")
-    rc, _, err = finish(start(["bash", LAUNCH / "local.sh", 2, *TINY, "--workdir=bad",
-                               "--config.optim.lr=-1"], cwd), 300)
-    assert rc == 2, err
-    for i in (0, 1):  # before either waited for the other
-        log = (cwd / "bad" / "logs" / f"proc_{i}.log").read_text().strip().splitlines()
-        assert log == ["jtrain: config error: optim.lr: must be >= 0.0, got -1.0"], log
     # Process 1 of 2 alone: nobody at the coordinator; exit 5 within the init timeout.
     addr = f"127.0.0.1:{free_port()}"
     t0 = time.monotonic()

@@ -7,6 +7,8 @@ settings), repeated in summary.json; one run resolves its config exactly once.""
 import json
 import textwrap
 
+import pytest
+
 from journey import copy_project, run_python
 
 MODEL = """
@@ -27,47 +29,98 @@ data = (d["inputs"], d["targets"])
 """
 
 
-def _script(tmp_path, body: str) -> str:
+# One user script, three runs (each test reads its own line, tagged): config.json fed
+# back, a torch DataLoader's settings, a memory plan's grad_accum_steps.
+FEEDS_BACK = """
+    import jtrain.config as config_lib
+
+    calls = []
+    resolve = config_lib.resolve
+
+    def counted(*args, **kwargs):  # every resolution of this process
+        calls.append(1)
+        return resolve(*args, **kwargs)
+
+    config_lib.resolve = counted
+    cfg = {"total_steps": 6, "seed": 3, "data": {"batch_size": 16},
+           "eval": {"every_steps": 3}, "log": {"verbosity": 0, "writers": ["jsonl"]}}
+    first = jtrain.train(cfg, "runs/a", model=Net(nnx.Rngs(0)), train_data=data)
+    resolutions = len(calls)
+    recorded = json.load(open("runs/a/config.json"))
+    record = json.load(open("runs/a/run.json"))
+    again = jtrain.train(recorded, "runs/b", model=Net(nnx.Rngs(0)), train_data=data)
+    # an older run's config.json kept its run records beside the config
+    old = jtrain.resolve({**recorded, "model_source": "python: user Net",
+                          "loss_source": "python: my_loss"})
+    def as_json(c):
+        return json.loads(json.dumps(c.to_dict(), default=str))
+
+    print("feeds_back", json.dumps({"resolutions": resolutions, "record": record,
+                                    "keys": sorted(recorded),
+                                    "same": again.summary["state_sha256"]
+                                    == first.summary["state_sha256"],
+                                    "resolved": as_json(jtrain.resolve(recorded)) == recorded
+                                    and as_json(old) == recorded}))
+"""
+
+DATALOADER = """
+    import torch
+
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.tensor(data[0]), torch.tensor(data[1])),
+        batch_size=12, shuffle=False, drop_last=True)
+    cfg = {"total_steps": 3, "data": {"batch_size": 32},
+           "eval": {"every_steps": 0}, "log": {"verbosity": 0, "writers": ["jsonl"]}}
+    result = jtrain.train(cfg, "runs/t", model=Net(nnx.Rngs(0)), train_data=loader)
+    print("dataloader", json.dumps({"config": json.load(open("runs/t/config.json"))["data"],
+                                    "run": json.load(open("runs/t/run.json"))["decided"],
+                                    "summary": result.summary["decided"]}))
+"""
+
+MEMORY_PLAN = """
+    import jax
+    from jtrain.control import memory
+
+    def cfg(**over):
+        return {"total_steps": 2, "seed": 0, "data": {"batch_size": 64},
+                "eval": {"every_steps": 0}, "checkpoint": {"every_steps": 0},
+                "log": {"verbosity": 0, "writers": ["jsonl"]}, **over}
+
+    need = {}
+    for k in (1, 2, 4, 8):
+        b = jtrain.build(jtrain.resolve(cfg(optim={"grad_accum_steps": k})),
+                         sample=data[0][0], model=Net(nnx.Rngs(0)),
+                         eval_example={"inputs": data[0][0], "targets": data[1][0]})
+        batch = {"inputs": jax.ShapeDtypeStruct((64, 4), data[0].dtype),
+                 "targets": jax.ShapeDtypeStruct((64,), data[1].dtype)}
+        need[k] = memory.step_bytes(b.train_step.lower(b.abstract, batch).compile())
+    budget = (need[1] + min(need.values())) // 2
+    expected = min(k for k in need if need[k] <= budget)
+    result = jtrain.train(cfg(memory={"budget_bytes": budget}), "runs/m",
+                          model=Net(nnx.Rngs(0)), train_data=data)
+    print("memory_plan", json.dumps({"expected": expected, "need": need,
+                                     "config": json.load(open("runs/m/config.json"))["optim"],
+                                     "run": json.load(open("runs/m/run.json"))["decided"],
+                                     "summary": json.load(open("runs/m/summary.json"))["decided"],
+                                     "log": open("runs/m/train.log").read()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def script_out(tmp_path_factory) -> dict:
+    """The user's script run once: {tag: what that part printed}."""
+    tmp_path = tmp_path_factory.mktemp("records")
     copy_project(tmp_path, "mymodels", "mydata")
-    (tmp_path / "script.py").write_text(textwrap.dedent(MODEL) + textwrap.dedent(body))
+    body = "".join(textwrap.dedent(part) for part in (FEEDS_BACK, DATALOADER, MEMORY_PLAN))
+    (tmp_path / "script.py").write_text(textwrap.dedent(MODEL) + body)
     proc = run_python(tmp_path, "script.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    tagged = [ln.split(" ", 1) for ln in proc.stdout.splitlines()]
+    return {t[0]: json.loads(t[1]) for t in tagged if len(t) == 2 and t[1].startswith("{")}
 
 
-def test_config_json_feeds_back_into_train_and_resolve(tmp_path):
-    out = _script(tmp_path, """
-        import jtrain.config as config_lib
-
-        calls = []
-        resolve = config_lib.resolve
-
-        def counted(*args, **kwargs):  # every resolution of this process
-            calls.append(1)
-            return resolve(*args, **kwargs)
-
-        config_lib.resolve = counted
-        cfg = {"total_steps": 6, "seed": 3, "data": {"batch_size": 16},
-               "eval": {"every_steps": 3}, "log": {"verbosity": 0, "writers": ["jsonl"]}}
-        first = jtrain.train(cfg, "runs/a", model=Net(nnx.Rngs(0)), train_data=data)
-        resolutions = len(calls)
-        recorded = json.load(open("runs/a/config.json"))
-        record = json.load(open("runs/a/run.json"))
-        again = jtrain.train(recorded, "runs/b", model=Net(nnx.Rngs(0)), train_data=data)
-        # an older run's config.json kept its run records beside the config
-        old = jtrain.resolve({**recorded, "model_source": "python: user Net",
-                              "loss_source": "python: my_loss"})
-        def as_json(c):
-            return json.loads(json.dumps(c.to_dict(), default=str))
-
-        print(json.dumps({"resolutions": resolutions, "record": record,
-                          "keys": sorted(recorded),
-                          "same": again.summary["state_sha256"]
-                          == first.summary["state_sha256"],
-                          "resolved": as_json(jtrain.resolve(recorded)) == recorded
-                          and as_json(old) == recorded}))
-    """)
-    result = json.loads(out.strip().splitlines()[-1])
+def test_config_json_feeds_back_into_train_and_resolve(script_out):
+    result = script_out["feeds_back"]
     assert result["resolutions"] == 1
     assert result["record"] == {"model_source": "python: user Net", "decided": {}}
     assert "model_source" not in result["keys"]
@@ -75,56 +128,16 @@ def test_config_json_feeds_back_into_train_and_resolve(tmp_path):
     assert result["resolved"]
 
 
-def test_a_dataloader_s_settings_are_recorded_as_decided(tmp_path):
-    out = _script(tmp_path, """
-        import torch
-
-        loader = torch.utils.data.DataLoader(
-            torch.utils.data.TensorDataset(torch.tensor(data[0]), torch.tensor(data[1])),
-            batch_size=12, shuffle=False, drop_last=True)
-        cfg = {"total_steps": 3, "data": {"batch_size": 32},
-               "eval": {"every_steps": 0}, "log": {"verbosity": 0, "writers": ["jsonl"]}}
-        result = jtrain.train(cfg, "runs/t", model=Net(nnx.Rngs(0)), train_data=loader)
-        print(json.dumps({"config": json.load(open("runs/t/config.json"))["data"],
-                          "run": json.load(open("runs/t/run.json"))["decided"],
-                          "summary": result.summary["decided"]}))
-    """)
-    result = json.loads(out.strip().splitlines()[-1])
+def test_a_dataloader_s_settings_are_recorded_as_decided(script_out):
+    result = script_out["dataloader"]
     assert result["config"]["batch_size"] == 12  # the run's config: what it used
     assert result["run"]["data.batch_size"] == {"value": 12, "from": "DataLoader"}
     assert result["run"]["data.shuffle"] == {"value": False, "from": "DataLoader"}
     assert result["summary"] == result["run"]
 
 
-def test_a_memory_plan_s_grad_accum_steps_is_recorded(tmp_path):
-    out = _script(tmp_path, """
-        import jax
-        from jtrain.control import memory
-
-        def cfg(**over):
-            return {"total_steps": 2, "seed": 0, "data": {"batch_size": 64},
-                    "eval": {"every_steps": 0}, "checkpoint": {"every_steps": 0},
-                    "log": {"verbosity": 0, "writers": ["jsonl"]}, **over}
-
-        need = {}
-        for k in (1, 2, 4, 8):
-            b = jtrain.build(jtrain.resolve(cfg(optim={"grad_accum_steps": k})),
-                             sample=data[0][0], model=Net(nnx.Rngs(0)),
-                             eval_example={"inputs": data[0][0], "targets": data[1][0]})
-            batch = {"inputs": jax.ShapeDtypeStruct((64, 4), data[0].dtype),
-                     "targets": jax.ShapeDtypeStruct((64,), data[1].dtype)}
-            need[k] = memory.step_bytes(b.train_step.lower(b.abstract, batch).compile())
-        budget = (need[1] + min(need.values())) // 2
-        expected = min(k for k in need if need[k] <= budget)
-        result = jtrain.train(cfg(memory={"budget_bytes": budget}), "runs/m",
-                              model=Net(nnx.Rngs(0)), train_data=data)
-        print(json.dumps({"expected": expected, "need": need,
-                          "config": json.load(open("runs/m/config.json"))["optim"],
-                          "run": json.load(open("runs/m/run.json"))["decided"],
-                          "summary": json.load(open("runs/m/summary.json"))["decided"],
-                          "log": open("runs/m/train.log").read()}))
-    """)
-    result = json.loads(out.strip().splitlines()[-1])
+def test_a_memory_plan_s_grad_accum_steps_is_recorded(script_out):
+    result = script_out["memory_plan"]
     assert result["expected"] > 1, result["need"]
     assert result["config"]["grad_accum_steps"] == 1  # the config as given, resolved
     used = {"value": result["expected"], "from": "memory plan", "configured": 1}

@@ -1,25 +1,26 @@
-"""Start-up as a user sees it: the compile cache (cold, warm, off), the time-to-first-step
-breakdown in the header and summary.json, no recompiles on the eval's padded last batch
-or on a resume, and a TensorBoard writer that does not import torch."""
+"""Start-up as a user sees it (the built-in MLP on a user's table): the compile cache
+(cold, warm, off), the time-to-first-step breakdown in the header and summary.json, no
+recompiles on the eval's padded last batch or on a resume, and a TensorBoard writer that
+does not import torch."""
 
 import json
 import os
 import shutil
 
-from journey import run_python
+from journey import copy_project, run_python
 
 CONFIG = '''
 from jtrain.config import defaults
 
 
 def get_config():
-    c = defaults(model="transformer")
+    c = defaults(model="mlp")
     c.total_steps = 6
-    c.model.update(d_model=32, num_layers=1, num_heads=2, d_ff=64, max_len=32)
-    c.data.update(seq_len=32, batch_size=8)
+    c.model.update(num_outputs=2, hidden=(16,))
+    c.data.update(source="tabular:make", batch_size=8, kwargs={"eval_rows": 20})
     c.optim.update(warmup_steps=1)
-    # 1853 eval windows in batches of 64: the last batch is padded (61 rows)
-    c.eval.update(every_steps=3, num_batches=0, batch_size=64)
+    # 20 eval rows in batches of 8: the last batch is padded (4 rows)
+    c.eval.update(every_steps=3, num_batches=0, batch_size=8)
     c.log.every_steps = 3
     c.checkpoint.every_steps = 3
     return c
@@ -29,6 +30,7 @@ PHASES = ("imports", "distributed", "data", "build", "state", "writers", "compil
 
 
 def _run(cwd, workdir, *extra, cache="xdg"):
+    copy_project(cwd, "tabular")  # the user's data module
     return run_python(cwd, "-m", "jtrain.main", "--config=cfg.py", f"--workdir={workdir}",
                       *extra, XDG_CACHE_HOME=str(cwd / cache))
 
