@@ -29,7 +29,8 @@ from jtrain import config as config_lib
 from jtrain import tune
 from jtrain.tune import trial as trial_lib
 
-from journey import free_address, nnx_mlp_config, s3_server, user_dir, user_env
+from journey import (free_address, nnx_mlp_config, own_modules, s3_server, user_dir,
+                     user_env)
 from test_doc_examples import _argv, bash_lines, blocks
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "object-storage.md"
@@ -112,7 +113,9 @@ def test_a_search_in_a_bucket_killed_and_rerun(s3, tmp_path, monkeypatch):
     ns: dict = {}
     exec(CONFIG, ns)
     base = config_lib.resolve(ns["get_config"]()).to_dict()
-    straight = trial_lib.run(base, cont["params"], str(tmp_path / "straight"), "eval/loss")
+    with own_modules("nnx_mlp"):
+        straight = trial_lib.run(base, cont["params"], str(tmp_path / "straight"),
+                                 "eval/loss")
     assert (straight.state, straight.step) == ("complete", 8)
     assert cont["value"] == straight.value
     assert json.loads(fs.cat(f"{root}/trials/0/summary.json"))["state_sha256"] == \
