@@ -83,6 +83,19 @@ def user_dir(cwd, projects=(), files=None):
     return cwd
 
 
+@contextlib.contextmanager
+def own_modules(*names):
+    """The user's modules imported afresh from their directory by an in-process run (a
+    module of that name another test imported is set aside), and forgotten after it."""
+    saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}
+    try:
+        yield
+    finally:
+        for n in names:
+            sys.modules.pop(n, None)
+        sys.modules.update(saved)
+
+
 def free_address() -> str:
     """`127.0.0.1:PORT` with a port free now: a coordinator address for a multi-process run."""
     import socket

@@ -3,16 +3,18 @@
 environment): the CLI from a temp cwd with the user's own Linen model and data module
 trains to s3://, is SIGKILLed after step 5, and the commands of
 docs/guide/object-storage.md run as written: the rerun resumes from the bucket and ends
-with the state_sha256 of the same run trained straight through on a local disk;
+with the state_sha256 of the same run trained straight through on a local disk (that
+reference run is trained in this process);
 evaluate writes its report into the bucket, export uploads to the bucket, a new run
 starts from that export; `jtrain diff` (bucket vs local) says identical and `jtrain
-replay` reproduces step 5 from the bucket. An unreachable endpoint is one line."""
+replay` reproduces step 5 from the bucket. An unreachable endpoint is one line, exit 2
+(the train command called in this process)."""
 
 import json
 import uuid
 from pathlib import Path
 
-from journey import free_address, run_python, s3_server, user_dir, user_env
+from journey import free_address, own_modules, run_python, s3_server, user_dir, user_env
 from test_doc_examples import _argv, bash_lines, blocks
 from test_forensics_journey import CONFIG  # the user's Linen model and data, 8 steps
 
@@ -27,10 +29,13 @@ def page_lines(bucket: str) -> list[list[str]]:
     return [[a.replace("my-bucket", bucket) for a in argv] for argv in bash_lines(body[0])]
 
 
-def test_train_kill_resume_evaluate_export_from_a_bucket(tmp_path):
+def test_train_kill_resume_evaluate_export_from_a_bucket(tmp_path, monkeypatch, capsys):
     import subprocess
 
     import fsspec
+
+    import jtrain
+    from jtrain import cli
 
     bucket = f"my-bucket-{uuid.uuid4().hex[:8]}"
     user_dir(tmp_path, ["linen_classifier", "mydata"], {"cfg.py": CONFIG})
@@ -40,8 +45,13 @@ def test_train_kill_resume_evaluate_export_from_a_bucket(tmp_path):
         (tmp_path / "tmp").mkdir()
         env = {**env, "TMPDIR": str(tmp_path / "tmp")}
         fs = fsspec.filesystem("s3", skip_instance_cache=True)
-        ref = run_python(tmp_path, *train, "--workdir=runs/ref")
-        assert ref.returncode == 0, ref.stderr[-2000:]
+        # the same run trained straight through on a local disk (in this process: the
+        # reference, not the journey)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        ns: dict = {}
+        exec(CONFIG, ns)
+        with own_modules("linen_classifier", "mydata"):
+            jtrain.train(ns["get_config"](), str(tmp_path / "runs/ref"))
         run = f"s3://{bucket}/runs/exp1"
         killed = run_python(tmp_path, *train, f"--workdir={run}", JTRAIN_FAULT="step:5",
                             **env)
@@ -83,11 +93,17 @@ def test_train_kill_resume_evaluate_export_from_a_bucket(tmp_path):
         # every command removed its staging copy; the killed run could not
         assert len(list((tmp_path / "tmp").glob("jtrain-run-*"))) == 1
 
-    nowhere = f"http://{free_address()}"  # a loopback port nothing listens on
-    dead = run_python(tmp_path, *train, f"--workdir=s3://{bucket}/runs/x",
-                      **{**env, "AWS_ENDPOINT_URL": nowhere})
-    assert dead.returncode == 2 and "Traceback" not in dead.stderr
-    assert dead.stderr.strip().splitlines() == [
-        f"jtrain: workdir error: s3://{bucket}/runs/x: cannot reach the object store "
-        f"(Could not connect to the endpoint URL: \"{nowhere}/{bucket}?list-type=2&prefix=&"
-        "delimiter=%2F&encoding-type=url\"); check the network and AWS_ENDPOINT_URL"]
+        # the train command in this process (the journey above starts the same code)
+        nowhere = f"http://{free_address()}"  # a loopback port nothing listens on
+        capsys.readouterr()
+        with monkeypatch.context() as m, own_modules("linen_classifier", "mydata"):
+            m.chdir(tmp_path)
+            m.setenv("AWS_ENDPOINT_URL", nowhere)
+            code = cli.run_command("train", ["--config=cfg.py",
+                                             f"--workdir=s3://{bucket}/runs/x"])
+        assert code == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"jtrain: workdir error: s3://{bucket}/runs/x: cannot reach the object store "
+            f"(Could not connect to the endpoint URL: \"{nowhere}/{bucket}?list-type=2&"
+            "prefix=&delimiter=%2F&encoding-type=url\"); check the network and "
+            "AWS_ENDPOINT_URL"]

@@ -1,8 +1,9 @@
 """Hyperparameter search as a user runs it: `python -m jtrain.tune` in a subprocess from a
 temp cwd holding their NNX model, data and config modules, relative paths, no test
-helpers. A search with pruning whose best_config.py retrains to the best trial's
-state_sha256; a tuner SIGKILLed mid-trial and rerun (the study ends with its trial count,
-the killed trial continues from its own checkpoint); two tuners on one SQLite study."""
+helpers. One search, its tuner SIGKILLed mid-trial and rerun, feeds two tests: it prunes
+and its best_config.py retrains to the best trial's state_sha256; the rerun ends with the
+trial count and the killed trial continues from its own checkpoint. Two tuners on one
+SQLite study; a trial of two processes."""
 
 import json
 import os
@@ -10,7 +11,8 @@ import signal
 import socket
 import subprocess
 import sys
-import time
+
+import pytest
 
 from journey import copy_project, run_python, user_env
 
@@ -50,15 +52,30 @@ def _sha(workdir):
         return json.load(f)["state_sha256"]
 
 
-def test_search_prunes_and_best_config_retrains_bitwise(tmp_path):
-    cwd = _user_dir(tmp_path)
-    r = run_python(cwd, "-m", "jtrain.tune", "--config=search.py", "--workdir=runs/s")
+@pytest.fixture(scope="module")
+def search(tmp_path_factory):
+    """One search, as its user meets it: the tuner SIGKILLed mid-trial (after trial 0's
+    step 7, its checkpoint of step 4 written), then the same command run again to the
+    end. (cwd, the rerun's process)."""
+    cwd = _user_dir(tmp_path_factory.mktemp("search"))
+    args = ["-m", "jtrain.tune", "--config=search.py", "--workdir=runs/s"]
+    killed = run_python(cwd, *args, JTRAIN_FAULT="step:7")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert (cwd / "runs/s/trials/0/checkpoints/4").is_dir()
+    assert not (cwd / "runs/s/trials.jsonl").exists()  # killed before the end
+    r = run_python(cwd, *args)
     assert r.returncode == 0, r.stderr[-2000:]
+    return cwd, r
+
+
+def test_search_prunes_and_best_config_retrains_bitwise(search):
+    cwd, r = search
     recs = _records(cwd / "runs/s/trials.jsonl")
-    assert [x["number"] for x in recs] == list(range(6))
+    assert [x["number"] for x in recs] == list(range(7))  # 6 trials, one continued
     states = [x["state"] for x in recs]
-    assert set(states) <= {"complete", "pruned"} and "pruned" in states, states
-    for x in recs:
+    assert states[0] == "interrupted", states
+    assert set(states[1:]) <= {"complete", "pruned"} and "pruned" in states, states
+    for x in recs[1:]:
         assert x["step"] == 8 if x["state"] == "complete" else x["step"] < 8, x
         assert set(x["params"]) == {"optim.lr", "optim.weight_decay", "data.batch_size"}
     for name in ("best_config.py", "tune.png", "study.db"):
@@ -74,35 +91,23 @@ def test_search_prunes_and_best_config_retrains_bitwise(tmp_path):
     assert _sha(cwd / "runs/best") == _sha(cwd / "runs/s" / best["workdir"])
 
 
-def test_killed_tuner_reruns_to_the_trial_count_resuming_the_killed_trial(tmp_path):
-    cwd = _user_dir(tmp_path)
-    args = [sys.executable, "-m", "jtrain.tune", "--config=search.py", "--workdir=runs/k",
-            "--config.tune.trials=2", "--config.tune.pruner=none",
-            "--config.total_steps=40", "--config.eval.every_steps=20"]
-    p = subprocess.Popen(args, cwd=cwd, env=user_env(), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
-    ckpts = cwd / "runs/k/trials/0/checkpoints"
-    deadline = time.time() + 240
-    while not (ckpts.exists() and any(n.isdigit() for n in os.listdir(ckpts))):
-        assert p.poll() is None and time.time() < deadline, "trial 0 never saved"
-        time.sleep(0.05)
-    p.send_signal(signal.SIGKILL)  # mid-trial: steps 5..40 of trial 0 still to run
-    p.wait()
-
-    r = run_python(cwd, *args[1:])
-    assert r.returncode == 0, r.stderr[-2000:]
-    recs = _records(cwd / "runs/k/trials.jsonl")
-    assert [x["state"] for x in recs] == ["interrupted", "complete", "complete"], recs
-    killed, cont, new = recs
+def test_killed_tuner_reruns_to_the_trial_count_resuming_the_killed_trial(search):
+    cwd, r = search
+    recs = _records(cwd / "runs/s/trials.jsonl")
+    assert [x["state"] for x in recs].count("interrupted") == 1
+    assert len([x for x in recs if x["state"] != "interrupted"]) == 6  # tune.trials
+    killed, cont = recs[:2]
     assert "interrupted" in killed["reason"] and killed["workdir"] == "trials/0"
+    assert killed["step"] is None or killed["step"] < 8, killed
     assert cont["continues"] == 0 and cont["workdir"] == "trials/0"
-    assert cont["params"] == killed["params"] and cont["step"] == 40
-    assert new["workdir"] == "trials/2" and new["params"] != killed["params"]
-    resumed = cont["resumed_from"]
-    assert 4 <= resumed < 40, cont
-    log = (cwd / "runs/k/trials/0/train.log").read_text()
-    assert f"resumed from step {resumed}" in log
-    assert f"trial 1 (continues trial 0 from its step {resumed})" in r.stdout
+    assert cont["params"] == killed["params"] and cont["step"] == 8
+    assert cont["state"] == "complete"
+    assert all(x["workdir"] == f"trials/{x['number']}" for x in recs[2:])
+    assert all(x["params"] != killed["params"] for x in recs[2:])
+    assert cont["resumed_from"] == 4, cont  # its checkpoint, not step 0
+    log = (cwd / "runs/s/trials/0/train.log").read_text()
+    assert "resumed from step 4" in log
+    assert "trial 1 (continues trial 0 from its step 4)" in r.stdout
 
 
 def test_two_tuners_on_one_sqlite_study_run_disjoint_trials(tmp_path):
