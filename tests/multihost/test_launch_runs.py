@@ -1,7 +1,15 @@
 """Real 2-process x 2-device training through each launcher, as users and schedulers run
 them (subprocesses from a temp cwd, relative paths): one run interrupted four ways, by
 four launchers, ends bitwise equal to the uninterrupted one; a SIGSTOPped peer ends its
-survivor with one line (exit 5); tpu_vm.sh delivers a SIGTERM to jtrain itself."""
+survivor with one line (exit 5); tpu_vm.sh delivers a SIGTERM to jtrain itself.
+
+The same launches prove the persistent compilation cache across processes: the
+uninterrupted run fills a fresh cache, and the first interrupted one (another 2-process
+start of the same programs) compiles nothing in any process. On XLA:CPU each process's
+cache key is its own, and JAX writes entries from process 0 only, so without jtrain's
+writer the other process compiled every program at every start (and process 0 waited
+for it in the first collective); jtrain.observe.compiles lets each process write its
+own entries."""
 
 from __future__ import annotations
 
@@ -23,48 +31,65 @@ STEPS = 40  # enough steps left after each interruption for the next signal to l
 RUN = [*TINY, f"--config.total_steps={STEPS}", "--config.checkpoint.every_steps=2",
        "--workdir=run"]
 TWO_DEVICES = "--xla_force_host_platform_device_count=2"
+# The journey's runs share a cache in the user's directory, fresh at its first run; each
+# compile, cache hit and miss is logged (into WORKDIR/train.log, every process's).
+CACHE = "--config.compile.cache_dir=xla"
+COMPILER_LOG = {"JAX_DEBUG_LOG_MODULES": "jax._src.compiler"}
 
 
 def _local(cwd, *args, **env):
     return start(["bash", LAUNCH / "local.sh", 2, *args], cwd, DEVICES="2", **env)
 
 
-def test_kill_term_and_resume_through_every_launcher_match_the_uninterrupted_run(tmp_path):
+def _compiles(workdir) -> tuple[int, int]:
+    """(persistent-cache misses, hits) that the run's processes logged."""
+    log = (workdir / "train.log").read_text()
+    return log.count("PERSISTENT COMPILATION CACHE MISS"), log.count("cache hit for")
+
+
+def _cache_entries(cwd) -> list[str]:
+    return sorted(p.name for p in (cwd / "xla").iterdir())
+
+
+@pytest.fixture(scope="module")
+def journey(tmp_path_factory):
+    """One run interrupted four ways, each launcher's result kept for the tests."""
+    tmp_path = tmp_path_factory.mktemp("launch_runs")
     cwd = user_dir(tmp_path)
+    seen: dict = {}
     # The reference: uninterrupted, launch/local.sh, and saving no checkpoint (the saves
-    # of the interrupted runs must not change the state either).
-    rc, out, err = finish(_local(cwd, *TINY, f"--config.total_steps={STEPS}",
-                                 "--config.checkpoint.every_steps=0", "--workdir=ref"))
-    assert rc == 0, err + out
-    reference = summary(cwd / "ref")["state_sha256"]
+    # of the interrupted runs must not change the state either); a fresh cache.
+    seen["reference"] = finish(_local(cwd, *TINY, f"--config.total_steps={STEPS}",
+                                      "--config.checkpoint.every_steps=0", "--workdir=ref",
+                                      CACHE, **COMPILER_LOG))
+    assert seen["reference"][0] == 0, seen["reference"][2] + seen["reference"][1]
+    seen["reference_compiles"] = _compiles(cwd / "ref")
+    seen["entries"] = _cache_entries(cwd)
 
     # 1. local.sh: both processes SIGKILLed at their 5th step -> 137, the first failure.
-    rc, _, err = finish(_local(cwd, *RUN, JTRAIN_FAULT="step:5"))
-    assert rc == 137, err
-    saved = checkpoints(cwd / "run")
-    assert saved and saved[-1] < STEPS
+    seen["kill"] = finish(_local(cwd, *RUN, CACHE, JTRAIN_FAULT="step:5", **COMPILER_LOG))
+    seen["kill_compiles"] = _compiles(cwd / "run")
+    seen["entries_after_kill"] = _cache_entries(cwd)
+    seen["saved"] = saved = checkpoints(cwd / "run")
 
     # 2. slurm.sh under the fake srun: SLURM's SIGTERM (--signal=B:TERM) to the batch
     # script -> forwarded, both save the same step, exit 0, the job is requeued.
     slurm_log = tmp_path / "slurm.log"
-    job = start(["bash", LAUNCH / "slurm.sh", *RUN], cwd, SLURM_JOB_ID="4242",
+    job = start(["bash", LAUNCH / "slurm.sh", *RUN, CACHE], cwd, SLURM_JOB_ID="4242",
                 SLURM_NTASKS="2", SLURM_JOB_NODELIST="node[1-2]", SLURM_SUBMIT_DIR=str(cwd),
                 JTRAIN_VENV=sys.prefix, FAKE_SLURM_LOG=str(slurm_log), XLA_FLAGS=TWO_DEVICES)
-    wait_for_checkpoint_after(cwd / "run", saved[-1], job)
+    wait_for_checkpoint_after(cwd / "run", saved[-1] if saved else 0, job)
     job.send_signal(signal.SIGTERM)
-    rc, out, err = finish(job)
-    assert rc == 0, err + out
-    assert "coordinator 127.0.0.1:" in out and "requeueing job 4242" in out
-    assert slurm_log.read_text() == "requeue 4242\n"
-    assert summary(cwd / "run")["stopped_by"] == "SIGTERM"
-    stopped = summary(cwd / "run")["step"]
-    assert checkpoints(cwd / "run")[-1] == stopped < STEPS
+    seen["slurm"] = finish(job)
+    seen["slurm_log"] = slurm_log.read_text()
+    seen["slurm_summary"] = stopped_summary = summary(cwd / "run")
+    seen["slurm_checkpoints"] = checkpoints(cwd / "run")
 
     # 3. The k8s container command, run as the kubelet runs it (exec form, no shell) with
     # the Job's environment (the downward API's completion index as the process id; the
     # headless Service's name replaced by loopback); the pod's SIGTERM -> exit 75.
     rc, rendered, err = finish(start(["bash", LAUNCH / "k8s" / "render.sh", "--processes=2",
-                                      "--image=any", "--", *RUN], cwd))
+                                      "--image=any", "--", *RUN, CACHE], cwd))
     assert rc == 0, err
     _, job_spec = yaml.safe_load_all(rendered)
     (container,) = job_spec["spec"]["template"]["spec"]["containers"]
@@ -73,20 +98,53 @@ def test_kill_term_and_resume_through_every_launcher_match_the_uninterrupted_run
     pods = [start([*container["command"], *container["args"]], cwd, XLA_FLAGS=TWO_DEVICES,
                   **{**job_env, "JTRAIN_PROCESS_ID": str(i), "JOB_COMPLETION_INDEX": str(i)})
             for i in range(job_spec["spec"]["completions"])]
-    wait_for_checkpoint_after(cwd / "run", stopped, pods[0])
+    wait_for_checkpoint_after(cwd / "run", stopped_summary["step"], pods[0])
     for pod in pods:
         pod.send_signal(signal.SIGTERM)
-    for pod in pods:
-        rc, _, err = finish(pod)
-        assert rc == 75, err  # --stopped_exit_code: the Job runs the index again
-    assert summary(cwd / "run")["step"] < STEPS
+    seen["pods"] = [finish(pod) for pod in pods]
+    seen["k8s_summary"] = summary(cwd / "run")
 
     # 4. local.sh again: resumes and finishes, bitwise equal to the reference; with
     # --debug_multihost (both processes compare step and config hash every 10 steps).
-    rc, out, err = finish(_local(cwd, *RUN, "--debug_multihost"))
+    seen["resume"] = finish(_local(cwd, *RUN, CACHE, "--debug_multihost"))
+    seen["summary"], seen["reference_summary"] = summary(cwd / "run"), summary(cwd / "ref")
+    return seen
+
+
+def test_kill_term_and_resume_through_every_launcher_match_the_uninterrupted_run(journey):
+    # 1. local.sh, SIGKILL at the 5th step: 137, with a checkpoint before the end.
+    rc, _, err = journey["kill"]
+    assert rc == 137, err
+    saved = journey["saved"]
+    assert saved and saved[-1] < STEPS
+
+    # 2. slurm.sh: the SIGTERM is forwarded, both save the same step, the job requeued.
+    rc, out, err = journey["slurm"]
     assert rc == 0, err + out
-    assert summary(cwd / "run")["step"] == STEPS
-    assert summary(cwd / "run")["state_sha256"] == reference
+    assert "coordinator 127.0.0.1:" in out and "requeueing job 4242" in out
+    assert journey["slurm_log"] == "requeue 4242\n"
+    assert journey["slurm_summary"]["stopped_by"] == "SIGTERM"
+    stopped = journey["slurm_summary"]["step"]
+    assert journey["slurm_checkpoints"][-1] == stopped < STEPS
+
+    # 3. The k8s pods: exit 75 (--stopped_exit_code: the Job runs the index again).
+    for rc, _, err in journey["pods"]:
+        assert rc == 75, err
+    assert journey["k8s_summary"]["step"] < STEPS
+
+    # 4. The resumed local.sh run ends at STEPS with the reference's state.
+    rc, out, err = journey["resume"]
+    assert rc == 0, err + out
+    assert journey["summary"]["step"] == STEPS
+    assert journey["summary"]["state_sha256"] == journey["reference_summary"]["state_sha256"]
+
+
+def test_a_second_two_process_run_compiles_nothing_in_either_process(journey):
+    misses, _ = journey["reference_compiles"]
+    assert misses > 0  # a fresh cache: both processes compiled (and wrote) every program
+    misses, hits = journey["kill_compiles"]
+    assert misses == 0 and hits > 0, (misses, hits)  # process 1's entries are read back
+    assert journey["entries_after_kill"] == journey["entries"]
 
 
 def test_a_stopped_peer_ends_the_survivor_with_one_line(tmp_path):
