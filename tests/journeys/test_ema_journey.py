@@ -14,7 +14,7 @@ import numpy as np
 
 from jtrain.checkpoint.export import load_checkpoint_leaves, read_safetensors
 
-from journey import copy_project, run_python, train_in_process, verify_resume_against
+from journey import copy_project, killed_and_restarted, run_python
 
 SCRIPT = '''
 import jax
@@ -77,12 +77,8 @@ def test_cli_ema_resumes_bitwise_then_evaluate_and_export_the_ema(tmp_path, caps
     (tmp_path / "cfg.py").write_text(CONFIG)
     copy_project(tmp_path, "mydata")
     config = runpy.run_path(str(tmp_path / "cfg.py"))["get_config"]()
-    train_in_process(tmp_path, config, "runs/v/reference", modules=("mydata",))
-    verdict = verify_resume_against(tmp_path, ["-m", "jtrain.main", "--config=cfg.py"],
-                                    "runs/v", "runs/v/reference", kills=2)
-    assert verdict.ok and verdict.line.startswith("PASS: bitwise identical after 2/2"), \
-        verdict.line + (tmp_path / "runs" / "v" / "interrupted.log").read_text()[-3000:]
-    run = tmp_path / "runs" / "v" / "interrupted"  # the user's command, killed twice
+    run = killed_and_restarted(tmp_path, config, ["-m", "jtrain.main", "--config=cfg.py"],
+                               "runs/v", kills=2, modules=("mydata",))
 
     proc = run_python(tmp_path, "-m", "jtrain.evaluate", f"--workdir={run}", "--weights=ema",
                       "--noplots")

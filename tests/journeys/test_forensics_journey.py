@@ -1,13 +1,10 @@
 """Run forensics as a user meets it, from the CLI in a temp cwd with their own Linen
-model (model.factory) and data module: a run trained straight through (the same config
-file through jtrain.train, in this process) and the command SIGKILLed after step 5 and
-rerun (resumed from its last finished checkpoint) record identical hashes.jsonl; `jtrain
-diff` says identical (exit 0, one JSON line); `jtrain replay --step 5` reproduces the step
-bitwise from the checkpoint before it."""
+model (model.factory) and data module: a run trained straight through and the same
+command SIGKILLed after step 5 and rerun (resumed from its last finished checkpoint) record
+identical hashes.jsonl; `jtrain diff` says identical (exit 0, one JSON line); `jtrain replay
+--step 5` reproduces the step bitwise from the checkpoint before it."""
 
 import json
-import runpy
-import sys
 
 from journey import copy_project, run_python
 
@@ -31,12 +28,12 @@ def get_config():
 '''
 
 
-def test_kill_resume_diff_and_replay_from_the_cli(tmp_path, monkeypatch):
+def test_kill_resume_diff_and_replay_from_the_cli(tmp_path):
     copy_project(tmp_path, "linen_classifier")
     (tmp_path / "cfg.py").write_text(CONFIG)
     copy_project(tmp_path, "mydata")
     train = ["-m", "jtrain.main", "--config=cfg.py"]
-    _straight_through_in_process(tmp_path, monkeypatch, "runs/a")
+    assert run_python(tmp_path, *train, "--workdir=runs/a").returncode == 0
     killed = run_python(tmp_path, *train, "--workdir=runs/b", JTRAIN_FAULT="step:5")
     assert killed.returncode == -9, killed.stderr[-2000:]
     again = run_python(tmp_path, *train, "--workdir=runs/b")
@@ -55,16 +52,3 @@ def test_kill_resume_diff_and_replay_from_the_cli(tmp_path, monkeypatch):
     assert out["reproduced"] and out["from_step"] == 4 and out["examples_match"]
     assert "step 5 reproduced bitwise" in replay.stderr
 
-
-def _straight_through_in_process(cwd, monkeypatch, workdir):
-    """jtrain.train on cfg.py's config in `cwd`, its modules imported from there (and
-    forgotten after: other tests' modules of the same names)."""
-    import jtrain
-
-    monkeypatch.chdir(cwd)
-    monkeypatch.syspath_prepend(str(cwd))
-    try:
-        jtrain.train(runpy.run_path("cfg.py")["get_config"](), workdir)
-    finally:
-        for name in ("mydata", "linen_classifier"):
-            sys.modules.pop(name, None)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import jtrain
-from journey import run_python, train_in_process, verify_resume_against
+from journey import killed_and_restarted, run_python
 
 RECIPE = Path(__file__).resolve().parents[2] / "configs" / "recipes" / "gan.py"
 
@@ -77,13 +77,9 @@ def test_gan_recipe_from_the_cli_resumes_bitwise_and_learns_the_ring(tmp_path):
     # Saves every 40 steps: two before the earliest kill the verifier places (step 90).
     config = runpy.run_path(str(tmp_path / "gan.py"))["get_config"]("debug")
     config.checkpoint.every_steps = 40
-    train_in_process(tmp_path, config, "runs/gan/reference")
-    verdict = verify_resume_against(tmp_path, ["-m", "jtrain.main", "--config=gan.py:debug",
-                                               "--config.checkpoint.every_steps=40"],
-                                    "runs/gan", "runs/gan/reference")
-    assert verdict.ok and verdict.line.startswith("PASS: bitwise identical"), \
-        verdict.line + (tmp_path / "runs" / "gan" / "interrupted.log").read_text()[-3000:]
-    run = tmp_path / "runs" / "gan" / "interrupted"  # the user's command, killed, restarted
+    run = killed_and_restarted(tmp_path, config, ["-m", "jtrain.main", "--config=gan.py:debug",
+                                                  "--config.checkpoint.every_steps=40"],
+                               "runs/gan")
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any("train/d_loss" in r and "train/g_loss" in r for r in records)
     evals = [r["eval/loss"] for r in records if "eval/loss" in r]
@@ -173,15 +169,11 @@ def test_distilled_student_beats_the_student_alone_and_exports_as_a_plain_run(tm
     student = runpy.run_path("distill.py")["get_config"]("debug")
     student.checkpoint.update(init_from="runs/teacher", every_steps=4)
     student.total_steps = student.eval.every_steps = STEPS
-    train_in_process(tmp_path, student, "runs/student/reference")
-    verdict = verify_resume_against(
-        tmp_path, ["-m", "jtrain.main", "--config=distill.py:debug",
-                   "--config.checkpoint.init_from=runs/teacher",
-                   "--config.checkpoint.every_steps=4", f"--config.total_steps={STEPS}",
-                   f"--config.eval.every_steps={STEPS}"], "runs/student", "runs/student/reference")
-    assert verdict.ok and verdict.line.startswith("PASS: bitwise identical"), \
-        verdict.line + (tmp_path / "runs" / "student" / "interrupted.log").read_text()[-3000:]
-    run = tmp_path / "runs" / "student" / "interrupted"
+    run = killed_and_restarted(
+        tmp_path, student, ["-m", "jtrain.main", "--config=distill.py:debug",
+                            "--config.checkpoint.init_from=runs/teacher",
+                            "--config.checkpoint.every_steps=4", f"--config.total_steps={STEPS}",
+                            f"--config.eval.every_steps={STEPS}"], "runs/student")
     loss["student"] = json.loads((run / "summary.json").read_text())["eval/loss"]
     assert "initialized teacher from runs/teacher" in (run / "train.log").read_text()
     assert loss["teacher"] < loss["student"] < loss["alone"], loss

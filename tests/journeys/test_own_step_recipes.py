@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from journey import train_in_process, verify_resume_against
+from journey import killed_and_restarted
 
 RECIPES = Path(__file__).resolve().parents[2] / "configs" / "recipes"
 
@@ -34,14 +34,10 @@ def _run_recipe(tmp_path, name):
     shutil.copy(RECIPES / f"{name}.py", tmp_path / f"{name}.py")  # as a user copies it
     config = runpy.run_path(str(tmp_path / f"{name}.py"))["get_config"]("debug")
     config.checkpoint.every_steps = EVERY[name]
-    train_in_process(tmp_path, config, f"runs/{name}/reference")
-    verdict = verify_resume_against(
-        tmp_path, ["-m", "jtrain.main", f"--config={name}.py:debug",
-                   f"--config.checkpoint.every_steps={EVERY[name]}"],
-        f"runs/{name}", f"runs/{name}/reference")
-    run = tmp_path / "runs" / name / "interrupted"
-    assert verdict.ok and verdict.line.startswith("PASS: bitwise identical"), \
-        verdict.line + (tmp_path / "runs" / name / "interrupted.log").read_text()[-3000:]
+    run = killed_and_restarted(tmp_path, config,
+                               ["-m", "jtrain.main", f"--config={name}.py:debug",
+                                f"--config.checkpoint.every_steps={EVERY[name]}"],
+                               f"runs/{name}")
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return run, records
 
