@@ -180,3 +180,58 @@ def marked_block(page, test_file: str) -> str:
         text = f.read()
     block = text.split(f"<!-- tested: {test_file} -->\n```python\n", 1)[1]
     return block.split("```", 1)[0]
+
+
+
+def verify_resume_against(cwd, argv, root: str, reference: str, kills: int = 1,
+                          timeout: int = 600):
+    """jtrain's resume verifier (`jtrain.checkpoint.verify.verify_resume`, what
+    `--verify_resume` runs) on the user's command `python ARGV --workdir=ROOT/interrupted`
+    in `cwd`: SIGKILLed `kills` times and restarted with the same command, then compared
+    with `reference`, a run finished already. Paths relative to `cwd`. Returns the
+    verdict (.ok, .line)."""
+    from jtrain.checkpoint import verify
+
+    def command(run_dir):
+        return [sys.executable, *map(str, argv), f"--workdir={run_dir}"]
+
+    with contextlib.chdir(cwd):
+        return verify.verify_resume(command, root, kills=kills, reference=reference,
+                                    env=user_env(), timeout=timeout)
+
+
+def killed_and_restarted(cwd, config, argv, root: str, kills: int = 1, modules=()):
+    """The user's command `python ARGV` (its --workdir left out) in `cwd`, SIGKILLed
+    `kills` times and restarted by jtrain's resume verifier, checked bitwise identical to
+    `config` trained straight through in this process into ROOT/reference (the same run
+    as a reference launch of its own, without repeating the imports): the verdict must
+    be a PASS with every kill landed. Returns the command's run directory,
+    CWD/ROOT/interrupted. `modules`: as for train_in_process."""
+    import pathlib
+
+    train_in_process(cwd, config, f"{root}/reference", modules)
+    verdict = verify_resume_against(cwd, argv, root, f"{root}/reference", kills=kills)
+    log = pathlib.Path(cwd) / root / "interrupted.log"
+    assert verdict.ok and verdict.line.startswith(
+        f"PASS: bitwise identical after {kills}/{kills} kills landed"), \
+        verdict.line + "\n" + log.read_text()[-3000:]
+    return pathlib.Path(cwd) / root / "interrupted"
+
+
+def train_in_process(cwd, config, workdir: str, modules=()):
+    """`jtrain.train(config, workdir)` in this process as if run from `cwd` (the user's
+    modules importable from it): the result. `modules`: the names of the user's modules
+    the config imports, forgotten before and after (other tests have modules of the same
+    names in their own directories)."""
+    import jtrain
+
+    for name in modules:
+        sys.modules.pop(name, None)
+    sys.path.insert(0, str(cwd))
+    try:
+        with contextlib.chdir(cwd):
+            return jtrain.train(config, workdir)
+    finally:
+        sys.path.remove(str(cwd))
+        for name in modules:
+            sys.modules.pop(name, None)

@@ -1,9 +1,11 @@
 """determinism.topology_invariant as a user runs it: one script with their NNX model,
-trained on 1 device, on 2 processes x 2 devices, and elastically (4 devices to step 2,
-resumed on 2 devices to step 4, resumed on 1 device to step 6): the per-step state
-hashes (with the example indices), the evals and `jtrain diff` all agree bitwise."""
+trained on 1 device, and on 2 processes x 2 devices to step 2, resumed elastically on 1
+process with 2 devices to step 4, then on 1 device to step 6: the per-step state hashes
+(with the example indices), the evals and `jtrain diff` all agree bitwise. (1, 2, 4 and
+8 devices in one process: tests/engine/test_invariant_multidevice.py.)"""
 
 import json
+import runpy
 import subprocess
 import sys
 
@@ -42,35 +44,44 @@ def _evals(path):
             if any(k.startswith("eval/") for k in r)]
 
 
-def test_same_hashes_on_1_device_2_processes_and_after_elastic_resumes(tmp_path):
+def test_same_hashes_on_1_device_2_processes_and_after_elastic_resumes(tmp_path, monkeypatch,
+                                                                    capsys):
     user_dir(tmp_path, projects=("nnx_mlp",), files={"train.py": SCRIPT})
     address = free_address()
-    procs = [subprocess.Popen([sys.executable, "train.py", "runs/mp", str(STEPS), address,
+    # The user's script on 2 processes x 2 devices to step 2, then resumed elastically: on
+    # 1 process with 2 devices to step 4, on 1 device to step 6.
+    procs = [subprocess.Popen([sys.executable, "train.py", "runs/elastic", "2", address,
                                "2", str(i)], cwd=tmp_path, env=user_env(**_devices(2)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
-    one = run_python(tmp_path, "train.py", "runs/one", str(STEPS), **_devices(1))
     outs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
-    assert one.returncode == 0, one.stderr[-3000:]
-    assert f"RESULT 2 4 {STEPS}" in outs[0][0]
-    for devices, until in ((4, 2), (2, 4), (1, STEPS)):  # stopped at `until`, resumed
+    assert "RESULT 2 4 2" in outs[0][0]
+    assert "resum" not in outs[0][1].lower()
+    for devices, until in ((2, 4), (1, STEPS)):  # stopped at `until` - 2, resumed
         proc = run_python(tmp_path, "train.py", "runs/elastic", str(until), **_devices(devices))
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert f"RESULT 1 {devices} {until}" in proc.stdout
-        assert (until == 2) != ("resum" in proc.stderr.lower())
+        assert "resum" in proc.stderr.lower()
+    # The same script straight through on 1 device: in this process (one CPU device), as
+    # `python train.py runs/one 6` runs it.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["train.py", "runs/one", str(STEPS)])
+    runpy.run_path("train.py", run_name="__main__")
+    assert f"RESULT 1 1 {STEPS}" in capsys.readouterr().out
 
     runs = tmp_path / "runs"
     reference = (runs / "one" / "hashes.jsonl").read_text()
     assert len(reference.splitlines()) == STEPS
-    for name in ("mp", "elastic"):
-        assert (runs / name / "hashes.jsonl").read_text() == reference, name
-        assert _evals(runs / name / "metrics.jsonl") == _evals(runs / "one" / "metrics.jsonl")
-        assert _sha(runs / name) == _sha(runs / "one"), name
+    assert (runs / "elastic" / "hashes.jsonl").read_text() == reference
+    assert _evals(runs / "elastic" / "metrics.jsonl") == _evals(runs / "one" / "metrics.jsonl")
+    assert _sha(runs / "elastic") == _sha(runs / "one")
     assert len(_evals(runs / "one" / "metrics.jsonl")) == STEPS // 2
-    proc = run_python(tmp_path, "-m", "jtrain.diff", "runs/elastic", "runs/one")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "identical" in proc.stderr
+    # `jtrain diff`'s library form (its command line: tests/journeys/test_forensics_journey.py)
+    from jtrain.diff import diff_runs
+
+    assert diff_runs("runs/elastic", "runs/one")["identical"] is True
 
 
 def _sha(run):
