@@ -3,7 +3,10 @@ copy of configs/, relative paths, each recipe at a test size (its :debug variant
 steps), asserting the result each recipe states: imputed Pearson above mean imputation,
 pretrained above from-scratch accuracy, early stopping on F1 with the best checkpoint
 evaluated, every loss term in the returned history, set completion above the
-popularity baseline on 2 processes."""
+popularity baseline on 2 processes. Where a recipe's command already ran as a user runs
+it, its further runs and reads happen in this process (the fine-tune variants beside
+`full` on one shared pretraining run and scratch baseline, jtrain.evaluate, the report's
+one-line error)."""
 
 import json
 import os
