@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(bool(bp.missing_peers()),
                                 reason="the bench extra (lightning, scikit-learn) is missing")
 
 
-def test_peers_tiny_run_trains_all_three_sides_alike(tmp_path):
+def test_peers_tiny_run_trains_all_three_sides_alike(tmp_path, capsys):
     # One intra-op thread for the PyTorch sides: at this size their default pool (one
     # thread per core) spends more CPU spinning between ops than computing, over half of
     # each PyTorch side's CPU on a 2-core machine. The sides inherit this environment.
@@ -54,9 +54,11 @@ def test_peers_tiny_run_trains_all_three_sides_alike(tmp_path):
                 load = run["load"]
                 assert load["load_before"] >= 0 and load["load_max"] >= load["load_after"]
                 assert run["unreliable"] == (load["load_max"] > info["cores"])
-    table = run_python(tmp_path, "-m", "jtrain.bench", "table", "peers.json")
-    assert table.returncode == 0, table.stderr[-2000:]
-    assert table.stdout.count("| step ms | ") == 2 and info["commit"][:12] in table.stdout
+    # `table` in-process: its command's journey is docs/guide/benchmarking.md's example.
+    capsys.readouterr()
+    assert bench_main(["table", str(tmp_path / "peers.json")]) == 0
+    table = capsys.readouterr().out
+    assert table.count("| step ms | ") == 2 and info["commit"][:12] in table
 
 
 def test_jtrain_side_reads_the_digits_without_torch(tmp_path):

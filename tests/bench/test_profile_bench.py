@@ -10,11 +10,13 @@ from journey import run_python
 
 
 def test_profile_tiny_run_counts_the_models_flops(tmp_path):
+    # docs/guide/benchmarking.md's example, as pasted (its block names this test):
+    # python -m jtrain.bench profile --model=tiny --steps=2 --top=5 --out=profile.json
     proc = run_python(tmp_path, "-m", "jtrain.bench", "profile", "--model=tiny", "--steps=2",
-                      "--top=5", "--out=prof.json", timeout=300)
+                      "--top=5", "--out=profile.json", timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("profile tiny: 2 steps, wall ")
-    res = json.loads((tmp_path / "prof.json").read_text())
+    res = json.loads((tmp_path / "profile.json").read_text())
 
     from jtrain.bench import overhead
     from jtrain.models import transformer

@@ -3,7 +3,10 @@ copy of configs/, relative paths, each recipe at a test size (its :debug variant
 steps), asserting the result each recipe states: imputed Pearson above mean imputation,
 pretrained above from-scratch accuracy, early stopping on F1 with the best checkpoint
 evaluated, every loss term in the returned history, set completion above the
-popularity baseline on 2 processes."""
+popularity baseline on 2 processes. Where a recipe's command already ran as a user runs
+it, its further runs and reads happen in this process (the fine-tune variants beside
+`full` on one shared pretraining run and scratch baseline, jtrain.evaluate, the report's
+one-line error)."""
 
 import json
 import os
@@ -34,7 +37,7 @@ def _summary(cwd, run):
         return json.load(f)
 
 
-def test_imputation_beats_mean_imputation(tmp_path):
+def test_imputation_beats_mean_imputation(tmp_path, monkeypatch, capsys):
     cwd = _user_dir(tmp_path)
     out = _ok(run_python(cwd, "-m", "jtrain.main", "--config=configs/recipes/imputation.py:debug",
                          "--workdir=runs/imp", "--config.total_steps=150",
@@ -50,8 +53,11 @@ def test_imputation_beats_mean_imputation(tmp_path):
     assert m, report
     assert float(m.group(1)) > float(m.group(2)) + 0.05
     assert re.search(r"model observed +[\d.-]+ +[\d.-]+", report)
-    bad = run_python(cwd, "-m", "jtrain.recipes.report", "runs/typo")
-    assert bad.returncode == 2 and bad.stderr.strip() == (
+    from jtrain.recipes import report as report_command  # a typo'd run: in-process
+
+    monkeypatch.chdir(cwd)
+    assert report_command.main(["runs/typo"]) == 2
+    assert capsys.readouterr().err.strip() == (
         "jtrain: report error: runs/typo: no summary.json (not a finished jtrain run)")
 
 
@@ -80,22 +86,40 @@ def pretrained(tmp_path_factory):
     out = _ok(run_python(cwd, "-m", "jtrain.main",
                          "--config=configs/recipes/masked_pretrain.py:debug",
                          "--workdir=runs/pretrain", "--config.total_steps=200",
-                         "--config.eval.every_steps=100"))
+                         "--config.eval.every_steps=200"))
     assert "80/10/10" in out
     return cwd
 
 
-def _finetune(cwd, kind):
-    out = _ok(run_python(cwd, "-m", "jtrain.main",
-                         f"--config=configs/recipes/finetune.py:{kind},debug",
-                         f"--workdir=runs/ft_{kind}", "--config.total_steps=80",
-                         "--config.eval.every_steps=80"))
-    return out, _summary(cwd, f"runs/ft_{kind}")["eval/accuracy"]
+FT_STEPS = 40  # from-scratch ~0.77 eval accuracy here, each pretrained variant >= 0.95
 
 
-def test_pretrained_full_finetune_beats_scratch(pretrained, monkeypatch, capsys):
-    _, scratch = _finetune(pretrained, "scratch")
-    out, full = _finetune(pretrained, "full")
+def _finetune_in_process(cwd, kind):
+    """One variant trained with jtrain.train in this process (the CLI's journey is the
+    `full` variant's): its final eval accuracy."""
+    import runpy
+
+    import jtrain
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(cwd)
+        config = runpy.run_path("configs/recipes/finetune.py")["get_config"](f"{kind},debug")
+        config.total_steps = config.eval.every_steps = FT_STEPS
+        return jtrain.train(config, f"runs/ft_{kind}").summary["eval/accuracy"]
+
+
+@pytest.fixture(scope="module")
+def scratch(pretrained):
+    """The from-scratch baseline, trained once for every comparison."""
+    return _finetune_in_process(pretrained, "scratch")
+
+
+def test_pretrained_full_finetune_beats_scratch(pretrained, scratch, monkeypatch, capsys):
+    out = _ok(run_python(pretrained, "-m", "jtrain.main",
+                         "--config=configs/recipes/finetune.py:full,debug",
+                         "--workdir=runs/ft_full", f"--config.total_steps={FT_STEPS}",
+                         f"--config.eval.every_steps={FT_STEPS}"))
+    full = _summary(pretrained, "runs/ft_full")["eval/accuracy"]
     assert "initialized from runs/pretrain" in out and "excluded (fresh init: cls_head" in out
     assert full > scratch + 0.05, (full, scratch)
     from jtrain.recipes import report  # its command line: test_imputation_beats_...
@@ -106,14 +130,13 @@ def test_pretrained_full_finetune_beats_scratch(pretrained, monkeypatch, capsys)
     assert "from scratch" in out and "from runs/pretrain" in out
 
 
-def test_pretrained_frozen_and_lora_beat_scratch(pretrained):
-    if not os.path.exists(os.path.join(pretrained, "runs/ft_scratch/summary.json")):
-        _finetune(pretrained, "scratch")
-    scratch = _summary(pretrained, "runs/ft_scratch")["eval/accuracy"]
-    out, frozen = _finetune(pretrained, "frozen")
+def test_pretrained_frozen_and_lora_beat_scratch(pretrained, scratch, capfd):
+    capfd.readouterr()
+    frozen = _finetune_in_process(pretrained, "frozen")
+    out = "".join(capfd.readouterr())
     assert re.search(r"trainable \d+ params in 2 leaves; frozen", out), out
-    out, lora = _finetune(pretrained, "lora")
-    assert "LoRA adapter leaves not in the source" in out
+    lora = _finetune_in_process(pretrained, "lora")
+    assert "LoRA adapter leaves not in the source" in "".join(capfd.readouterr())
     assert frozen > scratch + 0.05 and lora > scratch + 0.05, (frozen, lora, scratch)
 
 
@@ -125,8 +148,9 @@ def test_classify_early_stops_on_f1_and_evaluates_best(tmp_path):
     assert "stopped early at step" in out and "eval/f1_macro" in out
     summary = _summary(cwd, "runs/cls")
     assert summary["stopped_by"] == "early_stop" and summary["step"] < 300
-    _ok(run_python(cwd, "-m", "jtrain.evaluate", "--workdir=runs/cls", "--step=best",
-                   "--noplots"))
+    from jtrain import evaluate  # in-process: its command's journey is tests/journeys/
+
+    assert evaluate.main([f"--workdir={cwd / 'runs/cls'}", "--step=best", "--noplots"]) == 0
     [name] = [f for f in os.listdir(cwd / "runs/cls") if f.startswith("eval_")]
     with open(cwd / "runs/cls" / name) as f:
         report = json.load(f)
