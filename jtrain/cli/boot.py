@@ -20,18 +20,27 @@ set up; importing jtrain (the package or any module) changes nothing about the p
    before its first step, nothing new to save, exit 0. The other commands keep Python's
    default handling (a SIGTERM ends them);
 3. absl's global flags marked parsed (`mark_absl_parsed`): grain reads them in its
-   worker processes, and no `absl.app.run` owns jtrain's processes.
+   worker processes, and no `absl.app.run` owns jtrain's processes;
+4. for the train command, Python's cyclic garbage collector paused while the command
+   imports its modules (JAX, Flax, optax, orbax, grain: ~180 k objects that live as long
+   as the process). `resume_gc` (the train command calls it once its imports are done)
+   freezes them (`gc.freeze`: left out of every later collection, as a server does with
+   what it loaded before forking) and turns the collector back on. Measured on a 10-step
+   run of a small model: the collector's CPU time 0.28 -> 0.19 s, as no collection walks
+   the imported objects again. Objects are still freed by their reference counts; only
+   the few reference cycles made while importing (~400 objects) stay.
 
 `JTRAIN_BOOT_RECORD=FILE` appends one JSON line per start to FILE saying what start-up
 did (the command, whether it re-executed with huge pages, whether the early handlers
-are installed, whether JAX was already imported): the tests compare the entry points
-with it.
+are installed, whether JAX was already imported, whether the collector is paused): the
+tests compare the entry points with it.
 
 This module imports nothing of jtrain but `hostmem`, and nothing heavy.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -42,12 +51,14 @@ import time
 from jtrain.cli import hostmem
 
 STOPPABLE = ("train", "tune")  # commands whose run takes early signals over
+GC_PAUSED = ("train",)  # commands whose imports run without the collector
 RECORD_ENV = "JTRAIN_BOOT_RECORD"
 
 # SIGTERM / SIGINT names received during start-up (the first one only); taken over by
 # control.signals.Stopper (train) and the tune worker's loop.
 EARLY_SIGNALS: list[str] = []
 _started: list[float] = []  # perf_counter() when start() began (after the re-exec)
+_gc_paused: list[bool] = []  # [True] while start() holds the collector paused
 
 
 def start(command: str) -> None:
@@ -56,6 +67,9 @@ def start(command: str) -> None:
     hostmem.set_cpu_flags()  # XLA:CPU's smaller-scratch scheduler, unless XLA_FLAGS says
     hostmem.limit_arenas()  # malloc arenas capped before any thread starts
     _started[:] = [time.perf_counter()]
+    if command in GC_PAUSED and gc.isenabled():
+        gc.disable()  # until the command's imports are done (resume_gc)
+        _gc_paused[:] = [True]
     early = command in STOPPABLE and threading.current_thread() is threading.main_thread()
     if early:
         for sig in hostmem.HELD:
@@ -64,6 +78,15 @@ def start(command: str) -> None:
     mark_absl_parsed()
     if os.environ.get(RECORD_ENV):
         _write_record(command, early)
+
+
+def resume_gc() -> None:
+    """Freezes what was imported and turns the garbage collector back on, if `start()`
+    paused it (a no-op otherwise, and from the second call on); see the module doc."""
+    if _gc_paused:
+        _gc_paused.clear()
+        gc.freeze()
+        gc.enable()
 
 
 def _record_signal(signum, frame) -> None:
@@ -111,6 +134,7 @@ def _write_record(command: str, early: bool) -> None:
         "hugetlb": f"{hostmem.TUNABLE}=1" in os.environ.get("GLIBC_TUNABLES", ""),
         "early_signals": early and handler is _record_signal,
         "jax_imported": "jax" in sys.modules,
+        "gc_paused": bool(_gc_paused) and not gc.isenabled(),
     }
     with open(os.environ[RECORD_ENV], "a") as f:
         f.write(json.dumps(record, sort_keys=True) + "\n")

@@ -150,6 +150,10 @@ def main(fv: flags.FlagValues, args: list[str], argv: list[str]) -> int:
         raise errors.UsageError(f"unexpected arguments: {' '.join(args)}")
     if fv.config is None:
         raise errors.ConfigError("--config", "required, e.g. --config=configs/base.py")
+    if fv.print_config or fv.verify_resume or fv.verify_topologies or fv.dry_run:
+        from jtrain.cli import boot
+
+        boot.resume_gc()  # the collector, paused through the imports
     if fv.print_config:
         from jtrain.config import reference
 
@@ -218,6 +222,7 @@ def _start(fv, config: dict):
     from jtrain.observe import startup
 
     startup.mark("imports", boot.since_start())  # flags, config file and imports
+    boot.resume_gc()  # the collector, paused through the imports
     resolved = config_lib.resolve_for_run(config)  # the run's one resolution
     check_workdir(fv.workdir)
     t_distributed = time.perf_counter()  # observe.startup's "distributed" phase

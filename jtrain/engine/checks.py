@@ -9,6 +9,7 @@ the fix.
 from __future__ import annotations
 
 import re
+import weakref
 
 import jax
 import numpy as np
@@ -71,7 +72,13 @@ def traced_outputs(apply_fn, abstract_params, inputs, where: str = "the first ba
                    model: str = "the model", note: str = ""):
     """The model's outputs on `inputs` (a batch of ShapeDtypeStructs; nothing runs); a
     one-line DataError naming the inputs when calling the model raises or it returns
-    None. `note`: said after the error (e.g. the train split's shapes)."""
+    None. `note`: said after the error (e.g. the train split's shapes). The same model
+    on the same shapes is traced once per process (build's checks and the eval's metric
+    choice ask for the same outputs)."""
+    seen = _traced_by(apply_fn)
+    key = _trace_key(abstract_params, inputs) if seen is not None else None
+    if key is not None and key in seen:
+        return seen[key]
     try:
         out = jax.eval_shape(lambda p, x: apply_fn(p, x, rng=None, train=False),
                              abstract_params, inputs)
@@ -83,7 +90,35 @@ def traced_outputs(apply_fn, abstract_params, inputs, where: str = "the first ba
         raise data_lib.DataError(
             f"model: {model} returns None on {where}'s inputs ({describe_inputs(inputs)} "
             "per example); return the outputs the loss scores (e.g. logits [batch, classes])")
+    if key is not None:
+        seen[key] = out
     return out
+
+
+# apply_fn -> {(params' and inputs' shapes): the outputs traced}; held while apply_fn lives.
+_TRACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _traced_by(apply_fn) -> dict | None:
+    """The outputs traced so far for `apply_fn`; None when it cannot be held weakly."""
+    try:
+        return _TRACED.setdefault(apply_fn, {})
+    except TypeError:
+        return None
+
+
+def _trace_key(abstract_params, inputs) -> tuple | None:
+    """What eval_shape's outputs depend on: the trees' structures, each leaf's shape,
+    dtype and weak type; None when a leaf is not an array or its spec (no reuse)."""
+    try:
+        key = tuple((jax.tree.structure(t),
+                     tuple((tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False)))
+                           for x in jax.tree.leaves(t)))
+                    for t in (abstract_params, inputs))
+        hash(key)
+    except (AttributeError, TypeError):
+        return None
+    return key
 
 
 def model_call_error(e: BaseException, inputs, where: str = "the first batch",

@@ -44,10 +44,27 @@ _SEEN_SECRETS: set[str] = set()
 _SEEN_LOCK = threading.Lock()
 
 
+# The environment's secret-looking values, with the raw environment they were read from:
+# read again only when the environment changed (a config dump redacts hundreds of strings,
+# and decoding and matching every variable for each cost ~1 ms).
+_env_secrets_of: tuple[dict, frozenset[str]] = ({}, frozenset())
+
+
+def _env_secrets() -> frozenset[str]:
+    global _env_secrets_of
+    raw = getattr(os.environ, "_data", None)  # the raw mapping os.environ keeps up to date
+    current = dict(raw) if isinstance(raw, dict) else dict(os.environ)
+    seen_env, values = _env_secrets_of
+    if current != seen_env:
+        values = frozenset(v for k, v in os.environ.items()
+                           if _SECRET_ENV.search(k) and len(v) >= _MIN_ENV_SECRET_LEN)
+        _env_secrets_of = (current, values)
+    return values
+
+
 def _known_secrets() -> list[str]:
     """Secret-looking environment values and secrets `redact` has seen, longest first."""
-    values = {v for k, v in os.environ.items()
-              if _SECRET_ENV.search(k) and len(v) >= _MIN_ENV_SECRET_LEN}
+    values = set(_env_secrets())
     with _SEEN_LOCK:
         values |= _SEEN_SECRETS
     return sorted(values, key=len, reverse=True)

@@ -48,7 +48,8 @@ def test_both_forms_of_each_command_start_the_same_way(tmp_path):
         assert seen[0] == seen[1], (command, seen)
         assert seen[0] == {"command": command, "reexecuted": CAN, "hugetlb": CAN,
                            "early_signals": command in ("train", "tune"),
-                           "jax_imported": False}, seen[0]
+                           "jax_imported": False,
+                           "gc_paused": command == "train"}, seen[0]
 
 
 def test_export_and_bench_start_through_boot(tmp_path):
@@ -65,6 +66,7 @@ def test_importing_jtrain_has_no_side_effects(tmp_path):
     code = """
 import signal, sys
 before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+import gc
 import jtrain
 assert "jax" not in sys.modules, "import jtrain imported jax"
 assert jtrain.__version__ and "train" in dir(jtrain) and "train" in jtrain.__all__
@@ -74,6 +76,7 @@ import jtrain.main, jtrain.cli, jtrain.evaluate
 assert callable(train) and jtrain.train is train and callable(make_mesh)
 assert callable(jtrain.build) and not isinstance(jtrain.build, type(sys))
 assert {s: signal.getsignal(s) for s in before} == before, "signal handlers changed"
+assert gc.isenabled(), "the garbage collector was paused"
 try:
     jtrain.no_such_name
 except AttributeError as e:
@@ -85,3 +88,39 @@ print("ok", "jax" in sys.modules)
     proc = run_python(tmp_path, "-c", code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["ok", "True"]  # `train` brought JAX in on first use
+
+
+
+def test_the_train_command_turns_the_collector_back_on_after_its_imports(tmp_path,
+                                                                          monkeypatch):
+    """In process: with the collector paused as `boot.start("train")` leaves it, the train
+    command has it running again (and the imports frozen) by the time the run starts; a
+    command that never resumed it would keep every reference cycle of a long run."""
+    import gc
+
+    import pytest
+
+    import jtrain.main
+    from jtrain import errors
+    from jtrain.cli import boot
+    from jtrain.engine import run as run_lib
+
+    seen = []
+
+    def run_starts(config, workdir, resolved=None):
+        seen.append((gc.isenabled(), gc.get_freeze_count() > 0, list(boot._gc_paused)))
+        raise errors.ConfigError("total_steps", "stopped by the test")
+
+    (tmp_path / "cfg.py").write_text(CONFIG)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(run_lib, "train_and_evaluate", run_starts)
+    gc.disable()
+    boot._gc_paused[:] = [True]
+    try:
+        with pytest.raises(SystemExit):
+            jtrain.main.cli(["jtrain.main", "--config=cfg.py", "--workdir=run"])
+    finally:
+        gc.unfreeze()
+        gc.enable()
+        boot._gc_paused.clear()
+    assert seen == [(True, True, [])]

@@ -79,6 +79,19 @@ def test_ordinary_text_is_kept(text):
     assert redact_text(text) == text
 
 
+def test_environment_secrets_follow_the_environment(monkeypatch):
+    """A secret-named variable set, changed or removed after text was redacted: the
+    masking follows the environment as it is at each call."""
+    monkeypatch.setenv("JT_TEST_TOKEN", "Env0ldT0ken")
+    assert redact_text("x Env0ldT0ken y") == f"x {REDACTED} y"
+    monkeypatch.setenv("JT_TEST_TOKEN", "EnvN3wT0ken")
+    assert redact_text("Env0ldT0ken EnvN3wT0ken") == f"Env0ldT0ken {REDACTED}"
+    monkeypatch.delenv("JT_TEST_TOKEN")
+    assert redact_text("EnvN3wT0ken") == "EnvN3wT0ken"
+    monkeypatch.setenv("JT_TEST_PASSWORD", "EnvN3wT0ken")  # another name, the same value
+    assert redact_text("EnvN3wT0ken") == REDACTED
+
+
 class Net(nnx.Module):
     def __init__(self, rngs):
         self.out = nnx.Linear(4, 3, rngs=rngs)
