@@ -1,4 +1,4 @@
-"""The library as research code uses it, each from a plain script (`python script.py` in
+"""The library as research code uses it, from one plain script (`python research.py` in
 an empty temp directory, jtrain imported as installed, absl flags parsed by nobody):
 
 * the public pieces composed into a hand-written loop: make_mesh, make_optimizer,
@@ -9,7 +9,8 @@ The wheel built from this tree (every module packaged, a user's script training 
 fresh venv): tests/journeys/test_wheel_install.py."""
 
 import json
-import os
+
+import pytest
 
 from journey import run_python
 
@@ -23,6 +24,7 @@ Y = (X[:, 0] - X[:, 1] > 0).astype(np.int32)  # learnable: a linear boundary
 
 HAND_LOOP = DATA + '''
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -64,10 +66,11 @@ for i in range(cfg.total_steps):
     losses.append(float(metrics["train/loss"]))
 accuracy = float((fns.apply(state.params, X).argmax(-1) == Y).mean())
 print(json.dumps({"step": int(state.step), "first": losses[0], "last": losses[-1],
-                  "accuracy": accuracy, "sha": jtrain.state_sha256(state)}))
+                  "accuracy": accuracy, "sha": jtrain.state_sha256(state),
+                  "listing": sorted(os.listdir("."))}))
 '''
 
-PURE = DATA + '''
+PURE = '''
 import json
 import sys
 
@@ -99,27 +102,31 @@ print(json.dumps({"summary": result.summary, "jtrain": jtrain.__file__}))
 '''
 
 
-def last_json(proc) -> dict:
+@pytest.fixture(scope="module")
+def research(tmp_path_factory):
+    """One plain script, both parts in turn: the hand-written loop, then the pure
+    model's jtrain.train (`python research.py runs/pure 30`); the two JSON lines it prints."""
+    cwd = tmp_path_factory.mktemp("research")
+    (cwd / "research.py").write_text(HAND_LOOP + PURE)
+    proc = run_python(cwd, "research.py", "runs/pure", 30)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    loop, pure = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    return cwd, loop, pure
 
 
-def test_hand_written_loop_from_the_public_pieces(tmp_path):
-    (tmp_path / "loop.py").write_text(HAND_LOOP)
-    out = last_json(run_python(tmp_path, "loop.py"))
+def test_hand_written_loop_from_the_public_pieces(research):
+    _, out, _ = research
     assert out["step"] == 40
     assert out["last"] < 0.5 * out["first"], out
     assert out["accuracy"] > 0.9, out
-    assert sorted(os.listdir(tmp_path)) == ["loop.py"]  # a library call writes nothing
+    assert out["listing"] == ["research.py"]  # a library call writes nothing
 
 
-def test_pure_init_apply_model_trains_end_to_end(tmp_path):
-    (tmp_path / "pure.py").write_text(PURE)
-    out = last_json(run_python(tmp_path, "pure.py", "runs/pure", 30))
+def test_pure_init_apply_model_trains_end_to_end(research):
+    cwd, _, out = research
     s = out["summary"]
     assert s["step"] == 30 and s["eval/accuracy"] > 0.85, s
-    assert (tmp_path / "runs" / "pure" / "summary.json").is_file()
+    assert (cwd / "runs" / "pure" / "summary.json").is_file()
     records = [json.loads(ln) for ln in
-               (tmp_path / "runs" / "pure" / "metrics.jsonl").read_text().splitlines()]
+               (cwd / "runs" / "pure" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "train/loss" in r] == [5, 10, 15, 20, 25, 30]
-
