@@ -12,7 +12,7 @@ a bare venv) took about a minute with every wheel on local disk, too long for on
 WORKSPACE.md gives that check as a command.
 
 The lock holds the newest jax and flax, while the ranges let a user keep older ones: the
-one venv (shared by the tests, one command each) holds the lower bounds of jax, jaxlib
+one venv (shared by the tests; its three commands run once) holds the lower bounds of jax, jaxlib
 and flax from `pyproject.toml` in its own site-packages (from pip's cache or the package
 index; the `.pth` comes after them, so they win over the lock's), and the debug
 reference run and the user's script train there. The lock's own versions train the rest
