@@ -4,19 +4,23 @@ halts, a NaN that is skipped and a failed writer, each firing once across the re
 times by its own faults (a kill, a torn checkpoint write, a kill) and restarted by a
 loop ends bitwise identical to a run never killed, its goodput ledger counts the four
 sessions, the recomputed steps and the restart gaps, and `jtrain evaluate` draws it in
-goodput.png."""
+goodput.png (the reference run and the evaluate run in this process: the restart loop is
+the journey)."""
 
 import json
 import re
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import jtrain
+import jtrain.evaluate
 from journey import nnx_mlp_config, run_python, marked_block, user_dir
 from jtrain import errors
+from jtrain import main as main_lib
 from jtrain.config import rules
 from jtrain.control import faults
 from jtrain.observe import goodput
@@ -153,18 +157,22 @@ def guide_script() -> str:
 
 @pytest.fixture(scope="module")
 def chaos(tmp_path_factory):
-    """(cwd, the restart loop's process, the reference's process)."""
+    """(cwd, the restart loop's process). The reference, a run never killed, is the same
+    command without faults, run in this process (the journey is the loop)."""
     cwd = user_dir(tmp_path_factory.mktemp("faults"), ["nnx_mlp"],
                    {"cfg.py": CONFIG, "restart.py": guide_script()})
     loop = run_python(cwd, "restart.py", timeout=600)
-    reference = run_python(cwd, "-m", "jtrain.main", "--config=cfg.py",
-                           "--config.checkpoint.async_save=false", "--workdir=runs/ref")
-    return cwd, loop, reference
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(cwd)
+        mp.syspath_prepend(str(cwd))  # as `python -m` puts the cwd on sys.path
+        main_lib.cli(["jtrain", "--config=cfg.py", "--config.checkpoint.async_save=false",
+                      "--workdir=runs/ref"])
+    sys.modules.pop("nnx_mlp", None)
+    return cwd, loop
 
 
 def test_three_injected_kills_end_bitwise_and_the_ledger_counts_them(chaos):
-    cwd, loop, reference = chaos
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    cwd, loop = chaos
     assert loop.returncode == 0, loop.stderr[-3000:]
     said = [ln for ln in loop.stdout.splitlines() if ln.startswith("attempt ")]
     assert said == ["attempt 1: exit -9", "attempt 2: exit -9",
@@ -216,10 +224,14 @@ def png_text(path: Path) -> dict[str, str]:
     return out
 
 
-def test_evaluate_draws_the_sessions_from_goodput_jsonl(chaos):
-    cwd, loop, _ = chaos
-    proc = run_python(cwd, "-m", "jtrain.evaluate", "--workdir=runs/chaos", "--num_batches=1")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_evaluate_draws_the_sessions_from_goodput_jsonl(chaos, monkeypatch):
+    cwd, _ = chaos
+    monkeypatch.chdir(cwd)  # `jtrain evaluate --workdir=runs/chaos --num_batches=1`, in-process
+    monkeypatch.syspath_prepend(str(cwd))
+    try:
+        assert jtrain.evaluate.main(["--workdir=runs/chaos", "--num_batches=1"]) == 0
+    finally:
+        sys.modules.pop("nnx_mlp", None)
     run = cwd / "runs" / "chaos"
     assert "goodput.png" in json.loads((run / "eval_12.json").read_text())["files"]
     png = run / "goodput.png"

@@ -18,18 +18,22 @@ import numpy as np
 
 import jtrain
 
-workdir, total, decay, allow = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
 rng = np.random.default_rng(0)
 x = rng.normal(size=(512, 8)).astype(np.float32)
 y = (x[:, :4].sum(1) > x[:, 4:].sum(1)).astype(np.int32)
-config = {"seed": 0, "total_steps": total,
-          "model": {"name": "mlp", "hidden": (16,), "num_outputs": 2},
-          "data": {"batch_size": 16},
-          "optim": {"lr": 1e-3, "warmup_steps": 2, "decay_steps": decay, "end_lr_factor": 0.1},
-          "eval": {"every_steps": 1000, "num_batches": 1},
-          "checkpoint": {"every_steps": 1000}, "log": {"every_steps": 1, "writers": ("jsonl",)}}
-jtrain.train(config, workdir, train_data=(x[:448], y[:448]), eval_data=(x[448:], y[448:]),
-             allow_changes=allow)
+for run in sys.argv[1:]:  # WORKDIR:TOTAL:DECAY[:ALLOWED_KEY], one run after the other
+    workdir, total, decay, *allow = run.split(":")
+    print(f"== {workdir}", file=sys.stderr, flush=True)
+    config = {"seed": 0, "total_steps": int(total),
+              "model": {"name": "mlp", "hidden": (16,), "num_outputs": 2},
+              "data": {"batch_size": 16},
+              "optim": {"lr": 1e-3, "warmup_steps": 2, "decay_steps": int(decay),
+                        "end_lr_factor": 0.1},
+              "eval": {"every_steps": 1000, "num_batches": 1},
+              "checkpoint": {"every_steps": 1000},
+              "log": {"every_steps": 1, "writers": ("jsonl",)}}
+    jtrain.train(config, workdir, train_data=(x[:448], y[:448]), eval_data=(x[448:], y[448:]),
+                 allow_changes=allow)
 """
 LR, WARMUP, END = 1e-3, 2, 0.1
 
@@ -52,20 +56,37 @@ def logged_lr(cwd, run):
     return {r["step"]: r["train/lr"] for r in rows if "train/lr" in r}
 
 
+def sections(proc) -> dict:
+    """{workdir: the stderr lines of its run}, cut at the script's `== WORKDIR` markers."""
+    out: dict = {}
+    for line in proc.stderr.splitlines():
+        if line.startswith("== "):
+            out[line[3:]] = []
+        elif out:
+            out[list(out)[-1]].append(line)
+    return out
+
+
 def test_raising_total_steps_says_what_the_lr_does_and_decay_steps_keeps_it(tmp_path):
     (tmp_path / "run.py").write_text(SCRIPT)
     # A 60-step run stopped part-way (SIGTERM: it saves the step it is at and exits 0).
-    proc = run_python(tmp_path, "run.py", "runs/a", 60, 0, JTRAIN_FAULT="step:30:TERM")
+    proc = run_python(tmp_path, "run.py", "runs/a:60:0", JTRAIN_FAULT="step:30:TERM")
     assert proc.returncode == 0, proc.stderr[-3000:]
     stop = summary(tmp_path, "runs/a")["step"]
     assert 0 < stop < 60
     for run in ("runs/longer", "runs/pinned"):
         shutil.copytree(tmp_path / "runs/a", tmp_path / run)
 
-    # Resumed with total_steps 120: the decay is re-planned, and the line says so.
-    proc = run_python(tmp_path, "run.py", "runs/longer", 120, 0, "total_steps")
+    # One script, three runs. Resumed with total_steps 120: the decay is re-planned, and
+    # the line says so. Resumed with total_steps 120 and the decay pinned at 60: no
+    # allow_changes needed, no re-plan. And an uninterrupted run on that schedule.
+    proc = run_python(tmp_path, "run.py", "runs/longer:120:0:total_steps",
+                      "runs/pinned:120:60", "runs/straight:120:60")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = (proc.stdout + proc.stderr).splitlines()
+    said = sections(proc)
+    assert list(said) == ["runs/longer", "runs/pinned", "runs/straight"], proc.stderr[-3000:]
+    assert "re-plans the schedule" not in proc.stdout
+    lines = said["runs/longer"]
     at = next(i for i, ln in enumerate(lines) if ln.endswith(f"; resumed from step {stop}"))
     assert lines[at + 1] == (
         f"jtrain: total_steps 60 -> 120 re-plans the schedule: lr at step {stop} goes from "
@@ -75,14 +96,10 @@ def test_raising_total_steps_says_what_the_lr_does_and_decay_steps_keeps_it(tmp_
     assert math.isclose(logged_lr(tmp_path, "runs/longer")[stop + 1], cosine(stop, 120),
                         rel_tol=1e-5)
 
-    # Resumed with total_steps 120 and the decay pinned at 60: no allow_changes needed,
-    # no re-plan, and every later update's lr is the saved schedule's: bitwise what an
-    # uninterrupted run on that schedule logs, and its state at the end.
-    proc = run_python(tmp_path, "run.py", "runs/pinned", 120, 60)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "re-plans the schedule" not in proc.stdout + proc.stderr
-    proc = run_python(tmp_path, "run.py", "runs/straight", 120, 60)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Pinned: resumed (no re-plan line) and every later update's lr is the saved
+    # schedule's: bitwise what the uninterrupted run logs, and its state at the end.
+    assert any(ln.endswith(f"; resumed from step {stop}") for ln in said["runs/pinned"])
+    assert not any("re-plans the schedule" in ln for ln in said["runs/pinned"])
     pinned, straight = logged_lr(tmp_path, "runs/pinned"), logged_lr(tmp_path, "runs/straight")
     assert sorted(straight) == list(range(1, 121))
     assert all(pinned[s] == straight[s] for s in range(stop + 1, 121))

@@ -33,11 +33,13 @@ import jtrain
 from noisy import Noisy
 
 if __name__ == "__main__":
-    own = sys.argv[1] == "own"
     config = {"total_steps": 3, "model": {"name": "mlp", "hidden": (8,), "num_outputs": 2},
               "data": {"batch_size": 16}, "eval": {"every_steps": 100, "num_batches": 1},
               "log": {"writers": ("jsonl",)}}
-    jtrain.train(config, f"runs/{sys.argv[1]}", train_data=Noisy(own), eval_data=Noisy(own))
+    for name in sys.argv[1:]:  # one run after the other, each after its own marker line
+        print(f"== run {name}", file=sys.stderr, flush=True)
+        own = name == "own"
+        jtrain.train(config, f"runs/{name}", train_data=Noisy(own), eval_data=Noisy(own))
 """
 CONFIG = """\
 import ml_collections
@@ -60,9 +62,15 @@ def test_global_rng_draws_get_one_warning_line(tmp_path):
     (tmp_path / "train.py").write_text(SCRIPT)
     (tmp_path / "cfg.py").write_text(CONFIG)
 
-    proc = run_python(tmp_path, "train.py", "global")
+    # One script, two runs: its own generator first (no line), then torch's global RNG
+    # (one line), each run's output after its marker on stderr.
+    proc = run_python(tmp_path, "train.py", "own", "global")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = rng_lines(proc)
+    assert proc.stdout.count("global RNG") == 0
+    before, marker, after = proc.stderr.partition("== run global\n")
+    assert marker and "== run own\n" in before, proc.stderr[-3000:]
+    assert [ln for ln in before.splitlines() if "global RNG" in ln] == []
+    lines = [ln for ln in after.splitlines() if "global RNG" in ln]
     assert len(lines) == 1, lines
     assert lines[0].startswith("jtrain: warning: train_data (Noisy), eval_data (Noisy) draw "
                                "from torch's global RNG when an item is read")
@@ -75,7 +83,3 @@ def test_global_rng_draws_get_one_warning_line(tmp_path):
     lines = rng_lines(proc)
     assert len(lines) == 1 and lines[0].startswith(
         "jtrain: warning: train_data (Noisy) draws from torch's global RNG"), lines
-
-    proc = run_python(tmp_path, "train.py", "own")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert rng_lines(proc) == []

@@ -1,19 +1,16 @@
-"""The library as research code uses it, each from a plain script (`python script.py` in
+"""The library as research code uses it, from one plain script (`python research.py` in
 an empty temp directory, jtrain imported as installed, absl flags parsed by nobody):
 
 * the public pieces composed into a hand-written loop: make_mesh, make_optimizer,
   to_model_fns, make_abstract_state / init_state, make_train_step, host_to_device;
-* a pure `(init, apply)` model (no Flax at all) trained end to end by jtrain.train;
-* the wheel: built from this tree, installed with --no-deps into a fresh venv that sees
-  the dependencies through --system-site-packages, then a 5-step training from it, so a
-  module or data file missing from the package fails here."""
+* a pure `(init, apply)` model (no Flax at all) trained end to end by jtrain.train.
+
+The wheel built from this tree (every module packaged, a user's script training from a
+fresh venv): tests/journeys/test_wheel_install.py."""
 
 import json
-import os
-import shutil
-import site
-import subprocess
-import sys
+
+import pytest
 
 from journey import run_python
 
@@ -27,6 +24,7 @@ Y = (X[:, 0] - X[:, 1] > 0).astype(np.int32)  # learnable: a linear boundary
 
 HAND_LOOP = DATA + '''
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -68,10 +66,11 @@ for i in range(cfg.total_steps):
     losses.append(float(metrics["train/loss"]))
 accuracy = float((fns.apply(state.params, X).argmax(-1) == Y).mean())
 print(json.dumps({"step": int(state.step), "first": losses[0], "last": losses[-1],
-                  "accuracy": accuracy, "sha": jtrain.state_sha256(state)}))
+                  "accuracy": accuracy, "sha": jtrain.state_sha256(state),
+                  "listing": sorted(os.listdir("."))}))
 '''
 
-PURE = DATA + '''
+PURE = '''
 import json
 import sys
 
@@ -103,70 +102,31 @@ print(json.dumps({"summary": result.summary, "jtrain": jtrain.__file__}))
 '''
 
 
-def last_json(proc) -> dict:
+@pytest.fixture(scope="module")
+def research(tmp_path_factory):
+    """One plain script, both parts in turn: the hand-written loop, then the pure
+    model's jtrain.train (`python research.py runs/pure 30`); the two JSON lines it prints."""
+    cwd = tmp_path_factory.mktemp("research")
+    (cwd / "research.py").write_text(HAND_LOOP + PURE)
+    proc = run_python(cwd, "research.py", "runs/pure", 30)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    loop, pure = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    return cwd, loop, pure
 
 
-def test_hand_written_loop_from_the_public_pieces(tmp_path):
-    (tmp_path / "loop.py").write_text(HAND_LOOP)
-    out = last_json(run_python(tmp_path, "loop.py"))
+def test_hand_written_loop_from_the_public_pieces(research):
+    _, out, _ = research
     assert out["step"] == 40
     assert out["last"] < 0.5 * out["first"], out
     assert out["accuracy"] > 0.9, out
-    assert sorted(os.listdir(tmp_path)) == ["loop.py"]  # a library call writes nothing
+    assert out["listing"] == ["research.py"]  # a library call writes nothing
 
 
-def test_pure_init_apply_model_trains_end_to_end(tmp_path):
-    (tmp_path / "pure.py").write_text(PURE)
-    out = last_json(run_python(tmp_path, "pure.py", "runs/pure", 30))
+def test_pure_init_apply_model_trains_end_to_end(research):
+    cwd, _, out = research
     s = out["summary"]
     assert s["step"] == 30 and s["eval/accuracy"] > 0.85, s
-    assert (tmp_path / "runs" / "pure" / "summary.json").is_file()
+    assert (cwd / "runs" / "pure" / "summary.json").is_file()
     records = [json.loads(ln) for ln in
-               (tmp_path / "runs" / "pure" / "metrics.jsonl").read_text().splitlines()]
+               (cwd / "runs" / "pure" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "train/loss" in r] == [5, 10, 15, 20, 25, 30]
-
-
-def test_the_built_wheel_installs_and_trains(tmp_path):
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    src, wheels = tmp_path / "src", tmp_path / "wheels"
-    shutil.copytree(os.path.join(repo, "jtrain"), src / "jtrain",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):  # what the build reads, nothing else
-        shutil.copy(os.path.join(repo, name), src / name)
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
-                            "--no-build-isolation", "-q", "-w", str(wheels), str(src)],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr[-3000:]
-    (wheel,) = wheels.glob("jtrain-*.whl")
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
-                    str(venv)], check=True, timeout=120)
-    py = venv / "bin" / "python"
-    # The dependencies live in this test's venv, not in the system's: point the new venv
-    # at them with a .pth file. Its own site-packages (holding the wheel) comes first,
-    # and the editable install's finder only answers after the path search.
-    (new_site,) = (venv / "lib").glob("python3*/site-packages")
-    deps = [p for p in site.getsitepackages() if p.endswith("site-packages")]
-    (new_site / "zz_deps.pth").write_text("\n".join(deps) + "\n")
-    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                              "--target", str(new_site), str(wheel)],
-                             capture_output=True, text=True, timeout=300)
-    assert install.returncode == 0, install.stderr[-3000:]
-    user = tmp_path / "user"
-    user.mkdir()
-    (user / "pure.py").write_text(PURE)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
-    proc = subprocess.run([str(py), "pure.py", "runs/w", "5"], cwd=user,
-                          env={**env, "JAX_PLATFORMS": "cpu"},
-                          capture_output=True, text=True, timeout=300)
-    out = last_json(proc)
-    assert out["jtrain"].startswith(str(new_site)), out["jtrain"]  # the wheel, not the tree
-    assert out["summary"]["step"] == 5
-    def modules(root):
-        return {os.path.relpath(os.path.join(d, f), root)
-                for d, _, fs in os.walk(os.path.join(root, "jtrain")) for f in fs
-                if f.endswith(".py")}
-
-    assert modules(repo) <= modules(str(new_site)), sorted(modules(repo) - modules(new_site))

@@ -95,31 +95,34 @@ def run_script(tmp_path, body: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-def assert_trained(tmp_path, proc) -> dict:
+def assert_trained(tmp_path, proc, workdir: str) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "UnparsedFlagAccessError" not in proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    seen = proc.stdout + proc.stderr  # jtrain's log lines go to stderr
-    assert "jtrain: done at step 6" in seen, seen[-2000:]
-    summary = json.loads((tmp_path / "runs" / "x" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "runs" / workdir / "summary.json").read_text())
     assert summary["step"] == 6
     return summary
 
 
 # (data.num_workers from a config goes through the same pipeline.with_workers as the
 # torch DataLoader case; it is not run separately to keep the suite's time.)
-@pytest.mark.parametrize("how", ["torch_dataloader", "grain_dataloader"])
-def test_plain_script_trains_with_data_workers(tmp_path, how):
+def test_plain_script_trains_with_data_workers(tmp_path):
+    """One script, two runs: a grain DataLoader with a worker (first, so that nothing in
+    the process has parsed absl flags before grain starts it), then a torch DataLoader
+    with two workers."""
     pytest.importorskip("torch")
-    proc = run_script(tmp_path, RUNS[how])
-    assert_trained(tmp_path, proc)
-    if how == "torch_dataloader":
-        assert "num_workers=2" in proc.stderr  # the header says the loader's setting is used
-        for w in (0, 1):  # both workers ran the user's worker_init_fn, in spawned processes
-            assert f"worker {w} started as __mp_main__" in proc.stdout, proc.stdout[-2000:]
-        # this script passes `model=Net`, the NNX class: built like its factory
-        header = next(ln for ln in proc.stderr.splitlines() if ln.startswith("jtrain: model"))
-        assert "(nnx)" in header and "ModuleMeta" not in header, header
+    first = RUNS["grain_dataloader"].replace('"runs/x"', '"runs/grain"')
+    proc = run_script(tmp_path, first + RUNS["torch_dataloader"])
+    seen = proc.stdout + proc.stderr  # jtrain's log lines go to stderr
+    assert seen.count("jtrain: done at step 6") == 2, seen[-2000:]
+    assert_trained(tmp_path, proc, "grain")
+    assert_trained(tmp_path, proc, "x")
+    assert "num_workers=2" in proc.stderr  # the header says the loader's setting is used
+    for w in (0, 1):  # both workers ran the user's worker_init_fn, in spawned processes
+        assert f"worker {w} started as __mp_main__" in proc.stdout, proc.stdout[-2000:]
+    # the torch run passes `model=Net`, the NNX class: built like its factory
+    header = [ln for ln in proc.stderr.splitlines() if ln.startswith("jtrain: model")][-1]
+    assert "(nnx)" in header and "ModuleMeta" not in header, header
 
 
 class Pair(nnx.Module):

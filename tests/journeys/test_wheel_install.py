@@ -1,8 +1,8 @@
 """jtrain as a wheel, run where it is installed: the wheel built from this tree carries
-the reference and recipe configs (jtrain/configs/), its metadata (one version, the license,
-ranges rather than pins) and a LICENSE; installed into a fresh venv, it trains
-`--config=base:debug` by name and a user's own model script from a directory outside the
-checkout, with the `jtrain` console script the wheel installed.
+every module of the package, the reference and recipe configs (jtrain/configs/), its
+metadata (one version, the license, ranges rather than pins) and a LICENSE; installed
+into a fresh venv, it trains `--config=base:debug` by name and a user's own model script
+from a directory outside the checkout, with the `jtrain` console script the wheel installed.
 
 The venv gets only the wheel (`pip install --no-deps`); its dependencies are this test's
 own environment's, seen through a `.pth` file (a venv made from a venv with
@@ -11,10 +11,12 @@ dependencies themselves from the lock (`pip install -c constraints.txt jtrain-*.
 a bare venv) took about a minute with every wheel on local disk, too long for one test:
 WORKSPACE.md gives that check as a command.
 
-The lock holds the newest jax and flax, while the ranges let a user keep older ones: one
-test installs the lower bounds of jax, jaxlib and flax from `pyproject.toml` into the
-venv's own site-packages (from pip's cache or the package index; the `.pth` comes after
-them, so they win over the lock's) and trains the debug reference run there."""
+The lock holds the newest jax and flax, while the ranges let a user keep older ones: the
+one venv (shared by the tests; its three commands run once) holds the lower bounds of jax, jaxlib
+and flax from `pyproject.toml` in its own site-packages (from pip's cache or the package
+index; the `.pth` comes after them, so they win over the lock's), and the debug
+reference run and the user's script train there. The lock's own versions train the rest
+of the suite."""
 
 import email
 import json
@@ -37,8 +39,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 USER_SCRIPT = '''
 import json
-import sys
 
+import flax
+import jax
+import jaxlib
 import numpy as np
 from flax import nnx
 
@@ -62,7 +66,8 @@ cfg = {"total_steps": 5, "data": {"batch_size": 32}, "optim": {"lr": 1e-2},
 result = jtrain.train(cfg, "runs/mine", model=Net(nnx.Rngs(0)),
                       train_data={"inputs": X[:224], "targets": Y[:224]},
                       eval_data={"inputs": X[224:], "targets": Y[224:]})
-print(json.dumps({"step": result.summary["step"], "jtrain": jtrain.__file__}))
+print(json.dumps({"step": result.summary["step"], "versions": {
+    m.__name__: [m.__version__, m.__file__] for m in (jax, jaxlib, flax, jtrain)}}))
 '''
 
 
@@ -124,6 +129,9 @@ def test_the_wheel_carries_the_configs_the_license_and_ranges(wheel):
                     for p in (REPO / "configs").rglob("*.py")}
         assert packaged == checkout and "jtrain/configs/recipes/classify.py" in packaged
         assert all(z.read(n) == (REPO / n).read_bytes() for n in packaged)  # one copy
+        modules = {p.relative_to(REPO).as_posix() for p in (REPO / "jtrain").rglob("*.py")
+                   if "__pycache__" not in p.parts}
+        assert modules <= names, sorted(modules - names)  # no module left out of the package
         (license_file,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
         assert "Apache License" in z.read(license_file).decode()
     assert meta["Version"] == jtrain.__version__  # the one version string
@@ -136,61 +144,53 @@ def test_the_wheel_carries_the_configs_the_license_and_ranges(wheel):
     assert "torch==2.13.0; extra == \"torch\"" in requires  # the one exact pin: a CPU build
 
 
-def test_the_installed_wheel_runs_packaged_configs_by_name_outside_the_checkout(wheel, tmp_path):
-    venv = _venv_with(wheel, tmp_path)
-    py, user = venv / "bin" / "python", tmp_path / "user"
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> dict:
+    """One venv holding the wheel and the lower bounds of jax, jaxlib and flax, used from a
+    directory outside the checkout: `jtrain train --config=base:debug` (a packaged config
+    by name), a misspelt name, and the user's own model script."""
+    tmp_path = tmp_path_factory.mktemp("installed")
+    lowest = _lower_bounds("jax", "jaxlib", "flax")
+    venv = _venv_with(wheel, tmp_path, own=tuple(f"{n}=={v}" for n, v in lowest.items()))
+    user = tmp_path / "user"
     user.mkdir()
     env = user_env()
 
-    def run(*argv, cwd=user):
-        return subprocess.run([str(a) for a in argv], cwd=cwd, env=env, capture_output=True,
+    def run(*argv):
+        return subprocess.run([str(a) for a in argv], cwd=user, env=env, capture_output=True,
                               text=True, timeout=300)
 
-    where = run(py, "-c", "import jtrain; print(jtrain.__file__)")
-    assert where.stdout.strip().startswith(str(venv)), where  # the wheel, not the checkout
-
-    trained = run(py, "-m", "jtrain.main", "--config=base:debug", "--workdir=runs/x",
+    trained = run(venv / "bin" / "jtrain", "train", "--config=base:debug", "--workdir=runs/x",
                   "--config.total_steps=3", "--config.eval.num_batches=1")
+    listing = sorted(os.listdir(user))
+    typo = run(venv / "bin" / "jtrain", "train", "--config=bsae:debug", "--workdir=runs/y")
+    (user / "mine.py").write_text(USER_SCRIPT)
+    mine = run(venv / "bin" / "python", "mine.py")
+    return {"venv": venv, "user": user, "lowest": lowest, "trained": trained,
+            "listing": listing, "typo": typo, "mine": mine}
+
+
+def test_the_installed_wheel_runs_packaged_configs_by_name_outside_the_checkout(installed):
+    user, trained, typo = installed["user"], installed["trained"], installed["typo"]
     assert trained.returncode == 0, trained.stderr[-3000:]
     summary = json.loads((user / "runs/x/summary.json").read_text())
     assert summary["step"] == 3 and summary["exit_code"] == 0, summary
     config = json.loads((user / "runs/x/config.json").read_text())
     assert config["model"]["d_model"] == 64 and config["total_steps"] == 3  # base's debug
-    assert sorted(os.listdir(user)) == ["runs"]  # no configs/ needed beside the run
+    assert installed["listing"] == ["runs"]  # no configs/ needed beside the run
 
-    typo = run(venv / "bin" / "jtrain", "train", "--config=bsae:debug", "--workdir=runs/y")
     assert typo.returncode == 2, typo.stderr[-3000:]
     assert typo.stderr.strip().splitlines()[-1].startswith(
         "jtrain: config error: bsae: no such file, nor a packaged config (one of: base, ")
 
-    (user / "mine.py").write_text(USER_SCRIPT)
-    mine = run(py, "mine.py")
+
+def test_the_wheel_trains_beside_the_lowest_jax_and_flax_outside_the_checkout(installed):
+    venv, mine = installed["venv"], installed["mine"]
     assert mine.returncode == 0, mine.stderr[-3000:]
     out = json.loads(mine.stdout.strip().splitlines()[-1])
-    assert out["step"] == 5 and out["jtrain"].startswith(str(venv)), out
-    assert (user / "runs/mine/summary.json").is_file()
-
-
-def test_the_wheel_trains_beside_the_lowest_jax_and_flax_outside_the_checkout(wheel, tmp_path):
-    lowest = _lower_bounds("jax", "jaxlib", "flax")
-    venv = _venv_with(wheel, tmp_path, own=tuple(f"{n}=={v}" for n, v in lowest.items()))
-    py, user = venv / "bin" / "python", tmp_path / "user"
-    user.mkdir()
-    env = user_env()
-    trained = subprocess.run(
-        [str(venv / "bin" / "jtrain"), "train", "--config=base:debug", "--workdir=runs/x",
-         "--config.total_steps=2", "--config.eval.num_batches=1"],
-        cwd=user, env=env, capture_output=True, text=True, timeout=300)
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    summary = json.loads((user / "runs/x/summary.json").read_text())
-    assert summary["step"] == 2 and summary["exit_code"] == 0, summary
-
-    versions = subprocess.run(
-        [str(py), "-c", "import json, flax, jax, jaxlib, jtrain; print(json.dumps({m.__name__: "
-         "[m.__version__, m.__file__] for m in (jax, jaxlib, flax, jtrain)}))"],
-        cwd=user, env=env, capture_output=True, text=True, timeout=300)
-    assert versions.returncode == 0, versions.stderr[-3000:]
-    used = json.loads(versions.stdout)
-    for name, version in lowest.items():  # the venv's own copies, not the lock's
+    assert out["step"] == 5, out
+    assert (installed["user"] / "runs/mine/summary.json").is_file()
+    used = out["versions"]
+    for name, version in installed["lowest"].items():  # the venv's own copies, not the lock's
         assert used[name][0] == version and used[name][1].startswith(str(venv)), used
-    assert used["jtrain"][1].startswith(str(venv)), used
+    assert used["jtrain"][1].startswith(str(venv)), used  # the wheel, not the checkout

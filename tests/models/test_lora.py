@@ -4,7 +4,8 @@ Linen and an NNX model; the merged weights (`W + alpha/rank * A @ B`) make the p
 compute what the adapted one does (Linen, NNX, the built-in transformer, multi-axis and
 einsum kernels), and every adapter gets a gradient; `checkpoint.init_from` of a plain run
 keeps the adapters fresh; bad settings are one-line config errors; a user's journey: a
-script pretrains and LoRA fine-tunes their model, the CLI exports it with --merge_lora."""
+script pretrains and LoRA fine-tunes their model, the CLI exports it with --merge_lora
+(the CLI's one lines for a run without LoRA and a config that adapts nothing, in-process)."""
 
 import json
 import sys
@@ -16,6 +17,8 @@ import pytest
 from flax import linen as nn, nnx
 
 import jtrain
+import jtrain.export
+from jtrain import main as main_lib
 from jtrain.checkpoint import export as export_lib
 from jtrain.errors import ConfigError, RestoreError, UsageError
 from jtrain.models import lora
@@ -300,11 +303,11 @@ def get_config():
 _run = run_python
 
 
-def _error_lines(proc):
-    return [ln for ln in proc.stderr.splitlines() if " error: " in ln]
+def _error_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if " error: " in ln]
 
 
-def test_user_pretrains_lora_finetunes_and_exports_merged(tmp_path):
+def test_user_pretrains_lora_finetunes_and_exports_merged(tmp_path, monkeypatch, capfd):
     user_dir(tmp_path, ["nnx_mlp"], {"finetune.py": SCRIPT, "myconfig.py": CONFIG})
     proc = _run(tmp_path, "finetune.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -321,19 +324,26 @@ def test_user_pretrains_lora_finetunes_and_exports_merged(tmp_path):
     tensors, _ = export_lib.read_safetensors(str(tmp_path / "exports/ft/params.safetensors"))
     assert sorted(tensors) == ["encoder/bias", "encoder/kernel", "head/bias", "head/kernel"]
 
-    # a run without LoRA has nothing to merge; a config that adapts nothing
-    proc = _run(tmp_path, "-m", "jtrain.export", "runs/base", "--merge_lora", "--out=x")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert _error_lines(proc) == ["jtrain: usage error: --merge_lora: runs/base was not "
-                                  "trained with LoRA (finetune.lora.rank=0); export it "
-                                  "without --merge_lora"]
+    # a run without LoRA has nothing to merge; a config that adapts nothing: the same
+    # commands' one lines, run in this process (the journey's commands are the two above)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))  # as `python -m` puts the cwd on sys.path
+    capfd.readouterr()
+    assert jtrain.export.main(["runs/base", "--merge_lora", "--out=x"]) == 2
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and _error_lines(err) == [
+        "jtrain: usage error: --merge_lora: runs/base was not trained with LoRA "
+        "(finetune.lora.rank=0); export it without --merge_lora"], err[-3000:]
     assert not (tmp_path / "x").exists()
-    proc = _run(tmp_path, "-m", "jtrain.main", "--config=myconfig.py", "--workdir=runs/bad",
-                "--config.finetune.lora.targets=decoder")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert _error_lines(proc) == ["jtrain: config error: finetune.lora.targets: 'decoder' "
-                                  "matches no parameter path of a matmul weight; paths "
-                                  "look like 'encoder/kernel', 'head/kernel'"]
+    with pytest.raises(SystemExit) as e:
+        main_lib.cli(["jtrain", "--config=myconfig.py", "--workdir=runs/bad",
+                      "--config.finetune.lora.targets=decoder"])
+    err = capfd.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err[-3000:]
+    assert _error_lines(err) == ["jtrain: config error: finetune.lora.targets: 'decoder' "
+                                 "matches no parameter path of a matmul weight; paths "
+                                 "look like 'encoder/kernel', 'head/kernel'"]
+    assert not (tmp_path / "runs/bad/checkpoints").exists()
 
     # the merged export in the plain model = the fine-tuned LoRA model
     sys.path.insert(0, str(tmp_path))
