@@ -118,9 +118,14 @@ def stale(directory: str) -> list[str]:
     out = []
     for name, text in pages().items():
         path = os.path.join(directory, name)
-        if not os.path.exists(path) or open(path, encoding="utf-8").read() != text:
+        if not os.path.exists(path) or _read(path) != text:
             out.append(name)
     return out
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 def main(argv=None) -> int:
