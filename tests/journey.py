@@ -182,7 +182,6 @@ def marked_block(page, test_file: str) -> str:
     return block.split("```", 1)[0]
 
 
-
 def verify_resume_against(cwd, argv, root: str, reference: str, kills: int = 1,
                           timeout: int = 600):
     """jtrain's resume verifier (`jtrain.checkpoint.verify.verify_resume`, what
@@ -221,17 +220,13 @@ def killed_and_restarted(cwd, config, argv, root: str, kills: int = 1, modules=(
 def train_in_process(cwd, config, workdir: str, modules=()):
     """`jtrain.train(config, workdir)` in this process as if run from `cwd` (the user's
     modules importable from it): the result. `modules`: the names of the user's modules
-    the config imports, forgotten before and after (other tests have modules of the same
-    names in their own directories)."""
+    the config imports (own_modules: other tests have modules of the same names in their
+    own directories)."""
     import jtrain
 
-    for name in modules:
-        sys.modules.pop(name, None)
     sys.path.insert(0, str(cwd))
     try:
-        with contextlib.chdir(cwd):
+        with own_modules(*modules), contextlib.chdir(cwd):
             return jtrain.train(config, workdir)
     finally:
         sys.path.remove(str(cwd))
-        for name in modules:
-            sys.modules.pop(name, None)
