@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtrain import make_model
-from jtrain.checkpoint import export
+from jtrain.recipes.report import load_run
 
 from journey import run_python, user_env
 
@@ -76,15 +76,7 @@ def test_train_export_hf_and_load_with_transformers(tmp_path):
     assert got["architecture"] == "LlamaForCausalLM"
     # jtrain's logits for the same bytes, from the run's checkpoint (read here: the user's
     # side of the journey is the transformers script above)
-    config = json.loads((tmp_path / "runs" / "lm" / "config.json").read_text())
-    leaves = export.load_checkpoint_leaves(export.find_step_dir(str(tmp_path / "runs" / "lm")))
-    params: dict = {}
-    for path, value in leaves.items():
-        *parents, last = path.split("/")[1:]
-        node = params
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
+    config, params = load_run(str(tmp_path / "runs" / "lm"), step="latest")
     ids = np.array([list(TEXT.encode())])
     ours = make_model(config["model"], dtype=jnp.float32, param_dtype=jnp.float32).apply(
         {"params": params}, ids)
