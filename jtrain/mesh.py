@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 
 import jax
 import numpy as np
 from flax import linen as nn
-from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jtrain.config import sections
@@ -153,26 +153,33 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def _is_nnx_variable(x) -> bool:
+    """An NNX Variable; False without importing flax.nnx when nothing has (no NNX object
+    exists then), so a Linen run does not pay for NNX's import."""
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, nnx.Variable)
+
+
 def _spec_of(leaf):
     """The partition names of one annotated leaf (Linen box or NNX variable), or ()."""
     if isinstance(leaf, nn.LogicallyPartitioned):
         return tuple(leaf.names)
     if isinstance(leaf, nn.Partitioned):
         return tuple(leaf.names)
-    if isinstance(leaf, nnx.Variable):
+    if _is_nnx_variable(leaf):
         names = leaf.get_metadata().get("out_sharding") or leaf.get_metadata().get("sharding_names")
         return tuple(names) if names else ()
     return ()
 
 
 def _is_annotated(x) -> bool:
-    return isinstance(x, (nn.Partitioned, nnx.Variable))
+    return isinstance(x, nn.Partitioned) or _is_nnx_variable(x)
 
 
 def _unboxed(x):
     """The value inside a Linen Partitioned box or an NNX Variable (`get_value()`:
     flax deprecates `Variable.value`); anything else as it is."""
-    if isinstance(x, nnx.Variable):
+    if _is_nnx_variable(x):
         return x.get_value()
     return x.value if isinstance(x, nn.Partitioned) else x
 

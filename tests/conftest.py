@@ -69,6 +69,11 @@ def _bytecode_once() -> None:
     them: every one of the suite's hundreds of Python launches would compile jtrain's
     sources again. A user's installed wheel (or a first import without that variable)
     leaves them in place, so this makes the launches what they are for a user."""
+    # The test modules too: pytest caches each one's assertion-rewritten bytecode unless
+    # bytecode writing is off, and then every worker and the multidevice child rewrite
+    # all of them again (~5 s of CPU each). On in each pytest process (this hook runs in
+    # every one); the processes the tests start keep the environment as it is.
+    sys.dont_write_bytecode = False
     if CHILD_REPORTS or hasattr(_CONFIG[-1], "workerinput"):
         return
     import compileall

@@ -39,6 +39,7 @@ from jtrain.errors import EvaluateError, UsageError
 from jtrain.metrics.classification import classification_report
 from jtrain.observe import layout
 from jtrain.observe import jsonl, trust
+from jtrain.observe import compiles as compiles_lib
 from jtrain.observe.outputs import read_run_record
 
 
@@ -146,6 +147,7 @@ def open_run(workdir: str, *, model=None, loss_fn=None, weights: str | None = No
         raise EvaluateError(f"--weights={weights}: {workdir} keeps no weight EMA "
                             "(optim.ema.decay = 0)")
     config_lib.validate(cfg, num_devices=jax.device_count())
+    compiles_lib.configure_cache_for_reader(cfg.compile.cache_dir)
     reader = checkpoint.CheckpointReader(workdir)  # read-only: safe beside a running job
     source, data_name, data_info = _pick_data(data, cfg.data)
     b = build(cfg, sample=model_sample(cfg, source[0]), eval_example=source[0], model=model,

@@ -36,6 +36,7 @@ from jtrain import precision as precision_lib
 from jtrain.engine.assemble import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, build, model_sample
 from jtrain.errors import UsageError
 from jtrain.observe import hashes as hashes_lib, trust
+from jtrain.observe import compiles as compiles_lib
 from jtrain.observe.outputs import read_run_record
 
 
@@ -88,6 +89,7 @@ def replay(workdir: str, step: int, *, model=None, train_data=None, eval_data=No
     _check_sources(workdir, model, loss_fn)
     cfg = config_lib.resolve(recorded_cfg)
     config_lib.validate(cfg, num_devices=jax.device_count())
+    compiles_lib.configure_cache_for_reader(cfg.compile.cache_dir)
     precision_lib.set_deterministic(cfg.deterministic)
     user = data_lib.UserData(train_data, eval_data, processes=lambda: (0, 1))
     user.settings(cfg.data)

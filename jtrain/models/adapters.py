@@ -33,16 +33,40 @@ import dataclasses
 import functools
 import inspect
 import re
+import sys
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
-from flax import nnx
 
 from jtrain import mesh as mesh_lib
 from jtrain.state import Variables
 from jtrain.errors import ConfigError
+
+
+class _LazyNnx:
+    """flax.nnx, imported where an NNX model is handled (a Linen run never imports it:
+    ~0.2 s of start-up). Type checks go through `is_nnx`, which imports nothing."""
+
+    def __getattr__(self, name):
+        from flax import nnx as module
+
+        return getattr(module, name)
+
+
+nnx: Any = _LazyNnx()
+
+
+def is_nnx(x, *, cls: bool = False) -> bool:
+    """An NNX Module instance (a subclass with `cls`); False without importing flax.nnx
+    when nothing has: no NNX object can exist before it is imported."""
+    module = sys.modules.get("flax.nnx")
+    if module is None:
+        return False
+    if cls:
+        return isinstance(x, type) and issubclass(x, module.Module)
+    return isinstance(x, module.Module)
 
 
 def split_variables(params):
@@ -207,7 +231,7 @@ def from_nnx(model_or_factory, mesh=None) -> ModelFns:
     The model is split once, here: an instance as it is, a factory shapes-first
     (`nnx.eval_shape`) under `jax.set_mesh(mesh)`, which NNX needs for parameters
     annotated with `nnx.with_partitioning` (without a mesh: the caller's mesh context)."""
-    if isinstance(model_or_factory, nnx.Module):
+    if is_nnx(model_or_factory):
         graph, factory = NnxGraph.of(model_or_factory), None
         existing = nnx.to_pure_dict(graph.template)
         existing_state = nnx.to_pure_dict(graph.carried)
@@ -290,9 +314,9 @@ def with_compute_dtype(model, dtype, keep_fp32=("norm",)):
         if "dtype" in fields and _float_or_none(model.dtype):
             return model.clone(dtype=dtype)
         return model
-    if isinstance(model, nnx.Module):
+    if is_nnx(model):
         return _set_nnx_dtype(nnx.merge(*nnx.split(model)), dtype, keep_fp32)  # a copy
-    if isinstance(model, type) and issubclass(model, nnx.Module):
+    if is_nnx(model, cls=True):
         model = nnx_class_factory(model)
     if callable(model) and not isinstance(model, type) and not isinstance(model, tuple):
 
@@ -315,7 +339,7 @@ def _float_or_none(value) -> bool:
 
 def _set_nnx_dtype(model, dtype, keep_fp32):
     keep = [re.compile(p, re.IGNORECASE) for p in keep_fp32]
-    if isinstance(model, nnx.Module):
+    if is_nnx(model):
         for path, module in nnx.iter_modules(model):
             where = "/".join(map(str, (*path, type(module).__name__)))
             if (hasattr(module, "dtype") and _float_or_none(module.dtype)
@@ -383,11 +407,11 @@ class ModelTypeError(ConfigError, TypeError):
 
 def model_kind_error(model) -> str | None:
     """None for a model `to_model_fns` takes, else what it is and what it takes."""
-    if isinstance(model, (nn.Module, nnx.Module)):
+    if isinstance(model, nn.Module) or is_nnx(model):
         return None
     if isinstance(model, (tuple, list)) and len(model) == 2 and all(map(callable, model)):
         return None
-    if isinstance(model, type) and issubclass(model, nnx.Module):
+    if is_nnx(model, cls=True):
         return None
     if isinstance(model, type) and issubclass(model, nn.Module):
         return (f"{model.__name__} is a flax.linen.Module class; pass an instance, e.g. "
@@ -417,7 +441,7 @@ def to_model_fns(model, mesh=None) -> ModelFns:
         raise ModelTypeError("model", why)
     if isinstance(model, nn.Module):
         return from_linen(model)
-    if isinstance(model, nnx.Module):
+    if is_nnx(model):
         return from_nnx(model, mesh)
     if isinstance(model, (tuple, list)):
         return from_pure(model)

@@ -43,11 +43,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
-from flax import nnx
 
 from jtrain import optim
 from jtrain.errors import ConfigError
 from jtrain.models import adapters
+from jtrain.models.adapters import is_nnx, nnx  # flax.nnx imported at first NNX use
 
 ADAPTERS = r"_lora_[ab]$"  # the parameter paths that train (an optim.trainable regex)
 _A, _B = "_lora_a", "_lora_b"
@@ -98,12 +98,12 @@ def _wrap(module, provider, sample, seed):
 
     if isinstance(module, nn.Module):
         return qwix.apply_lora_to_model(module, provider)
-    if isinstance(module, nnx.Module):
+    if is_nnx(module):
         return _nnx_lora(module, provider, sample, nnx.Rngs(seed))
     if isinstance(module, (tuple, list)):
         raise ConfigError("finetune.lora.rank", "LoRA adapts the matmul weights of Flax "
                           "modules (Linen or NNX); an (init, apply) pair has none")
-    if isinstance(module, type) and issubclass(module, nnx.Module):
+    if is_nnx(module, cls=True):
         module = adapters.nnx_class_factory(module)
     elif isinstance(module, type) or not callable(module):
         return module  # not a model: adapters.to_model_fns says why

@@ -132,8 +132,7 @@ def _nnx_config(**mesh):
             "optim": {"lr": 1e-2, "ema": {"decay": 0.9}},
             "eval": {"every_steps": 0, "num_batches": 1},
             "checkpoint": {"every_steps": 2}, "debug": {"hash_every_steps": 1},
-            "log": {"every_steps": 1, "writers": ["jsonl"], "train_metrics": ["accuracy"]},
-            "compile": {"cache_dir": ""}}
+            "log": {"every_steps": 1, "writers": ["jsonl"], "train_metrics": ["accuracy"]}}
 
 
 LINEN_CONFIG = {
@@ -144,8 +143,7 @@ LINEN_CONFIG = {
               "frozen": ["Dense_0"]},
     "eval": {"every_steps": 0, "num_batches": 1, "top_k": 2},
     "log": {"every_steps": 1, "writers": ["jsonl"],
-            "train_metrics": ["accuracy", "top_k_accuracy"]},
-    "compile": {"cache_dir": ""}}
+            "train_metrics": ["accuracy", "top_k_accuracy"]}}
 
 
 def _train(workdir, cfg, model, devices=None, fault=None):
@@ -158,9 +156,6 @@ def _train(workdir, cfg, model, devices=None, fault=None):
                        functools.partial(mesh_lib.make_mesh, devices=jax.devices()[:devices]))
         if fault:
             mp.setenv(faults.FAULT_ENV, fault)
-        # one compile cache for the runs of this module (the same programs: straight,
-        # stopped and resumed), under the runs' temp folder
-        cfg = {**cfg, "compile": {"cache_dir": str(workdir.parent / "compile_cache")}}
         return jtrain.train(cfg, str(workdir), model=model, train_data=DATA,
                             eval_data=DATA[:16])
 

@@ -23,13 +23,13 @@ MESHES = ((1, 1), (2, 1), (2, 2), (8, 1))  # (data, fsdp) sizes: 1, 2, 4, 8 devi
 MAKE_MESH = mesh_lib.make_mesh
 
 
-def _config(fsdp=1, on=True, steps=3, batch=16, chunks=8):
+def _config(fsdp=1, on=True, steps=3, batch=16, chunks=8, cache="auto"):
     return {"total_steps": steps, "seed": 0, "data": {"batch_size": batch},
             "optim": {"name": "adamw", "lr": 3e-2, "clip_norm": 0.5, "weight_decay": 0.1},
             "mesh": {"data": -1, "fsdp": fsdp, "auto_shard": True,
                      "auto_shard_min_bytes": 0},
             "eval": {"every_steps": steps}, "checkpoint": {"every_steps": 0},
-            "compile": {"cache_dir": ""}, "debug": {"hash_every_steps": 1},
+            "compile": {"cache_dir": cache}, "debug": {"hash_every_steps": 1},
             "determinism": {"topology_invariant": on, "chunks": chunks}}
 
 
@@ -37,9 +37,10 @@ def _train(tmp_path, monkeypatch, kind, data, fsdp, on=True):
     monkeypatch.setattr(mesh_lib, "make_mesh", lambda mesh_cfg=None, devices=None: MAKE_MESH(
         mesh_cfg, devices=jax.devices()[:data * fsdp]))
     workdir = str(tmp_path / f"{kind}_{data}x{fsdp}_{on}")
-    if kind == "own":
-        r = jtrain.train(_config(fsdp, on), workdir, step=own_step(), train_data=own_data(),
-                         eval_data=own_data(40, seed=1))
+    if kind == "own":  # no compile cache: the one-device programs compiled once are moved
+        #                 to the other devices (with the cache, each device loads its own)
+        r = jtrain.train(_config(fsdp, on, cache=""), workdir, step=own_step(),
+                         train_data=own_data(), eval_data=own_data(40, seed=1))
     else:
         model = nnx_mlp.make() if kind == "nnx" else Net(hidden=32)
         r = jtrain.train(_config(fsdp, on), workdir, model=model, train_data=nnx_mlp.data(64),

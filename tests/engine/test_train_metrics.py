@@ -29,8 +29,7 @@ def _run(tmp_path, accum):
            "optim": {"lr": 0.0, "grad_accum_steps": accum},
            "eval": {"every_steps": 0, "top_k": 2},
            "log": {"every_steps": 1, "writers": ["jsonl"],
-                   "train_metrics": ["accuracy", "top_k_accuracy"]},
-           "compile": {"cache_dir": ""}}
+                   "train_metrics": ["accuracy", "top_k_accuracy"]}}
     net = Net()
     r = jtrain.train(cfg, str(tmp_path / f"a{accum}"), model=net, train_data=DATA,
                      eval_data=DATA[:16])

@@ -22,8 +22,7 @@ def get_config():
 
 def _dry_run(cwd, *extra):
     return run_python(cwd, "-m", "jtrain.main", "--config=cfg.py", "--workdir=run",
-                      "--dry_run", "--dry_run_devices=64", *extra,
-                      XDG_CACHE_HOME=str(cwd / "cache"))
+                      "--dry_run", "--dry_run_devices=64", *extra)
 
 
 def test_dry_run_of_64_devices_fsdp_x_tensor(tmp_path):

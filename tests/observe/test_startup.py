@@ -125,7 +125,8 @@ def test_a_compile_after_the_first_step_is_named_with_its_new_shapes():
 
 def test_an_explicit_compile_cache_dir_is_where_the_cache_goes(tmp_path):
     """compile.cache_dir=PATH (relative to the cwd) holds the cache; the default place
-    ($XDG_CACHE_HOME/jtrain/xla) stays untouched."""
+    ($XDG_CACHE_HOME/jtrain/xla) stays untouched. `jtrain.evaluate` of that run caches its
+    programs in the default place and writes nothing into PATH."""
     (tmp_path / "cfg.py").write_text(CONFIG)
     p = _run(tmp_path, "a", "--config.compile.cache_dir=mine/xla", "--config.total_steps=1",
              "--config.eval.every_steps=0", "--config.checkpoint.every_steps=0")
@@ -134,3 +135,40 @@ def test_an_explicit_compile_cache_dir_is_where_the_cache_goes(tmp_path):
     assert not os.path.exists(tmp_path / "xdg" / "jtrain" / "xla")
     s = _summary(tmp_path, "a")
     assert s["compile/cache_misses"] >= 1 and s["compile/cache_hits"] == 0
+    # Evaluating the run uses the cache in the default place, not the run's recorded
+    # directory (a run directory is data: opening it writes nothing outside it).
+    mine = sorted(os.listdir(tmp_path / "mine" / "xla"))
+    p = run_python(tmp_path, "-m", "jtrain.evaluate", "--workdir=a", "--noplots",
+                   XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path / "mine" / "xla")) == mine
+    assert any("eval_step" in f for f in os.listdir(tmp_path / "xdg" / "jtrain" / "xla"))
+
+
+def test_a_command_that_opens_a_run_limits_the_cache_like_the_default_config():
+    from jtrain import config as config_lib
+    from jtrain.observe import compiles
+
+    assert compiles.DEFAULT_MAX_GB == config_lib.defaults().compile.cache_max_gb
+
+
+def test_a_linen_run_does_not_import_nnx(tmp_path):
+    """Start-up pays only for the Flax API the model uses: a user's Linen model trains,
+    evaluates and checkpoints without flax.nnx ever being imported (~0.2 s)."""
+    copy_project(tmp_path, "linen_classifier")
+    (tmp_path / "train.py").write_text('''
+import sys
+import numpy as np
+import jtrain
+from linen_classifier import Net
+
+x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+y = (x[:, 0] > 0).astype(np.int32)
+r = jtrain.train({"total_steps": 4, "data": {"batch_size": 8}, "eval": {"every_steps": 4}},
+                 "run", model=Net(), train_data=(x, y), eval_data=(x[:16], y[:16]))
+print("step", r.summary["step"], "nnx imported:", "flax.nnx" in sys.modules)
+''')
+    p = run_python(tmp_path, "train.py")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "step 4 nnx imported: False" in p.stdout
+    assert os.listdir(tmp_path / "run" / "checkpoints")
