@@ -136,15 +136,15 @@ def make_abstract_state(model_fns, tx, policy, sample_inputs, mesh, seed: int, *
         print(int(state.step), float(metrics["train/loss"]))
         ```
     """
-    rng = jax.random.key(seed)
+    rng = jax.eval_shape(jax.random.key, seed)  # shapes only: no key computed here
     if auto_shard_min_bytes == "schema":
         auto_shard_min_bytes = mesh_lib.auto_shard_bytes()
     with jax.set_mesh(mesh):
         abstract_params, param_shardings = model_fns.abstract_and_shardings(
             rng, sample_inputs, mesh, auto_shard_min_bytes=auto_shard_min_bytes)
         model_state = _no_empty(model_fns.abstract_state(rng, sample_inputs))
-    abstract = jax.eval_shape(lambda p, m: _fresh_state(p, tx, policy, rng, ema, m),
-                              abstract_params, model_state)
+    abstract = jax.eval_shape(lambda p, m, r: _fresh_state(p, tx, policy, r, ema, m),
+                              abstract_params, model_state, rng)
     repl = NamedSharding(mesh, P())
     # MaskedNode: no state for that parameter (frozen by optim.trainable / frozen).
     try:
@@ -208,16 +208,18 @@ def init_state(model_fns, tx, policy, sample_inputs, mesh, seed: int, shardings
         ```
     """
     ema, stateful = shardings.ema is not None, shardings.model_state is not None
-    rng = jax.random.key(seed)
-    inputs = jax.tree.map(lambda s: jnp.zeros((1,) + tuple(s.shape[1:]), s.dtype),
-                          sample_inputs)
+    # The key and the example inputs are made inside the one jitted function: each made
+    # outside would be a program of its own, compiled (or loaded) before it.
     if model_fns.existing_params is not None:  # an NNX instance the user already built
-        fn = jax.jit(lambda p, m: _fresh_state(p, tx, policy, rng, ema, m),
+        fn = jax.jit(lambda p, m: _fresh_state(p, tx, policy, jax.random.key(seed), ema, m),
                      out_shardings=shardings)
         return fn(model_fns.existing_params,
                   model_fns.existing_state if stateful else None)
 
     def create():
+        rng = jax.random.key(seed)
+        inputs = jax.tree.map(lambda s: jnp.zeros((1,) + tuple(s.shape[1:]), s.dtype),
+                              sample_inputs)
         key = jax.random.fold_in(rng, 0)
         params = nn.unbox(model_fns.init(key, inputs))
         model_state = model_fns.state_init(key, inputs) if stateful else None
