@@ -88,9 +88,11 @@ def _marked(item) -> bool:
 
 
 # The groups that take longest (per-file totals of a whole-suite run with
-# JTRAIN_TEST_TIMES set), longest first: xdist hands out groups in the order of the items, so
-# these start first and the short files fill in around them; a long group handed out last
-# would leave the other workers idle at the end. Groups not named keep their file order.
+# JTRAIN_TEST_TIMES set), longest first: xdist hands out groups in the order of the items
+# (with --no-loadscope-reorder, in pyproject's addopts: by default it orders them by their
+# number of tests), so these start first and the short files fill in around them; a long
+# group handed out last would leave the other workers idle at the end. Groups not named
+# keep their file order.
 SLOW_GROUPS = (
     "tests/journeys/test_doc_examples.py",
     "multidevice",
