@@ -29,11 +29,17 @@ import sys
 import jax
 import pytest
 
+from jtrain.observe import compiles
+
 CHILD_REPORTS = os.environ.get("JTRAIN_TEST_REPORTS")  # set in the multidevice child only
 MULTIDEVICE_COUNT = 8
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", MULTIDEVICE_COUNT if CHILD_REPORTS else 1)
+# jtrain's compile cache on from the start, as the first jtrain.train of a process turns it
+# on (compile.cache_dir's default): without it, what a test compiles in this process
+# depended on whether an earlier test on the same worker had trained (tens of seconds).
+compiles.configure_cache("auto", compiles.DEFAULT_MAX_GB)
 
 
 _CONFIG = []

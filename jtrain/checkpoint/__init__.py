@@ -23,10 +23,37 @@ errors RestoreError, CheckpointError (from jtrain.errors). The engine opens a ru
 checkpoints with `open_checkpoints` (a `Checkpointer`, or `Tiers` with a local tier).
 """
 
-from jtrain.checkpoint.manager import (Checkpointer, CheckpointReader, Start,
-                                       abstract_with_shardings)
-from jtrain.checkpoint.tiers import Tiers, open_checkpoints  # noqa: F401 - the engine's
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from jtrain.errors import CheckpointError, RestoreError
+
+if TYPE_CHECKING:
+    from jtrain.checkpoint.manager import (Checkpointer, CheckpointReader, Start,
+                                           abstract_with_shardings)
+    from jtrain.checkpoint.tiers import Tiers, open_checkpoints  # noqa: F401 - the engine's
+
+# Each name is loaded from its module on first use: a command that only reads a path
+# (`jtrain.checkpoint.store.is_remote`) or fails on a bad flag does not import orbax,
+# JAX and Flax through this package.
+_EXPORTS = {"Checkpointer": "manager", "CheckpointReader": "manager", "Start": "manager",
+            "abstract_with_shardings": "manager", "Tiers": "tiers",
+            "open_checkpoints": "tiers"}
+_SUBMODULES = ("export", "hf", "hf_export", "init_from", "integrity", "manager", "policy",
+               "store", "tensorfile", "tiers", "topologies", "verify")
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # the next lookup does not come here
+    return value
 
 __all__ = ["CheckpointError", "CheckpointReader", "Checkpointer", "RestoreError", "Start",
            "abstract_with_shardings"]

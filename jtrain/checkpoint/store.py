@@ -330,3 +330,28 @@ def local_copy(path: str, *, write_back: bool = False, pull: bool = True, say=No
             mirror.push()
     finally:
         mirror.close()
+
+
+def check_workdir(path: str) -> None:
+    """A WorkdirError naming the workdir when it cannot be a run's directory: an
+    object-store URI that is not supported or cannot be reached, a file, or not
+    writable. Writing is tried (a file created and removed in the workdir, or in its
+    nearest existing parent when it does not exist yet), not inferred from permission
+    bits: root passes every os.access check, and a read-only file system fails only the
+    write."""
+    if is_remote(path):  # s3:// or gs://: reachable and readable, else one line
+        check(path)
+        return
+    path = parent = os.path.abspath(path)
+    while not os.path.exists(parent):  # the nearest existing ancestor must be writable
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        where = "" if parent == path else f" (in {path})"
+        raise WorkdirError(f"{parent} is a file, not a directory{where}; choose another "
+                           "--workdir")
+    try:
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as e:
+        why = (e.strerror or str(e)).lower()
+        raise WorkdirError(f"{parent} is not writable ({why}): the run writes its "
+                           "checkpoints and logs there; choose another --workdir") from None

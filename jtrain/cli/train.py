@@ -195,10 +195,10 @@ def main(fv: flags.FlagValues, args: list[str], argv: list[str]) -> int:
         from jtrain import precision
 
         precision.set_deterministic(True)
-    from jtrain.engine.run import train_and_evaluate
-
     config = _config_dict(fv)
     resolved = _start(fv, config)
+    from jtrain.engine.run import train_and_evaluate
+
     result = train_and_evaluate(config, fv.workdir, resolved=resolved)  # = train()'s page
     _print_result(fv, result)
     stopped = result.summary.get("stopped_by") in ("SIGTERM", "SIGINT")
@@ -213,18 +213,22 @@ def _start(fv, config: dict):
     Returns the resolved config."""
     import time
 
+    from jtrain import config as config_lib
+    from jtrain.checkpoint.store import check_workdir
+
+    # The run's one resolution and the workdir's check, before the engine's imports (a
+    # second or more): a bad key, value or workdir is its one line at once.
+    resolved = config_lib.resolve_for_run(config)
+    check_workdir(fv.workdir)
     import jax
 
+    import jtrain.engine.run  # noqa: F401 - imported here: the "imports" phase counts it
     from jtrain.cli import boot
-    from jtrain import config as config_lib
-    from jtrain.engine.run import check_workdir
     from jtrain.multihost import start
     from jtrain.observe import startup
 
     startup.mark("imports", boot.since_start())  # flags, config file and imports
     boot.resume_gc()  # the collector, paused through the imports
-    resolved = config_lib.resolve_for_run(config)  # the run's one resolution
-    check_workdir(fv.workdir)
     t_distributed = time.perf_counter()  # observe.startup's "distributed" phase
     start.start(config, fv.coordinator_address, fv.num_processes, fv.process_id,
                 auto=fv.distributed == "auto")

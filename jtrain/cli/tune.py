@@ -95,7 +95,7 @@ def main(fv, args, argv) -> int:
     from jtrain.config import space as space_lib
     from jtrain.observe import startup
     from jtrain.checkpoint import store
-    from jtrain.engine.run import check_workdir
+    from jtrain.checkpoint.store import check_workdir
 
     startup.mark("imports", boot.since_start())  # flags, config file and imports
     absl_logging.set_verbosity(absl_logging.WARNING)

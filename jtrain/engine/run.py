@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import tempfile
 import time
 from typing import Any, Callable, Sequence
 
@@ -37,6 +36,7 @@ from jtrain.engine import async_eval
 from jtrain.engine import loop as loop_lib
 from jtrain.engine import summary as summary_lib
 from jtrain.checkpoint import store
+from jtrain.checkpoint.store import check_workdir
 from jtrain.engine import own_step
 from jtrain.engine.assemble import (LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, Build, build,  # noqa: F401
                                     check_run, model_sample)
@@ -341,31 +341,6 @@ def _precompile(cfg, b: Build, data, startup) -> None:
             b.train_step, b.abstract_with_shardings(),
             compiles_lib.abstract_batch(data.train_example, cfg.data.batch_size,
                                         mesh_lib.batch_sharding(b.mesh)), mesh=b.mesh)
-
-
-def check_workdir(path: str) -> None:
-    """A WorkdirError naming the workdir when it cannot be a run's directory: an
-    object-store URI that is not supported or cannot be reached, a file, or not
-    writable. Writing is tried (a file created and removed in the workdir, or in its
-    nearest existing parent when it does not exist yet), not inferred from permission
-    bits: root passes every os.access check, and a read-only file system fails only the
-    write."""
-    if store.is_remote(path):  # s3:// or gs://: reachable and readable, else one line
-        store.check(path)
-        return
-    path = parent = os.path.abspath(path)
-    while not os.path.exists(parent):  # the nearest existing ancestor must be writable
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        where = "" if parent == path else f" (in {path})"
-        raise WorkdirError(f"{parent} is a file, not a directory{where}; choose another "
-                           "--workdir")
-    try:
-        tempfile.TemporaryFile(dir=parent).close()
-    except OSError as e:
-        why = (e.strerror or str(e)).lower()
-        raise WorkdirError(f"{parent} is not writable ({why}): the run writes its "
-                           "checkpoints and logs there; choose another --workdir") from None
 
 
 def _decisions(cfg, workdir, record, start, data, train_iter, on_eval, say):
