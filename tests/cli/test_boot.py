@@ -124,3 +124,23 @@ def test_the_train_command_turns_the_collector_back_on_after_its_imports(tmp_pat
         gc.enable()
         boot._gc_paused.clear()
     assert seen == [(True, True, [])]
+
+
+def test_a_bad_value_or_workdir_is_one_line_before_jax_is_imported(tmp_path):
+    """The train command resolves the config and checks the workdir before it imports
+    the engine: the one line comes at once, with JAX, Flax and orbax never imported."""
+    (tmp_path / "cfg.py").write_text(CONFIG)
+    (tmp_path / "file").write_text("")
+    for flag, line in [("--config.optim.lr=nan",
+                        "jtrain: config error: optim.lr: must be finite, got nan"),
+                       ("--workdir=file/run", "jtrain: workdir error: ")]:
+        argv = [SCRIPT, "train", "--config=cfg.py", "--workdir=run", flag]
+        proc = subprocess.run([sys.executable, "-X", "importtime", *argv], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300, env=user_env())
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        errors = [ln for ln in proc.stderr.splitlines() if not ln.startswith("import time:")]
+        assert len(errors) == 1 and errors[0].startswith(line), errors
+        imported = {ln.rsplit("|", 1)[-1].strip() for ln in proc.stderr.splitlines()
+                    if ln.startswith("import time:")}
+        assert "jtrain.config" in imported  # the import record is there
+        assert not imported & {"jax", "flax", "orbax.checkpoint"}, flag
