@@ -1,4 +1,6 @@
-"""Run directories on object storage (`s3://bucket/run`, `gs://bucket/run`) through fsspec.
+"""Run directories on object storage (`s3://bucket/run`, `gs://bucket/run`) through fsspec,
+and `check_workdir`: whether a local path or a URI can be a run's directory (light: the
+train command calls it before the engine's imports).
 
 jtrain writes a run with local file I/O (symlink-safe writes, appends, orbax's renames).
 A workdir on an object store is therefore a local staging copy (a temporary directory)
