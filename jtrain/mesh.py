@@ -153,10 +153,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def loaded_nnx():
+    """flax.nnx when something has imported it, else None: no NNX object can exist then,
+    so type checks need not import it (a Linen run does not pay for NNX's import)."""
+    return sys.modules.get("flax.nnx")
+
+
 def _is_nnx_variable(x) -> bool:
-    """An NNX Variable; False without importing flax.nnx when nothing has (no NNX object
-    exists then), so a Linen run does not pay for NNX's import."""
-    nnx = sys.modules.get("flax.nnx")
+    nnx = loaded_nnx()
     return nnx is not None and isinstance(x, nnx.Variable)
 
 

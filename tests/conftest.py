@@ -39,7 +39,7 @@ jax.config.update("jax_num_cpu_devices", MULTIDEVICE_COUNT if CHILD_REPORTS else
 # jtrain's compile cache on from the start, as the first jtrain.train of a process turns it
 # on (compile.cache_dir's default): without it, what a test compiles in this process
 # depended on whether an earlier test on the same worker had trained (tens of seconds).
-compiles.configure_cache("auto", compiles.DEFAULT_MAX_GB)
+compiles.configure_cache_for_reader("auto")  # the defaults' place and size limit
 
 
 _CONFIG = []

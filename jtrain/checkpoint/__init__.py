@@ -41,19 +41,21 @@ if TYPE_CHECKING:
 _EXPORTS = {"Checkpointer": "manager", "CheckpointReader": "manager", "Start": "manager",
             "abstract_with_shardings": "manager", "Tiers": "tiers",
             "open_checkpoints": "tiers"}
-_SUBMODULES = ("export", "hf", "hf_export", "init_from", "integrity", "manager", "policy",
-               "store", "tensorfile", "tiers", "topologies", "verify")
 
 
 def __getattr__(name: str):
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
     module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if module is None:  # a submodule not imported yet (`checkpoint.manager`), or nothing
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
     value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value  # the next lookup does not come here
     return value
+
 
 __all__ = ["CheckpointError", "CheckpointReader", "Checkpointer", "RestoreError", "Start",
            "abstract_with_shardings"]

@@ -33,7 +33,6 @@ import dataclasses
 import functools
 import inspect
 import re
-import sys
 from typing import Any, Callable
 
 import jax
@@ -59,9 +58,9 @@ nnx: Any = _LazyNnx()
 
 
 def is_nnx(x, *, cls: bool = False) -> bool:
-    """An NNX Module instance (a subclass with `cls`); False without importing flax.nnx
-    when nothing has: no NNX object can exist before it is imported."""
-    module = sys.modules.get("flax.nnx")
+    """An NNX Module instance (a subclass with `cls`), without importing flax.nnx
+    (`jtrain.mesh.loaded_nnx`)."""
+    module = mesh_lib.loaded_nnx()
     if module is None:
         return False
     if cls:

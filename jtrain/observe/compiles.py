@@ -36,7 +36,6 @@ _HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _MISS_EVENT = "/jax/compilation_cache/cache_misses"
 _LOWERING_LOGGER = "jax._src.interpreters.pxla"
 _CONFIGURED: tuple | None = None  # (directory, max_gb) of configure_cache's last call
-DEFAULT_MAX_GB = 8.0  # compile.cache_max_gb's default (a test keeps the two equal)
 
 
 def cache_path(cache_dir: str) -> str | None:
@@ -84,11 +83,16 @@ def configure_cache(cache_dir: str, max_gb: float = 0.0) -> str | None:
 
 def configure_cache_for_reader(cache_dir: str) -> str | None:
     """The cache for a command that opens a run (`jtrain evaluate`, `jtrain replay`): on
-    in this machine's default place ("auto") with the default size limit, or off when
+    in this machine's default place with the default size limit (the schema's defaults
+    of compile.cache_dir and compile.cache_max_gb), or off when
     the run had it off (`cache_dir` is the run's `compile.cache_dir`). The run's own
     directory and limit are not followed: a run directory is data, and opening it writes
     nothing outside it and evicts nothing."""
-    return configure_cache("auto" if cache_dir else "", DEFAULT_MAX_GB)
+    from jtrain.config.schema import SCHEMA
+
+    compile_cfg = SCHEMA["compile"]
+    return configure_cache(compile_cfg["cache_dir"].default if cache_dir else "",
+                           compile_cfg["cache_max_gb"].default)
 
 
 def write_from_every_process() -> bool:

@@ -145,13 +145,6 @@ def test_an_explicit_compile_cache_dir_is_where_the_cache_goes(tmp_path):
     assert any("eval_step" in f for f in os.listdir(tmp_path / "xdg" / "jtrain" / "xla"))
 
 
-def test_a_command_that_opens_a_run_limits_the_cache_like_the_default_config():
-    from jtrain import config as config_lib
-    from jtrain.observe import compiles
-
-    assert compiles.DEFAULT_MAX_GB == config_lib.defaults().compile.cache_max_gb
-
-
 def test_a_linen_run_does_not_import_nnx(tmp_path):
     """Start-up pays only for the Flax API the model uses: a user's Linen model trains,
     evaluates and checkpoints without flax.nnx ever being imported (~0.2 s)."""
