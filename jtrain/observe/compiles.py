@@ -14,7 +14,8 @@ entry and compiled every program at every start while process 0 waited for them 
 first collective. There `write_from_every_process` lets each process write its own
 entries (different keys: different files). With the size limit `compile.cache_max_gb`
 JAX takes a file lock around every read and write and evicts the least-recently used
-entries past it.
+entries past it (`list_once_per_process`: the directory is listed at a process's first
+write and when its own writes would pass the limit, not at every write).
 
 `Recorder` listens to JAX's monitoring events (one backend compile each, a cache hit or
 miss each) and to the "Compiling <fn> with global shapes ..." record of JAX's lowering
@@ -78,6 +79,7 @@ def configure_cache(cache_dir: str, max_gb: float = 0.0) -> str | None:
     cc.reset_cache()  # JAX checks "is the cache used" once, at the first compile
     if path is not None:
         write_from_every_process()
+        list_once_per_process()
     return path
 
 
@@ -137,6 +139,86 @@ def write_from_every_process() -> bool:
     every_process._jtrain_every_process = True  # type: ignore[attr-defined]
     compiler._cache_write = every_process
     return True
+
+
+def list_once_per_process() -> bool:
+    """With the size limit, list the cache directory at a process's first write and
+    again only when that process's writes since would pass the limit, not at every
+    write; returns whether this is in place.
+
+    JAX's eviction (`LRUCache._evict_if_needed`) lists the directory, stats every entry
+    and reads its access-time file at every write, holding the lock that every read
+    waits for: 0.35 CPU s a compile with 6,400 entries, and a run that fills a fresh
+    cache pays it over a growing directory at each of its compiles. Here the first write
+    of a process does the same (the least-recently used entries go until the new one
+    fits) and remembers the size left; later writes add their own sizes to it and list
+    again once the sum would pass the limit. What other processes wrote meanwhile is
+    counted at their own writes, so the directory can pass the limit by what several
+    processes add at once, until the next listing. Needs JAX's private
+    `jax._src.lru_cache`; where it is missing or looks different, JAX's eviction stays."""
+    try:
+        import inspect
+
+        from jax._src import lru_cache
+    except ImportError:
+        return False
+    cls = getattr(lru_cache, "LRUCache", None)
+    evict = getattr(cls, "_evict_if_needed", None)
+    if evict is None or getattr(evict, "_jtrain_listing", False):
+        return evict is not None
+    try:
+        params = inspect.signature(evict).parameters
+    except (TypeError, ValueError):
+        return False
+    suffixes = (getattr(lru_cache, "_CACHE_SUFFIX", None),
+                getattr(lru_cache, "_ATIME_SUFFIX", None))
+    if list(params) != ["self", "additional_size"] or None in suffixes:
+        return False
+
+    def evict_if_needed(self, *, additional_size: int = 0) -> None:
+        if not self.eviction_enabled:
+            return
+        known = getattr(self, "_jtrain_size", None)
+        if known is None or known + additional_size > self.max_size:
+            known = _evict_least_recent(self.path, self.max_size - additional_size,
+                                        *suffixes)
+        self._jtrain_size = known + additional_size
+
+    evict_if_needed._jtrain_listing = True  # type: ignore[attr-defined]
+    cls._evict_if_needed = evict_if_needed
+    return True
+
+
+def _evict_least_recent(path, target_size: int, cache_suffix: str, atime_suffix: str) -> int:
+    """Deletes the entries of the cache directory `path` (a pathlib / epath Path) with the
+    oldest access times until their sizes sum to at most `target_size`; returns the sum
+    left. An entry another process deleted meanwhile, or without its access time (being
+    written), is skipped or counts as the oldest."""
+    import heapq
+
+    entries, size = [], 0
+    for cache_file in path.glob(f"*{cache_suffix}"):
+        key = cache_file.name[:-len(cache_suffix)]
+        try:
+            st = cache_file.stat()
+            length = st.st_size if hasattr(st, "st_size") else st.length
+        except OSError:
+            continue
+        try:
+            atime = int.from_bytes((path / f"{key}{atime_suffix}").read_bytes(), "little")
+        except OSError:
+            atime = 0
+        size += length
+        heapq.heappush(entries, (atime, key, length))
+    while size > target_size and entries:
+        _, key, length = heapq.heappop(entries)
+        for name in (key + cache_suffix, key + atime_suffix):
+            try:
+                (path / name).unlink()
+            except OSError:
+                pass
+        size -= length
+    return size
 
 
 def _has_filelock() -> bool:
