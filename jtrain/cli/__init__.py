@@ -112,7 +112,13 @@ def start(name: str) -> None:
 
 
 def finish(name: str, code: int) -> None:
-    """Leave with `code`: a train command by the fast exit (jtrain.cli.exits)."""
+    """Leave with `code`: a train command by the fast exit (jtrain.cli.exits), every
+    command that imported JAX without walking its heap at the teardown
+    (control.signals.freeze_heap_at_exit)."""
+    if "jax" in sys.modules:
+        from jtrain.control import signals
+
+        signals.freeze_heap_at_exit()
     if name == "train":
         from jtrain.cli import exits
 

@@ -7,6 +7,8 @@ newest finished checkpoint is what a restart resumes from. With several processe
 (jax.distributed) SIGTERM belongs to JAX's preemption notifier, and every process stops
 at the step `multihost_utils.reached_preemption_sync_point` names; a SIGINT on any
 process is shared every `SYNC_EVERY` steps, so all processes stop at the same step.
+
+How the process ends: `freeze_heap_at_exit`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,23 @@ from jtrain.control import faults
 from jtrain.control.faults import fault_point
 
 SYNC_EVERY = 10  # steps between multi-process agreements on host-side decisions
+_FREEZE_REGISTERED = False
+
+
+def freeze_heap_at_exit() -> None:
+    """At the interpreter's exit, before its teardown, move every object left to the
+    collector's permanent generation (gc.freeze), once per process. The teardown still
+    joins threads, runs the exit hooks and frees what reference counting frees; it no
+    longer walks the heap JAX, Flax, orbax and grain built, which took 0.3 CPU s of
+    every command and script that trained or opened a run (objects only a reference cycle
+    still holds are not finalized at exit, which Python does not promise anyway)."""
+    global _FREEZE_REGISTERED
+    if not _FREEZE_REGISTERED:
+        import atexit
+        import gc
+
+        atexit.register(gc.freeze)
+        _FREEZE_REGISTERED = True
 
 
 class StopRequested(Exception):

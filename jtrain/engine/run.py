@@ -175,6 +175,7 @@ def train_and_evaluate(config, workdir, given: _Given | None = None, *, on_eval=
     `config.resolve_for_run(config)` when the command resolved the config already (to
     report a bad key before waiting for its peers); the run then uses that object."""
     given, t_start = given or _Given(), time.perf_counter()
+    control_lib.signals.freeze_heap_at_exit()
     if not store.is_remote(workdir):
         return _train_and_evaluate(config, _checked_workdir(workdir), given, on_eval,
                                    allow_changes, resolved, t_start, None)

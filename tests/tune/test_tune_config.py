@@ -135,7 +135,7 @@ def test_a_non_finite_halt_is_a_failed_trial(tmp_path, monkeypatch, capsys):
     argv = [f"--config={path}", f"--workdir={tmp_path}/runs", "--config.tune.trials=1",
             "--config.nonfinite.policy=halt"]
     assert tune.main(argv) == 1
-    (rec,) = [json.loads(x) for x in open(tmp_path / "runs/trials.jsonl")]
+    (rec,) = [json.loads(x) for x in (tmp_path / "runs/trials.jsonl").read_text().splitlines()]
     assert rec["state"] == "failed" and rec["reason"].startswith(
         "jtrain: non-finite error: training halted at step 1: non-finite loss"), rec
 
