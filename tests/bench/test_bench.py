@@ -69,7 +69,7 @@ def test_overhead_tiny_run(tmp_path):
 
     res = json.loads(out.read_text())
     assert _positive(res["ratio"])
-    assert res["ratio"] == pytest.approx(float(m.group(3)), rel=1e-3)
+    assert res["ratio"] == pytest.approx(float(m.group(3)), abs=5e-4)  # printed to 3 places
     assert (res["model"], res["rounds"], res["steps"], res["log_every"]) == ("tiny", 1, 20, 10)
     for side in ("jtrain", "hand"):
         r = res[side]

@@ -47,9 +47,11 @@ def test_local_sh_returns_the_first_failing_status_at_once(tmp_path, fake, statu
 
 def test_local_sh_forwards_sigterm_to_every_process(tmp_path):
     proc = start(["bash", LAUNCH / "local.sh", 2, "--workdir=run"], tmp_path, PYTHON=FAKE)
-    log1 = tmp_path / "run" / "logs" / "proc_1.log"
-    deadline = time.monotonic() + 20
-    while not (log1.exists() and log1.read_text()) and time.monotonic() < deadline:
+    logs = [tmp_path / "run" / "logs" / f"proc_{i}.log" for i in (0, 1)]
+    log1 = logs[1]
+    deadline = time.monotonic() + 20  # both have set their traps (they print after it)
+    while (not all(log.exists() and log.read_text() for log in logs)
+           and time.monotonic() < deadline):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     rc, out, err = finish(proc, 30)
