@@ -82,6 +82,7 @@ class Run:
         self.out.close()
         self.ckpt.close()
         self.train_iter.close()
+        self.goodput.close()  # finished sessions closed it; a halt or an error had not
 
 
 @dataclasses.dataclass

@@ -123,16 +123,18 @@ class Ledger:
         self._attribute("other" if self._started else "startup")
         self.done = True
         self._write(full=True)
-        self._close()
+        self.close()
         return block(self._previous + [self.record()])
 
     def discard(self) -> None:
         """A session that did nothing (the run had finished): its line taken back."""
         if self._file is not None:
             self._file.truncate(self._at)
-        self._close()
+        self.close()
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """The file closed, whatever ended the session (finish and discard close it too;
+        a halt or an error leaves this session's line as its last write left it)."""
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -191,6 +191,31 @@ def test_nonfinite_halts_at_max_consecutive_and_under_halt(tmp_path):
         jtrain.train(cfg, str(tmp_path / "b"), model=Net(), train_data=data)
 
 
+def _open_files_under(root) -> list[str]:
+    """The files under `root` this process holds open (Linux: /proc/self/fd)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, already closed
+            continue
+        if target.startswith(str(root) + os.sep):
+            found.append(target)
+    return found
+
+
+def test_a_halted_run_leaves_none_of_its_files_open(tmp_path):
+    """A script or a search that goes on after a halt holds no file of the halted run:
+    the error it caught (and its traceback's frames) keep nothing open."""
+    data = arrays(n=48, bad_inf=range(8, 48))
+    cfg = config(total_steps=12, data__val_fraction=0.0, eval__every_steps=0,
+                 nonfinite__policy="halt")
+    with pytest.raises(NonFiniteError) as e:
+        jtrain.train(cfg, str(tmp_path / "a"), model=Net(), train_data=data)
+    assert e.value.exit_code == 4 and e.traceback  # the frames are still alive here
+    assert _open_files_under(tmp_path) == []
+
+
 def test_skip_ledger_survives_a_resume_once(tmp_path, monkeypatch):
     cfg = config(total_steps=12, data__val_fraction=0.0, eval__every_steps=0,
                  checkpoint__every_steps=4)
