@@ -442,19 +442,20 @@ jax.tree_util.register_dataclass(Context, data_fields=["step", "lr_factor", "los
 
 class View(NamedTuple):
     """Which part of the TrainState a step owns: `get(state)` -> the step's state,
-    `put(state, new)` -> (params, opt_state, ema, model_state) for `guarded_update`."""
+    `put(state, new)` -> (params, opt_state, ema, model_state) for `guarded_update`.
+    Either update gets the batch as the engine holds it: with data.drop_last=False its
+    row mask (`losses.ROW_MASK`, 0 = a padding row) marks the padded last batch, which
+    a loss weighted by `losses.weights_for` then scores at its true rows."""
     get: Callable
     put: Callable
-    engine_keys: bool  # the batch as the engine holds it (its row mask included)
 
 
 # A step of your own: its whole state is TrainState.params.
 OWN_VIEW = View(get=lambda s: s.params,
-                put=lambda s, new: (new, s.opt_state, s.ema, s.model_state),
-                engine_keys=False)
+                put=lambda s, new: (new, s.opt_state, s.ema, s.model_state))
 # The built-in update: params, optimizer state, the weight EMA, the model's state.
 BUILT_IN_VIEW = View(get=lambda s: Updated(s.params, s.opt_state, s.ema, s.model_state),
-                     put=lambda s, new: tuple(new), engine_keys=True)
+                     put=lambda s, new: tuple(new))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -507,7 +508,7 @@ def make_step_train(step: Step, *, view: View = OWN_VIEW, halt_on_nonfinite: boo
     "loss" metric is finite and the update is: its "grad_norm" metric when it returns one
     (the built-in), else every floating leaf of the new state (`guarded_update`:
     otherwise the state is as it was, `skipped_steps` counts it, `train/status` says
-    why). Metrics come back as train/<name>; "tokens" (the examples of the batch when the
+    why). Metrics come back as train/<name>; "tokens" (the batch's real rows when the
     step returns none) feeds tokens/s. In determinism.topology_invariant the engine runs
     it whole on every device (`invariant.Whole`).
 
@@ -522,9 +523,9 @@ def make_step_train(step: Step, *, view: View = OWN_VIEW, halt_on_nonfinite: boo
 
     def train_step(state: TrainState, batch):
         key, context = step_inputs(state)
-        seen = batch if view.engine_keys else {k: v for k, v in batch.items()
-                                                if k not in ENGINE_KEYS}
-        new, metrics = step.update(view.get(state), seen, key, context)
+        new, metrics = step.update(view.get(state), batch, key, context)
+        if "tokens" not in metrics and losses.ROW_MASK in batch:  # padding is no example
+            metrics = {**metrics, "tokens": batch[losses.ROW_MASK].sum()}
         return guard(state, new, metrics, row_validity(batch, valid_fn))
 
     return train_step

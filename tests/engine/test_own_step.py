@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jtrain
-from jtrain import errors
+from jtrain import errors, losses
 from jtrain.step import Step
 
 LR, BATCH, STEPS = 0.05, 16, 8
@@ -34,8 +34,11 @@ def make(impure: bool = False) -> Step:
         return {"w": w, "applied": jnp.zeros((), jnp.int32)}
 
     def update(state, batch, rng, context):
+        # The documented convention: padding rows (data.drop_last=False) weigh 0.
+        weights = losses.weights_for(batch, batch["targets"].shape)
+
         def loss(w):
-            return ((batch["inputs"] @ w - batch["targets"]) ** 2).mean()
+            return (weights * (batch["inputs"] @ w - batch["targets"]) ** 2).sum() / weights.sum()
 
         value, grad = jax.value_and_grad(loss)(state["w"])
         return ({"w": state["w"] - LR * context.lr_factor * grad,
@@ -177,3 +180,26 @@ def test_plateau_reaches_the_step_and_early_stopping_reads_its_eval(tmp_path):
     result = jtrain.train(stop, str(tmp_path / "s"), step=make(), train_data=data(),
                           eval_data=data(40, seed=1))
     assert result.stopped_by is not None and result.summary["step"] == 2
+
+
+def test_a_padded_last_batch_reaches_update_marked(tmp_path):
+    """data.drop_last=False: 100 rows in batches of 32, so each epoch ends with a batch
+    of 4 real rows padded to 32. The row mask reaches `update`; a loss weighted by
+    losses.weights_for equals SGD over the true partial batches."""
+    train = data(100)
+    cfg = config(total_steps=8, data={"batch_size": 32, "drop_last": False,
+                                      "shuffle": False})
+    result = jtrain.train(cfg, str(tmp_path), step=make(), train_data=train,
+                          eval_data=data(40, seed=1))
+    w = np.zeros(3)
+    for _ in range(2):  # epochs, in order: rows 0-31, 32-63, 64-95, 96-99
+        for lo in range(0, 100, 32):
+            x = train["inputs"][lo:lo + 32].astype(np.float64)
+            y = train["targets"][lo:lo + 32]
+            w = w - LR * 2 * x.T @ (x @ w - y) / len(y)
+    np.testing.assert_allclose(np.asarray(result.state.params["w"]), w, rtol=1e-5)
+    # tokens/s counts the real rows: its ratio to examples/s (the batch size) per step
+    ratio = {r["step"]: r["perf/tokens_per_sec"] / r["perf/examples_per_sec"] for r in map(
+        json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+        if "perf/tokens_per_sec" in r}
+    np.testing.assert_allclose([ratio[s] for s in range(1, 9)], [1, 1, 1, 4 / 32] * 2)
