@@ -139,6 +139,11 @@ def check(cfg, b, data) -> None:
     scalar metrics with a "loss"; `evaluate` exists when the run evaluates. Each a
     ModelError naming the step and what to change."""
     step, who = b.user_step, f"step {name_of(b.user_step)}"
+    if data.eval is not None and step.evaluate is None and _held_out(data):
+        raise ConfigError("data.val_fraction", f"{cfg.data.val_fraction} of the train data is "
+                          f"held out for eval (no eval data was given) but {who} has no "
+                          "evaluate(state, batch) -> outputs; add one, or set "
+                          "data.val_fraction=0 to train on all of it")
     if data.eval is not None and step.evaluate is None:
         raise ModelError(who, "the run evaluates (eval data is given) but the step has no "
                               "evaluate(state, batch) -> outputs; add one, or pass no eval data")
@@ -161,6 +166,12 @@ def check(cfg, b, data) -> None:
         if getattr(v, "shape", None) != ():
             raise ModelError(who, f"metric {k!r} has shape {getattr(v, 'shape', None)}; "
                                   "update's metrics are scalars (reduce it, e.g. .mean())")
+
+
+def _held_out(data) -> bool:
+    """Whether the eval set is data.val_fraction's share of the train data (the data layer
+    notes the split it made) rather than eval data the user gave."""
+    return any("data.val_fraction" in note for note in data.info.get("notes", ()))
 
 
 def _materialized(update):

@@ -203,3 +203,25 @@ def test_a_padded_last_batch_reaches_update_marked(tmp_path):
         json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
         if "perf/tokens_per_sec" in r}
     np.testing.assert_allclose([ratio[s] for s in range(1, 9)], [1, 1, 1, 4 / 32] * 2)
+
+
+def test_a_step_without_evaluate_under_val_fraction_is_one_line(tmp_path):
+    """No eval data given: data.val_fraction's hold-out is what would be evaluated, and
+    the line names it; with val_fraction 0 the same step trains on all the data."""
+    blind = Step(init=make().init, update=make().update, name="sgd")
+    with pytest.raises(errors.ConfigError) as caught:
+        jtrain.train(config(data={"batch_size": BATCH, "val_fraction": 0.1}), str(tmp_path),
+                     step=blind, train_data=data())
+    assert errors.render(caught.value) == (
+        "jtrain: config error: data.val_fraction: 0.1 of the train data is held out for eval "
+        "(no eval data was given) but step sgd has no evaluate(state, batch) -> outputs; "
+        "add one, or set data.val_fraction=0 to train on all of it")
+    assert not (tmp_path / "metrics.jsonl").exists()  # refused before the first step
+    with pytest.raises(errors.ModelError, match=r"the run evaluates \(eval data is given\)"):
+        jtrain.train(config(), str(tmp_path / "given"), step=blind, train_data=data(),
+                     eval_data=data(40, seed=1))
+    train = data()
+    result = jtrain.train(config(data={"batch_size": BATCH, "val_fraction": 0.0}),
+                          str(tmp_path / "all"), step=blind, train_data=train)
+    np.testing.assert_allclose(np.asarray(result.state.params["w"], np.float64),
+                               numpy_sgd(tmp_path / "all", train), rtol=1e-5)

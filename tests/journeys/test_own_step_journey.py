@@ -99,7 +99,9 @@ def test_own_step_module_from_a_config_and_its_mistakes(tmp_path, monkeypatch):
         "dtype": "update changed count from int32[] to float32[]",
         "no_loss": "update must return (state, metrics) with a scalar metrics['loss']",
         "vector_metric": "metric 'per_row' has shape (16,); update's metrics are scalars",
-        "no_eval": "the run evaluates (eval data is given) but the step has no evaluate",
+        # no eval data given: data.val_fraction's hold-out is what would be evaluated
+        "no_eval": "data.val_fraction: 0.05 of the train data is held out for eval (no eval "
+                   "data was given) but step make has no evaluate",
     }
     for mistake, line in rows.items():
         (tmp_path / "mystep.py").write_text(STEP.replace('MISTAKE = ""',
@@ -112,8 +114,8 @@ def test_own_step_module_from_a_config_and_its_mistakes(tmp_path, monkeypatch):
             last = err[-1]
         else:  # the same check, through jtrain.train in this process
             last = _train_in_process(tmp_path, monkeypatch, mistake)
-        assert last.startswith("jtrain: model error: step make: ") and line in last, \
-            (mistake, last)
+        kind = "config error: " if mistake == "no_eval" else "model error: step make: "
+        assert last.startswith("jtrain: " + kind) and line in last, (mistake, last)
         assert not (tmp_path / "runs" / mistake / "checkpoints").exists()
 
 
