@@ -505,8 +505,9 @@ def make_step_train(step: Step, *, view: View = OWN_VIEW, halt_on_nonfinite: boo
     """train_step(TrainState, batch) -> (TrainState, metrics) around `step.update`, for
     the built-in update and a step of your own alike: the per-step key, the context, and
     the guard. The update is kept only when every row is valid (`row_validity`), the
-    "loss" metric is finite and the update is: its "grad_norm" metric when it returns one
-    (the built-in), else every floating leaf of the new state (`guarded_update`:
+    "loss" metric is finite and the update is: its "grad_norm" metric when it returns one,
+    and every floating leaf of the new state unless that comes as a function (the
+    built-in: computed only when kept, so "grad_norm" decides) (`guarded_update`:
     otherwise the state is as it was, `skipped_steps` counts it, `train/status` says
     why). Metrics come back as train/<name>; "tokens" (the batch's real rows when the
     step returns none) feeds tokens/s. In determinism.topology_invariant the engine runs
@@ -552,14 +553,13 @@ def _finisher(view: View, *, dynamic_loss_scale: bool, halt_on_nonfinite: bool,
             raise TypeError("update returned its new state as a function (applied only "
                             "when the update is kept) without a 'grad_norm' metric to "
                             "decide that by; return the state, or add 'grad_norm'")
-        if "grad_norm" in metrics:
-            signal = metrics["grad_norm"]
-        else:
-            finite = jnp.asarray(True)
+        signal = metrics.get("grad_norm", 0.0)
+        if not callable(new):  # a state in hand is checked too: a finite norm can still
+            finite = jnp.asarray(True)  # step to inf (a division, an optimizer's state)
             for leaf in jax.tree.leaves(new):
                 if jnp.issubdtype(leaf.dtype, jnp.inexact):
                     finite = finite & jnp.isfinite(leaf).all()
-            signal = jnp.where(finite, 0.0, jnp.nan)
+            signal = jnp.where(finite, signal, jnp.nan)
         new_state, guarded = guarded_update(
             state, lambda: view.put(state, new() if callable(new) else new), loss, signal,
             rows_ok, dynamic_loss_scale=dynamic_loss_scale,

@@ -225,3 +225,46 @@ def test_a_step_without_evaluate_under_val_fraction_is_one_line(tmp_path):
                           str(tmp_path / "all"), step=blind, train_data=train)
     np.testing.assert_allclose(np.asarray(result.state.params["w"], np.float64),
                                numpy_sgd(tmp_path / "all", train), rtol=1e-5)
+
+
+def marked(n, seed, bad_row=None):
+    d = data(n, seed)
+    d["bad"] = np.zeros(n, np.int32)
+    if bad_row is not None:
+        d["bad"][bad_row] = 1
+    return d
+
+
+def make_blowup(grad_norm: bool) -> Step:
+    """SGD whose new state is inf on a batch holding a row marked bad, while the loss (of
+    the state before the update) stays finite; with `grad_norm` it also reports a finite
+    gradient norm, as a step logging train/grad_norm does."""
+    def update(state, batch, rng, context):
+        def loss(w):
+            return ((batch["inputs"] @ w - batch["targets"]) ** 2).mean()
+
+        value, grad = jax.value_and_grad(loss)(state["w"])
+        step = LR * grad / (1 - batch["bad"].max())  # x / 0: inf on the bad batch
+        metrics = {"loss": value, **({"grad_norm": jnp.linalg.norm(grad)} if grad_norm
+                                     else {})}
+        return {"w": state["w"] - step, "applied": context.step + 1}, metrics
+
+    return Step(init=make().init, update=update, evaluate=make().evaluate, name="blowup")
+
+
+@pytest.mark.parametrize("grad_norm", [False, True], ids=["state", "state_and_grad_norm"])
+def test_a_non_finite_state_under_a_finite_loss_is_skipped(tmp_path, grad_norm):
+    """The guard looks at the state update returns, not only its loss (nor only a
+    grad_norm metric it reports): the batch that makes it inf is skipped and counted,
+    and the rest is plain SGD over the other batches."""
+    train = marked(128, 0, bad_row=40)  # unshuffled batches of 16: step 3 holds row 40
+    cfg = config(data={"batch_size": BATCH, "shuffle": False})
+    result = jtrain.train(cfg, str(tmp_path), step=make_blowup(grad_norm), train_data=train,
+                          eval_data=marked(40, 1))
+    assert result.summary["skipped_steps"] == 1
+    assert int(result.state.params["applied"]) == STEPS - 1
+    ledger = [json.loads(line) for line in (tmp_path / "skipped.jsonl").read_text()
+              .splitlines()]
+    assert [(r["step"], r["examples"]) for r in ledger] == [(3, list(range(32, 48)))]
+    np.testing.assert_allclose(np.asarray(result.state.params["w"], np.float64),
+                               numpy_sgd(tmp_path, train, skip={3}), rtol=1e-5)
