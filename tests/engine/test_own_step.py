@@ -268,3 +268,23 @@ def test_a_non_finite_state_under_a_finite_loss_is_skipped(tmp_path, grad_norm):
     assert [(r["step"], r["examples"]) for r in ledger] == [(3, list(range(32, 48)))]
     np.testing.assert_allclose(np.asarray(result.state.params["w"], np.float64),
                                numpy_sgd(tmp_path, train, skip={3}), rtol=1e-5)
+
+
+def residual_variance(outputs, batch):
+    """A batch-level loss: the variance of the residuals over the batch's rows."""
+    r = outputs - batch["targets"]
+    return ((r - r.mean()) ** 2).mean()
+
+
+def test_eval_of_a_batch_level_loss_scores_the_real_rows_only(tmp_path):
+    """loss.eval_scope = "batch": 40 eval rows in batches of 16 end with 8 real rows
+    padded to 16; `evaluate`'s outputs are scored on those 8 rows alone, and the batch
+    values average weighted by their rows, as numpy computes over the slices."""
+    ev = data(40, seed=1)
+    result = jtrain.train(config(loss={"eval_scope": "batch"}), str(tmp_path), step=make(),
+                          train_data=data(), eval_data=ev, loss_fn=residual_variance)
+    w = np.asarray(result.state.params["w"], np.float64)
+    r = ev["inputs"] @ w - ev["targets"]
+    parts = [r[lo:lo + BATCH] for lo in range(0, 40, BATCH)]  # 16, 16, 8 rows
+    expected = sum(len(p) * p.var() for p in parts) / 40
+    np.testing.assert_allclose(result.history[-1]["eval/loss"], expected, rtol=1e-5)
