@@ -301,6 +301,17 @@ class Subset:
         return f"Subset({self.name}, {self.source!r}, n={len(self)})"
 
 
+def dataset_indices(source, positions) -> list[int]:
+    """Positions in `source` as indices into the data the user gave: through each
+    Subset (data.val_fraction's split) to the rows it keeps; a transform keeps them."""
+    positions = np.asarray(positions, np.int64)
+    while isinstance(source, (Subset, Transformed)):
+        if isinstance(source, Subset):
+            positions = source.indices[positions]
+        source = source.source
+    return [int(i) for i in positions]
+
+
 class Transformed:
     """`fn(item, rng)` applied after reading, rng from (seed, epoch, index)."""
 

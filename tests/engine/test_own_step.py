@@ -288,3 +288,22 @@ def test_eval_of_a_batch_level_loss_scores_the_real_rows_only(tmp_path):
     parts = [r[lo:lo + BATCH] for lo in range(0, 40, BATCH)]  # 16, 16, 8 rows
     expected = sum(len(p) * p.var() for p in parts) / 40
     np.testing.assert_allclose(result.history[-1]["eval/loss"], expected, rtol=1e-5)
+
+
+def test_under_val_fraction_the_records_name_rows_of_the_data_given(tmp_path):
+    """No eval data given: data.val_fraction holds a quarter out, and the example indices
+    of hashes.jsonl and the skip ledger still index the arrays the user passed: SGD in
+    numpy over those rows (less the skipped steps) is the state, and the skipped step's
+    examples hold the row that overflowed."""
+    train = data()
+    train["targets"][100] = 1e30  # finite data, but its squared error overflows: inf loss
+    result = jtrain.train(config(data={"batch_size": BATCH, "val_fraction": 0.25}),
+                          str(tmp_path), step=make(), train_data=train)
+    with open(tmp_path / "hashes.jsonl") as f:
+        with_row = {r["step"] for r in map(json.loads, f) if 100 in r["examples"]}
+    ledger = [json.loads(line) for line in (tmp_path / "skipped.jsonl").read_text()
+              .splitlines()]
+    assert with_row and {r["step"] for r in ledger} == with_row
+    assert all(100 in r["examples"] for r in ledger)
+    np.testing.assert_allclose(np.asarray(result.state.params["w"], np.float64),
+                               numpy_sgd(tmp_path, train, skip=with_row), rtol=1e-5)
