@@ -182,22 +182,29 @@ def test_plateau_reaches_the_step_and_early_stopping_reads_its_eval(tmp_path):
     assert result.stopped_by is not None and result.summary["step"] == 2
 
 
+PADDED = {"batch_size": 32, "drop_last": False, "shuffle": False}
+
+
+def numpy_partial_batches(train, epochs=2):
+    """SGD over 100 rows in batches of 32, in order, the last of each epoch its 4 rows."""
+    w = np.zeros(3)
+    for _ in range(epochs):  # rows 0-31, 32-63, 64-95, 96-99
+        for lo in range(0, 100, 32):
+            x = train["inputs"][lo:lo + 32].astype(np.float64)
+            y = train["targets"][lo:lo + 32]
+            w = w - LR * 2 * x.T @ (x @ w - y) / len(y)
+    return w
+
+
 def test_a_padded_last_batch_reaches_update_marked(tmp_path):
     """data.drop_last=False: 100 rows in batches of 32, so each epoch ends with a batch
     of 4 real rows padded to 32. The row mask reaches `update`; a loss weighted by
     losses.weights_for equals SGD over the true partial batches."""
     train = data(100)
-    cfg = config(total_steps=8, data={"batch_size": 32, "drop_last": False,
-                                      "shuffle": False})
-    result = jtrain.train(cfg, str(tmp_path), step=make(), train_data=train,
-                          eval_data=data(40, seed=1))
-    w = np.zeros(3)
-    for _ in range(2):  # epochs, in order: rows 0-31, 32-63, 64-95, 96-99
-        for lo in range(0, 100, 32):
-            x = train["inputs"][lo:lo + 32].astype(np.float64)
-            y = train["targets"][lo:lo + 32]
-            w = w - LR * 2 * x.T @ (x @ w - y) / len(y)
-    np.testing.assert_allclose(np.asarray(result.state.params["w"]), w, rtol=1e-5)
+    result = jtrain.train(config(total_steps=8, data=PADDED), str(tmp_path), step=make(),
+                          train_data=train, eval_data=data(40, seed=1))
+    np.testing.assert_allclose(np.asarray(result.state.params["w"]),
+                               numpy_partial_batches(train), rtol=1e-5)
     # tokens/s counts the real rows: its ratio to examples/s (the batch size) per step
     ratio = {r["step"]: r["perf/tokens_per_sec"] / r["perf/examples_per_sec"] for r in map(
         json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
@@ -307,3 +314,42 @@ def test_under_val_fraction_the_records_name_rows_of_the_data_given(tmp_path):
     assert all(100 in r["examples"] for r in ledger)
     np.testing.assert_allclose(np.asarray(result.state.params["w"], np.float64),
                                numpy_sgd(tmp_path, train, skip=with_row), rtol=1e-5)
+
+
+def make_accumulating(k: int) -> Step:
+    """The SGD step with its gradient summed over k microbatches by
+    jtrain.step.accumulated (the built-in update's accumulation), token-weighted."""
+    from jtrain.step import accumulated
+
+    def loss_and_sums(w, batch, key, scale):
+        weights = losses.weights_for(batch, batch["targets"].shape)
+        total = (weights * (batch["inputs"] @ w - batch["targets"]) ** 2).sum()
+        return total * scale, (total, weights.sum())
+
+    grad_sums = accumulated(jax.value_and_grad(loss_and_sums, has_aux=True), k)
+
+    def update(state, batch, rng, context):
+        (total, weight), grad = grad_sums(state["w"], batch, rng, 1.0)
+        return ({"w": state["w"] - LR * grad / weight, "applied": context.step + 1},
+                {"loss": total / weight})
+
+    return Step(init=make().init, update=update, evaluate=make().evaluate, name="sgd")
+
+
+def test_accumulation_is_the_steps_own_and_exact_under_padding(tmp_path):
+    """optim.grad_accum_steps configures the built-in update: one line before the first
+    step. Accumulating inside `update` (4 microbatches of 8 rows, strided, so each holds
+    one of the padded batch's 4 real rows) equals SGD over the true partial batches."""
+    with pytest.raises(errors.ConfigError) as caught:
+        jtrain.train(config(optim={"grad_accum_steps": 4}, data=PADDED), str(tmp_path / "x"),
+                     step=make_accumulating(4), train_data=data(100))
+    assert errors.render(caught.value) == (
+        "jtrain: config error: optim.grad_accum_steps: configures the built-in update; with "
+        "a step of your own (sgd), accumulate inside update (jtrain.step.accumulated)")
+    assert not (tmp_path / "x" / "metrics.jsonl").exists()
+    train = data(100)
+    result = jtrain.train(config(total_steps=8, data=PADDED), str(tmp_path),
+                          step=make_accumulating(4), train_data=train,
+                          eval_data=data(40, seed=1))
+    np.testing.assert_allclose(np.asarray(result.state.params["w"]),
+                               numpy_partial_batches(train), rtol=1e-5)
