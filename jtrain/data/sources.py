@@ -301,6 +301,18 @@ class Subset:
         return f"Subset({self.name}, {self.source!r}, n={len(self)})"
 
 
+def dataset_indices(source, positions) -> list[int]:
+    """Rows `positions` of `source` as indices of the dataset the user passed: the part
+    left after data.val_fraction's hold-out (a Subset) counts its own positions, not
+    the dataset's rows; a transform keeps them."""
+    rows = np.asarray(positions, np.int64)
+    while isinstance(source, (Subset, Transformed)):
+        if isinstance(source, Subset):
+            rows = source.indices[rows]
+        source = source.source
+    return [int(i) for i in rows]
+
+
 class Transformed:
     """`fn(item, rng)` applied after reading, rng from (seed, epoch, index)."""
 
