@@ -278,6 +278,14 @@ class Mirror:
                        json.dumps({"step": step, "files": len(files)}).encode())
             self._steps.add(step)
 
+    def upload(self, rel: str) -> None:
+        """Uploads one file of the staging copy now (a record that must reach the bucket
+        before the process may die, e.g. WORKDIR/faults.jsonl)."""
+        path = os.path.join(self.local, rel)
+        st = os.stat(path)
+        self._call("uploading", self.fs.put_file, path, self._remote(rel))
+        self._pushed[rel] = (st.st_size, st.st_mtime_ns)
+
     def push(self) -> None:
         """Uploads the run's changed files; deletes in the bucket the steps no longer kept
         locally (owner only)."""

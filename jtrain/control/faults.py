@@ -18,8 +18,9 @@ saved data position.
 `debug.faults` (the config; its syntax and each kind's end in docs/guide/run-control.md)
 is the user's plan, by global step and process: `arm_plan` reads it at the start of each
 session, less the faults WORKDIR/faults.jsonl says fired already (a line is written
-before a fault acts, so a kill at step 7 does not kill the restart that recomputes step
-7 again). Its points: `fault_point("step", step)` after each step (kill, hang, slow, lost_local),
+before a fault acts, and uploaded then on an object store, so a kill at step 7 does not
+kill the restart that recomputes step 7 again). Its points: `fault_point("step", step)`
+after each step (kill, hang, slow, lost_local),
 `before_step` / `perturb` around a step (nan: the first float parameter is NaN for that
 step only; writer_fail), `tear` in a save's commit (torn_ckpt).
 """
@@ -52,8 +53,10 @@ FILE = "faults.jsonl"  # in the workdir: the faults of debug.faults that fired
 class _Plan:
     """This session's debug.faults: those not fired yet in this process."""
 
-    def __init__(self, faults: list[Fault], path: str | None, process: int):
+    def __init__(self, faults: list[Fault], path: str | None, process: int,
+                 publish: Callable[[str], None] | None = None):
         self.faults, self.path, self.process = faults, path, process
+        self.publish = publish  # a workdir on an object store: uploads FILE (see fire)
         self.slowing: list[Fault] = []  # slow faults fired in this session
         self.poisoned = None  # (leaf index, the leaf before its NaN) during a nan step
 
@@ -74,6 +77,8 @@ class _Plan:
             f.write(line)
             f.flush()
             os.fsync(f.fileno())
+        if self.publish is not None:  # a kill uploads nothing after it: the restart
+            self.publish(FILE)        # pulls the bucket, not this staging copy
 
 
 _plan = _Plan([], None, 0)
@@ -95,10 +100,13 @@ def arm() -> None:
         _armed = (parts[0], int((parts[1:2] or ["1"])[0]), (parts[2:3] or [None])[0])
 
 
-def arm_plan(cfg, workdir: str | None, process: int = 0, processes: int = 1) -> None:
+def arm_plan(cfg, workdir: str | None, process: int = 0, processes: int = 1,
+             publish: Callable[[str], None] | None = None) -> None:
     """debug.faults of this session, in process `process` of `processes`: the faults for
     this process that WORKDIR/faults.jsonl does not list as fired. A hang for good needs
-    the watchdog (nothing else ends it): a ConfigError when it is off."""
+    the watchdog (nothing else ends it): a ConfigError when it is off. `publish(rel)`:
+    a workdir on an object store, the upload of that file of the staging copy, called
+    when a fault fires (before it acts)."""
     global _plan
     faults = parse_faults(cfg.debug.faults, cfg.total_steps)
     for f in faults:
@@ -119,7 +127,7 @@ def arm_plan(cfg, workdir: str | None, process: int = 0, processes: int = 1) -> 
     mine = [f for f in faults if (f.text, process) not in fired and (
         f.process in (None, process) if f.kind in ("kill", "hang", "slow")
         else f.kind == "nan" or process == 0)]
-    _plan = _Plan(mine, path, process)
+    _plan = _Plan(mine, path, process, publish)
 
 
 def _watchdog_on(cfg, processes: int) -> bool:

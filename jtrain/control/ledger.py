@@ -6,10 +6,10 @@ and turns a skip into one warning line and one ledger entry:
 
     {"step": 17, "reason": "invalid batch", "batch": 16, "examples": [803, 12]}
 
-`batch` is the global batch number (the data position), `examples` the global dataset
-indices of the offending rows (for an invalid batch: the invalid rows; for a non-finite
-loss or gradient: the whole batch), when the data is map-style (a stream has no global
-index: `rows` gives the rows of the batch instead). The ledger is written to
+`batch` is the global batch number (the data position), `examples` the indices of the
+offending rows in the dataset the user passed (for an invalid batch: the invalid rows;
+for a non-finite loss or gradient: the whole batch), when the data is map-style (a
+stream has no global index: `rows` gives the rows of the batch instead). The ledger is written to
 `WORKDIR/skipped.jsonl` by process 0 and carried in the checkpoint's run-control record;
 on resume the file is rewritten from the restored record, so entries of replayed steps
 appear once.

@@ -26,9 +26,9 @@ from typing import Any, Callable
 from jtrain.data import load_user_data, make_sources, check_vocab, make_train_iterator
 from jtrain.data import device_prefetch, example_indices, load, torch_adapters
 from jtrain.data import mixture as mixture_lib
-from jtrain.data import sources
 from jtrain.data.dataset import Data
 from jtrain.data.items import DataError
+from jtrain.data.sources import dataset_indices
 from jtrain.data.prefetch import DevicePrefetch
 
 
@@ -107,18 +107,16 @@ class RunData:
     def batch_positions(self, first_state: dict, first_step: int):
         """(batch_of(step), indices_of(batch)) from the iterator's position before step
         `first_step`: the global batch a step consumed and that batch's example indices
-        in the data the user gave (map-style data; None / [] for streams), for the skip
-        ledger and hashes.jsonl."""
+        (map-style data; None / [] for streams) in the dataset the user passed, for the
+        skip ledger and hashes.jsonl."""
         position = first_state.get("position")
 
         def batch_of(step: int) -> int | None:
             return None if position is None else int(position) + step - first_step
 
         def indices_of(number: int):
-            found = example_indices(first_state, self._seed, number)
-            # positions in the train split: rows of the user's data once mapped back
-            return None if found is None else sources.dataset_indices(
-                getattr(self.train, "source", None), found)
+            rows = example_indices(first_state, self._seed, number)
+            return None if rows is None else dataset_indices(self.train.source, rows)
 
         return batch_of, indices_of
 

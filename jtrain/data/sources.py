@@ -302,14 +302,15 @@ class Subset:
 
 
 def dataset_indices(source, positions) -> list[int]:
-    """Positions in `source` as indices into the data the user gave: through each
-    Subset (data.val_fraction's split) to the rows it keeps; a transform keeps them."""
-    positions = np.asarray(positions, np.int64)
+    """Rows `positions` of `source` as indices of the dataset the user passed: the part
+    left after data.val_fraction's hold-out (a Subset) counts its own positions, not
+    the dataset's rows; a transform keeps them."""
+    rows = np.asarray(positions, np.int64)
     while isinstance(source, (Subset, Transformed)):
         if isinstance(source, Subset):
-            positions = source.indices[positions]
+            rows = source.indices[rows]
         source = source.source
-    return [int(i) for i in positions]
+    return [int(i) for i in rows]
 
 
 class Transformed:

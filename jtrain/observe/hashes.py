@@ -15,9 +15,10 @@ anyway); the host hashes it with SHA-256 together with the leaf paths, dtypes an
 shapes. A host SHA-256 of the full bytes (`jtrain.state.state_sha256`) would copy the
 whole state off the devices (and gather it across processes) at every recorded step.
 
-`examples` are the global dataset indices of the step's batch (map-style data; null
-for streams). Process 0 writes; a resumed run first drops the lines after its restored
-step (like metrics.jsonl), so each step appears once.
+`examples` are the step's batch as indices of the dataset the user passed (map-style
+data, rows held out by data.val_fraction counted; null for streams and mixtures).
+Process 0 writes; a resumed run first drops the lines after its restored step (like
+metrics.jsonl), so each step appears once.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ the same arrays; whatever it rejects, jtrain rejects with its one-line ExportErr
 Two documented differences: jtrain reads BF16 (numpy has no bfloat16, so the oracle's
 numpy loader raises KeyError on it), and jtrain rejects a header with a duplicate key
 (the library keeps the last one).
+
+Beside the generated files, crafted layouts the random ones may miss: two tensors that
+share one byte, a gap, a tensor past the end, a byte after the last one, duplicate names.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import struct
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load as oracle_load
@@ -153,4 +157,45 @@ def mutated(draw) -> bytes:
 @SETTINGS
 @given(mutated())
 def test_mutated_files_are_read_or_rejected_as_the_library_does(tmp_path, data):
+    check_against_oracle(tmp_path, data)
+
+
+def _crafted(tensors: dict, body: int, head: bytes | None = None) -> bytes:
+    """A file of uint8 tensors {name: (begin, end)} over a `body`-byte data section."""
+    head = head or json.dumps({k: {"dtype": "U8", "shape": [e - b], "data_offsets": [b, e]}
+                               for k, (b, e) in tensors.items()}).encode()
+    return struct.pack("<Q", len(head)) + head + bytes(range(body))
+
+
+_DUPLICATE = (b'{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},'
+              b'"a":{"dtype":"U8","shape":[4],"data_offsets":[3,7]}}')
+CRAFTED = {  # name: (file, refused by the library)
+    "adjacent": (_crafted({"a": (0, 4), "b": (4, 8)}, 8), False),
+    "one shared byte": (_crafted({"a": (0, 4), "b": (3, 7)}, 7), True),
+    "one shared byte, a third after": (_crafted({"a": (0, 4), "b": (3, 7), "c": (7, 9)}, 9),
+                                       True),
+    "one byte inside the one before": (_crafted({"a": (0, 4), "b": (3, 4)}, 4), True),
+    "the same bytes twice": (_crafted({"a": (0, 4), "b": (0, 4)}, 4), True),
+    "an empty tensor inside another": (_crafted({"a": (0, 4), "e": (2, 2)}, 4), True),
+    "an empty tensor at the end": (_crafted({"a": (0, 4), "e": (4, 4)}, 4), False),
+    "a gap of one byte": (_crafted({"a": (0, 4), "b": (5, 9)}, 9), True),
+    "a gap at the start": (_crafted({"a": (1, 5)}, 5), True),
+    "past the end by one byte": (_crafted({"a": (0, 4), "b": (4, 8)}, 7), True),
+    "one byte after the last": (_crafted({"a": (0, 4), "b": (4, 8)}, 9), True),
+    "duplicate names overlapping": (_crafted({}, 7, _DUPLICATE), True),
+    # the library keeps the last of two equal names; jtrain refuses (module docstring)
+    "duplicate names, the same bytes": (_crafted({}, 4, _DUPLICATE.replace(b"3,7", b"0,4")),
+                                        False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_crafted_layouts_are_refused_exactly_when_the_library_refuses(tmp_path, case):
+    data, refused = CRAFTED[case]
+    try:
+        oracle_load(data)
+    except Exception:
+        assert refused, case
+    else:
+        assert not refused, case
     check_against_oracle(tmp_path, data)

@@ -2,8 +2,10 @@
 started here): a step is uploaded, then committed by its marker; a step without the marker
 (a torn upload) or with a shard missing is never restored: the previous intact step is;
 a server killed mid-upload and restarted leaves no committed step behind; the keep
-policy's deletions reach the bucket; errors are one line naming the URI."""
+policy's deletions reach the bucket; errors are one line naming the URI; a debug.faults
+kill on a bucket's run fires once (its record reaches the bucket before the kill)."""
 
+import json
 import os
 import pathlib
 import shutil
@@ -15,7 +17,7 @@ from jtrain import checkpoint
 from jtrain.checkpoint import store
 from jtrain.errors import WorkdirError
 
-from journey import s3_server
+from journey import run_python, s3_server
 from test_checkpoint import abstract, make_config, make_state, same
 
 
@@ -205,3 +207,43 @@ def test_the_verifier_names_and_reads_a_bucket_runs_staging_copy(s3, tmp_path, m
     assert run.next_process()[store.STAGING_ENV] == run.watched != first
     run.fresh()
     assert run.finished_steps() == [] and run.summary() is None
+
+
+KILLED = """
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+
+import jtrain
+
+r = np.random.default_rng(0)
+data = {"x": r.normal(size=(64, 3)).astype(np.float32),
+        "targets": r.normal(size=(64, 2)).astype(np.float32)}
+model = (lambda rng, inputs: {"w": jnp.zeros((3, 2), jnp.float32)},
+         lambda params, inputs, rng=None, train=False: inputs["x"] @ params["w"])
+config = {"total_steps": 6, "data": {"batch_size": 8, "val_fraction": 0.0},
+          "eval": {"every_steps": 0}, "checkpoint": {"every_steps": 2, "async_save": False},
+          "log": {"verbosity": 0, "writers": ("jsonl",)}, "debug": {"faults": "kill@3"}}
+jtrain.train(config, sys.argv[1], model=model, train_data=data)
+"""
+
+
+def test_a_fault_that_fired_on_a_bucket_run_does_not_fire_again_on_restart(s3, tmp_path):
+    """kill@3 with a checkpoint at step 2: the first launch is killed after step 3, the
+    restart resumes from step 2 and runs step 3 again, this time through to the end
+    (the fault's record was uploaded before the kill, the restart pulls it). Saves are
+    synchronous: step 2 is committed before step 3 runs."""
+    uri = f"s3://{s3[2]}/faults"
+    (tmp_path / "train.py").write_text(KILLED)
+    (tmp_path / "tmp").mkdir()  # a killed run leaves its staging copy in TMPDIR
+    env = {**s3[1], "TMPDIR": str(tmp_path / "tmp")}
+    first = run_python(tmp_path, "train.py", uri, **env)
+    assert first.returncode == -9, first.stderr[-2000:]
+    assert committed(uri) == [2]
+    again = run_python(tmp_path, "train.py", uri, **env)
+    assert again.returncode == 0, again.stderr[-2000:]
+    fs = store.filesystem(uri)
+    fired = [json.loads(line) for line in fs.cat(f"{s3[2]}/faults/faults.jsonl").splitlines()]
+    assert [(f["fault"], f["step"]) for f in fired] == [("kill@3", 3)]
+    assert json.loads(fs.cat(f"{s3[2]}/faults/summary.json"))["step"] == 6

@@ -1,15 +1,21 @@
 """eval.mode=async's internals, in process (the journey: tests/journeys/
-test_async_eval_journey.py): which eval a step applies, the resumed run's metrics.jsonl,
+test_async_eval_journey.py): which eval a step applies, the resumed run's metrics.jsonl
+(each eval once after a resume behind evals the killed session wrote),
 a checkpoint deleted under the evaluator, a save renamed into place while it lists, the
 held checkpoints the keep policy keeps, the child evaluator's nice value and CPUs."""
 
 import json
+import os
+import shutil
 import types
 
+import jtrain
 from jtrain import config as config_lib
 from jtrain.checkpoint import policy
 from jtrain.engine import async_eval
-from jtrain.observe import jsonl
+from jtrain.observe import jsonl, layout
+from projects import mydata
+from projects.linen_classifier import Net
 
 
 def _cfg(every=5, lag=2, total=23):
@@ -51,6 +57,36 @@ def test_a_resume_drops_the_eval_records_it_applies_again(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     jsonl.drop_evals_after(str(path), 5)
     assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:3]
+
+
+def test_a_resumed_run_writes_each_eval_once(tmp_path):
+    """Every 2 steps, lag 2: the eval of step 4 is applied (written) at step 8, that of
+    step 6 at step 10. A session killed after step 10 and resumed from checkpoint 6 has
+    both records in metrics.jsonl (steps <= 6) and writes them again: the resumed run
+    drops them first. The killed session is a finished run's workdir less its
+    checkpoints after 6 and its summary (a kill leaves a prefix of those records). The
+    evaluator's results are in WORKDIR/evals already: the run reads them, none waits."""
+    def train(workdir):
+        config = {"total_steps": 12, "seed": 0, "data": {"batch_size": 8},
+                  "eval": {"every_steps": 2, "mode": "async", "async_lag": 2,
+                           "async_evaluator": "external"},
+                  "checkpoint": {"every_steps": 2, "max_to_keep": 20},
+                  "log": {"verbosity": 0, "writers": ("jsonl",)},
+                  "optim": {"name": "adamw", "lr": 0.05, "schedule": "constant"}}
+        jtrain.train(config, str(workdir), model=Net(), train_data=mydata.make(40, train=None))
+        return [(r["step"], r["eval/loss"]) for r in
+                jsonl.read_records(str(workdir / "metrics.jsonl")) if "eval/loss" in r]
+
+    evals = [(s, s / 64) for s in range(2, 13, 2)]
+    for s, v in evals:
+        layout.write_eval_result(str(tmp_path / "a"), s, {"step": s, "num_examples": 2,
+                                                          "metrics": {"eval/loss": v}})
+    assert train(tmp_path / "a") == evals  # straight through
+    shutil.copytree(tmp_path / "a", tmp_path / "c")
+    for s in (8, 10, 12):
+        shutil.rmtree(tmp_path / "c" / "checkpoints" / str(s))
+    os.remove(tmp_path / "c" / "summary.json")
+    assert train(tmp_path / "c") == evals
 
 
 def test_a_checkpoint_deleted_under_the_evaluator_is_reported_and_skipped(tmp_path):

@@ -1,5 +1,7 @@
 """Run forensics in process: the on-device state digest (exact, order-free, position
 sensitive), hashes.jsonl written by `jtrain.train` with the step's example indices,
+the indices in hashes.jsonl and skipped.jsonl being rows of the dataset passed (not of
+the part left after data.val_fraction's hold-out), against numpy over `x[examples]`,
 `jtrain.diff.diff_runs` on identical runs and on a run with one changed key (the key,
 the first differing step, the leaf), `jtrain.replay.replay` reproducing a recorded step
 bitwise and reporting a planted nondeterministic op (JTRAIN_FAULT=noise:N), and the
@@ -111,6 +113,53 @@ def test_a_step_without_a_hash_and_a_path_that_is_not_a_run(runs, tmp_path):
         diff_lib.diff_runs(str(runs / "a"), str(tmp_path))
     with pytest.raises(UsageError, match="passed from Python"):
         replay_lib.replay(str(runs / "a"), 5)
+
+
+def test_examples_are_rows_of_the_dataset_passed_when_part_is_held_out(tmp_path):
+    """data.val_fraction holds 60 of 300 rows out; a NaN planted in row 251 is named as
+    example 251, and every recorded step's loss and gradient norm are numpy's over
+    x[examples] (learning rate 0: the fixed parameters below are the step's)."""
+    r = np.random.default_rng(3)
+    x = r.normal(size=(300, 3)).astype(np.float32)
+    y = r.normal(size=(300, 2)).astype(np.float32)
+    x[251, 1] = np.nan
+    w = np.array([[0.5, -1.0], [2.0, 0.25], [-0.75, 1.5]], np.float32)
+    b = np.array([0.1, -0.2], np.float32)
+    model = (lambda rng, inputs: {"w": jnp.asarray(w), "b": jnp.asarray(b)},
+             lambda params, inputs, rng=None, train=False:
+             inputs["x"] @ params["w"] + params["b"])
+    cfg = {"total_steps": 5, "seed": 0, "data": {"batch_size": 48, "val_fraction": 0.2},
+           "eval": {"every_steps": 0}, "debug": {"hash_every_steps": 1},
+           "log": {"every_steps": 1, "verbosity": 0, "writers": ("jsonl",)},
+           "optim": {"name": "sgd", "lr": 0.0, "schedule": "constant"}}
+    jtrain.train(cfg, str(tmp_path), model=model, train_data={"x": x, "targets": y},
+                 loss_fn=lambda out, batch: jnp.mean((out - batch["targets"]) ** 2))
+    skipped = [json.loads(line) for line in open(tmp_path / "skipped.jsonl")]
+    assert [(e["reason"], e["examples"]) for e in skipped] == [("invalid batch", [251])]
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    train = {m["step"]: m for m in lines if "train/loss" in m}
+    records = hashes.read(str(tmp_path))
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    for rec in records:
+        rows = np.asarray(rec["examples"])
+        assert len(rows) == 48
+        if rec["step"] == skipped[0]["step"]:
+            assert 251 in rows
+            continue
+        err = (x[rows].astype(np.float64) @ w + b - y[rows])  # [48, 2]
+        g = 2 * err / err.size
+        norm = np.sqrt(np.sum((x[rows].T @ g) ** 2) + np.sum(g.sum(0) ** 2))
+        np.testing.assert_allclose(train[rec["step"]]["train/loss"], np.mean(err ** 2),
+                                   rtol=1e-5)
+        np.testing.assert_allclose(train[rec["step"]]["train/grad_norm"], norm, rtol=1e-5)
+    # five batches of 48 are the 240 kept rows once; the other 60 are the eval set
+    seen = np.concatenate([r["examples"] for r in records])
+    held = np.setdiff1d(np.arange(300), seen)
+    assert len(set(seen.tolist())) == 240 and len(held) == 60
+    final = [m for m in lines if "eval/loss" in m][-1]
+    np.testing.assert_allclose(final["eval/loss"],
+                               np.mean((x[held].astype(np.float64) @ w + b - y[held]) ** 2),
+                               rtol=1e-5)
 
 
 @pytest.mark.multidevice
