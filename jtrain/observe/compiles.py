@@ -110,10 +110,9 @@ def own_folder(path: str, fix: bool) -> None:
         raise ConfigError("compile.cache_dir", f"{path} is owned by uid {st.st_uid}, not "
                           f"by you (uid {os.getuid()}): a compiled step loaded from it "
                           "runs as yours; use a folder of your own")
-    if st.st_mode & 0o022:
-        if fix:
-            os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
-            return
+    if fix and st.st_mode & 0o077:  # the default folder: 0700, as it was created
+        os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+    elif st.st_mode & 0o022:
         who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002))
                            if st.st_mode & bit)
         raise ConfigError("compile.cache_dir", f"{path} is writable by {who} (mode "
