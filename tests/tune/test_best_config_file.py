@@ -149,3 +149,19 @@ def test_a_trial_folder_is_built_from_its_number_and_kept_inside(tmp_path):
                 3):
         with pytest.raises(errors.WorkdirError):
             trial_lib.trial_dir(str(root), rel)
+
+
+@pytest.mark.parametrize("spec, good, bad", [
+    (("choice", (16, 32)), [16, 32], [True, 16.0, "16", 64, None]),
+    (("choice", ((4,), (8, 8))), [(4,), (8, 8)], ["(4,)", [4], (4, 4)]),
+    (("int", 1, 4), [1, 4], [0, 5, 2.0, True, "2"]),
+    (("uniform", 0.1, 0.2), [0.1, 0.15, 0.2], [0.09, float("nan"), float("inf"), True, "0.1"]),
+])
+def test_only_values_the_space_can_take_pass(spec, good, bad):
+    space = {"model.x": spec}
+    for value in good:
+        assert trial_lib.checked_params(space, {"model.x": value}, "trial 0") == \
+            {"model.x": value}
+    for value in bad:
+        with pytest.raises(errors.WorkdirError, match=r"^study trial 0: params\['model.x'\]: "):
+            trial_lib.checked_params(space, {"model.x": value}, "trial 0")
