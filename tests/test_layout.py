@@ -178,7 +178,8 @@ def test_tests_need_no_convenience_a_user_lacks():
 # public names) is an entry point. Both names of the eval loop and of the early-stopping
 # monitors are listed, so the table holds across their renames.
 FLOORS = {
-    0: ("jtrain.cli.boot", "jtrain.errors", "jtrain.observe.redact", "jtrain.cli.hostmem"),
+    0: ("jtrain.cli.boot", "jtrain.errors", "jtrain.observe.redact", "jtrain.cli.hostmem",
+        "jtrain.paths"),
     1: ("jtrain.config", "jtrain.step", "jtrain.state", "jtrain.optim", "jtrain.precision",
         "jtrain.mesh", "jtrain.losses", "jtrain.metrics", "jtrain.invariant"),
     2: ("jtrain.multihost",),

@@ -8,8 +8,10 @@ mirrored to the bucket by `Mirror`:
 
 - `pull`: the bucket's run into the staging copy before the run (or a command) reads it:
   every file outside `checkpoints/`, and each checkpoint step that carries the commit
-  marker. A step without the marker is a torn upload: never restored (the owner, a
-  training run, deletes it with a warning; a reader skips it).
+  marker. A key that would land outside the staging copy (a `..`, `.` or empty segment,
+  a backslash) refuses the whole run in one line naming the key (jtrain.paths). A step
+  without the marker is a torn upload: never restored (the owner, a training run,
+  deletes it with a warning; a reader skips it).
 - `commit_step`: a finished step's files uploaded, then the marker `COMMIT` last (an
   object store has no atomic rename: the marker is the commit). Called from the
   Checkpointer's post-finalization hook, in the background save thread.
@@ -41,6 +43,7 @@ import shutil
 import tempfile
 import threading
 
+from jtrain import paths
 from jtrain.errors import JtrainError, WorkdirError, first_line
 from jtrain.observe.redact import redact_text
 
@@ -252,8 +255,12 @@ class Mirror:
         for step in committed:
             rels += [r for r in by_step[f"{CHECKPOINTS}/{step}"]
                      if not r.endswith("/" + COMMIT)]
+        rels = [r for r in rels if not r.endswith("/")]  # folder markers: no content
+        # A key is foreign data: each becomes a path inside the staging copy or the
+        # whole run is refused, before anything is downloaded.
+        locals_ = [paths.confined(self.local, r, f"{redact_text(self.uri)}: key {r!r}")
+                   for r in rels]
         if rels:
-            locals_ = [os.path.join(self.local, *r.split("/")) for r in rels]
             for p in locals_:
                 os.makedirs(os.path.dirname(p), exist_ok=True)
             self._call("downloading", self.fs.get, [self._remote(r) for r in rels],

@@ -7,7 +7,10 @@ folder on the machine's own disk, LOCAL_DIR/<id>/<step>/, written every
 `local_every_steps` steps in the same format (state, data position, run-control
 record, manifest) and keeping its newest step only. `<id>` is a random name stored in
 WORKDIR/local_tier.json at the first start: a new workdir, or one deleted and made
-again, never reads another run's local checkpoints.
+again, never reads another run's local checkpoints. The id is read back as data (16 hex
+digits, the folder inside LOCAL_DIR and not a link, else one line), and
+LOCAL_DIR/<id>/tier_owner.json records which workdir owns the folder: a copy of the
+workdir starts a fresh tier instead of sharing it.
 
 Which tier saves a step: the persistent tier when a persistent save is due (or the
 loop saves for a stop, a best eval or the end), else the local tier when
@@ -34,18 +37,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
 from typing import Any
 
 import jax
 
+from jtrain import paths
 from jtrain.checkpoint.manager import Checkpointer, CheckpointReader, Start
 from jtrain.control import faults
-from jtrain.errors import ConfigError
+from jtrain.errors import ConfigError, WorkdirError
+from jtrain.observe import layout
 from jtrain.observe.console import say
 
 ID_FILE = "local_tier.json"  # in the workdir: {"id": the local tier's subfolder}
+OWNER_FILE = "tier_owner.json"  # in that subfolder: {"identity": [dev, ino], "workdir"}
 
 
 def open_checkpoints(workdir: str, config, data_info: dict | None = None, *, mirror=None):
@@ -57,34 +64,96 @@ def open_checkpoints(workdir: str, config, data_info: dict | None = None, *, mir
 
 
 def local_folder(workdir: str, local_dir: str) -> str:
-    """LOCAL_DIR/<id>, the id read from (or first written to) WORKDIR/local_tier.json."""
+    """LOCAL_DIR/<id>, the id read from (or first written to) WORKDIR/local_tier.json.
+
+    The id is the workdir's data: a plain token (`_ID`) or one ConfigError; the folder
+    is never a link. The folder belongs to one workdir, the one whose identity (device
+    and inode) LOCAL_DIR/<id>/tier_owner.json records: a copy of the workdir (cp -r)
+    finds another owner there and starts a fresh tier of its own, with one warning
+    line, rather than share (and prune) the original's steps."""
     if "://" in local_dir:
         raise ConfigError("checkpoint.local_dir", f"{local_dir!r} is not a local path: the "
                           "local tier is a folder on this machine's disk")
-    path = os.path.join(os.path.abspath(workdir), ID_FILE)
+    workdir = os.path.abspath(workdir)
+    base = os.path.abspath(os.path.expanduser(local_dir))
+    path = os.path.join(workdir, ID_FILE)
+    os.makedirs(workdir, exist_ok=True)
+    me = _identity(workdir)
+    run_id = _read_id(path)
+    if run_id is not None:
+        owner = _read_owner(base, run_id)
+        if owner is not None and owner.get("identity") != me:
+            say(f"warning: checkpoint.local_dir: {os.path.join(base, run_id)} belongs to "
+                f"the workdir {owner.get('workdir')!s} (this one is a copy of it): this "
+                "copy starts a fresh local tier")
+            run_id = None
+    if run_id is None:
+        run_id = uuid.uuid4().hex[:16]
+        layout.write_file(path, json.dumps({"id": run_id}))  # never through a link
+    folder = _folder(base, run_id)
+    os.makedirs(folder, exist_ok=True)
+    layout.write_file(_owner_file(base, run_id),
+                      json.dumps({"identity": me, "workdir": workdir}))
+    return folder
+
+
+_ID = re.compile(r"[0-9a-f]{16}")
+
+
+def _read_id(path: str) -> str | None:
+    """The id in local_tier.json; None when there is none; else one ConfigError."""
     try:
         with open(path, encoding="utf-8") as f:
-            run_id = str(json.load(f)["id"])
+            run_id = json.load(f)["id"]
     except FileNotFoundError:
-        run_id = uuid.uuid4().hex[:16]
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump({"id": run_id}, f)
+        return None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError("checkpoint.local_dir", f"cannot read {path}: {e}; delete it to "
                           "start the local tier afresh") from None
-    return os.path.join(os.path.abspath(os.path.expanduser(local_dir)), run_id)
+    if not isinstance(run_id, str) or not _ID.fullmatch(run_id):
+        raise ConfigError("checkpoint.local_dir", f"{path}: id {run_id!r} is not an id "
+                          "jtrain writes (16 hex digits); delete the file to start the "
+                          "local tier afresh")
+    return run_id
+
+
+def _folder(base: str, run_id: str) -> str:
+    folder = os.path.join(base, run_id)
+    if os.path.islink(folder):
+        raise ConfigError("checkpoint.local_dir", f"{folder} is a symbolic link: the local "
+                          "tier writes and deletes only in a folder of its own; remove "
+                          "the link")
+    return paths.confined(base, run_id, f"checkpoint.local_dir: {run_id}")
+
+
+def _identity(workdir: str) -> list[int]:
+    st = os.stat(workdir)
+    return [st.st_dev, st.st_ino]
+
+
+def _owner_file(base: str, run_id: str) -> str:
+    return os.path.join(base, run_id, OWNER_FILE)
+
+
+def _read_owner(base: str, run_id: str) -> dict | None:
+    """The owner LOCAL_DIR/<id>/tier_owner.json records; None when none is recorded (a
+    tier made before owners were recorded is adopted)."""
+    try:
+        with open(_owner_file(base, run_id), encoding="utf-8") as f:
+            owner = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return owner if isinstance(owner, dict) else None
 
 
 def local_steps(workdir: str, local_dir: str) -> list[int]:
     """The finished steps (a manifest present) of the run's local tier, read only: what
     --verify_resume expects a restart to resume from, with `newer_tier`."""
+    base = os.path.abspath(os.path.expanduser(local_dir))
     try:
-        with open(os.path.join(workdir, ID_FILE), encoding="utf-8") as f:
-            run_id = str(json.load(f)["id"])
-    except (OSError, ValueError, KeyError, TypeError):
+        folder = _folder(base, _read_id(os.path.join(workdir, ID_FILE)) or "")
+    except (ConfigError, WorkdirError):
         return []
-    folder = os.path.join(os.path.abspath(os.path.expanduser(local_dir)), run_id)
     return CheckpointReader(folder).all_steps() if os.path.isdir(folder) else []
 
 

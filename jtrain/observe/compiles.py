@@ -3,7 +3,10 @@ compile of the run — how many, how long, persistent-cache hits and misses, and
 compile after the first step with its cause (the function and its argument shapes).
 
 The cache: `compile.cache_dir` ("auto" = `$XDG_CACHE_HOME/jtrain/xla`, else
-`~/.cache/jtrain/xla`; "" = off). JAX decides once per process, at its first compile,
+`~/.cache/jtrain/xla`; "" = off). The folder is the user's own (`own_folder`): created
+0700; one owned by another user or writable by group or others is refused in one line
+(the default one has its mode narrowed instead), since JAX runs whatever entry it finds
+under a key. JAX decides once per process, at its first compile,
 whether the cache is used, and by default skips compiles under 1 s and small entries:
 `configure_cache` sets the directory, caches every compile (thresholds 0) and resets
 JAX's decision, so it works even after arrays exist. Several runs and processes may
@@ -27,10 +30,13 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 
 import jax
 from jax import monitoring
+
+from jtrain.errors import ConfigError
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -56,15 +62,22 @@ def configure_cache(cache_dir: str, max_gb: float = 0.0) -> str | None:
     cannot be created turns the cache off (the run does not depend on it) and says so."""
     from jax.experimental.compilation_cache import compilation_cache as cc
 
+    global _CONFIGURED
     path = cache_path(cache_dir)
     if path is not None:
         try:
-            os.makedirs(path, exist_ok=True)
+            own_folder(path, fix=cache_dir == "auto")
+        except ConfigError:
+            # Refused before any entry is read: JAX is left with no cache rather than
+            # an earlier configuration's (the caller may catch the error and go on).
+            _CONFIGURED = None
+            jax.config.update("jax_compilation_cache_dir", None)
+            cc.reset_cache()
+            raise
         except OSError as e:
             logging.warning("jtrain: compile cache off: cannot create %s (%s)", path,
                             e.strerror or e)
             path = None
-    global _CONFIGURED
     if _CONFIGURED == (path, max_gb) and jax.config.jax_compilation_cache_dir == path:
         return path  # this process set it up already (and JAX may have started it)
     _CONFIGURED = (path, max_gb)
@@ -81,6 +94,31 @@ def configure_cache(cache_dir: str, max_gb: float = 0.0) -> str | None:
         write_from_every_process()
         list_once_per_process()
     return path
+
+
+def own_folder(path: str, fix: bool) -> None:
+    """The cache folder must be the user's own: JAX loads an entry by its key, which is
+    no signature, so whoever can write there picks the code a step runs. Created 0700;
+    owned by another user, or writable by group or others, it is one ConfigError (as ssh
+    refuses a key file), except that `fix` (the default folder, jtrain's to manage) has
+    its mode narrowed to 0700."""
+    if not os.path.isdir(path):
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        os.chmod(path, 0o700)  # makedirs' mode is narrowed by the umask, never widened
+    st = os.stat(path)
+    if st.st_uid != os.getuid():
+        raise ConfigError("compile.cache_dir", f"{path} is owned by uid {st.st_uid}, not "
+                          f"by you (uid {os.getuid()}): a compiled step loaded from it "
+                          "runs as yours; use a folder of your own")
+    if fix and st.st_mode & 0o077:  # the default folder: 0700, as it was created
+        os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+    elif st.st_mode & 0o022:
+        who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002))
+                           if st.st_mode & bit)
+        raise ConfigError("compile.cache_dir", f"{path} is writable by {who} (mode "
+                          f"{stat.S_IMODE(st.st_mode):o}): whoever writes there picks "
+                          f"the code your steps run; chmod 700 {path}, or use a folder "
+                          "of your own")
 
 
 def configure_cache_for_reader(cache_dir: str) -> str | None:

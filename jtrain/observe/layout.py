@@ -152,7 +152,8 @@ RUN = (
      'damaged checkpoints moved aside at start-up (never deleted)'),
     ('local_tier.json', 'local_tier.json',
      'with checkpoint.local_dir: {"id"}, the name of this run\'s folder in the local tier '
-     '(LOCAL_DIR/<id>/<step>/, its newest step only)'),
+     '(LOCAL_DIR/<id>/<step>/, its newest step only; LOCAL_DIR/<id>/tier_owner.json: '
+     'the workdir that owns it)'),
     ('summary.json', 'summary.json',
      'at the end: step, state_sha256, final eval metrics (only an eval of that step; an older '
      'one is "last_eval" with its step), best_step / best_value, stopped_by / stop_reason, '

@@ -148,8 +148,9 @@ def _continuation(study, first, space: dict, workdir: str):
         if t is None:  # told already: trains along, untold
             old = storage.get_trial(storage.get_trial_id_from_study_id_trial_number(
                 study._study_id, number))
-            members.append({"number": None, "params": trial_lib.decode(space, old.params),
-                            "continues": None})
+            params = trial_lib.checked_params(space, trial_lib.decode(space, old.params),
+                                              f"trial {number}")
+            members.append({"number": None, "params": params, "continues": None})
             trials.append(None)
             continue
         params = trial_lib.suggest(t, space)

@@ -34,11 +34,14 @@ def records(study, space: dict) -> list[dict]:
         if a.get(study_lib.SURPLUS):
             continue  # never ran: a worker asked past the last slot
         state = "interrupted" if study_lib.is_interrupted(t) else STATES.get(t.state, "?")
+        # Held to the space and to jtrain's folder names (the database is data).
+        params = trial_lib.decode(space, t.params or  # queued: its fixed params
+                                  t.system_attrs.get("fixed_params", {}))
         rec = {"number": t.number, "state": state, "value": t.value,
-               "params": trial_lib.decode(space, t.params or  # queued: its fixed params
-                                          t.system_attrs.get("fixed_params", {})),
+               "params": trial_lib.checked_params(space, params, f"trial {t.number}"),
                "step": a.get(study_lib.STEP, t.last_step),
-               "workdir": a.get(study_lib.WORKDIR, f"trials/{t.number}")}
+               "workdir": trial_lib.trial_rel(a.get(study_lib.WORKDIR,
+                                                    f"trials/{t.number}"))}
         for key in (study_lib.REASON, study_lib.CONTINUES, study_lib.RESUMED,
                     study_lib.MEMBER):
             if a.get(key) is not None:
@@ -64,13 +67,19 @@ def best(recs: list[dict], mode: str) -> dict | None:
 def write_best_config(workdir: str, base: dict, rec: dict, monitor: str) -> str:
     """A get_config() file of the best trial's config (the base config with its values).
 
+    Only keys of `tune.space` with values it can take reach it (else one WorkdirError).
     The file is fixed text plus data: every string from the study (params, workdir) or
     the config is in a data literal (VALUES, TRIAL, written by repr), never in the
     docstring or in code; secrets are masked (jtrain.observe.redact), one comment line
     naming each masked key."""
     from jtrain.observe.redact import redact
 
-    raw = trial_lib.trial_config(base, rec["params"], keep_tune=False)
+    # Only the space's keys and values reach the file (checked again: the writer does
+    # not trust its caller's record).
+    params = trial_lib.checked_params(base["tune"]["space"], rec["params"],
+                                      f"trial {rec['number']}")
+    trial_lib.trial_rel(rec["workdir"])
+    raw = trial_lib.trial_config(base, params, keep_tune=False)
     values = _literal(redact(raw))
     masked = sorted(k for k, v in _flat(values).items() if _flat(_literal(raw)).get(k) != v)
     optional = [k for k, f in schema_lib.describe() if f.type == "optfloat"

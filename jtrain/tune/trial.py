@@ -11,9 +11,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import numbers
 import os
+import re
 
-from jtrain import errors
+from jtrain import errors, paths
 from jtrain.config import space as space_lib
 from jtrain.observe import jsonl
 
@@ -45,7 +47,50 @@ def suggest(trial, space: dict) -> dict:
             else:  # Optuna stores primitives only: tuples (e.g. model.hidden) by their repr
                 names = [repr(c) for c in choices]
                 params[key] = choices[names.index(trial.suggest_categorical(key, names))]
+    # A continued trial's values are the database's (fixed params): held to the space too.
+    return checked_params(space, params, f"trial {trial.number}")
+
+
+def checked_params(space: dict, params: dict, where: str) -> dict:
+    """`params` (decoded) when every key is a key of the space and every value one it can
+    take: the type its kind declares, inside its range or among its choices. A study's
+    database is someone else's data: anything else would reach a trial's config and
+    best_config.py (a factory path, a command), so it is one WorkdirError naming the
+    trial and the key."""
+    flat = space_lib.flatten(space)
+    for key, value in params.items():
+        spec = flat.get(key)
+        name = f"study {where}: params[{key!r}]"
+        if spec is None:
+            raise errors.WorkdirError(name, "not a key of tune.space: a study's database "
+                                      "holds only values of the space; refused")
+        if not _in_space(spec, value):
+            raise errors.WorkdirError(name, f"{value!r} is not a value of tune.space's "
+                                      f"{tuple(spec)!r}; refused")
     return params
+
+
+def _in_space(spec, value) -> bool:
+    kind = spec[0]
+    if kind == "choice":  # the same type too: True is not 1, "1" is not 1
+        return any(type(value) is type(c) and value == c for c in spec[1])
+    want = numbers.Integral if kind in ("int", "log_int") else numbers.Real
+    return (isinstance(value, want) and not isinstance(value, bool)
+            and math.isfinite(value) and spec[1] <= value <= spec[2])
+
+
+_TRIAL_DIR = re.compile(r"(trials|populations)/(0|[1-9][0-9]{0,9})")
+
+
+def trial_rel(rel) -> str:
+    """A trial's folder as the study records it (trials/<n>, populations/<n>), rebuilt
+    from its number; anything else read from the database is one WorkdirError."""
+    m = _TRIAL_DIR.fullmatch(rel) if isinstance(rel, str) else None
+    if m is None:
+        raise errors.WorkdirError(f"study trial workdir {rel!r}", "not trials/<number> "
+                                  "or populations/<number>: jtrain names a trial's folder "
+                                  "by its number; refused")
+    return f"{m.group(1)}/{int(m.group(2))}"
 
 
 def decode(space: dict, params: dict) -> dict:
@@ -75,11 +120,15 @@ def trial_config(base: dict, params: dict, keep_tune: bool = True) -> dict:
 
 
 def trial_dir(root: str, rel: str) -> str:
-    """The run directory of a trial: `rel` (trials/<n>) under the search's workdir, a
-    path or a URI (s3://bucket/study -> s3://bucket/study/trials/<n>)."""
+    """The run directory of a trial: `rel` (trials/<n>, checked by `trial_rel`) under
+    the search's workdir, a path (confined: no link out of it) or a URI
+    (s3://bucket/study -> s3://bucket/study/trials/<n>)."""
     from jtrain.checkpoint import store
 
-    return store.join(root, rel)
+    rel = trial_rel(rel)
+    if store.is_remote(root):
+        return store.join(root, rel)
+    return paths.confined(root, rel, f"study trial workdir {rel!r}")
 
 
 def last_checkpoint(workdir: str) -> int | None:

@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import shutil
+import tempfile
 import uuid
 
 import pytest
@@ -247,3 +248,54 @@ def test_a_fault_that_fired_on_a_bucket_run_does_not_fire_again_on_restart(s3, t
     fired = [json.loads(line) for line in fs.cat(f"{s3[2]}/faults/faults.jsonl").splitlines()]
     assert [(f["fault"], f["step"]) for f in fired] == [("kill@3", 3)]
     assert json.loads(fs.cat(f"{s3[2]}/faults/summary.json"))["step"] == 6
+
+
+def plant(bucket: str, prefix: str, keys: list[str]) -> None:
+    """Objects at exactly these keys (boto3 keeps `..` segments as they are)."""
+    import boto3
+
+    client = boto3.client("s3")
+    client.put_object(Bucket=bucket, Key=f"{prefix}/config.json", Body=b"{}")
+    client.put_object(Bucket=bucket, Key=f"{prefix}/checkpoints/4/{store.COMMIT}", Body=b"{}")
+    for key in keys:
+        client.put_object(Bucket=bucket, Key=key, Body=b"payload")
+
+
+@pytest.mark.parametrize("key", ["{p}/../../victim/marker",
+                                 "{p}/checkpoints/4/../../../../victim/marker",
+                                 "{p}/a\\..\\..\\victim\\marker"])
+def test_a_key_leading_outside_the_staging_copy_refuses_the_run(s3, tmp_path, monkeypatch,
+                                                                key):
+    """The staging copy is TMP/jtrain-run-XXX: joined as they are, the first two keys
+    land in TMP/../victim/marker (the third does on Windows). The pull refuses the run
+    in one line naming the key and writes nothing anywhere."""
+    prefix = f"hostile-{uuid.uuid4().hex[:8]}"
+    key = key.format(p=prefix)
+    plant(s3[2], prefix, [key])
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    with pytest.raises(WorkdirError) as e:
+        with store.local_copy(f"s3://{s3[2]}/{prefix}"):
+            pass
+    assert str(e.value).startswith(f"s3://{s3[2]}/{prefix}: key {key[len(prefix) + 1:]!r}: ")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "victim").exists() and os.listdir(tmp) == []
+
+
+def test_export_of_a_bucket_run_with_a_hostile_key_is_one_line(s3, tmp_path):
+    """The user's command: `jtrain export s3://b/run --out=x` on a bucket holding a key
+    with `..` segments exits 2 with one line, and nothing is written outside."""
+    from journey import run_python
+
+    key = "exported/../../victim/marker"
+    plant(s3[2], "exported", [key])
+    (tmp_path / "tmp").mkdir()
+    proc = run_python(tmp_path, "-m", "jtrain", "export", f"s3://{s3[2]}/exported",
+                      "--out=x", TMPDIR=str(tmp_path / "tmp"), **s3[1])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"jtrain: workdir error: s3://{s3[2]}/exported: key '../../victim/marker': holds an "
+        "empty, '.' or '..' segment: a name read from a run, a bucket or a study must be a "
+        "plain relative path inside its folder"]
+    assert not (tmp_path / "victim").exists() and not (tmp_path / "x").exists()

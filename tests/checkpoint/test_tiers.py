@@ -6,6 +6,7 @@ aside in one warning line); lost_local deletes the local tier (in-process, a tin
 state, no training). The user's journey, a run killed three ways from the command
 line, is tests/checkpoint/test_tiers_journey.py."""
 
+import json
 import os
 import shutil
 
@@ -179,3 +180,85 @@ def test_a_multi_process_run_with_a_local_tier_is_refused(tmp_path, monkeypatch)
         "jtrain: config error: checkpoint.local_dir: the local tier is implemented for one "
         "process only; unset it for a multi-process run")
     assert not (tmp_path / "local").exists()
+
+
+def victim_folder(path):
+    """A folder the local tier must never touch: a file, a step, an unfinished save and a
+    step name with leading zeros (what a tier scan deletes or moves aside)."""
+    (path / "7").mkdir(parents=True)
+    (path / f"9{integrity.TMP_MARK}x").mkdir()
+    (path / "0030").mkdir()
+    (path / "notes.txt").write_text("mine")
+    return sorted(os.listdir(path))
+
+
+@pytest.mark.parametrize("run_id", ["../victim", "{abs}", "0123456789abcdef/..", "x" * 16, 7])
+def test_an_id_that_is_not_a_plain_token_is_one_line(tmp_path, run_id):
+    workdir, local_dir, victim = tmp_path / "run", tmp_path / "local", tmp_path / "victim"
+    before = victim_folder(victim)
+    workdir.mkdir()
+    run_id = str(victim) if run_id == "{abs}" else run_id
+    (workdir / tiers.ID_FILE).write_text(json.dumps({"id": run_id}))
+    with pytest.raises(jtrain.ConfigError) as e:
+        open_tiers(workdir, local_dir)
+    line = errors.render(e.value)
+    assert line.startswith(f"jtrain: config error: checkpoint.local_dir: {workdir}/"
+                           f"{tiers.ID_FILE}: id {run_id!r} is not an id jtrain writes"), line
+    assert "\n" not in line and sorted(os.listdir(victim)) == before
+    assert tiers.local_steps(str(workdir), str(local_dir)) == []
+
+
+def test_a_linked_local_folder_is_refused(two_tiers, tmp_path):
+    workdir, local_dir = two_tiers
+    (folder,) = [local_dir / n for n in os.listdir(local_dir)]
+    shutil.rmtree(folder)
+    before = victim_folder(tmp_path / "victim")
+    os.symlink(tmp_path / "victim", folder)
+    with pytest.raises(jtrain.ConfigError) as e:
+        open_tiers(workdir, local_dir)
+    assert errors.render(e.value) == (
+        f"jtrain: config error: checkpoint.local_dir: {folder} is a symbolic link: the "
+        "local tier writes and deletes only in a folder of its own; remove the link")
+    assert sorted(os.listdir(tmp_path / "victim")) == before
+    assert tiers.local_steps(str(workdir), str(local_dir)) == []
+
+
+def test_the_id_file_replaces_a_dangling_link_instead_of_writing_through_it(tmp_path):
+    workdir, target = tmp_path / "run", tmp_path / "elsewhere" / "planted.json"
+    workdir.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(target, workdir / tiers.ID_FILE)
+    ck, start = open_tiers(workdir, tmp_path / "local")
+    ck.close()
+    assert start.source == "fresh" and not target.exists()
+    assert not os.path.islink(workdir / tiers.ID_FILE)
+    run_id = json.loads((workdir / tiers.ID_FILE).read_text())["id"]
+    assert os.listdir(tmp_path / "local") == [run_id]
+
+
+def test_a_copied_workdir_starts_its_own_tier_and_keeps_off_the_originals(two_tiers, tmp_path,
+                                                                         capsys):
+    """cp -r of a workdir: both copies name one local folder in local_tier.json. The copy
+    finds the original's identity recorded there and starts a fresh tier (one warning);
+    its saves never prune the original's step 8."""
+    workdir, local_dir = two_tiers
+    copy = tmp_path / "copy"
+    shutil.copytree(workdir, copy)
+    (original,) = os.listdir(local_dir)
+    ck, start = open_tiers(copy, local_dir)
+    assert (start.step, start.origin) == (5, "resumed from step 5")  # its persistent step
+    err = capsys.readouterr().err
+    assert f"warning: checkpoint.local_dir: {local_dir / original} belongs to the workdir " \
+           f"{workdir} (this one is a copy of it): this copy starts a fresh local tier" in err
+    save_steps(ck, range(6, 9))
+    ck.close()
+    mine = json.loads((copy / tiers.ID_FILE).read_text())["id"]
+    assert mine != original and sorted(os.listdir(local_dir)) == sorted([original, mine])
+    ck, start = open_tiers(workdir, local_dir)  # the original still resumes from its own
+    assert (start.step, start.origin) == (8, "resumed from step 8 (local tier)")
+    assert same(start.state, make_state(8, 8.0))
+    ck.close()
+    ck, start = open_tiers(copy, local_dir)  # and the copy from its own, silently
+    assert (start.step, start.origin) == (8, "resumed from step 8 (local tier)")
+    assert "warning" not in capsys.readouterr().err
+    ck.close()

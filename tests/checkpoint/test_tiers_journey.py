@@ -51,7 +51,10 @@ def test_each_restart_takes_the_newest_intact_step_of_either_tier(journey):
     run, ref = cwd / "runs" / "tiers", cwd / "runs" / "ref"
     (folder,) = local.iterdir()
     assert folder.name == json.loads((run / "local_tier.json").read_text())["id"]
-    assert sorted(p.name for p in folder.iterdir()) == ["18"]  # the newest local step
+    # the newest local step, and which workdir owns the folder
+    assert sorted(p.name for p in folder.iterdir()) == ["18", "tier_owner.json"]
+    owner = json.loads((folder / "tier_owner.json").read_text())
+    assert owner["identity"] == [run.stat().st_dev, run.stat().st_ino]
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [10, 15, 20]
     assert all(layout.listed(p.name) for p in run.iterdir())
     summary = json.loads((run / "summary.json").read_text())
