@@ -32,7 +32,7 @@ def main(fv, args, argv=None) -> int:
     paths = trust.untrusted(config if isinstance(config, dict) else {})
     trust.sign(run)
     named = (f"it names code that will run when it is opened: {trust.listing(paths)}"
-             if paths else "it names no code outside jtrain")
+             if paths else "it names no code beyond what opens unsigned")
     print(f"jtrain: trusted {os.path.join(run, 'config.json')}: {named}; signed with "
           f"{trust.key_file()}")
     return 0

@@ -122,3 +122,67 @@ def test_jtrain_paths_need_no_signature(tmp_path):
     assert trust.import_paths({"data": {"mixture": {"a": {"source": "pkg.m:f"},
                                                      "b": {"source": "pystdlib"}}}}) == [
         ("pkg.m:f", "data.mixture.a.source")]
+    # at a key that only names code every string is a name, ":" or not
+    assert trust.import_paths({"model": {"factory": "runs.evil"}, "loss": {"fn": "x"},
+                               "optim": {"name": "adamw"}}) == [
+        ("runs.evil", "model.factory"), ("x", "loss.fn")]
+
+
+def _defined_in_jtrain() -> set[str]:
+    """Every "module:name" and "module" jtrain's source defines or binds at top level
+    (functions, classes and their methods, assignments, imports), read with ast: nothing
+    imported."""
+    import ast
+
+    root = os.path.dirname(jtrain.__file__)
+    names = set()
+    for d, _, files in os.walk(root):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            rel = os.path.relpath(os.path.join(d, f), os.path.dirname(root))[:-3]
+            module = rel.replace(os.sep, ".").removesuffix(".__init__")
+            names.add(module)
+            tree = ast.parse(open(os.path.join(d, f)).read())
+            for node in tree.body:
+                bound = ([node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef,
+                                                          ast.AsyncFunctionDef))
+                         else [t.id for t in getattr(node, "targets", [])
+                               if isinstance(t, ast.Name)]
+                         + [(a.asname or a.name).split(".")[0]
+                            for a in getattr(node, "names", []) if not isinstance(a, str)])
+                names.update(f"{module}:{b}" for b in bound)
+                if isinstance(node, ast.ClassDef):
+                    names.update(f"{module}:{node.name}.{m.name}" for m in node.body
+                                 if isinstance(m, ast.FunctionDef))
+    return names
+
+
+def test_what_a_config_may_name_unsigned_is_exactly_the_documented_list():
+    import glob
+    import re
+
+    defined = _defined_in_jtrain()
+    assert {"jtrain.bench.scaling:_spawn", "jtrain.checkpoint.verify:_run",
+            "jtrain.checkpoint.integrity:quarantine", "jtrain.recipes.byol"} <= defined
+    opens_unsigned = {p for p in defined for key in trust.CODE_KEYS
+                      if not trust.untrusted(_at(key, p))}
+    assert opens_unsigned == set(trust.UNSIGNED)
+    # each is a public function its module defines ...
+    assert all(p in defined and not p.split(":")[1].startswith("_") for p in trust.UNSIGNED)
+    # ... that a config jtrain ships names; and every jtrain name those configs use is on it
+    repo = os.path.dirname(os.path.dirname(jtrain.__file__))
+    shipped = set()
+    for path in glob.glob(os.path.join(repo, "configs", "recipes", "*.py")) + [
+            os.path.join(repo, "jtrain", "bench", "peers.py")]:
+        shipped |= set(re.findall(r"[\"'](jtrain\.[\w.]+:\w+)[\"']", open(path).read()))
+    assert shipped == set(trust.UNSIGNED)
+    # the trust page's table is the list, with the same words
+    page = open(os.path.join(repo, "docs", "guide", "forensics.md")).read()
+    table = dict(re.findall(r"^\| `(jtrain\.[\w.]+:\w+)` \| (.+) \|$", page, re.M))
+    assert table == trust.UNSIGNED
+
+
+def _at(key: str, value: str) -> dict:
+    section, name = key.split(".")
+    return {section: {name: value}}
