@@ -186,3 +186,26 @@ def test_what_a_config_may_name_unsigned_is_exactly_the_documented_list():
 def _at(key: str, value: str) -> dict:
     section, name = key.split(".")
     return {section: {name: value}}
+
+
+def test_the_signature_covers_the_whole_config(tmp_path):
+    """A name past the first 4 KiB of config.json, edited in place after signing, is
+    refused: the HMAC is of every byte (compared with hashlib's HMAC of the file)."""
+    import hashlib
+    import hmac
+
+    config = {"data": {"kwargs": {"notes": "x" * 4200}, "source": "jtrain.recipes."
+                       "classify:make_data"}, "step": {"factory": "mystep:make"}}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config, sort_keys=True))
+    trust.sign(str(tmp_path))
+    content = path.read_bytes()
+    assert content.index(b"mystep:make") > 4096
+    key = open(os.environ[trust.KEY_ENV], "rb").read().strip()
+    assert (tmp_path / trust.SIGNATURE_FILE).read_text().strip() == hmac.new(
+        key, content, hashlib.sha256).hexdigest()
+    trust.check(str(tmp_path), config)  # signed: opens
+    path.write_bytes(content.replace(b"mystep:make", b"mystep:evil"))  # same length
+    with pytest.raises(WorkdirError, match=r"names code that runs when it is opened: "
+                                           r"mystep:evil \(step.factory\); if you trust"):
+        trust.check(str(tmp_path), json.loads(path.read_text()))
