@@ -30,6 +30,7 @@ import hmac
 import os
 import re
 import secrets
+import stat
 
 from jtrain.errors import WorkdirError
 from jtrain.observe import layout
@@ -90,30 +91,69 @@ def key_file() -> str:
     return os.path.join(base, "jtrain", "trust.key")
 
 
+MIN_KEY_BYTES = 32  # the key made here is 64 hex digits; a shorter one is guessable
+
+
 def user_key(create: bool = True) -> bytes | None:
     """The user's key; created (32 random bytes, hex, mode 0600) when missing and
-    `create`; None when missing and not `create`."""
+    `create`; None when missing and not `create`. A key anyone else could read or
+    replace signs nothing (as ssh refuses such a private key): one WorkdirError saying
+    how to fix it."""
     path = key_file()
     try:
-        with open(path, "rb") as f:
-            return f.read().strip()
+        return _read_key(path)
     except FileNotFoundError:
         if not create:
             return None
-    except OSError as e:
-        raise WorkdirError(path, f"cannot read the trust key ({e.strerror}); set "
-                           f"{KEY_ENV}=FILE to keep it elsewhere") from None
     key = secrets.token_hex(32).encode()
+    directory = os.path.dirname(path) or "."
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(4)}")
     try:
-        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key + b"\n")
+        # linked whole into place: a reader never sees a half-written key
+        os.link(tmp, path)
     except FileExistsError:  # another process made it first: use that one
         return user_key(create=False)
     except OSError as e:
         raise WorkdirError(path, f"cannot create the trust key ({e.strerror}); set "
                            f"{KEY_ENV}=FILE to keep it elsewhere") from None
-    with os.fdopen(fd, "wb") as f:
-        f.write(key + b"\n")
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+    return key
+
+
+def _read_key(path: str) -> bytes:
+    """The key at `path` once it is the user's own regular file, private and long enough;
+    FileNotFoundError when there is none."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        if os.path.islink(path):
+            raise WorkdirError(path, "the trust key is a symbolic link; put the key file "
+                                     f"itself there (or set {KEY_ENV}=FILE)") from None
+        raise WorkdirError(path, f"cannot read the trust key ({e.strerror}); set "
+                                 f"{KEY_ENV}=FILE to keep it elsewhere") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise WorkdirError(path, "the trust key is not a regular file; remove it and "
+                                     "a new one is made")
+        if st.st_uid != os.getuid():
+            raise WorkdirError(path, f"the trust key belongs to uid {st.st_uid}, not to you "
+                                     f"(uid {os.getuid()}); remove it and a new one is made")
+        if st.st_mode & 0o077:
+            raise WorkdirError(path, f"the trust key is open to others (mode "
+                                     f"{stat.S_IMODE(st.st_mode):04o}); chmod 600 {path}")
+        key = f.read().strip()
+    if len(key) < MIN_KEY_BYTES:
+        raise WorkdirError(path, f"the trust key is {len(key)} bytes, under "
+                                 f"{MIN_KEY_BYTES}; remove it and a new one is made")
     return key
 
 
@@ -164,8 +204,9 @@ def untrusted(config: dict, skip=()) -> list[tuple[str, str]]:
             if not any(k.startswith(s) for s in skip) and p not in UNSIGNED]
 
 
-def verify(workdir: str) -> bool:
-    """Whether config.json.sig is the user's signature of config.json as it is."""
+def verify(workdir: str, *, strict: bool = False) -> bool:
+    """Whether config.json.sig is the user's signature of config.json as it is; `strict`:
+    a key that signs nothing (user_key) raises its WorkdirError instead of False."""
     try:
         with open(os.path.join(workdir, "config.json"), "rb") as f:
             content = f.read()
@@ -176,6 +217,8 @@ def verify(workdir: str) -> bool:
     try:
         key = user_key(create=False)
     except WorkdirError:
+        if strict:
+            raise
         return False
     return key is not None and hmac.compare_digest(signature(content, key), sig)
 
@@ -189,7 +232,7 @@ def check(workdir: str, config: dict, *, skip=(), shown: str | None = None) -> N
     the user signed its config.json; before anything is imported. `shown`: the run as
     the user named it (in the line)."""
     paths = untrusted(config, skip)
-    if not paths or verify(workdir):
+    if not paths or verify(workdir, strict=True):
         return
     shown = shown or workdir
     raise WorkdirError(os.path.join(shown, "config.json"),
