@@ -201,3 +201,28 @@ def test_k8s_render_derives_every_count_from_one_number(tmp_path):
     assert rc == 2 and err.strip() == \
         "launch/k8s/render.sh: --processes=N (a positive integer) is required"
 
+
+
+def test_ray_job_puts_no_secret_on_a_workers_command_line(monkeypatch, capsys):
+    """A password in ARGS would reach every worker's argv: refused in one line, exit 2,
+    before Ray starts; the environment carries it (JTRAIN_* goes to every process)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("ray_job", LAUNCH / "ray_job.py")
+    ray_job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ray_job)
+    monkeypatch.setitem(sys.modules, "ray", None)  # were Ray reached, its import fails
+    for secret in ("--tune.storage=postgresql://svc:Pw'x9!@db/app",
+                   "--config.data.kwargs.api_key=K3yK3yK3y"):
+        rc = ray_job.main(["--num_workers=2", "--", "--config=c.py", "--workdir=w", secret])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1, err
+        assert err[0].startswith("ray_job: --") and "<redacted>" in err[0], err
+        assert "Pw'x9" not in err[0] and "K3yK3yK3y" not in err[0]
+    monkeypatch.setenv("JTRAIN_TUNE_DB_PASSWORD", "Pw'x9!")
+    args = ray_job.parse(["--num_workers=2", "--", "--config=c.py", "--workdir=w",
+                          "--tune.storage=postgresql://svc@db/app"])
+    assert ray_job.secret_in_argv(args.jtrain) is None
+    env = ray_job.Job(args).env(1, "h:1", "tok")
+    assert env["JTRAIN_TUNE_DB_PASSWORD"] == "Pw'x9!"
