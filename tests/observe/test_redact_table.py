@@ -160,7 +160,7 @@ def test_every_userinfo_character_is_masked():
     from jtrain.checkpoint import store
     from jtrain.errors import WorkdirError, render
 
-    @settings(deadline=None, derandomize=True, max_examples=300)
+    @settings(deadline=None, derandomize=True, database=None, max_examples=300)
     @given(user=_userinfo(colon=False), password=_userinfo(colon=True),
            scheme=st.sampled_from(["postgresql", "mysql+pymysql", "s3", "redis"]))
     def check(user, password, scheme):
