@@ -2,7 +2,7 @@
 that evaluate, replay and report import and call. A run trained here is signed with the
 user's key and opens; the same run edited to name other code, or signed with another
 user's key, is refused in one line before anything is imported, until `jtrain trust`;
-paths into jtrain itself need no signature (jtrain/observe/trust.py)."""
+the names on the short list trust.UNSIGNED need no signature (jtrain/observe/trust.py)."""
 
 import json
 import os
