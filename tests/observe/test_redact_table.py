@@ -110,7 +110,7 @@ def test_a_real_run_writes_no_secret_and_hashes_what_it_stores(tmp_path):
     kwargs = {f"s{i}": text for i, (text, _) in enumerate(SHAPES)}
     cfg = {"total_steps": 2, "data": {"batch_size": 8, "kwargs": {**kwargs,
                                                                   "password": "Pl41nPwd"}},
-           "log": {"verbosity": 0, "writers": ["jsonl"]}}
+           "log": {"verbosity": 0, "writers": ["jsonl", "tensorboard"]}}
     run = tmp_path / "run"
     jtrain.train(cfg, str(run), model=Net(nnx.Rngs(0)),
                  train_data=(x, (x[:, 0] > 0).astype(np.int32)))
@@ -125,6 +125,8 @@ def test_a_real_run_writes_no_secret_and_hashes_what_it_stores(tmp_path):
                                              r"export\.json", p)]
     assert {"run/config.json", "run/run.json", "exp/export.json"} <= set(written), written
     assert any("control/metadata" in p for p in written), sorted(files)
+    events = [p for p in files if "tfevents" in p]
+    assert events and any(b"<redacted>" in files[p] for p in events), sorted(files)
     leaks = [(p, s) for p, data in files.items() for s in secrets if s.encode() in data]
     assert not leaks, leaks
     stored = json.loads(files["run/config.json"])
