@@ -158,6 +158,21 @@ def test_tpu_vm_refuses_a_remote_workdir_before_any_ssh(tmp_path):
     assert not (tmp_path / "gs:").exists()
 
 
+def test_tpu_vm_and_slurm_put_no_uri_password_on_a_command_line(tmp_path):
+    pids = tmp_path / "pids"
+    secret = "--tune.storage=postgresql://svc:Pw'x9!@db:5432/app"
+    for script, extra, env in (("tpu_vm.sh", ["my-tpu", "zone-a"],
+                                {"FAKE_GCLOUD_PIDS": str(pids), "HOME": str(tmp_path)}),
+                               ("slurm.sh", [], {"SLURM_JOB_ID": "7"})):
+        proc = start(["bash", LAUNCH / script, *extra, *TINY, "--workdir=run", secret],
+                     tmp_path, **env)
+        rc, _, err = finish(proc, 30)
+        assert rc == 2 and err.strip().startswith(
+            f"launch/{script}: an argument holds a URI with a password;"), err
+        assert "Pw'x9" not in err
+    assert not pids.exists()  # gcloud never ran
+
+
 def test_slurm_sh_needs_its_venv_and_a_job(tmp_path):
     proc = start(["bash", LAUNCH / "slurm.sh", "--workdir=run"], tmp_path,
                  SLURM_JOB_ID="7", SLURM_SUBMIT_DIR=str(tmp_path))
