@@ -33,7 +33,9 @@ lost worker, every restart resuming from the workdir.
   else a new local one; `local`: always a new local one, with `--num_workers` x
   `--cpus_per_worker` CPUs). `--cpu_devices=K` gives each process K fake CPU devices
   (JAX_PLATFORMS=cpu), as launch/local.sh's DEVICES=K. The driver's JAX_*, XLA_* and
-  JTRAIN_* variables are passed to every process.
+  JTRAIN_* variables are passed to every process. No secret goes on a worker's command
+  line: ARGS holding one (a password in `--tune.storage`) are refused (exit 2); the
+  database password travels as JTRAIN_TUNE_DB_PASSWORD in the environment.
 
 Exit status: 0 when every process finished (or a signal stopped them, saved), else the
 failing process's code (128 + the signal for a signal death) once no restart is left,
@@ -46,6 +48,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import secrets
 import signal
 import socket
@@ -251,8 +254,27 @@ class Job:
             ray.wait(late, num_returns=len(late), timeout=30)
 
 
+def secret_in_argv(argv) -> str | None:
+    """The first argument holding a secret (a URI's password, a secret-named flag), shown
+    masked; None when none does. Every worker's command line is visible to every user
+    of its node, so secrets travel in the environment instead."""
+    from jtrain.observe.redact import redact_text
+
+    for arg in argv:
+        plain = re.sub(r"://[^\s:@/\"`]*@", "://", arg)  # a user name alone is no secret
+        if redact_text(plain) != plain:
+            return redact_text(arg)
+    return None
+
+
 def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
+    shown = secret_in_argv(args.jtrain)
+    if shown is not None:
+        say(f"{shown}: a secret on the command line would be on every worker's command "
+            "line; give the database password in JTRAIN_TUNE_DB_PASSWORD (passed to every "
+            "process's environment) and the URL without it")
+        return 2
     try:
         import ray
     except ImportError:

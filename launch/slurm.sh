@@ -28,6 +28,12 @@
 #SBATCH --signal=B:TERM@120
 set -uo pipefail
 [ $# -gt 0 ] || { echo "usage: sbatch [options] launch/slurm.sh --config=... --workdir=DIR" >&2; exit 2; }
+for a in "$@"; do  # a password in a URI would be on every task's command line
+  if [[ $a =~ ://[^/@[:space:]]*:[^/@[:space:]]*@ ]]; then
+    echo "launch/slurm.sh: an argument holds a URI with a password; it would be on every task's command line: give the URI without it (a database password: JTRAIN_TUNE_DB_PASSWORD, which srun passes on)" >&2
+    exit 2
+  fi
+done
 : "${SLURM_JOB_ID:?launch/slurm.sh: not inside a SLURM job (submit it with sbatch)}"
 venv=${JTRAIN_VENV:-${SLURM_SUBMIT_DIR:-$PWD}/.venv}
 [ -x "$venv/bin/python" ] || {

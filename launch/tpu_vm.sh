@@ -22,6 +22,11 @@ for a in "$@"; do
     echo "launch/tpu_vm.sh: ${a#--workdir=} is a remote URI; jtrain writes the workdir with local file I/O: mount it (gcsfuse) and pass the mounted path" >&2
     exit 2 ;;
   esac
+  # A password in a URI would be on every worker's command line (ps shows it to all).
+  if [[ $a =~ ://[^/@[:space:]]*:[^/@[:space:]]*@ ]]; then
+    echo "launch/tpu_vm.sh: an argument holds a URI with a password; it would be on every worker's command line: give the URI without it (a database password: JTRAIN_TUNE_DB_PASSWORD in the workers' environment)" >&2
+    exit 2
+  fi
 done
 dir=${JTRAIN_REMOTE_DIR:-'~/jtrain'}  # expanded on the worker
 dist=${JTRAIN_DISTRIBUTED---distributed=auto}

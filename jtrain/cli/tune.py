@@ -33,7 +33,8 @@ def define_flags(fv: flags.FlagValues, sys_argv) -> None:
                         "s3://bucket/prefix): study.db, trials/<n>, trials.jsonl, "
                         "best_config.py, tune.png.", flag_values=fv)
     flags.DEFINE_string("tune.storage", None, "Optuna RDB URL the workers share "
-                        "(= --config.tune.storage); default sqlite:///WORKDIR/study.db.",
+                        "(= --config.tune.storage), without its password (give that in "
+                        "$JTRAIN_TUNE_DB_PASSWORD); default sqlite:///WORKDIR/study.db.",
                         flag_values=fv)
     flags.DEFINE_string("coordinator_address", os.environ.get("JTRAIN_COORDINATOR"),
                         "host:port of process 0, for multi-process trials.", flag_values=fv)

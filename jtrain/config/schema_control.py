@@ -148,7 +148,8 @@ CONTROL_SECTIONS: dict[str, Any] = {
                                   "pruning starts"),
         "prune_warmup_steps": F(int, 0, (0, INF), "no pruning at evals before this step"),
         "storage": F(str, "", None, "Optuna RDB URL shared by workers (sqlite:///f.db, "
-                     "postgresql://...); '' = sqlite:///WORKDIR/study.db"),
+                     "postgresql://user@host/db; its password in $JTRAIN_TUNE_DB_PASSWORD); '' = "
+                     "sqlite:///WORKDIR/study.db"),
         "study_name": F(str, "", None, "study in the storage; '' = the workdir's name"),
         "stale_after_s": F(float, 300.0, (1.0, INF), "a running trial whose worker has "
                            "not beaten its heartbeat this long is continued by another "

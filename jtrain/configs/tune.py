@@ -7,7 +7,8 @@
 Samples optim.lr (log-uniform), optim.weight_decay (uniform) and data.batch_size (a
 choice) with TPE over 8 trials of 120 steps; a median pruner stops trials whose eval loss
 at an eval is worse than the median of earlier trials there. Several workers: start the
-same command on each machine with --tune.storage=postgresql://user:pass@host/db.
+same command on each machine with --tune.storage=postgresql://user@host/db and the
+password in $JTRAIN_TUNE_DB_PASSWORD.
 Variants: `quick` (4 trials of 40 steps).
 """
 

@@ -110,8 +110,9 @@ RUN = (
      'into jtrain.train / jtrain.resolve'),
     ('config.json.sig', 'config.json.sig',
      'the HMAC-SHA256 of config.json under the user\'s key (jtrain.observe.trust), written with '
-     'it: evaluate, replay and report open a run whose config names code outside jtrain only '
-     'when it verifies (`jtrain trust RUN` signs a run from elsewhere)'),
+     'it: evaluate, replay and report open a run whose config names code beyond the short list '
+     'of jtrain\'s recipe factories (trust.UNSIGNED) only when it verifies (`jtrain trust RUN` '
+     'signs a run from elsewhere)'),
     ('run.json', 'run.json',
      'the run\'s records beside the config: "model_source" / "loss_source" when the model / '
      'loss_fn came from Python (not rebuildable), and "decided": what the set-up chose beyond '

@@ -27,11 +27,14 @@ _SECRET_ENV = re.compile(r"(?:^|_)KEY$|APIKEY|TOKEN(?!IZ)|PASSWORD|PASSWD|PASSPH
                          r"|CREDENTIAL|(?:^|_)O?AUTH(?!OR(?!I)|_SOCK)", re.IGNORECASE)
 # URI userinfo: everything between "://" and the last "@" of the URI is masked,
 # scheme://user:pa/ss?w#o@rd@host -> scheme://<redacted>@host: a password may hold
-# / ? # @ : unescaped. A URI ends at whitespace or a quote (a quote is no URI character).
-_URI_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)[^\s\"'`]*@")
+# / ? # @ : unescaped. A URI ends at whitespace, a double quote or a backtick; not at
+# "'", which RFC 3986 allows in userinfo (a sub-delim, like ! $ & ( ) * + , ; =):
+# stopping there would show the rest of a password holding one.
+_URI_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)[^\s\"`]*@")
 # name=value pairs (URI query parameters, flags, free text) whose name is secret-looking:
-# the value is masked up to whitespace, a quote or the next "&".
-_PAIR = re.compile(r"(?<![A-Za-z0-9_\-])([A-Za-z0-9_\-]+)=([^\s&\"'`]+)")
+# the value is masked up to whitespace, a double quote, a backtick or the next "&" (a
+# "'" inside it is part of it).
+_PAIR = re.compile(r"(?<![A-Za-z0-9_\-])([A-Za-z0-9_\-]+)=([^\s&\"'`][^\s&\"`]*)")
 _SECRET_PARAM = re.compile(
     r"^-*(?:sig|signature|key|pwd|pass|code|sas|x-amz-credential|x-goog-credential)$"
     r"|signature|secret|passw|token(?!s|iz)|credential|api_?key|access_?key|auth(?!or(?!i))",

@@ -48,8 +48,35 @@ class Job:
     members: list | None = None
 
 
+# The database password, kept off command lines (every local user sees a process's
+# argv; a launcher would copy it to every worker's): tune.storage names the database
+# without it and each worker reads it from here.
+PASSWORD_ENV = "JTRAIN_TUNE_DB_PASSWORD"
+
+
 def storage_url(tune_cfg, workdir: str) -> str:
     return tune_cfg.storage or f"sqlite:///{os.path.join(workdir, 'study.db')}"
+
+
+def with_password(url: str) -> tuple[str, str]:
+    """(the URL to connect with, the password as written in it, "" for none): $PASSWORD_ENV
+    put into a tune.storage URL that has none, %-escaped (SQLAlchemy's own URL)."""
+    password = os.environ.get(PASSWORD_ENV, "")
+    if not password or url.startswith("sqlite"):
+        return url, ""
+    from sqlalchemy.engine import make_url
+
+    try:
+        parsed = make_url(url)
+    except Exception as e:  # noqa: BLE001 - SQLAlchemy's parse error: the config's fault
+        raise ConfigError("tune.storage", f"cannot parse {redact_text(url)!r}: "
+                                          f"{redact_text(first_line(e))}") from None
+    if parsed.password is not None:
+        raise ConfigError("tune.storage", f"{redact_text(url)} holds a password and "
+                                          f"{PASSWORD_ENV} is set: give it in one place, "
+                                          f"{PASSWORD_ENV}")
+    full = parsed.set(password=password).render_as_string(hide_password=False)
+    return full, full.split("://", 1)[1].rsplit("@", 1)[0].split(":", 1)[1]
 
 
 def open_study(tune_cfg, workdir: str, space: dict, name: str | None = None) -> optuna.Study:
@@ -57,8 +84,8 @@ def open_study(tune_cfg, workdir: str, space: dict, name: str | None = None) -> 
     ConfigError (its results would mix). Its name: tune.study_name, else `name`, else
     the workdir's last part."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    url = storage_url(tune_cfg, workdir)
-    shown = redact_text(url)  # a password in the URL never reaches a message
+    shown = redact_text(storage_url(tune_cfg, workdir))  # no password reaches a message
+    url, escaped = with_password(storage_url(tune_cfg, workdir))
     kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
     for attempt in range(5):
         try:
@@ -68,8 +95,9 @@ def open_study(tune_cfg, workdir: str, space: dict, name: str | None = None) -> 
             # Workers starting together race to create the tables (a UNIQUE constraint
             # fails for all but one): the next attempt finds them.
             if attempt == 4 or "UNIQUE" not in str(e) and "already exists" not in str(e):
-                raise ConfigError("tune.storage", f"cannot open {shown!r}: "
-                                  f"{redact_text(first_line(e))}") from None
+                why = redact_text(first_line(e))
+                raise ConfigError("tune.storage", f"cannot open {shown!r}: " + (
+                    why.replace(escaped, "<redacted>") if escaped else why)) from None
             time.sleep(0.5 + attempt)
     name = tune_cfg.study_name or name or os.path.basename(os.path.normpath(workdir))
     direction = "minimize" if tune_cfg.mode == "min" else "maximize"

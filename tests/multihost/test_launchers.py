@@ -158,6 +158,21 @@ def test_tpu_vm_refuses_a_remote_workdir_before_any_ssh(tmp_path):
     assert not (tmp_path / "gs:").exists()
 
 
+def test_tpu_vm_and_slurm_put_no_uri_password_on_a_command_line(tmp_path):
+    pids = tmp_path / "pids"
+    secret = "--tune.storage=postgresql://svc:Pw'x9!@db:5432/app"
+    for script, extra, env in (("tpu_vm.sh", ["my-tpu", "zone-a"],
+                                {"FAKE_GCLOUD_PIDS": str(pids), "HOME": str(tmp_path)}),
+                               ("slurm.sh", [], {"SLURM_JOB_ID": "7"})):
+        proc = start(["bash", LAUNCH / script, *extra, *TINY, "--workdir=run", secret],
+                     tmp_path, **env)
+        rc, _, err = finish(proc, 30)
+        assert rc == 2 and err.strip().startswith(
+            f"launch/{script}: an argument holds a URI with a password;"), err
+        assert "Pw'x9" not in err
+    assert not pids.exists()  # gcloud never ran
+
+
 def test_slurm_sh_needs_its_venv_and_a_job(tmp_path):
     proc = start(["bash", LAUNCH / "slurm.sh", "--workdir=run"], tmp_path,
                  SLURM_JOB_ID="7", SLURM_SUBMIT_DIR=str(tmp_path))
@@ -201,3 +216,28 @@ def test_k8s_render_derives_every_count_from_one_number(tmp_path):
     assert rc == 2 and err.strip() == \
         "launch/k8s/render.sh: --processes=N (a positive integer) is required"
 
+
+
+def test_ray_job_puts_no_secret_on_a_workers_command_line(monkeypatch, capsys):
+    """A password in ARGS would reach every worker's argv: refused in one line, exit 2,
+    before Ray starts; the environment carries it (JTRAIN_* goes to every process)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("ray_job", LAUNCH / "ray_job.py")
+    ray_job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ray_job)
+    monkeypatch.setitem(sys.modules, "ray", None)  # were Ray reached, its import fails
+    for secret in ("--tune.storage=postgresql://svc:Pw'x9!@db/app",
+                   "--config.data.kwargs.api_key=K3yK3yK3y"):
+        rc = ray_job.main(["--num_workers=2", "--", "--config=c.py", "--workdir=w", secret])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1, err
+        assert err[0].startswith("ray_job: --") and "<redacted>" in err[0], err
+        assert "Pw'x9" not in err[0] and "K3yK3yK3y" not in err[0]
+    monkeypatch.setenv("JTRAIN_TUNE_DB_PASSWORD", "Pw'x9!")
+    args = ray_job.parse(["--num_workers=2", "--", "--config=c.py", "--workdir=w",
+                          "--tune.storage=postgresql://svc@db/app"])
+    assert ray_job.secret_in_argv(args.jtrain) is None
+    env = ray_job.Job(args).env(1, "h:1", "tok")
+    assert env["JTRAIN_TUNE_DB_PASSWORD"] == "Pw'x9!"

@@ -59,6 +59,9 @@ SHAPES = [
     ("--db-password=Dash3dPw and more", ["Dash3dPw"]),
     ("Authorization=BearerT0k", ["BearerT0k"]),
     ("see postgres://u:Inl1nePw@h/x, then more text", ["Inl1nePw"]),
+    ("postgresql://svc:Qu0te'Pw9x@db/app", ["Qu0te'Pw9x", "Pw9x"]),
+    ("mysql://u:S!$&'()*+,;=ub9@db/x", ["S!$&'()*+,;=ub9", "()*+,;=ub9"]),
+    ("--db-password=Fl4g'Quot3", ["Fl4g'Quot3", "Quot3"]),
 ]
 # Ordinary text that stays as it is.
 KEPT = ["max_tokens=512", "tokenizer=bpe", "s3://bucket/key", "https://h.example/p?page=2",
@@ -107,7 +110,7 @@ def test_a_real_run_writes_no_secret_and_hashes_what_it_stores(tmp_path):
     kwargs = {f"s{i}": text for i, (text, _) in enumerate(SHAPES)}
     cfg = {"total_steps": 2, "data": {"batch_size": 8, "kwargs": {**kwargs,
                                                                   "password": "Pl41nPwd"}},
-           "log": {"verbosity": 0, "writers": ["jsonl"]}}
+           "log": {"verbosity": 0, "writers": ["jsonl", "tensorboard"]}}
     run = tmp_path / "run"
     jtrain.train(cfg, str(run), model=Net(nnx.Rngs(0)),
                  train_data=(x, (x[:, 0] > 0).astype(np.int32)))
@@ -122,6 +125,8 @@ def test_a_real_run_writes_no_secret_and_hashes_what_it_stores(tmp_path):
                                              r"export\.json", p)]
     assert {"run/config.json", "run/run.json", "exp/export.json"} <= set(written), written
     assert any("control/metadata" in p for p in written), sorted(files)
+    events = [p for p in files if "tfevents" in p]
+    assert events and any(b"<redacted>" in files[p] for p in events), sorted(files)
     leaks = [(p, s) for p, data in files.items() for s in secrets if s.encode() in data]
     assert not leaks, leaks
     stored = json.loads(files["run/config.json"])
@@ -133,3 +138,48 @@ def test_a_real_run_writes_no_secret_and_hashes_what_it_stores(tmp_path):
     guess["data"]["kwargs"] = {**kwargs, "password": "Pl41nPwd"}  # every guess right
     assert hashlib.sha256(json.dumps(guess, sort_keys=True, default=str).encode()
                           ).hexdigest() != control["config_sha256"]
+
+
+# RFC 3986 userinfo: unreserved, sub-delims, ":" (the password's) and %-escapes
+_UNRESERVED = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~"
+_SUB_DELIMS = "!$&'()*+,;="
+
+
+def _userinfo(colon: bool):
+    from hypothesis import strategies as st
+
+    char = st.one_of(st.sampled_from(_UNRESERVED + _SUB_DELIMS + (":" if colon else "")),
+                     st.integers(0, 255).map(lambda b: f"%{b:02X}"))
+    return st.lists(char, min_size=1, max_size=24).map("".join)
+
+
+def test_every_userinfo_character_is_masked():
+    """Any user and password over the full userinfo alphabet: the URI comes out as
+    scheme://<redacted>@host... exactly, alone, in a sentence, in a dict's repr, in JSON,
+    in a config (redact) and in the "credentials in the URI are refused" line."""
+    from hypothesis import given, settings, strategies as st
+
+    from jtrain.checkpoint import store
+    from jtrain.errors import WorkdirError, render
+
+    @settings(deadline=None, derandomize=True, database=None, max_examples=300)
+    @given(user=_userinfo(colon=False), password=_userinfo(colon=True),
+           scheme=st.sampled_from(["postgresql", "mysql+pymysql", "s3", "redis"]))
+    def check(user, password, scheme):
+        uri = f"{scheme}://{user}:{password}@db.example:5432/app"
+        masked = f"{scheme}://{REDACTED}@db.example:5432/app"
+        assert redact_text(uri) == masked
+        assert redact_text(f"storage {uri} refused") == f"storage {masked} refused"
+        shown = str({"storage": uri})  # repr quotes it with " when it holds a '
+        assert redact_text(shown) == shown.replace(uri, masked)
+        assert redact_text(json.dumps({"storage": uri})) == json.dumps({"storage": masked})
+        assert redact({"tune": {"storage": uri}}) == {"tune": {"storage": masked}}
+        if scheme == "s3":
+            try:
+                store.split(uri)
+            except WorkdirError as e:
+                line = render(e)
+            assert line.startswith(f"jtrain: workdir error: {masked}: credentials in the "
+                                   "URI are refused: jtrain takes them from"), line
+
+    check()

@@ -113,3 +113,38 @@ def test_a_storage_that_cannot_be_opened_is_one_line(tmp_path, capsys):
                           "'postgresql://<redacted>@127.0.0.1:1/db': ") and \
         len(err.splitlines()) == 1, err
     assert "secretpw" not in err
+
+
+def test_the_database_password_comes_from_the_environment(monkeypatch, tmp_path):
+    """tune.storage names the database without its password; JTRAIN_TUNE_DB_PASSWORD
+    gives it (any character: SQLAlchemy's parser reads back the same password), and no
+    message shows it, raw or %-escaped, even when the driver's own error quotes the URL."""
+    from sqlalchemy.engine import make_url
+
+    password = "p'@:/%#?&x!$()*+,;= 9"
+    monkeypatch.setenv(study_lib.PASSWORD_ENV, password)
+    seen = []
+
+    def rdb(url, engine_kwargs):
+        seen.append(url)
+        raise RuntimeError(f"could not connect to {url}")
+
+    monkeypatch.setattr(optuna.storages, "RDBStorage", rdb)
+    cfg = _tune_cfg(storage="postgresql://svc@db.example:5432/app")
+    with pytest.raises(ConfigError) as e:
+        study_lib.open_study(cfg, str(tmp_path), SPACE)
+    parsed = make_url(seen[0])
+    assert (parsed.username, parsed.password, parsed.host, parsed.database) == (
+        "svc", password, "db.example", "app")
+    escaped = seen[0].split("://")[1].rsplit("@", 1)[0].split(":", 1)[1]
+    assert str(e.value) == ("tune.storage: cannot open 'postgresql://<redacted>@db.example:"
+                            "5432/app': could not connect to postgresql://svc:<redacted>"
+                            "@db.example:5432/app")
+    assert escaped != password and escaped in seen[0]
+    # a password in the URL as well: one place only
+    with pytest.raises(ConfigError, match=r"^tune.storage: postgresql://<redacted>@h/app "
+                                          r"holds a password and JTRAIN_TUNE_DB_PASSWORD"):
+        study_lib.open_study(_tune_cfg(storage="postgresql://svc:other@h/app"),
+                             str(tmp_path), SPACE)
+    monkeypatch.delenv(study_lib.PASSWORD_ENV)  # none set: the URL as given
+    assert study_lib.with_password("postgresql://svc@h/app") == ("postgresql://svc@h/app", "")
