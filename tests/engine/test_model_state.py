@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 from flax import linen as nn, nnx
@@ -130,3 +131,47 @@ def test_resume_is_bitwise_and_the_export_holds_the_statistics(tmp_path):
     np.testing.assert_array_equal(tensors["bn/mean"], a[0].astype(np.float32))
     assert record["model_state"] == ["bn/mean", "bn/var"]
     assert record["num_params"] == 4 + 4 + 4 * 2 + 2  # bn scale, bias; fc kernel, bias
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """A trained run of each kind and its export: where init_from starts."""
+    from jtrain.checkpoint import export as export_lib
+
+    root = tmp_path_factory.mktemp("sources")
+    out = {}
+    for kind in MODELS:
+        run = jtrain.train(config(total=6), str(root / kind), model=MODELS[kind](),
+                           train_data=data())
+        export_lib.export(str(root / kind), str(root / f"{kind}_export"))
+        out[kind] = run.state, {"run": str(root / kind),
+                                "export": str(root / f"{kind}_export")}
+    return out
+
+
+@pytest.mark.parametrize("kind", ["nnx", "linen"])
+@pytest.mark.parametrize("source", ["run", "export"])
+def test_init_from_carries_the_running_statistics(tmp_path, sources, kind, source):
+    """A run started from a run or an export starts from the source's statistics: after
+    one step at lr 0 they are the momentum update of the source's by the batch read, and
+    eval (the source's params with them) equals the model evaluated by hand."""
+    src_state, paths = sources[kind]
+    ev = data(100, seed=1)
+    cfg = config(total=1, optim={"lr": 0.0},
+                 checkpoint={"every_steps": 0, "init_from": paths[source]})
+    result = jtrain.train(cfg, str(tmp_path), model=MODELS[kind](), train_data=data(),
+                          eval_data=ev)
+    with open(tmp_path / "hashes.jsonl") as f:
+        (row,) = [json.loads(line) for line in f]
+    batch = data()["inputs"][row["examples"]].astype(np.float64)
+    src_mean, src_var = stats_of(kind, src_state.model_state)
+    mean, var = stats_of(kind, result.state.model_state)
+    np.testing.assert_allclose(mean, MOMENTUM * src_mean + (1 - MOMENTUM) * batch.mean(0),
+                               rtol=1e-6)
+    np.testing.assert_allclose(var, MOMENTUM * src_var + (1 - MOMENTUM) * batch.var(0),
+                               rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(src_state.params), jax.tree.leaves(result.state.params),
+                    strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    loss, accuracy = by_hand(kind, result.state, ev)
+    np.testing.assert_allclose(result.history[-1]["eval/loss"], loss, rtol=1e-5)
