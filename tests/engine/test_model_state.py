@@ -16,6 +16,7 @@ from flax import linen as nn, nnx
 
 import jtrain
 from jtrain import state as state_lib
+from jtrain.errors import ConfigError
 
 MOMENTUM, EPS, BATCH, STEPS = 0.9, 1e-5, 32, 12
 
@@ -175,3 +176,29 @@ def test_init_from_carries_the_running_statistics(tmp_path, sources, kind, sourc
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     loss, accuracy = by_hand(kind, result.state, ev)
     np.testing.assert_allclose(result.history[-1]["eval/loss"], loss, rtol=1e-5)
+
+
+def invariant_config(chunks=4, **eval_over):
+    return config(total=1, optim={"lr": 0.0}, checkpoint={"every_steps": 0},
+                  eval={"every_steps": 1, "metrics": ["loss", "accuracy"], **eval_over},
+                  determinism={"topology_invariant": True, "chunks": chunks})
+
+
+def test_topology_invariant_eval_scores_every_row(tmp_path):
+    """Under the mode an eval set that is no multiple of the eval batch (20 rows in
+    batches of 8) is scored whole: the last batch's padding is masked, every real row
+    counted once, as the model evaluated by hand over all 20 rows."""
+    ev = data(20, seed=1)
+    result = jtrain.train(invariant_config(batch_size=8), str(tmp_path), model=NnxNet,
+                          train_data=data(), eval_data=ev)
+    loss, accuracy = by_hand("nnx", result.state, ev)
+    np.testing.assert_allclose(result.history[-1]["eval/loss"], loss, rtol=1e-5)
+    assert result.history[-1]["eval/accuracy"] == accuracy
+
+
+def test_topology_invariant_refuses_an_eval_batch_the_chunks_do_not_divide(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        jtrain.train(invariant_config(chunks=8, batch_size=12), str(tmp_path), model=NnxNet,
+                     train_data=data(), eval_data=data(16, seed=1))
+    assert str(e.value) == "determinism.chunks: 8 does not divide eval.batch_size=12"
+    assert not (tmp_path / "hashes.jsonl").exists()  # refused before step 1
