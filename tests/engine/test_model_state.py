@@ -202,3 +202,55 @@ def test_topology_invariant_refuses_an_eval_batch_the_chunks_do_not_divide(tmp_p
                      train_data=data(), eval_data=data(16, seed=1))
     assert str(e.value) == "determinism.chunks: 8 does not divide eval.batch_size=12"
     assert not (tmp_path / "hashes.jsonl").exists()  # refused before step 1
+
+
+def momentum_stats(workdir, x, accum=1):
+    """numpy's running statistics over the updates the run applied (the steps of the
+    skip ledger, skipped.jsonl, leave them), moved once per microbatch:
+    microbatch j of a batch is its rows j, j + accum, j + 2 accum, ..., in order j = 0, 1,
+    ... (the documented layout)."""
+    with open(os.path.join(workdir, "hashes.jsonl")) as f:
+        rows = sorted((json.loads(line) for line in f), key=lambda r: r["step"])
+    ledger = os.path.join(workdir, "skipped.jsonl")
+    skipped = set()
+    if os.path.exists(ledger):
+        with open(ledger) as f:
+            skipped = {json.loads(line)["step"] for line in f}
+    mean, var = np.zeros(4), np.ones(4)
+    for r in rows:
+        if r["step"] in skipped:
+            continue
+        batch = x[r["examples"]].astype(np.float64)
+        for j in range(accum):
+            micro = batch[j::accum]
+            mean = MOMENTUM * mean + (1 - MOMENTUM) * micro.mean(0)
+            var = MOMENTUM * var + (1 - MOMENTUM) * micro.var(0)
+    return mean, var, len(skipped)
+
+
+def test_a_skipped_step_leaves_the_statistics_as_they_were(tmp_path):
+    """A batch holding a non-finite row is skipped: its update is not applied and the
+    running statistics stay as they were (not NaN from the row's NaN)."""
+    train = data()
+    train["inputs"][5, 1] = np.nan
+    result = jtrain.train(config(), str(tmp_path), model=NnxNet, train_data=train,
+                          eval_data=data(100, seed=1))
+    mean, var = stats_of("nnx", result.state.model_state)
+    want_mean, want_var, skipped = momentum_stats(tmp_path, train["inputs"])
+    assert skipped >= 1 and int(result.state.skipped_steps) == skipped
+    np.testing.assert_allclose(mean, want_mean, rtol=1e-5)
+    np.testing.assert_allclose(var, want_var, rtol=1e-5)
+
+
+def test_accumulation_moves_the_statistics_once_per_strided_microbatch(tmp_path):
+    """optim.grad_accum_steps=4: the statistics move once per microbatch, in order, each
+    microbatch the rows j, j + 4, ... of the batch (not consecutive quarters: numpy's
+    recomputation with quarters differs), carried from one microbatch to the next."""
+    train = data()
+    result = jtrain.train(config(total=3, optim={"lr": 0.05, "grad_accum_steps": 4}),
+                          str(tmp_path), model=NnxNet, train_data=train,
+                          eval_data=data(100, seed=1))
+    mean, var = stats_of("nnx", result.state.model_state)
+    want_mean, want_var, _ = momentum_stats(tmp_path, train["inputs"], accum=4)
+    np.testing.assert_allclose(mean, want_mean, rtol=1e-5)
+    np.testing.assert_allclose(var, want_var, rtol=1e-5)
