@@ -97,8 +97,8 @@ def _init_from(ckpt_cfg, path: str, abstract_state, init_fn, shown: str | None =
               or (with_opt and p.startswith("opt_state/"))]
     taken, excluded, adapters, cast = _take(wanted, loaded, target, excludes, set(params),
                                             source)
-    # A source without the model's state (Hugging Face weights, an export written
-    # before exports held it) leaves the statistics at their fresh init: said below.
+    # A source without the model's state (Hugging Face weights, a safetensors file of
+    # parameters alone) leaves the statistics at their fresh init: said below.
     no_state = [p for p in wanted if p.startswith(_MODEL_STATE) and p not in loaded
                 and p not in excluded]
     if into:  # back to the whole state's paths
