@@ -11,7 +11,7 @@ device, the same ones on every device count, and what crosses devices only moves
 - the global batch is cut into `determinism.chunks` (K) equal chunks of consecutive rows,
   whatever the device count; each device holds K / (data x fsdp) of them. The first
   program (compiled for one device, run on every device on its own rows) runs the
-  per-chunk step on each of its chunks, one after the other (`lax.map`);
+  per-chunk step on each of its chunks, one after the other (`each_chunk`);
 - the chunk results (loss and weight sums, gradients, metric states, the model's state)
   are assembled into one array sharded on the batch axes and made replicated (an
   all-gather moves bits, it adds nothing);
@@ -88,6 +88,29 @@ def chunked(batch, k: int):
     """[B, ...] -> [k, B/k, ...]: chunk c holds rows c*B/k ... (c+1)*B/k - 1. The batch
     axis is sharded in contiguous blocks, so a device's chunks are its own rows."""
     return jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+
+
+def each_chunk(fn: Callable, shared, xs, ids):
+    """[fn(shared, x) for x in xs] stacked, over this device's chunks (`ids`: their global
+    indices), computed the same way for 1 chunk as for 8: each chunk's arithmetic sits in
+    one loop body between optimization barriers (the chunk, the index and `shared` in,
+    the result out), so the compiler neither hoists work on `shared` (the params, the
+    model's state) out of the loop nor fuses a lone chunk with what surrounds it. Without
+    them 8 chunks on one device and one chunk on each of 8 devices compiled BatchNorm's
+    momentum update differently (the variance differed in its last bit)."""
+    n = (ids >= 0).sum()  # = len(ids) (chunk indices are >= 0), known only at run time
+    first = jax.tree.map(lambda x: x[0], xs)
+    shapes = jax.eval_shape(fn, shared, first)
+    out = jax.tree.map(lambda s: jnp.zeros((ids.shape[0], *s.shape), s.dtype), shapes)
+
+    def body(i, acc):
+        x = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), xs)
+        _, inputs, x = jax.lax.optimization_barrier((i, shared, x))
+        result = jax.lax.optimization_barrier(fn(inputs, x))
+        return jax.tree.map(lambda a, r: jax.lax.dynamic_update_index_in_dim(a, r, i, 0),
+                            acc, result)
+
+    return jax.lax.fori_loop(0, n, body, out)
 
 
 def no_constraints():

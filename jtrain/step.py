@@ -200,9 +200,10 @@ def _invariant_step(value_and_grad, tx, schedule, ema_rate, grad_accum_steps, gu
     def first(state, rows, ids):
         key, context = step_inputs(state)
         inner = BUILT_IN_VIEW.get(state)
-        return jax.lax.map(lambda xs: per_chunk(inner, context.loss_scale, *xs),
-                           (invariant.chunked(rows, ids.shape[0]),
-                            invariant.chunk_keys(key, ids)))
+        return invariant.each_chunk(lambda shared, xs: per_chunk(*shared, *xs),
+                                    (inner, context.loss_scale),
+                                    (invariant.chunked(rows, ids.shape[0]),
+                                     invariant.chunk_keys(key, ids)), ids)
 
     def second(state, stacked, rows_ok):
         _, context = step_inputs(state)

@@ -5,6 +5,9 @@ or the file) or another run's checkpoint (its workdir, its checkpoints/ director
 step directory; the newest intact step, or `checkpoint.init_from_step` = N or best;
 nothing there is modified). Parameters are taken by path; with
 `checkpoint.init_from_opt` the optimizer state is taken too (a checkpoint source only).
+The model's state (BatchNorm's running statistics) comes with the parameters: a run keeps
+it under model_state/, an export beside the parameters under the model's own names; a
+source without it leaves it fresh, said on the report line.
 Internally leaves are keyed `params/<path>`, `opt_state/...`, `ema/<path>`; what the user
 writes and reads is the parameter path alone (`blocks_0/attn/qkv/kernel`,
 jtrain.optim.leaf_path). A parameter whose path matches a regex in
@@ -82,16 +85,22 @@ def _init_from(ckpt_cfg, path: str, abstract_state, init_fn, shown: str | None =
             loaded, source, source_step = _load_hf(ckpt_cfg, local, target, excludes)
         else:
             loaded, source, source_step = _load(ckpt_cfg, path,
-                                                abstract_state.ema is not None)
+                                                abstract_state.ema is not None,
+                                                {p[len(_MODEL_STATE):] for p in target
+                                                 if p.startswith(_MODEL_STATE)})
             source = shown or source
     except ExportError as e:
         raise RestoreError(f"checkpoint.init_from: {e}") from None
 
     fresh = init_fn()
-    wanted = [p for p in target if p.startswith(_PARAMS)
+    wanted = [p for p in target if p.startswith((_PARAMS, _MODEL_STATE))
               or (with_opt and p.startswith("opt_state/"))]
     taken, excluded, adapters, cast = _take(wanted, loaded, target, excludes, set(params),
                                             source)
+    # A source without the model's state (Hugging Face weights, a safetensors file of
+    # parameters alone) leaves the statistics at their fresh init: said below.
+    no_state = [p for p in wanted if p.startswith(_MODEL_STATE) and p not in loaded
+                and p not in excluded]
     if into:  # back to the whole state's paths
         taken = {f"{_PARAMS}{into}/{p[len(_PARAMS):]}": a for p, a in taken.items()}
 
@@ -112,6 +121,8 @@ def _init_from(ckpt_cfg, path: str, abstract_state, init_fn, shown: str | None =
         + (f", {len(adapters)} LoRA adapter leaves not in the source (fresh init: "
            f"{_first(adapters)})" if adapters else "")
         + (f", cast {', '.join(sorted(cast))}" if cast else "")
+        + (f", {len(no_state)} model state leaves not in the source (fresh init: "
+           f"{_first(no_state)})" if no_state else "")
         + (f", {len(unused)} source leaves unused ({_first(unused)})" if unused else "")
         + ("; the source's LoRA adapters are not used: export it with --merge_lora"
            if any(lora.is_adapter(p) for p in unused) else "")
@@ -144,9 +155,12 @@ def _inside(target: dict, into: str, with_opt: bool) -> dict:
     return view
 
 
-def _load(ckpt_cfg, path: str, with_ema: bool):
-    """(leaves as "params/<path>", "opt_state/...", "ema/<path>", source, step) of the
-    export or run at `path`, renamed by checkpoint.init_map."""
+def _load(ckpt_cfg, path: str, with_ema: bool, state_names: set):
+    """(leaves as "params/<path>", "opt_state/...", "ema/<path>", "model_state/<name>",
+    source, step) of the export or run at `path`, parameters renamed by
+    checkpoint.init_map. `state_names`: the model's state leaves (BatchNorm statistics)
+    by the names an export gives them (`bn/mean`, `batch_stats/bn/mean`): an export holds
+    them beside the parameters, a run under model_state/."""
     with_opt = ckpt_cfg.init_from_opt
     if export_lib.is_export(path):
         if with_opt:
@@ -158,7 +172,8 @@ def _load(ckpt_cfg, path: str, with_ema: bool):
         file = (path if path.endswith(".safetensors")
                 else os.path.join(path, export_lib.PARAMS_FILE))
         tensors, metadata = export_lib.read_safetensors(file)
-        loaded = {f"{_PARAMS}{k}": v for k, v in tensors.items()}
+        state = {f"{_MODEL_STATE}{k}": v for k, v in tensors.items() if k in state_names}
+        loaded = {f"{_PARAMS}{k}": v for k, v in tensors.items() if k not in state_names}
         source, source_step = path, metadata.get("step", "?")
     else:
         source = export_lib.find_step_dir(path, ckpt_cfg.init_from_step)
@@ -166,9 +181,14 @@ def _load(ckpt_cfg, path: str, with_ema: bool):
         prefixes = ("params", "opt_state") if with_opt else ("params",)
         if with_ema:
             prefixes += ("ema",)
+        if state_names:
+            prefixes += ("model_state",)
         loaded = export_lib.load_checkpoint_leaves(source, prefixes)
+        state = {k: v for k, v in loaded.items() if k.startswith(_MODEL_STATE)}
+        loaded = {k: v for k, v in loaded.items() if k not in state}
     init_map = ckpt_cfg.get("init_map") or ()
-    return (_renamed(loaded, init_map) if init_map else loaded), source, source_step
+    loaded = _renamed(loaded, init_map) if init_map else loaded
+    return {**loaded, **state}, source, source_step
 
 
 def _take(wanted, loaded: dict, target: dict, excludes, params: set, source: str):
@@ -183,6 +203,8 @@ def _take(wanted, loaded: dict, target: dict, excludes, params: set, source: str
         if p not in loaded and p.startswith(_PARAMS) and lora.is_adapter(p):
             adapters.append(p)  # a LoRA fine-tune of a plain model: fresh adapters
             continue
+        if p not in loaded and p.startswith(_MODEL_STATE):
+            continue  # fresh statistics, reported by the caller
         if p not in loaded:
             raise RestoreError(f"checkpoint.init_from {source}: {_shown(p)} "
                                f"({tuple(target[p][0])} {target[p][1]}) is not in the "
@@ -251,6 +273,7 @@ def _first(paths: list, n: int = 3) -> str:
 
 
 _PARAMS = "params/"
+_MODEL_STATE = "model_state/"
 _OLD_PREFIX = re.compile(r"^\^?params/")  # how patterns were written for these keys once
 
 
@@ -264,7 +287,7 @@ def _param_of(key: str, params: set) -> str | None:
     optimizer state leaf (`opt_state/.../mu/X`) the longest parameter path it ends with;
     None for a leaf of no parameter (the optimizer's step count)."""
     head, _, rest = key.partition("/")
-    if head in ("params", "ema"):
+    if head in ("params", "ema", "model_state"):  # a model state leaf: by its own path
         return rest
     parts = rest.split("/")
     return next((tail for i in range(len(parts))

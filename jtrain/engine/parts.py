@@ -431,6 +431,9 @@ def invariant_of(cfg, s: Setup, *extra):
     if rows % det.chunks:
         raise ConfigError("determinism.chunks", f"{det.chunks} does not divide "
                           f"data.batch_size={rows}")
+    if cfg.eval.batch_size % det.chunks:  # 0: data.batch_size's, checked above
+        raise ConfigError("determinism.chunks", f"{det.chunks} does not divide "
+                          f"eval.batch_size={cfg.eval.batch_size}")
     if det.chunks % n:
         raise ConfigError("determinism.chunks", f"{det.chunks} is not a multiple of the "
                           f"{n} devices of the data and fsdp axes")

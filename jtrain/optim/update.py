@@ -25,7 +25,8 @@ def _split_microbatches(batch, k: int):
 
     Strided (not contiguous) so that each device's rows stay on that device: the batch
     axis is sharded in contiguous blocks, and a block of B/D rows reshaped to
-    [B/(D k), k] keeps every microbatch's rows local."""
+    [B/(D k), k] keeps every microbatch's rows local. The layout is documented
+    (docs/guide/schedules.md): a BatchNorm model's statistics depend on it."""
     return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1),
                         batch)
 
