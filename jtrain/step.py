@@ -26,11 +26,12 @@ from jtrain import invariant
 from jtrain import losses
 from jtrain import metrics as metrics_lib
 from jtrain import precision
-from jtrain.optim.update import accumulated, optimizer_update
-from jtrain.state import TrainState, Variables, ema_rate_fn, ema_update
+from jtrain.optim.update import (TRAIN_METRICS, Updated, accumulated, optimizer_update,
+                                 update_from_sums)
+from jtrain.state import TrainState, Variables, ema_rate_fn
 
-__all__ = ["Context", "Step", "accumulated", "make_eval_step", "make_step_train",
-           "make_train_step", "optimizer_update"]
+__all__ = ["Context", "Step", "TRAIN_METRICS", "Updated", "accumulated", "make_eval_step",
+           "make_step_train", "make_train_step", "optimizer_update", "update_from_sums"]
 
 
 ENGINE_KEYS = (losses.ROW_MASK,)
@@ -131,7 +132,7 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
             model_state = jax.tree.map(lambda n, o: n.astype(o.dtype), new_model_state,
                                        model_state)
         (loss_sum, weight), terms = losses.split_loss(loss_fn(outputs, batch))
-        states = {} if train_metrics is None else _metric_states(
+        states = None if train_metrics is None else _metric_states(
             train_metrics, predict_fn, *jax.lax.stop_gradient((outputs, batch, loss_sum,
                                                                weight)))
         return loss_sum * scale, ((loss_sum, weight, terms, states),
@@ -142,31 +143,13 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
                                  grad_accum_steps, carry=True)
 
     def update(inner: Updated, batch, key, context: Context):
-        """The built-in update as a step's `update`: one optax update of the params from
-        the token-weighted gradient (fp16: of the scaled loss, unscaled here), the weight
-        EMA moved after it, the model's state after this batch."""
-        scale = context.loss_scale  # 1 unless fp16 dynamic loss scaling
-        (loss_sum, weight, terms, states), grads, model_state = value_and_grad(
-            inner.params, batch, key, scale, inner.model_state)
-        denom = jnp.maximum(weight, 1e-12) * scale  # sums -> the token-weighted mean
-        grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / denom).astype(g.dtype), grads)
-
-        def applied():  # run by the guard only when the update is kept
-            params, opt_state = optimizer_update(tx, grads, inner.opt_state, inner.params,
-                                                 context.lr_factor)
-            ema = inner.ema if ema_rate is None else ema_update(
-                inner.ema, params, ema_rate(context.step))  # context.step: updates so far
-            return Updated(params, opt_state, ema, model_state)
-
-        metrics = {"loss": loss_sum / jnp.maximum(weight, 1e-12),
-                   "grad_norm": optax.tree.norm(grads),
-                   "lr": jnp.asarray(schedule(context.step), jnp.float32) * context.lr_factor,
-                   "tokens": weight}
-        for name, (term_sum, term_weight) in terms.items():  # the loss's named terms
-            metrics[name] = term_sum / jnp.maximum(term_weight, 1e-12)
-        if train_metrics is not None:
-            metrics[TRAIN_METRICS] = states
-        return applied, metrics
+        """The built-in update as a step's `update`: the token-weighted gradient
+        (`accumulated` over microbatches) turned into the new state by
+        `update_from_sums`, the model's state after this batch."""
+        sums, grads, model_state = value_and_grad(inner.params, batch, key,
+                                                  context.loss_scale, inner.model_state)
+        return update_from_sums(tx, schedule, inner._replace(model_state=model_state),
+                                sums, grads, context, ema_rate)
 
     guard = _finisher(BUILT_IN_VIEW, dynamic_loss_scale=dynamic_loss_scale,
                       halt_on_nonfinite=halt_on_nonfinite, max_consecutive=max_consecutive)
@@ -207,48 +190,21 @@ def _invariant_step(value_and_grad, tx, schedule, ema_rate, grad_accum_steps, gu
 
     def second(state, stacked, rows_ok):
         _, context = step_inputs(state)
-        inner, scale = BUILT_IN_VIEW.get(state), context.loss_scale
-        (loss_sum, weight, terms, states), grads, model_state = invariant.sum_stacked(
-            stacked, k)
+        inner = BUILT_IN_VIEW.get(state)
+        sums, grads, model_state = invariant.sum_stacked(stacked, k)
         model_state = jax.tree.map(lambda n, o: n.astype(o.dtype), model_state,
                                    inner.model_state)
-        denom = jnp.maximum(weight, 1e-12) * scale
-        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, inner.params)
-        params, opt_state = optimizer_update(tx, grads, inner.opt_state, inner.params,
-                                             context.lr_factor)
-        ema = inner.ema if ema_rate is None else ema_update(inner.ema, params,
-                                                            ema_rate(context.step))
-        metrics = {"loss": loss_sum / jnp.maximum(weight, 1e-12),
-                   "grad_norm": optax.tree.norm(grads),
-                   "lr": jnp.asarray(schedule(context.step), jnp.float32) * context.lr_factor,
-                   "tokens": weight}
-        for name, (term_sum, term_weight) in terms.items():
-            metrics[name] = term_sum / jnp.maximum(term_weight, 1e-12)
-        if not (isinstance(states, dict) and not states):  # log.train_metrics
-            metrics[TRAIN_METRICS] = states
-        new = Updated(params, opt_state, ema, model_state)
-        return guard(state, lambda: new, metrics, rows_ok)
+        applied, metrics = update_from_sums(tx, schedule, inner._replace(
+            model_state=model_state), sums, grads, context, ema_rate)
+        return guard(state, applied, metrics, rows_ok)
 
     return invariant.SplitStep(first, second, lambda batch: row_validity(batch, valid_fn),
                                mesh, k, state_shardings)
 
 
-class Updated(NamedTuple):
-    """The part of the train state the built-in update changes."""
-    params: Any
-    opt_state: Any
-    ema: Any
-    model_state: Any
-
-
 def _engine_init(rng, example):
     raise NotImplementedError("the built-in update's state is made by "
                               "jtrain.state.init_state (sharded by the model's annotations)")
-
-
-# The train step's metric states (log.train_metrics) in its metrics dict: a pytree, not
-# a scalar; the loop turns it into train/<name> at log steps (`train_metric_values`).
-TRAIN_METRICS = "train_metrics"
 
 
 def _metric_states(spec, predict_fn, outputs, batch, loss_sum, weight):

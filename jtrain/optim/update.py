@@ -10,7 +10,7 @@ for masked LM losses).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +18,7 @@ import optax
 
 from jtrain import metrics as metrics_lib
 from jtrain import optim
+from jtrain.state import ema_update
 
 
 def _split_microbatches(batch, k: int):
@@ -31,7 +32,6 @@ def _split_microbatches(batch, k: int):
                         batch)
 
 
-# Keys the engine adds to a batch (the row mask of padded batches): never model inputs.
 def optimizer_update(tx: optax.GradientTransformation, grads, opt_state, params,
                      lr_factor=1.0):
     """(params, opt_state) after one optax update with `lr_factor` (ReduceLROnPlateau's
@@ -125,3 +125,66 @@ def accumulated(value_and_grad: Callable, k: int, *, carry: bool = False) -> Cal
         return (aux, grads, c) if carry else (aux, grads)
 
     return summed
+
+
+# The train step's metric states (log.train_metrics) in its metrics dict: a pytree, not
+# a scalar; the loop turns it into train/<name> at log steps.
+TRAIN_METRICS = "train_metrics"
+
+
+class Updated(NamedTuple):
+    """The part of the train state the built-in update changes."""
+    params: Any
+    opt_state: Any
+    ema: Any
+    model_state: Any
+
+
+def update_from_sums(tx: optax.GradientTransformation, schedule: Callable, inner: Updated,
+                     sums, grads, context, ema_rate: Callable | None = None):
+    """The built-in update from summed gradients, the one arithmetic of every path (the
+    plain step, accumulation, determinism.topology_invariant): -> (applied, metrics).
+
+    `sums` = (loss_sum, weight, terms, states): the loss and weight summed over the
+    batch's rows, the named terms' {name: (sum, weight)}, the metric states of
+    log.train_metrics (None: off); `grads` the gradients of the summed loss times
+    `context.loss_scale` (fp16; 1 otherwise), in any float dtype. They are divided by
+    the summed weight and the scale in float32 and cast to the params' dtypes (the
+    token-weighted mean). `applied()` -> `inner` after one optax update
+    (`optimizer_update`: clipping is in `tx`) and the weight EMA moved after it (with
+    `ema_rate`), `inner.model_state` as given; the guard runs it only when the update is
+    kept. `metrics`: loss, grad_norm (of the normalised gradients: the guard's signal),
+    lr, tokens, each named term's mean and, with train metrics, their states.
+
+    Examples:
+        ```python
+        def update(state, batch, rng, context):  # your loss, the engine's update
+            (_, (loss_sum, weight)), grads = jax.value_and_grad(my_loss, has_aux=True)(
+                state["params"], batch, rng, context.loss_scale)
+            applied, metrics = update_from_sums(
+                tx, schedule, Updated(state["params"], state["opt"], None, None),
+                (loss_sum, weight, {}, None), grads, context)
+            return (lambda: dict(zip(("params", "opt"), applied()[:2]))), metrics
+        ```
+    """
+    loss_sum, weight, terms, states = sums
+    denom = jnp.maximum(weight, 1e-12) * context.loss_scale  # sums -> the weighted mean
+    grads = jax.tree.map(lambda g, p: (g.astype(jnp.float32) / denom).astype(p.dtype),
+                         grads, inner.params)
+
+    def applied():
+        params, opt_state = optimizer_update(tx, grads, inner.opt_state, inner.params,
+                                             context.lr_factor)
+        ema = inner.ema if ema_rate is None else ema_update(
+            inner.ema, params, ema_rate(context.step))  # context.step: updates so far
+        return Updated(params, opt_state, ema, inner.model_state)
+
+    metrics = {"loss": loss_sum / jnp.maximum(weight, 1e-12),
+               "grad_norm": optax.tree.norm(grads),
+               "lr": jnp.asarray(schedule(context.step), jnp.float32) * context.lr_factor,
+               "tokens": weight}
+    for name, (term_sum, term_weight) in terms.items():  # the loss's named terms
+        metrics[name] = term_sum / jnp.maximum(term_weight, 1e-12)
+    if states is not None:
+        metrics[TRAIN_METRICS] = states
+    return applied, metrics
