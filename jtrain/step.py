@@ -30,8 +30,8 @@ from jtrain.optim.update import (TRAIN_METRICS, Updated, accumulated, optimizer_
                                  update_from_sums)
 from jtrain.state import TrainState, Variables, ema_rate_fn
 
-__all__ = ["Context", "Step", "TRAIN_METRICS", "Updated", "accumulated", "make_eval_step",
-           "make_step_train", "make_train_step", "optimizer_update", "update_from_sums"]
+__all__ = ["Context", "Step", "Updated", "accumulated", "make_eval_step", "make_step_train",
+           "make_train_step", "optimizer_update", "update_from_sums"]
 
 
 ENGINE_KEYS = (losses.ROW_MASK,)

@@ -133,7 +133,20 @@ TRAIN_METRICS = "train_metrics"
 
 
 class Updated(NamedTuple):
-    """The part of the train state the built-in update changes."""
+    """The part of the train state the built-in update changes (`update_from_sums`).
+
+    Attributes:
+        params: the parameters.
+        opt_state: the optax state.
+        ema: the weight EMA (None without optim.ema).
+        model_state: the model's state beyond its parameters (BatchNorm's statistics),
+            or None.
+
+    Examples:
+        ```python
+        inner = Updated(state["params"], state["opt"], None, None)  # a step of your own
+        ```
+    """
     params: Any
     opt_state: Any
     ema: Any
@@ -164,7 +177,10 @@ def update_from_sums(tx: optax.GradientTransformation, schedule: Callable, inner
             applied, metrics = update_from_sums(
                 tx, schedule, Updated(state["params"], state["opt"], None, None),
                 (loss_sum, weight, {}, None), grads, context)
-            return (lambda: dict(zip(("params", "opt"), applied()[:2]))), metrics
+            def new():  # run by the guard only when the update is kept
+                params, opt, _, _ = applied()
+                return {"params": params, "opt": opt}
+            return new, metrics
         ```
     """
     loss_sum, weight, terms, states = sums

@@ -111,3 +111,33 @@ def test_update_from_sums_equals_a_hand_computation():
     np.testing.assert_allclose(metrics["lr"], lr * 5 * factor, rtol=1e-6)
     np.testing.assert_allclose(metrics["aux"], 3.0)
     assert metrics["tokens"] == weight and metrics[step_lib.TRAIN_METRICS] == "states"
+
+
+def test_a_step_of_your_own_keeps_the_engine_update():
+    """The middle ground of docs/guide/own-step.md: its own loss computation, the
+    engine's update: the same bits as the built-in step on the same batch."""
+    batch = _masked_lm_batch(0, b=8)
+    tx, mesh, plain, _ = _steps()
+
+    def my_loss(params, batch, rng, scale):
+        loss_sum, weight = losses.default_loss(_linear_apply(params, batch["inputs"]), batch)
+        return loss_sum * scale, (loss_sum, weight)
+
+    def update(state, batch, rng, context):
+        (_, (loss_sum, weight)), grads = jax.value_and_grad(my_loss, has_aux=True)(
+            state["params"], batch, rng, context.loss_scale)
+        applied, metrics = step_lib.update_from_sums(
+            tx, lambda s: LR, step_lib.Updated(state["params"], state["opt"], None, None),
+            (loss_sum, weight, {}, None), grads, context)
+        def new():  # run by the guard only when the update is kept
+            params, opt, _, _ = applied()
+            return {"params": params, "opt": opt}
+        return new, metrics
+
+    own = jax.jit(step_lib.make_step_train(step_lib.Step(init=None, update=update)))
+    mine = _state({"params": _params(), "opt": tx.init(_params())}, tx)
+    new, metrics = own(mine, batch)
+    want, want_metrics = _run(plain, tx, mesh, batch)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(new.params["params"]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert metrics["train/loss"] == want_metrics["train/loss"]
