@@ -139,8 +139,7 @@ class Updated(NamedTuple):
         params: the parameters.
         opt_state: the optax state.
         ema: the weight EMA (None without optim.ema).
-        model_state: the model's state beyond its parameters (BatchNorm's statistics),
-            or None.
+        model_state: BatchNorm's statistics and the like (None without).
 
     Examples:
         ```python
@@ -158,16 +157,11 @@ def update_from_sums(tx: optax.GradientTransformation, schedule: Callable, inner
     """The built-in update from summed gradients, the one arithmetic of every path (the
     plain step, accumulation, determinism.topology_invariant): -> (applied, metrics).
 
-    `sums` = (loss_sum, weight, terms, states): the loss and weight summed over the
-    batch's rows, the named terms' {name: (sum, weight)}, the metric states of
-    log.train_metrics (None: off); `grads` the gradients of the summed loss times
-    `context.loss_scale` (fp16; 1 otherwise), in any float dtype. They are divided by
-    the summed weight and the scale in float32 and cast to the params' dtypes (the
-    token-weighted mean). `applied()` -> `inner` after one optax update
-    (`optimizer_update`: clipping is in `tx`) and the weight EMA moved after it (with
-    `ema_rate`), `inner.model_state` as given; the guard runs it only when the update is
-    kept. `metrics`: loss, grad_norm (of the normalised gradients: the guard's signal),
-    lr, tokens, each named term's mean and, with train metrics, their states.
+    `sums` = (loss_sum, weight, {term: (sum, weight)}, train metric states or None);
+    `grads` of the summed loss times `context.loss_scale`, any float dtype: divided by
+    the weight and the scale in float32, cast to the params' dtypes. `applied()` ->
+    `inner` after `optimizer_update` and the EMA (with `ema_rate`), for the guard to run
+    when the update is kept; `metrics`: loss, grad_norm, lr, tokens, the terms' means.
 
     Examples:
         ```python

@@ -4,9 +4,8 @@ with functools.partial / closures by `make_*` before `jax.jit`.
 One update, whatever the path: `make_train_step`'s gradients (summed over microbatches
 by `accumulated`, over chunks by determinism.topology_invariant) become the new state in
 `update_from_sums` (jtrain/optim/update.py), kept or not by the guard (guard.py). Here:
-the built-in update and its invariant form; batch.py: what a step reads of a batch;
-own.py: a step of your own (`Step`) and the wrapper every update runs in;
-evaluation.py: the eval step.
+the built-in update and its invariant form; own.py: a step of your own (`Step`) and the
+wrapper every update runs in; evaluation.py: the eval step and the model's inputs.
 
 Gradient accumulation happens in the step, not in optax.MultiSteps: one call of
 train_step is one optimizer update, and microbatch losses are summed token-weighted, so
@@ -25,21 +24,19 @@ import optax
 from jtrain import invariant
 from jtrain import losses
 from jtrain import metrics as metrics_lib
-from jtrain.optim.update import (TRAIN_METRICS, Updated, accumulated, optimizer_update,
-                                 update_from_sums)
+from jtrain.optim.update import TRAIN_METRICS  # noqa: F401
+from jtrain.optim.update import Updated, accumulated, optimizer_update, update_from_sums
 from jtrain.state import Variables, ema_rate_fn
-from jtrain.step.batch import ENGINE_KEYS, inputs_of, metric_view, row_validity
-from jtrain.step.evaluation import make_eval_step
-from jtrain.step.guard import (BAD_GRADS, BAD_LOSS, HALTED, INVALID_BATCH, finisher,
-                               guarded_update)
-from jtrain.step.own import BUILT_IN_VIEW, OWN_VIEW, Context, Step, View, make_step_train
-from jtrain.step.own import step_inputs
+# The engine and the control floor read the parts' names from here too.
+from jtrain.step.evaluation import ENGINE_KEYS, inputs_of, make_eval_step  # noqa: F401
+from jtrain.step.evaluation import metric_view  # noqa: F401
+from jtrain.step.guard import BAD_GRADS, BAD_LOSS, HALTED, INVALID_BATCH  # noqa: F401
+from jtrain.step.guard import finisher, guarded_update, row_validity  # noqa: F401
+from jtrain.step.own import BUILT_IN_VIEW, OWN_VIEW, Context, Step, View  # noqa: F401
+from jtrain.step.own import make_step_train, step_inputs
 
 __all__ = ["Context", "Step", "Updated", "accumulated", "make_eval_step", "make_step_train",
            "make_train_step", "optimizer_update", "update_from_sums"]
-# Names the engine and the control floor read from here (re-exported, not public API).
-_ENGINE = (BAD_GRADS, BAD_LOSS, ENGINE_KEYS, HALTED, INVALID_BATCH, OWN_VIEW, TRAIN_METRICS,
-           View, guarded_update, metric_view, row_validity)
 
 
 def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTransformation,
@@ -53,12 +50,9 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
                     invariant: tuple | None = None) -> Callable:
     """Returns train_step(state, batch) -> (state, metrics). Jit it with shardings.
 
-    The update is applied through `guarded_update`: only when the loss and the gradient
-    norm are finite and every row of the batch is valid (`row_validity`); it also keeps
-    the skip / halt counters and the fp16 loss scale. `state.lr_factor`
-    (ReduceLROnPlateau) scales the whole update, i.e. the learning rate, without a
-    recompile. With `ema_decay` > 0 (optim.ema; the state was made with one) the weight
-    EMA moves towards the new params after each applied update (`jtrain.state`).
+    The update is `update_from_sums` (`state.lr_factor` scales it without a recompile;
+    with `ema_decay` > 0 the weight EMA follows), applied through `guarded_update` only
+    when it is finite and every row of the batch is valid (`row_validity`).
     `train_metrics` (log.train_metrics, an EvalSpec): their metric states of this batch,
     from the training forward's outputs (through `predict_fn`, as eval does), merged
     exactly over microbatches, come back as `metrics[TRAIN_METRICS]`

@@ -1,4 +1,5 @@
-"""The pure eval step (`jtrain.step.make_eval_step`)."""
+"""The pure eval step (`make_eval_step`) and what every step reads of a batch: the
+model's inputs (`inputs_of`), the view the metrics compare (`metric_view`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,28 @@ import jax.numpy as jnp
 
 from jtrain import losses
 from jtrain import metrics as metrics_lib
-from jtrain.step.batch import ENGINE_KEYS, inputs_of, metric_view
+
+ENGINE_KEYS = (losses.ROW_MASK,)
+
+
+def inputs_of(batch, model_inputs: tuple = ()):
+    """What the model is called with: the `model_inputs` fields of the batch (one: that
+    array; several: a dict of them), else `batch["inputs"]`, else the whole batch less
+    the engine's row mask (a dataset yielding `x_data`, `x_avail`, ... needs no
+    restructuring). Works on one example as on a batch."""
+    if model_inputs:
+        missing = [k for k in model_inputs if k not in batch]
+        if missing:
+            raise KeyError(f"data.model_inputs: no field {missing[0]!r} in the batch "
+                           f"(fields: {', '.join(sorted(map(str, batch)))})")
+        if len(model_inputs) == 1:
+            return batch[model_inputs[0]]
+        return {k: batch[k] for k in model_inputs}
+    if "inputs" in batch:
+        return batch["inputs"]
+    return {k: v for k, v in batch.items() if k not in ENGINE_KEYS}
+
+
 
 def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool,
                    metrics: metrics_lib.EvalSpec | None = None, model_inputs: tuple = (),
@@ -92,3 +114,22 @@ def make_eval_step(apply_fn: Callable, loss_fn: Callable, *, user_loss: bool,
         return sums
 
     return eval_step
+
+
+def metric_view(outputs, batch, predict_fn: Callable | None = None):
+    """(predictions, batch) the metrics read: the outputs and the batch as they are, or
+    `predict_fn`'s predictions with its targets (and weights, if it returns them) in
+    place of the batch's."""
+    if predict_fn is None:
+        return outputs, batch
+    result = predict_fn(outputs, batch)
+    if not isinstance(result, tuple) or len(result) not in (2, 3):
+        raise TypeError("eval.predict_fn: must return (predictions, targets) or "
+                        f"(predictions, targets, weights), got {type(result).__name__}")
+    view = {"targets": result[1]}
+    if len(result) == 3:
+        view["weights"] = result[2]
+    rows = losses.row_mask(batch)
+    if rows is not None:
+        view[losses.ROW_MASK] = rows
+    return result[0], view

@@ -1,6 +1,6 @@
 """The guard every train step ends in (`jtrain.step`): an update kept only when it is
-finite and its batch valid, the skip / halt counters, the fp16 loss scale, the metrics'
-train/<name> names."""
+finite and every row of its batch valid (`row_validity`), the skip / halt counters, the
+fp16 loss scale, the metrics' train/<name> names."""
 
 from __future__ import annotations
 
@@ -9,12 +9,43 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jtrain import precision
+from jtrain import losses, precision
 from jtrain.optim.update import TRAIN_METRICS
 from jtrain.state import TrainState
+from jtrain.step.evaluation import ENGINE_KEYS
 
 # Bits of the per-step `train/status` the host reads (jtrain.control.decide, .ledger).
 BAD_LOSS, BAD_GRADS, INVALID_BATCH, HALTED = 1, 2, 4, 8
+
+
+def row_validity(batch, valid_fn: Callable | None = None):
+    """[B] bool: a row is valid when every floating value of its fields is finite (a
+    `targets` element under weight 0 is a missing value, exempt: the losses select it
+    out) and `valid_fn(batch)` (data.valid_fn: a scalar for the whole batch, or [B]) is
+    true. No field name has a meaning of its own here: a `valid` or `mask` field is the
+    user's data."""
+    rows = None
+    for key, leaf in _floating_leaves(batch):
+        finite = jnp.isfinite(leaf)
+        if key == "targets" and "weights" in batch:
+            finite = finite | (losses.weights_for(batch, leaf.shape) == 0)
+        ok = finite.reshape(leaf.shape[0], -1).all(axis=1)
+        rows = ok if rows is None else rows & ok
+    n = jax.tree.leaves(batch)[0].shape[0]
+    rows = jnp.ones((n,), bool) if rows is None else rows
+    if valid_fn is not None:
+        user = jnp.asarray(valid_fn(batch)).astype(bool)
+        rows = rows & (jnp.broadcast_to(user, (n,)) if user.ndim == 0 else user.reshape(n))
+    return rows
+
+
+def _floating_leaves(batch):
+    for key in batch:
+        if key in ENGINE_KEYS:
+            continue
+        for leaf in jax.tree.leaves(batch[key]):
+            if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim >= 1:
+                yield key, leaf
 
 
 def guarded_update(state: TrainState, update: Callable, loss, grad_norm, rows_ok, *,

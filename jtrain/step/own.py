@@ -1,5 +1,7 @@
-"""A step of your own: the protocol (`Step`, `Context`) and the engine's wrapper around
-any update, the built-in one included (`make_step_train`)."""
+"""A step of your own: research code brings its update rule as pure functions (`Step`);
+the engine keeps the rest (the per-step key, the guard, the counters, sharding,
+checkpoints, metrics' names, evaluation) in `make_step_train`, which wraps the built-in
+update too."""
 
 from __future__ import annotations
 
@@ -11,17 +13,7 @@ import jax
 from jtrain import losses
 from jtrain.optim.update import Updated
 from jtrain.state import TrainState
-from jtrain.step.batch import row_validity
-from jtrain.step.guard import finisher
-
-# -- a step of your own ------------------------------------------------------------------
-# Research code brings its update rule as three pure functions (`Step`); the engine keeps
-# everything else: the per-step key, the guard (a non-finite loss or state leaves the state
-# as it was, counted in the ledger), the counters, sharding, checkpoints and resume, the
-# metrics' names, evaluation with jtrain's metrics. The built-in update uses the same
-# guard (`guarded_update`), accumulation (`accumulated`) and optax update
-# (`optimizer_update`) a step of your own can call.
-
+from jtrain.step.guard import finisher, row_validity
 
 @dataclasses.dataclass(frozen=True)
 class Context:
