@@ -99,7 +99,7 @@ def make_train_step(apply_fn: Callable, loss_fn: Callable, tx: optax.GradientTra
                                 sums, grads, context, ema_rate)
 
     guard = finisher(BUILT_IN_VIEW, dynamic_loss_scale=dynamic_loss_scale,
-                      halt_on_nonfinite=halt_on_nonfinite, max_consecutive=max_consecutive)
+                     halt_on_nonfinite=halt_on_nonfinite, max_consecutive=max_consecutive)
     if invariant is not None:
         return _invariant_step(jax.value_and_grad(loss_and_aux, has_aux=True), tx, schedule,
                                ema_rate, grad_accum_steps, guard, valid_fn, *invariant)

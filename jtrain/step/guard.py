@@ -89,7 +89,7 @@ def guarded_update(state: TrainState, update: Callable, loss, grad_norm, rows_ok
 
 
 def finisher(view, *, dynamic_loss_scale: bool, halt_on_nonfinite: bool,
-              max_consecutive: int) -> Callable:
+             max_consecutive: int) -> Callable:
     """guard(state, new, metrics, rows_ok) -> (state, metrics): an update's result kept
     or not (`guarded_update`), its metrics named train/<name>."""
 

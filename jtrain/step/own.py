@@ -120,7 +120,7 @@ def make_step_train(step: Step, *, view: View = OWN_VIEW, halt_on_nonfinite: boo
         ```
     """
     guard = finisher(view, dynamic_loss_scale=dynamic_loss_scale,
-                      halt_on_nonfinite=halt_on_nonfinite, max_consecutive=max_consecutive)
+                     halt_on_nonfinite=halt_on_nonfinite, max_consecutive=max_consecutive)
 
     def train_step(state: TrainState, batch):
         key, context = step_inputs(state)
