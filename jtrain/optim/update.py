@@ -1,6 +1,5 @@
-"""One optimizer update and gradients summed over microbatches: the two pieces of an
-update that the built-in train step (`jtrain.step`) and a step of your own share, both
-public as `jtrain.step.optimizer_update` and `jtrain.step.accumulated`.
+"""The update's pieces, public from `jtrain.step`: one optimizer update, gradients summed
+over microbatches, and the whole update from summed gradients (`update_from_sums`).
 
 Gradient accumulation happens here, not in optax.MultiSteps: one call is one optimizer
 update, and microbatch losses are summed token-weighted, so k microbatches give the same
@@ -165,16 +164,9 @@ def update_from_sums(tx: optax.GradientTransformation, schedule: Callable, inner
 
     Examples:
         ```python
-        def update(state, batch, rng, context):  # your loss, the engine's update
-            (_, (loss_sum, weight)), grads = jax.value_and_grad(my_loss, has_aux=True)(
-                state["params"], batch, rng, context.loss_scale)
-            applied, metrics = update_from_sums(
-                tx, schedule, Updated(state["params"], state["opt"], None, None),
-                (loss_sum, weight, {}, None), grads, context)
-            def new():  # run by the guard only when the update is kept
-                params, opt, _, _ = applied()
-                return {"params": params, "opt": opt}
-            return new, metrics
+        applied, metrics = update_from_sums(  # your gradients, the engine's update
+            tx, schedule, Updated(params, opt_state, None, None),
+            (loss_sum, weight, {}, None), grads, context)  # docs/guide/own-step.md
         ```
     """
     loss_sum, weight, terms, states = sums

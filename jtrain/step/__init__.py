@@ -6,11 +6,6 @@ by `accumulated`, over chunks by determinism.topology_invariant) become the new 
 `update_from_sums` (jtrain/optim/update.py), kept or not by the guard (guard.py). Here:
 the built-in update and its invariant form; own.py: a step of your own (`Step`) and the
 wrapper every update runs in; evaluation.py: the eval step and the model's inputs.
-
-Gradient accumulation happens in the step, not in optax.MultiSteps: one call of
-train_step is one optimizer update, and microbatch losses are summed token-weighted, so
-k microbatches give the same update as the full batch (MultiSteps averages
-per-microbatch means, which is not the same for masked LM losses).
 """
 
 from __future__ import annotations
