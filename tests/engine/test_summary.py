@@ -118,3 +118,25 @@ def test_best_is_the_best_eval_seen_whatever_min_delta(tmp_path):
     steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir())
     assert want_step in steps
     assert checkpoint_eval.resolve_step("best", steps, str(workdir)) == want_step
+
+
+def test_a_run_stopped_by_sigterm_is_not_judged_by_the_share(tmp_path, monkeypatch):
+    """SIGTERM at step 4 with 3 of its 4 updates skipped (75% > 50%): a signal stop is a
+    clean stop, exit 0, nothing judged; the rerun trains to the end and is judged then,
+    over the 8 steps that ran (7 skipped)."""
+    from jtrain.control import faults
+
+    workdir = tmp_path / "run"
+    monkeypatch.setenv(faults.FAULT_ENV, "step:4:TERM")
+    stopped = jtrain.train(_config(), workdir, model=Net(nnx.Rngs(0)), train_data=_data(2))
+    assert (stopped.stopped_by, stopped.summary["step"]) == ("SIGTERM", 4)
+    assert stopped.summary["skipped_steps"] == 3    # over the share, yet a signal stop
+    stored = json.loads((workdir / "summary.json").read_text())
+    assert (stored["stopped_by"], stored["exit_code"]) == ("SIGTERM", 0)
+    assert stored["message"].startswith("jtrain: stopped by SIGTERM at step 4")
+    monkeypatch.delenv(faults.FAULT_ENV)
+    with pytest.raises(errors.NonFiniteError) as caught:
+        jtrain.train(_config(), workdir, model=Net(nnx.Rngs(0)), train_data=_data(2))
+    assert errors.render(caught.value).startswith(
+        "jtrain: non-finite error: 7 of 8 updates were skipped (88%)")
+    assert caught.value.summary["resumed_from"] == 4
