@@ -8,7 +8,8 @@ checkpoint's run-control record (`RunControl.monitors`): a run killed between ev
 resumed re-runs the same evals from the same state and stops at the same step.
 
 Early stopping (`early_stop.*`, Lightning's rules): an eval improves when it beats the
-best by more than `min_delta`; `patience` evals in a row without improvement stop the
+best by more than `min_delta` (only patience reads that margin: the best reported is the
+best eval seen, see `Best`); `patience` evals in a row without improvement stop the
 run; so do `stopping_threshold` (good enough), `divergence_threshold` (hopeless) and,
 with `check_finite`, a NaN or infinite value.
 
@@ -35,34 +36,46 @@ import math
 
 @dataclasses.dataclass
 class Best:
-    """The best value of a metric so far and the evals since it improved."""
+    """The best value of a metric so far and the evals since it last improved.
+
+    Two things, kept apart: `value` / `step` is the best eval seen (ties go to the newer
+    step, the rule of checkpoint retention and `--step=best`), what the summary reports;
+    `reference` is the value an eval must beat by more than `min_delta` to count as an
+    improvement, which only restarts patience (`bad_evals`). A gain below `min_delta`
+    moves the best, not the reference: small gains add up against the reference, as in
+    Lightning and PyTorch."""
     mode: str  # "min" | "max"
     min_delta: float
     value: float | None = None
     step: int | None = None
     bad_evals: int = 0
+    reference: float | None = None
 
-    def better(self, value: float) -> bool:
-        if self.value is None:
-            return True
-        if self.mode == "min":
-            return value < self.value - self.min_delta
-        return value > self.value + self.min_delta
+    def _beats(self, value: float, than: float, margin: float) -> bool:
+        return value < than - margin if self.mode == "min" else value > than + margin
 
     def update(self, step: int, value: float) -> bool:
-        """Record one eval; True when it improved."""
-        if math.isfinite(value) and self.better(value):
-            self.value, self.step, self.bad_evals = value, step, 0
+        """Record one eval; True when it improved on the reference by more than min_delta."""
+        if not math.isfinite(value):
+            self.bad_evals += 1
+            return False
+        if self.value is None or not self._beats(self.value, value, 0.0):
+            self.value, self.step = value, step
+        if self.reference is None or self._beats(value, self.reference, self.min_delta):
+            self.reference, self.bad_evals = value, 0
             return True
         self.bad_evals += 1
         return False
 
     def to_json(self) -> dict:
-        return {"value": self.value, "step": self.step, "bad_evals": self.bad_evals}
+        return {"value": self.value, "step": self.step, "bad_evals": self.bad_evals,
+                "reference": self.reference}
 
     def load(self, d: dict | None) -> None:
         if d:
             self.value, self.step, self.bad_evals = d["value"], d["step"], d["bad_evals"]
+            # A state saved before the two were kept apart: its value was the reference.
+            self.reference = d.get("reference", d["value"])
 
 
 def monitored(metrics: dict, key: str) -> float:

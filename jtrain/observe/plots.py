@@ -86,10 +86,14 @@ def _line(ax, steps, values, title, ylabel, marker=None, color="tab:blue"):
     ax.set(title=title, xlabel="step", ylabel=ylabel)
 
 
+def _count_text(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:.4g}"
+
+
 def confusion_matrix(counts: np.ndarray, path: str, title: str = "confusion matrix") -> None:
     """Rows = true class, columns = predicted; colour = share of the row, text = counts
-    (for up to 20 classes)."""
-    counts = np.asarray(counts, np.int64)
+    (summed example weights, which need not be whole; for up to 20 classes)."""
+    counts = np.asarray(counts, np.float64)
     c = counts.shape[0]
     rows = counts.sum(axis=1, keepdims=True)
     share = np.where(rows > 0, counts / np.maximum(rows, 1), 0.0)
@@ -101,7 +105,7 @@ def confusion_matrix(counts: np.ndarray, path: str, title: str = "confusion matr
     if c <= 20:
         for i in range(c):
             for j in range(c):
-                ax.text(j, i, str(counts[i, j]), ha="center", va="center", fontsize=9,
+                ax.text(j, i, _count_text(counts[i, j]), ha="center", va="center", fontsize=9,
                         color="white" if share[i, j] > 0.5 else "black")
         ax.set_xticks(range(c))
         ax.set_yticks(range(c))
