@@ -213,7 +213,8 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
     # (jtrain.control.signals); one that came during the CLI's imports is taken over.
     with control_lib.Stopper(cfg.checkpoint.grace_seconds) as stopper, startup.recorder:
         config_lib.validate(cfg, num_devices=jax.device_count())
-        async_eval.check(cfg, remote=mirror.uri if mirror is not None else None)
+        async_eval.check(cfg, remote=mirror.uri if mirror is not None else None,
+                         mixture=isinstance(user_data.train, data_lib.Mixture))
         faults_lib.arm_plan(cfg, workdir, jax.process_index(), jax.process_count())
         if jax.process_index() == 0:  # a writer that cannot start: one line, no step run
             writers_lib.check(workdir, cfg.log)
