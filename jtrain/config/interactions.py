@@ -50,7 +50,7 @@ FEATURES: tuple[Feature, ...] = (
     _f("population", "population", ["population.size"], {"population.size": 2},
        "2 members", "population.md"),
     _f("frozen / lr_mults", "trainable", ["optim.frozen", "optim.lr_mults"],
-       {"optim.frozen": ["^head/bias"], "optim.lr_mults": {"^body": 0.5}},
+       {"optim.frozen": ["^head/bias"], "optim.lr_mults": {"^(body|embed)": 0.5}},
        "head bias frozen, body at half the rate", "optimizers.md"),
     _f("LoRA", "lora", ["finetune.lora.rank"], {"finetune.lora.rank": 2}, "rank 2 on the "
        "Dense kernels", "optimizers.md"),
@@ -61,7 +61,7 @@ FEATURES: tuple[Feature, ...] = (
        "determinism.md"),
     _f("bf16", "precision", ["model.dtype"], {"model.dtype": "bfloat16"}, "bfloat16 "
        "compute", "precision.md"),
-    _f("fp16", "precision", ["model.dtype"], {"model.dtype": "float16"}, "float16 compute, "
+    _f("fp16", "precision", ["model.dtype"], {"model.dtype": "float16", "model.init_scale": 1.0}, "float16 compute, "
        "dynamic loss scale", "precision.md"),
     _f("drop_last=False", "drop_last", ["data.drop_last"], {"data.drop_last": False},
        "a padded last batch", "data.md"),
