@@ -37,8 +37,9 @@ FEATURES: tuple[Feature, ...] = (
        "sharding.md"),
     _f("eight devices", "devices", ["mesh.data"], {}, "8 fake CPU devices (multidevice)",
        "sharding.md"),
-    _f("elastic resume", "devices", ["mesh.data"], {"mesh.data": 4}, "stopped on 4 "
-       "devices, resumed on 8 (multidevice)", "checkpoints.md"),
+    _f("elastic resume", "devices", ["mesh.data", "mesh.fsdp"], {"mesh.data": 4,
+       "mesh.fsdp": 2}, "8 devices: stopped on a 4 x 2 data x fsdp mesh, resumed on 8 x 1 "
+       "(multidevice)", "checkpoints.md"),
     _f("resume", "resume", ["workdir"], {}, "every case: stopped midway and resumed",
        "checkpoints.md"),
     _f("model state", "model_state", ["model.factory"], {},
@@ -61,8 +62,9 @@ FEATURES: tuple[Feature, ...] = (
        "determinism.md"),
     _f("bf16", "precision", ["model.dtype"], {"model.dtype": "bfloat16"}, "bfloat16 "
        "compute", "precision.md"),
-    _f("fp16", "precision", ["model.dtype"], {"model.dtype": "float16", "model.init_scale": 1.0}, "float16 compute, "
-       "dynamic loss scale", "precision.md"),
+    _f("fp16", "precision", ["model.dtype"], {"model.dtype": "float16",
+       "model.init_scale": 1.0}, "float16 compute, dynamic loss scale from 1",
+       "precision.md"),
     _f("drop_last=False", "drop_last", ["data.drop_last"], {"data.drop_last": False},
        "a padded last batch", "data.md"),
     _f("val_fraction", "val_fraction", ["data.val_fraction"], {"data.val_fraction": 0.25},
@@ -214,7 +216,7 @@ def markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":  # python -m jtrain.config.interactions > docs/guide/feature-interactions.md
+if __name__ == "__main__":  # > docs/guide/feature-interactions.md
     import sys
 
     sys.stdout.write(markdown())

@@ -202,16 +202,24 @@ def train_case(case, tmp_path, monkeypatch, workdir_root=None):
     stopped = run("cut")
     monkeypatch.delenv(faults.FAULT_ENV)
     assert (stopped.stopped_by, stopped.summary["step"]) == ("SIGTERM", STOP), case
+    if "elastic resume" in case:  # stopped on a 4 x 2 mesh, resumed on 8 x 1
+        cfg = merge(cfg, {"mesh": {"data": -1, "fsdp": 1}})
     resumed = run("cut")
     return ref, resumed, s
 
 
 def check_case(case, ref, resumed, s):
     assert resumed.summary["resumed_from"] == STOP, case
-    assert resumed.summary["state_sha256"] == ref.summary["state_sha256"], case
     last = {k: v for k, v in ref.history[-1].items() if k.startswith("eval/")}
     again = {k: v for k, v in resumed.history[-1].items() if k.startswith("eval/")}
-    assert last and again == last, case
+    if "elastic resume" in case and "topology invariant" not in case:
+        # sums over other device groupings round differently: close, not bitwise
+        assert last.keys() == again.keys(), case
+        np.testing.assert_allclose([again[k] for k in last], list(last.values()),
+                                   rtol=1e-3, err_msg=str(case))
+    else:
+        assert resumed.summary["state_sha256"] == ref.summary["state_sha256"], case
+        assert last and again == last, case
     assert all(np.isfinite(v) for v in last.values()), (case, last)
     ev = s["kwargs"]["eval_data"]
     if ev is not None and not s["tokens"] and "population" not in case:
@@ -258,6 +266,10 @@ def test_the_page_is_what_the_table_generates():
 @pytest.mark.parametrize("case", ONE_DEVICE, ids=[f"case{i}" for i in range(len(ONE_DEVICE))])
 def test_a_generated_case_resumes_bitwise_and_evaluates_its_state(case, tmp_path,
                                                                   monkeypatch):
+    run_and_check(case, tmp_path, monkeypatch)
+
+
+def run_and_check(case, tmp_path, monkeypatch):
     with contextlib.ExitStack() as stack:
         root = None
         if "s3:// workdir" in case:
