@@ -24,6 +24,8 @@ partial dict; `resolve` fills in the defaults and returns a new validated Config
     fields   `Field` and the choice tuples the schema draws from
     schema_control  the run-control sections of the schema (checkpoint ... tune, debug)
     schema_population  the population section, its rules, each member's seed and values
+    interactions  the feature-interaction table: which pairs of features work, which are
+                  refused; the covering array of cases the suite trains
 """
 
 from __future__ import annotations

@@ -38,9 +38,10 @@ CPUS_ENV = "JTRAIN_EVAL_CPUS"  # its CPUs (eval.async_cpus), comma-separated ids
 LOG = "evaluator.log"  # in WORKDIR/evals: the child evaluator's output
 
 
-def check(cfg, remote: str | None = None) -> None:
+def check(cfg, remote: str | None = None, mixture: bool = False) -> None:
     """What eval.mode=async does not cover: one ConfigError before the first step.
-    `remote`: the workdir's URI when it is on an object store."""
+    `remote`: the workdir's URI when it is on an object store; `mixture`: the train data
+    is a jtrain.data.Mixture given from Python (data.mixture is then empty)."""
     if cfg.eval.mode != "async":
         return
     if remote is not None:
@@ -50,9 +51,10 @@ def check(cfg, remote: str | None = None) -> None:
         raise ConfigError("eval.mode", "async runs on one process only (the evaluator "
                                        "follows one workdir); use eval.mode=sync")
     if cfg.population.size > 1:
-        raise ConfigError("eval.mode", "async does not evaluate a population's members; "
+        raise ConfigError("eval.mode", "async does not evaluate a population's members "
+                                       "(population.size > 1); "
                                        "use eval.mode=sync")
-    if cfg.data.mixture:
+    if cfg.data.mixture or mixture:
         raise ConfigError("eval.mode", "async does not score a data.mixture's components; "
                                        "use eval.mode=sync")
 

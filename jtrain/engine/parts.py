@@ -437,6 +437,11 @@ def invariant_of(cfg, s: Setup, *extra):
     if det.chunks % n:
         raise ConfigError("determinism.chunks", f"{det.chunks} is not a multiple of the "
                           f"{n} devices of the data and fsdp axes")
+    accum = cfg.optim.grad_accum_steps
+    if (rows // det.chunks) % accum:  # each chunk is cut into the microbatches
+        raise ConfigError("determinism.chunks", f"a chunk of {rows // det.chunks} rows "
+                          f"(data.batch_size={rows} / {det.chunks}) is not divisible by "
+                          f"optim.grad_accum_steps={accum}")
     return (s.mesh, det.chunks, *extra)
 
 

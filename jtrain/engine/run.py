@@ -213,7 +213,8 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
     # (jtrain.control.signals); one that came during the CLI's imports is taken over.
     with control_lib.Stopper(cfg.checkpoint.grace_seconds) as stopper, startup.recorder:
         config_lib.validate(cfg, num_devices=jax.device_count())
-        async_eval.check(cfg, remote=mirror.uri if mirror is not None else None)
+        async_eval.check(cfg, remote=mirror.uri if mirror is not None else None,
+                         mixture=isinstance(user_data.train, data_lib.Mixture))
         faults_lib.arm_plan(cfg, workdir, jax.process_index(), jax.process_count(),
                             publish=mirror.upload if mirror is not None else None)
         if jax.process_index() == 0:  # a writer that cannot start: one line, no step run
@@ -337,8 +338,10 @@ def _watchdog(cfg, workdir: str) -> control_lib.Watchdog:
 
 def _precompile(cfg, b: Build, data, startup) -> None:
     """compile.precompile: the step compiles beside the state's init; its first call
-    reuses the executable."""
-    if cfg.compile.precompile:
+    reuses the executable. Not with LoRA: qwix patches JAX functions process-wide for each
+    traced call, and the state's init and the step's compile tracing adapted models on two
+    threads at once raced on that patch (KeyError 'jax.numpy.asarray.__code__')."""
+    if cfg.compile.precompile and not cfg.finetune.lora.rank:
         startup.precompile = compiles_lib.precompile(
             b.train_step, b.abstract_with_shardings(),
             compiles_lib.abstract_batch(data.train_example, cfg.data.batch_size,
