@@ -4,11 +4,10 @@ it (the rule: jtrain.observe.trust)."""
 
 from __future__ import annotations
 
-import json
 import os
 
 from jtrain.errors import UsageError
-from jtrain.observe import trust
+from jtrain.observe import runfiles, trust
 
 PROG = "python -m jtrain trust"
 DESCRIPTION = ("Trust a run from elsewhere: show the code its config.json names and sign "
@@ -24,12 +23,10 @@ def main(fv, args, argv=None) -> int:
         raise UsageError("usage: jtrain trust RUN (a run directory)")
     run = args[0]
     try:
-        with open(os.path.join(run, "config.json")) as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        raise UsageError("RUN", f"{run} is not a jtrain run (no readable config.json)"
-                         ) from None
-    paths = trust.untrusted(config if isinstance(config, dict) else {})
+        config = runfiles.read_object(os.path.join(run, "config.json"))
+    except FileNotFoundError:
+        raise UsageError("RUN", f"{run} is not a jtrain run (no config.json)") from None
+    paths = trust.untrusted(config)
     trust.sign(run)
     named = (f"it names code that will run when it is opened: {trust.listing(paths)}"
              if paths else "it names no code outside jtrain")

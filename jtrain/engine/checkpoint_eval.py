@@ -38,7 +38,7 @@ from jtrain.engine.evaluation import (MAX_IN_FLIGHT, Evaluation, evaluate_weight
 from jtrain.errors import EvaluateError, UsageError
 from jtrain.metrics.classification import classification_report
 from jtrain.observe import layout
-from jtrain.observe import jsonl, trust
+from jtrain.observe import jsonl, runfiles, trust
 from jtrain.observe import compiles as compiles_lib
 from jtrain.observe.outputs import read_run_record
 
@@ -116,8 +116,8 @@ def open_run(workdir: str, *, model=None, loss_fn=None, weights: str | None = No
     cfg_path = os.path.join(workdir, "config.json")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"--workdir: {workdir} has no config.json (not a jtrain run)")
-    with open(cfg_path) as f:
-        recorded = json.load(f)
+    recorded = runfiles.read_object(cfg_path)
+    layout.check_folders(workdir)  # evals/ (--follow) written into, never through a link
     trust.check(workdir, recorded, shown=shown,  # before anything it names is imported
                 skip=("model.",) * (model is not None) + ("loss.",) * (loss_fn is not None))
     sources = read_run_record(workdir)  # run.json (older runs: config.json)
@@ -221,9 +221,10 @@ def goodput_sessions(workdir: str) -> list[dict]:
     """The run's sessions from goodput.jsonl (observe.goodput.sessions); [] without it."""
     from jtrain.observe import goodput
 
-    if not os.path.exists(os.path.join(workdir, goodput.FILE)):
+    try:
+        records = goodput.read(workdir)
+    except FileNotFoundError:
         return []
-    records = goodput.read(workdir)
     return goodput.sessions(records) if records else []
 
 

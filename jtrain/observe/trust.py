@@ -28,7 +28,7 @@ import re
 import secrets
 
 from jtrain.errors import WorkdirError
-from jtrain.observe import layout
+from jtrain.observe import layout, runfiles
 
 KEY_ENV = "JTRAIN_TRUST_KEY_FILE"
 SIGNATURE_FILE = "config.json.sig"
@@ -87,8 +87,7 @@ def sign(workdir: str, *, required: bool = True) -> str | None:
         return None
     if key is None:
         return None
-    with open(os.path.join(workdir, "config.json"), "rb") as f:
-        sig = signature(f.read(), key)
+    sig = signature(runfiles.read_bytes(os.path.join(workdir, "config.json")), key)
     layout.write_file(os.path.join(workdir, SIGNATURE_FILE), sig + "\n")
     return sig
 
@@ -133,18 +132,17 @@ def untrusted(config: dict, skip=()) -> list[tuple[str, str]]:
 
 def verify(workdir: str) -> bool:
     """Whether config.json.sig is the user's signature of config.json as it is."""
-    try:
-        with open(os.path.join(workdir, "config.json"), "rb") as f:
-            content = f.read()
-        with open(os.path.join(workdir, SIGNATURE_FILE)) as f:
-            sig = f.read().strip()
-    except OSError:
+    try:  # bytes: a signature that is not ASCII hex simply does not match
+        content = runfiles.read_bytes(os.path.join(workdir, "config.json"))
+        sig = runfiles.read_bytes(os.path.join(workdir, SIGNATURE_FILE),
+                                  runfiles.SIGNATURE).strip()
+    except (OSError, WorkdirError):
         return False
     try:
         key = user_key(create=False)
     except WorkdirError:
         return False
-    return key is not None and hmac.compare_digest(signature(content, key), sig)
+    return key is not None and hmac.compare_digest(signature(content, key).encode(), sig)
 
 
 def listing(paths) -> str:
