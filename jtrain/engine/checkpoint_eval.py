@@ -69,6 +69,8 @@ def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data="eval"
     opened = open_run(workdir, model=model, loss_fn=loss_fn, weights=weights, data=data,
                       eval_defaults=True)
     cfg, b, weights, workdir = opened.cfg, opened.build, opened.weights, opened.workdir
+    if plots:  # goodput.png's ledger read first: a hostile one is one line before the eval
+        goodput_sessions(workdir)
     chosen = resolve_step(step, opened.reader.all_steps(), workdir,
                           monitor=cfg.checkpoint.monitor, mode=cfg.checkpoint.mode)
     state = opened.reader.restore(chosen, b.abstract_with_shardings())[0]
