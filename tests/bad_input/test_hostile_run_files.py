@@ -56,20 +56,21 @@ def run(trained, tmp_path, monkeypatch):
 
 
 def _fifo(path) -> threading.Event:
-    """A FIFO at `path`. Should a reader block on it, a writer opens and closes it after
-    30 s so the test fails on what the reader then returns instead of hanging; set the
-    returned event to call the writer off."""
+    """A FIFO at `path`. Should a reader block on it, after 30 s a writer opens and
+    closes it every 0.2 s, so the test fails on what the readers then return instead of
+    hanging; set the returned event to call the writer off."""
     if os.path.lexists(path):
         os.unlink(path)
     os.mkfifo(path)
     done = threading.Event()
 
     def unblock():
-        if not done.wait(30):
+        done.wait(30)
+        while not done.wait(0.2):
             try:
                 os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
             except OSError:
-                pass
+                pass  # no reader blocked on it now
 
     threading.Thread(target=unblock, daemon=True).start()
     return done
