@@ -168,7 +168,7 @@ def _parse_fault(item: str) -> Fault:
         raise bad(f"unknown kind {kind!r}; kinds: {', '.join(FAULT_KINDS)}")
     takes = _FAULT_TAKES[kind]
     first_s, dash, last_s = steps.partition("-")
-    if not at or not first_s.isdigit() or (dash and not last_s.isdigit()):
+    if not at or not _digits(first_s) or (dash and not _digits(last_s)):
         raise bad("expected a step number after '@'")
     first, last = int(first_s), int(last_s or first_s)
     if dash and "r" not in takes:
@@ -177,7 +177,7 @@ def _parse_fault(item: str) -> Fault:
         raise bad("steps start at 1 and a range goes up")
     process = seconds = None
     for option in options:
-        if option[:1] == "p" and option[1:].isdigit() and process is None:
+        if option[:1] == "p" and _digits(option[1:]) and process is None:
             if "p" not in takes:
                 raise bad(f"{kind} takes no process: " + (
                     "the loss is the same on every process" if kind == "nan" else
@@ -193,6 +193,11 @@ def _parse_fault(item: str) -> Fault:
     if kind == "slow" and seconds is None:
         raise bad("a slow fault needs its seconds per step (slow@5-9:0.2s)")
     return Fault(item, kind, first, last, process, seconds)
+
+
+def _digits(text: str) -> bool:
+    """ASCII digits only: str.isdigit accepts '²', which int() then refuses."""
+    return re.fullmatch("[0-9]+", text) is not None
 
 
 def _number(text: str) -> float | None:

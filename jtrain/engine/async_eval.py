@@ -30,7 +30,7 @@ from typing import Callable
 import jax
 
 from jtrain.errors import ConfigError, EvaluateError
-from jtrain.observe import jsonl, layout
+from jtrain.observe import jsonl, layout, runfiles
 
 PARENT_ENV = "JTRAIN_EVAL_PARENT"  # the training process of a child evaluator
 NICE_ENV = "JTRAIN_EVAL_NICE"  # a child evaluator's eval.async_nice
@@ -289,13 +289,11 @@ def _append_metrics(workdir: str, step: int, metrics: dict) -> None:
 
 
 def _finished(workdir: str, steps: list[int]) -> bool:
-    """summary.json names the newest checkpoint: the run ended there."""
-    import json
-
+    """summary.json names the newest checkpoint: the run ended there (a summary.json
+    that is not a JSON object is one WorkdirError: it is written whole, never torn)."""
     try:
-        with open(os.path.join(workdir, "summary.json")) as f:
-            step = json.load(f).get("step")
-    except (FileNotFoundError, ValueError):
+        step = runfiles.read_object(os.path.join(workdir, "summary.json")).get("step")
+    except FileNotFoundError:
         return False
     return bool(steps) and step == max(steps)
 

@@ -38,7 +38,7 @@ from jtrain.engine.evaluation import (MAX_IN_FLIGHT, Evaluation, evaluate_weight
 from jtrain.errors import EvaluateError, UsageError
 from jtrain.metrics.classification import classification_report
 from jtrain.observe import layout
-from jtrain.observe import jsonl, trust
+from jtrain.observe import jsonl, runfiles, trust
 from jtrain.observe import compiles as compiles_lib
 from jtrain.observe.outputs import read_run_record
 
@@ -69,6 +69,8 @@ def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data="eval"
     opened = open_run(workdir, model=model, loss_fn=loss_fn, weights=weights, data=data,
                       eval_defaults=True)
     cfg, b, weights, workdir = opened.cfg, opened.build, opened.weights, opened.workdir
+    if plots:  # goodput.png's ledger read first: a hostile one is one line before the eval
+        goodput_sessions(workdir)
     chosen = resolve_step(step, opened.reader.all_steps(), workdir,
                           monitor=cfg.checkpoint.monitor, mode=cfg.checkpoint.mode)
     state = opened.reader.restore(chosen, b.abstract_with_shardings())[0]
@@ -116,8 +118,8 @@ def open_run(workdir: str, *, model=None, loss_fn=None, weights: str | None = No
     cfg_path = os.path.join(workdir, "config.json")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"--workdir: {workdir} has no config.json (not a jtrain run)")
-    with open(cfg_path) as f:
-        recorded = json.load(f)
+    recorded = runfiles.read_object(cfg_path)
+    layout.check_folders(workdir)  # evals/ (--follow) written into, never through a link
     trust.check(workdir, recorded, shown=shown,  # before anything it names is imported
                 skip=("model.",) * (model is not None) + ("loss.",) * (loss_fn is not None))
     sources = read_run_record(workdir)  # run.json (older runs: config.json)
@@ -221,9 +223,10 @@ def goodput_sessions(workdir: str) -> list[dict]:
     """The run's sessions from goodput.jsonl (observe.goodput.sessions); [] without it."""
     from jtrain.observe import goodput
 
-    if not os.path.exists(os.path.join(workdir, goodput.FILE)):
+    try:
+        records = goodput.read(workdir)
+    except FileNotFoundError:
         return []
-    records = goodput.read(workdir)
     return goodput.sessions(records) if records else []
 
 

@@ -22,7 +22,6 @@ a run (one line). One JSON line on stdout; the human lines on stderr.
 from __future__ import annotations
 
 import functools
-import json
 import os
 
 import jax
@@ -35,7 +34,7 @@ from jtrain import mesh as mesh_lib
 from jtrain import precision as precision_lib
 from jtrain.engine.assemble import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, build, model_sample
 from jtrain.errors import UsageError
-from jtrain.observe import hashes as hashes_lib, trust
+from jtrain.observe import hashes as hashes_lib, runfiles, trust
 from jtrain.observe import compiles as compiles_lib
 from jtrain.observe.outputs import read_run_record
 
@@ -46,11 +45,9 @@ def read_run(workdir: str, flag: str = "RUN") -> dict:
     if not os.path.isdir(workdir):
         raise UsageError(flag, f"{workdir} is not a directory (a jtrain run's workdir)")
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        raise UsageError(flag, f"{workdir} is not a jtrain run (no readable config.json)"
-                         ) from None
+        return runfiles.read_object(path)
+    except FileNotFoundError:
+        raise UsageError(flag, f"{workdir} is not a jtrain run (no config.json)") from None
 
 
 def replay(workdir: str, step: int, *, model=None, train_data=None, eval_data=None,

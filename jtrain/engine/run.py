@@ -42,7 +42,7 @@ from jtrain.engine.assemble import (LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, Build, bu
                                     check_run, model_sample)
 from jtrain.errors import NonFiniteError, RestoreError, WorkdirError
 from jtrain.observe import compiles as compiles_lib, goodput as goodput_lib
-from jtrain.observe import outputs as outputs_lib
+from jtrain.observe import layout, outputs as outputs_lib
 from jtrain.observe import startup as startup_lib
 from jtrain.observe import writers as writers_lib
 from jtrain.observe.console import say
@@ -291,6 +291,7 @@ def _checked_workdir(workdir) -> str:
     if workdir is None:
         raise ValueError("workdir: required (the run's identity: checkpoints, logs, summary)")
     check_workdir(str(workdir))
+    layout.check_folders(str(workdir))
     return os.path.abspath(workdir)
 
 

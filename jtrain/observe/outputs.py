@@ -27,7 +27,8 @@ from jtrain.optim import schedules
 from jtrain.control import changes as changes_lib
 from jtrain.observe import console, header as header_lib, perf as perf_lib
 from jtrain.observe import writers as writers_lib
-from jtrain.observe import layout, trust
+from jtrain.errors import WorkdirError
+from jtrain.observe import layout, runfiles, trust
 from jtrain.observe.redact import redact
 
 CONFIG_FILE = "config.json"
@@ -65,17 +66,18 @@ def run_record(*, model_name: str | None, loss_fn: Callable | None, decided: dic
 
 def read_run_record(workdir: str) -> dict:
     """A workdir's run.json; older runs kept model_source / loss_source in config.json.
-    {} when neither says anything."""
+    {} when neither says anything; a malformed one is one WorkdirError naming it."""
     for name in (RUN_FILE, CONFIG_FILE):
+        path = os.path.join(workdir, name)
         try:
-            with open(os.path.join(workdir, name)) as f:
-                data = json.load(f)
-        except (OSError, ValueError):
+            data = runfiles.read_object(path)
+        except FileNotFoundError:
             continue
-        if name == RUN_FILE:
-            return data if isinstance(data, dict) else {}
-        if isinstance(data, dict):
-            return {k: data[k] for k in (MODEL_SOURCE_KEY, LOSS_SOURCE_KEY) if k in data}
+        sources = {k: data[k] for k in (MODEL_SOURCE_KEY, LOSS_SOURCE_KEY) if k in data}
+        problem = runfiles.check_fields(sources, dict.fromkeys(sources, str))
+        if problem is not None:
+            raise WorkdirError(path, problem)
+        return data if name == RUN_FILE else sources
     return {}
 
 

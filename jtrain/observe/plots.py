@@ -7,10 +7,12 @@ matplotlib with the Agg backend (no display needed), imported only when plotting
 
 from __future__ import annotations
 
+import io
 import json
 
 import numpy as np
 
+from jtrain.observe import layout
 from jtrain.observe.console import EMA
 
 # The eval panel shows the first of these the run logged.
@@ -24,6 +26,15 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save(fig, path: str, **kwargs) -> None:
+    """The figure as a PNG at `path`, written whole through a temporary file beside it
+    (layout.write_file): a symlink planted at `path` in a run is replaced, not written
+    through."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", **kwargs)
+    layout.write_file(path, buf.getvalue())
 
 
 def _series(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -73,7 +84,7 @@ def training_curves(records: list[dict], path: str) -> bool:
     for ax in axes.flat:
         ax.grid(alpha=0.3)
     fig.suptitle(f"training curves ({len(train_steps)} log steps, last step {train_steps[-1]})")
-    fig.savefig(path, dpi=100)
+    save(fig, path, dpi=100)
     plt.close(fig)
     return True
 
@@ -110,7 +121,7 @@ def confusion_matrix(counts: np.ndarray, path: str, title: str = "confusion matr
         ax.set_xticks(range(c))
         ax.set_yticks(range(c))
     ax.set(title=title, xlabel="predicted class", ylabel="true class")
-    fig.savefig(path, dpi=100)
+    save(fig, path, dpi=100)
     plt.close(fig)
 
 
@@ -153,7 +164,7 @@ def population_curves(records: list[dict], path: str, size: int,
         ax.set_axis_off()
     fig.suptitle(f"population of {size} members (winner: best last value; lower is better "
                  "for losses)")
-    fig.savefig(path, dpi=80)
+    save(fig, path, dpi=80)
     plt.close(fig)
     return True
 
@@ -184,6 +195,6 @@ def goodput_bars(rows: list[dict], path: str) -> dict:
            title=f"goodput {100 * productive / total if total > 0 else 0:.1f}% of "
                  f"{total:.1f} s")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.savefig(path, dpi=80, metadata={"goodput": json.dumps(drawn)})
+    save(fig, path, dpi=80, metadata={"goodput": json.dumps(drawn)})
     plt.close(fig)
     return drawn

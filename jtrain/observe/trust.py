@@ -33,7 +33,7 @@ import secrets
 import stat
 
 from jtrain.errors import WorkdirError
-from jtrain.observe import layout
+from jtrain.observe import layout, runfiles
 
 KEY_ENV = "JTRAIN_TRUST_KEY_FILE"
 SIGNATURE_FILE = "config.json.sig"
@@ -173,8 +173,7 @@ def sign(workdir: str, *, required: bool = True) -> str | None:
         return None
     if key is None:
         return None
-    with open(os.path.join(workdir, "config.json"), "rb") as f:
-        sig = signature(f.read(), key)
+    sig = signature(runfiles.read_bytes(os.path.join(workdir, "config.json")), key)
     layout.write_file(os.path.join(workdir, SIGNATURE_FILE), sig + "\n")
     return sig
 
@@ -207,12 +206,11 @@ def untrusted(config: dict, skip=()) -> list[tuple[str, str]]:
 def verify(workdir: str, *, strict: bool = False) -> bool:
     """Whether config.json.sig is the user's signature of config.json as it is; `strict`:
     a key that signs nothing (user_key) raises its WorkdirError instead of False."""
-    try:
-        with open(os.path.join(workdir, "config.json"), "rb") as f:
-            content = f.read()
-        with open(os.path.join(workdir, SIGNATURE_FILE)) as f:
-            sig = f.read().strip()
-    except OSError:
+    try:  # bytes: a signature that is not ASCII hex simply does not match
+        content = runfiles.read_bytes(os.path.join(workdir, "config.json"))
+        sig = runfiles.read_bytes(os.path.join(workdir, SIGNATURE_FILE),
+                                  runfiles.SIGNATURE).strip()
+    except (OSError, WorkdirError):
         return False
     try:
         key = user_key(create=False)
@@ -220,7 +218,7 @@ def verify(workdir: str, *, strict: bool = False) -> bool:
         if strict:
             raise
         return False
-    return key is not None and hmac.compare_digest(signature(content, key), sig)
+    return key is not None and hmac.compare_digest(signature(content, key).encode(), sig)
 
 
 def listing(paths) -> str:
