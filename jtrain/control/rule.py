@@ -159,7 +159,7 @@ def users(callbacks, paths=()) -> list[User]:
         if not any(hasattr(obj, h) for h in ("after_step", "after_log", "after_eval")):
             raise ConfigError("control.callbacks", f"{type(obj).__name__} has none of "
                               "after_step, after_log, after_eval")
-        base = type(obj).__qualname__
+        base = type(obj).__name__
         seen[base] = seen.get(base, 0) + 1
         out.append(User(obj, base if seen[base] == 1 else f"{base}#{seen[base]}"))
     return out

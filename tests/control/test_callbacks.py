@@ -13,7 +13,8 @@ import pytest
 
 import jtrain
 from jtrain import cli
-from jtrain.control import Action, Rule, faults
+from jtrain.control import Action, Rule, faults, rule
+from jtrain.errors import ConfigError, render
 from jtrain.observe import trust
 from journey import run_python, user_dir
 
@@ -116,6 +117,30 @@ def test_callback_state_survives_a_kill_and_resume_bitwise(ref, tmp_path, monkey
     assert again.stopped_by == "callback"
     assert again.summary["state_sha256"] == ref[1].summary["state_sha256"]
     assert record(workdir, 12) == record(ref[0], 12)
+
+
+def test_a_callback_s_mistakes_are_one_config_error_line(tmp_path, monkeypatch):
+    class Bad(Rule):
+        def after_step(self, step, metrics):
+            return True
+
+        def after_log(self, step, scalars):
+            return Action(lr_factor=0.0)
+
+    (bad,) = rule.users([Bad()])
+    with pytest.raises(ConfigError) as e:
+        bad.after_step(1, {})
+    assert render(e.value) == ("jtrain: config error: control.callbacks: Bad.after_step "
+                               "returned bool; expected jtrain.control.Action or None")
+    with pytest.raises(ConfigError, match="Bad.after_log at step 3 asked for learning-rate "
+                                          "factor 0.0; it must be finite and > 0"):
+        bad.after_log(3, {})
+    (tmp_path / "emptyrules.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as e:
+        rule.users((), ["emptyrules:Nope"])
+    assert render(e.value) == ("jtrain: config error: control.callbacks.0: 'emptyrules' has no "
+                               "attribute 'Nope'")
 
 
 RULE_PY = '''
