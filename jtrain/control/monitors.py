@@ -33,6 +33,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jtrain.control import ledger as ledger_lib
+from jtrain.control.rule import Action, Rule, halt
+
 
 @dataclasses.dataclass
 class Best:
@@ -86,12 +89,27 @@ def monitored(metrics: dict, key: str) -> float:
     return float(metrics[key])
 
 
-class EarlyStopping:
+class EarlyStopping(Rule):
     """`update(step, metrics)` -> None, or the reason to stop now (one line)."""
+    name = stopped_by = "early_stop"
 
     def __init__(self, cfg, state: dict | None = None):
         self.cfg = cfg
-        self.best = Best(cfg.mode, float(cfg.min_delta))
+        self.restore(state)
+
+    @classmethod
+    def from_config(cls, cfg) -> "EarlyStopping":
+        return cls(cfg.early_stop)
+
+    def after_eval(self, step, eval_metrics):
+        reason = self.update(step, eval_metrics)
+        return Action(stop=reason) if reason else None
+
+    def state(self) -> dict:
+        return self.to_json()
+
+    def restore(self, state: dict | None) -> None:
+        self.best = Best(self.cfg.mode, float(self.cfg.min_delta))
         self.best.load((state or {}).get("best"))
 
     @property
@@ -125,13 +143,33 @@ class EarlyStopping:
         return {"best": self.best.to_json()}
 
 
-class Plateau:
+class Plateau(Rule):
     """`update(step, metrics)` -> the new learning-rate factor, or None if unchanged."""
+    name = "plateau"
 
     def __init__(self, cfg, peak_lr: float, state: dict | None = None):
         self.cfg, self.peak_lr = cfg, float(peak_lr)
+        self.restore(state)
+
+    @classmethod
+    def from_config(cls, cfg) -> "Plateau":
+        return cls(cfg.plateau, cfg.optim.lr)
+
+    @property
+    def lr_scale(self) -> float:  # type: ignore[override]
+        return self.factor
+
+    def after_eval(self, step, eval_metrics):
+        before = self.factor
+        new = self.update(step, eval_metrics)
+        return None if new is None else Action(lr_factor=new / before)
+
+    def state(self) -> dict:
+        return self.to_json()
+
+    def restore(self, state: dict | None) -> None:
         state = state or {}
-        self.best = Best(cfg.mode, float(cfg.min_delta))
+        self.best = Best(self.cfg.mode, float(self.cfg.min_delta))
         self.best.load(state.get("best"))
         self.factor = float(state.get("factor", 1.0))
         self.cooldown_left = int(state.get("cooldown_left", 0))
@@ -164,13 +202,43 @@ class Plateau:
                 "cooldown_left": self.cooldown_left, "reductions": self.reductions}
 
 
-class Spike:
+class Spike(Rule):
     """`check(step, loss)` -> the loss's z-score when it is a spike, else None (and the
     loss joins the window). The window holds the last `spike.window` finite losses of
     steps that were kept; a rollback to step c drops the losses of steps after c."""
+    name = "spike"
 
     def __init__(self, cfg, state: dict | None = None):
         self.cfg = cfg
+        self.restore(state)
+
+    @classmethod
+    def from_config(cls, cfg) -> "Spike":
+        return cls(cfg.spike)
+
+    @property
+    def lr_scale(self) -> float:  # type: ignore[override]
+        return self.scale
+
+    def after_step(self, step, metrics):
+        """A spike: roll back (the loop); one after spike.max_rollbacks: the halt."""
+        if metrics["train/status"]:  # a skipped update: the non-finite policy's
+            return None
+        loss = metrics["train/loss"]
+        z = self.check(step, loss)
+        if z is None:
+            return None
+        if len(self.rollbacks) >= self.cfg.max_rollbacks:
+            raise halt(f"training halted at step {step}: the train loss spiked again "
+                       f"(loss {loss:.4g}, z-score {z:.3g}) after {len(self.rollbacks)} "
+                       "rollbacks (spike.max_rollbacks); lower optim.lr or check the data "
+                       f"in WORKDIR/{ledger_lib.FILE}", step)
+        return Action(rollback=z)
+
+    def state(self) -> dict:
+        return self.to_json()
+
+    def restore(self, state: dict | None) -> None:
         state = state or {}
         self.recent = [(int(s), float(v)) for s, v in state.get("recent", [])]
         self.rollbacks = [list(r) for r in state.get("rollbacks", [])]  # [spike, to step]
@@ -202,15 +270,19 @@ class Spike:
         return {"recent": self.recent, "rollbacks": self.rollbacks, "scale": self.scale}
 
 
-def agree(stop: bool, factor: float | None) -> tuple[bool, float | None]:
-    """Process 0's decision on every process (one small broadcast per eval)."""
+def agree(stop: int, factor: float | None, checkpoint: bool = False
+          ) -> tuple[int, float | None, bool]:
+    """Process 0's decision on every process (one small broadcast per eval): `stop` is 0
+    or the stopping rule's position + 1, `factor` the new learning-rate factor or None,
+    `checkpoint` whether a rule asked to save the step."""
     import jax
 
     if jax.process_count() == 1:
-        return stop, factor
+        return stop, factor, checkpoint
     import numpy as np
     from jax.experimental import multihost_utils
 
-    code = np.asarray([float(stop), -1.0 if factor is None else float(factor)], np.float64)
+    code = np.asarray([float(stop), -1.0 if factor is None else float(factor),
+                       float(checkpoint)], np.float64)
     code = np.asarray(multihost_utils.broadcast_one_to_all(code))
-    return bool(code[0]), (None if code[1] < 0 else float(code[1]))
+    return int(code[0]), (None if code[1] < 0 else float(code[1])), bool(code[2])

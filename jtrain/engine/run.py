@@ -30,6 +30,7 @@ from jtrain import state as state_lib
 from jtrain import step as step_lib
 from jtrain.control import decide as decide_lib
 from jtrain.control import faults as faults_lib
+from jtrain.control import rule as rule_lib
 from jtrain.control import ledger as ledger_lib
 from jtrain.control import watchdog as watchdog_lib
 from jtrain.engine import async_eval
@@ -86,7 +87,8 @@ class TrainResult:
 def train(config=None, workdir: str | None = None, *, model=None, train_data=None,
           eval_data=None, loss_fn: Callable | None = None,
           on_eval: Callable[[int, dict], bool] | None = None,
-          allow_changes: Sequence[str] = (), step=None) -> TrainResult:
+          allow_changes: Sequence[str] = (), step=None, callbacks: Sequence = ()
+          ) -> TrainResult:
     """Train `model` on `train_data`. Resumes from the newest checkpoint in `workdir`.
 
     A run that already finished is not run again: its stored result comes back. Every
@@ -110,6 +112,11 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
         on_eval: `on_eval(step, metrics) -> bool`, called on process 0 after every
             evaluation with the globally reduced metrics; True stops the run there
             (checkpointed, on every process; `stopped_by == "on_eval"`).
+        callbacks: run-control rules of your own (`jtrain.control.Rule`: `after_step`,
+            `after_log`, `after_eval` returning a `jtrain.control.Action` to stop, scale
+            the learning rate, log `callback/*` scalars or save the step; `state` /
+            `restore` for resume), consulted after the built-in ones and before
+            `control.callbacks` of the config.
         allow_changes: config keys (fnmatch patterns) that may differ from the
             checkpoint's when resuming (added to `checkpoint.allow_changes`).
         step: a step of your own (`jtrain.step.Step`: init, update, evaluate) in place of
@@ -147,7 +154,8 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
     """
     try:
         return train_and_evaluate(config, workdir,
-                                  _Given(model, train_data, eval_data, loss_fn, step),
+                                  _Given(model, train_data, eval_data, loss_fn, step,
+                                         tuple(callbacks)),
                                   on_eval=on_eval, allow_changes=allow_changes)
     except RestoreError as e:
         keys = getattr(e, "changed_keys", None)
@@ -165,6 +173,7 @@ class _Given:
     eval_data: Any = None
     loss_fn: Callable | None = None
     step: Any = None
+    callbacks: tuple = ()  # run-control rules (jtrain.control.rule)
 
 
 def train_and_evaluate(config, workdir, given: _Given | None = None, *, on_eval=None,
@@ -226,6 +235,7 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
                 given.model if isinstance(given.model, step_lib.Step) else None)
             user_step = from_python if from_python is not None else (
                 own_step.load(cfg.step) if cfg.step.factory else None)
+            callbacks = rule_lib.users(given.callbacks, cfg.control.callbacks)
             with startup.phase("data"):  # checked: a DataError before any step
                 data = data_lib.prepare(
                     cfg.data, user_data, seed=cfg.seed, eval_batch_size=cfg.eval.batch_size,
@@ -262,7 +272,7 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
                 workdir=workdir, build=b, state=start.state, data=data, train_iter=train_iter,
                 ckpt=ckpt, out=out, resumed_from=start.step, watchdog=watchdog,
                 decisions=_decisions(cfg, workdir, ckpt.control, start, data, train_iter,
-                                     on_eval, out.progress.message),
+                                     on_eval, out.progress.message, callbacks),
                 stopper=stopper, startup=startup, goodput=ledger, record=out.record,
                 async_evals=async_evals)
             for line in notices:  # after the header: e.g. a warmup shortened for a short run
@@ -349,7 +359,7 @@ def _precompile(cfg, b: Build, data, startup) -> None:
                                         mesh_lib.batch_sharding(b.mesh)), mesh=b.mesh)
 
 
-def _decisions(cfg, workdir, record, start, data, train_iter, on_eval, say):
+def _decisions(cfg, workdir, record, start, data, train_iter, on_eval, say, callbacks):
     """The loop's decisions (control.decide), continuing the restored record."""
     ledger = ledger_lib.Ledger(workdir, record.skip_ledger,
                                 primary=jax.process_index() == 0, resumed_step=start.step)
@@ -357,4 +367,5 @@ def _decisions(cfg, workdir, record, start, data, train_iter, on_eval, say):
     batch_of, indices_of = data.batch_positions(train_iter.get_state(),
                                                 (start.step or 0) + 1)
     return decide_lib.Decisions(cfg, record, ledger=ledger, on_eval=on_eval,
-                                 batch_of=batch_of, indices_of=indices_of, say=say)
+                                 batch_of=batch_of, indices_of=indices_of, say=say,
+                                 callbacks=callbacks)

@@ -2,10 +2,11 @@
 
 A config names code by import path ("package.module:function": model.factory,
 step.factory, data.source, data.transform, data.valid_fn, loss.fn, loss.terms.*.fn,
-eval.predict_fn, data.mixture.*.source), and the commands that rebuild a run from its
-config.json (jtrain evaluate, jtrain replay, python -m jtrain.recipes.report) import
-those modules and call them with kwargs from the same file. A run directory is data,
-so (as Jupyter trusts notebooks) the user's own tools sign what they write:
+eval.predict_fn, data.mixture.*.source, control.callbacks), and the commands that
+rebuild a run from its config.json (jtrain evaluate, jtrain replay, python -m
+jtrain.recipes.report) import those modules and call them with kwargs from the same
+file. A run directory is data, so (as Jupyter trusts notebooks) the user's own tools
+sign what they write:
 
 - when jtrain writes a run's config.json it writes config.json.sig beside it: the
   HMAC-SHA256 of the file's bytes under a per-user key (`key_file()`: $JTRAIN_TRUST_KEY_FILE,
@@ -42,7 +43,7 @@ _PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 # The keys whose value is only ever an import path: any string there is a name to check
 # (a module path without ":" is imported too, e.g. by python -m jtrain.recipes.report).
 CODE_KEYS = frozenset({"model.factory", "step.factory", "data.source", "data.transform",
-                       "data.valid_fn", "loss.fn", "eval.predict_fn"})
+                       "data.valid_fn", "loss.fn", "eval.predict_fn", "control.callbacks"})
 # Keys that hold a built-in's name or an import path (with ":"): loss.terms.NAME.fn,
 # data.mixture.NAME.source.
 _BUILTIN_OR_CODE = re.compile(r"loss\.terms\.[^.]+\.fn|data\.mixture\.[^.]+\.source")
@@ -189,6 +190,7 @@ def import_paths(config, prefix: str = "") -> list[tuple[str, str]]:
         key = f"{prefix}{k}"
         if isinstance(v, str):
             if (key in CODE_KEYS and v) or _PATH.fullmatch(v) or (
+                    prefix.rstrip(".") in CODE_KEYS and v) or (
                     ":" in v and _BUILTIN_OR_CODE.fullmatch(key)):
                 found.append((v, key))
         elif isinstance(v, (dict, list, tuple)):
