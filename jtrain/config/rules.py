@@ -4,9 +4,11 @@ optimizer (with the run's total_steps), early stopping, checkpoints, regex lists
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import NamedTuple
 
+from jtrain.config.fields import OPTIMIZERS
 from jtrain.errors import ConfigError
 
 
@@ -52,8 +54,10 @@ def check_optim(optim: dict, total_steps: int) -> None:
                           f"schedule {optim['schedule']!r} decays until step {decay_end} "
                           f"(0 means total_steps={total_steps}), which must be > "
                           f"optim.warmup_steps={optim['warmup_steps']}")
+    _check_name(optim)
     for beta in ("b1", "b2"):  # (0, 1) inclusive in the schema; 1.0 never forgets
-        if optim["name"] not in ("sgd", "adafactor") and optim[beta] >= 1.0:
+        if optim["name"] in OPTIMIZERS and optim["name"] not in ("sgd", "adafactor") \
+                and optim[beta] >= 1.0:
             raise ConfigError(f"optim.{beta}", f"must be < 1 for {optim['name']}, got "
                               f"{optim[beta]!r} (the moment estimate would never update)")
     if optim["muon_beta"] >= 1.0 and optim["name"] == "muon":
@@ -72,6 +76,23 @@ def check_optim(optim: dict, total_steps: int) -> None:
     if optim["name"] == "adam" and optim["weight_decay"] > 0:
         raise ConfigError("optim.weight_decay", f"adam has no weight decay (got "
                                                 f"{optim['weight_decay']!r}); use adamw")
+
+
+def _check_name(optim: dict) -> None:
+    """A built-in name, or optax.<name> / optax.contrib.<name> (jtrain.optim.named looks
+    it up when the optimizer is built); optim.kwargs only with an optax name."""
+    name = optim["name"]
+    if name.startswith("optax."):
+        return
+    if name not in OPTIMIZERS:
+        close = difflib.get_close_matches(name, OPTIMIZERS, n=1, cutoff=0.6)
+        hint = f' (did you mean "{close[0]}"?)' if close else ""
+        raise ConfigError("optim.name", f"must be one of {', '.join(OPTIMIZERS)} or "
+                          f"optax.<name> / optax.contrib.<name>; got {name!r}{hint}")
+    if optim["kwargs"]:
+        raise ConfigError("optim.kwargs", f"the built-in {name!r} takes its arguments "
+                          "from optim.* keys; optim.kwargs is for an optax.* optim.name "
+                          f"(e.g. 'optax.{name}')")
 
 
 def _check_schedule_free(optim: dict) -> None:

@@ -35,7 +35,12 @@ SCHEMA: dict[str, Any] = {
         # + the fields of MODEL_FAMILIES[model.name]
     },
     "optim": {
-        "name": F(str, "adamw", OPTIMIZERS, "optimizer (jtrain/optim.py)"),
+        "name": F(str, "adamw", None, f"optimizer: one of {', '.join(OPTIMIZERS)}, or "
+                  "any optax / optax.contrib function by name ('optax.lion', "
+                  "'optax.contrib.ademamix') with optim.kwargs"),
+        "kwargs": F("dict", {}, None, "an optax.* optim.name's arguments (learning_rate "
+                    "comes from optim.lr / optim.schedule, weight_decay from "
+                    "optim.weight_decay)"),
         "lr": F(float, 1e-3, (0.0, 10.0), "peak learning rate"),
         "schedule": F(str, "warmup_cosine", SCHEDULES, "learning-rate schedule after a "
                       "linear warmup"),
