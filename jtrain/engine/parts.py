@@ -85,6 +85,7 @@ class Build:
             final_eval) -> dict` each.
         decided: the values the set-up decided (run.json's "decided").
         user_step: a step of your own (`jtrain.step.Step`), None for the built-in.
+        tx_given: True when `tx` is the one given to `jtrain.train(tx=...)`.
 
     Examples:
         ```python

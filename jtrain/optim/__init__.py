@@ -51,9 +51,15 @@ Choices worth knowing:
   leaves, which for these optimizers is multiplying their learning rate (weight decay
   included, as it is scaled by the learning rate).
 
+- Any other optax / optax.contrib function by name ("optax.lion", with `optim.kwargs`)
+  takes the place of the optimizer in the chain above (named.py says what jtrain passes
+  it); `jtrain.train(tx=...)` replaces the whole chain but the freezing and lr_mults
+  (`given_optimizer`).
+
 Its modules: schedules.py (optim.schedule), decay.py (weight decay whose rate is in
-the optimizer state, one per population member) and update.py (one optimizer update,
-gradients summed over microbatches: jtrain.step.optimizer_update / accumulated).
+the optimizer state, one per population member), named.py (optax functions by name) and
+update.py (one optimizer update, gradients summed over microbatches:
+jtrain.step.optimizer_update / accumulated).
 """
 
 import functools
