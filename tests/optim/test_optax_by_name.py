@@ -2,8 +2,7 @@
 (`optim.name = "optax.lion"`, `optim.kwargs`) and `jtrain.train(tx=...)` train exactly as
 a hand-written optax loop over the same batches; a run with `tx` stopped at a checkpoint
 resumes bitwise; bad names, arguments and ignored keys are one ConfigError before step 1.
-The built-in names' bits are pinned by tests/optim/test_optimizer_families.py and the
-state hashes of test_builtin_hashes_unchanged."""
+The built-in names stay pinned to optax's own optimizers by test_optimizer_families.py."""
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +86,7 @@ def runs(tmp_path_factory):
     stop = {**_config(), "eval": {"every_steps": 3, "batch_size": B}}
     first = _train(root / "tx_resumed", stop, tx=_user_tx(), on_eval=lambda step, m: step == 3)
     again = _train(root / "tx_resumed", stop, tx=_user_tx())
-    return {"by_name": by_name, "whole": whole, "first": first, "again": again}
+    return {"by_name": by_name, "whole": whole, "first": first, "again": again, "root": root}
 
 
 def test_an_optax_function_by_name_equals_the_hand_loop(runs):
@@ -107,6 +106,10 @@ def test_train_tx_equals_the_hand_loop_and_resumes_bitwise(runs):
     assert runs["first"].stopped_by == "on_eval" and runs["first"].summary["step"] == 3
     assert runs["again"].summary["resumed_from"] == 3
     assert runs["again"].summary["state_sha256"] == runs["whole"].summary["state_sha256"]
+    log = (runs["root"] / "tx" / "train.log").read_text()
+    assert "jtrain: optimizer: the optax transformation given to jtrain.train(tx=...)" in log
+    assert "jtrain: optimizer optax.lion, peak lr 0.01" in (
+        runs["root"] / "name" / "train.log").read_text()
 
 
 @pytest.mark.parametrize("optim_cfg, key", [
