@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from jtrain.config.fields import OPTIMIZERS
 from jtrain.errors import ConfigError
 
 
@@ -52,8 +53,10 @@ def check_optim(optim: dict, total_steps: int) -> None:
                           f"schedule {optim['schedule']!r} decays until step {decay_end} "
                           f"(0 means total_steps={total_steps}), which must be > "
                           f"optim.warmup_steps={optim['warmup_steps']}")
+    _check_name(optim)
     for beta in ("b1", "b2"):  # (0, 1) inclusive in the schema; 1.0 never forgets
-        if optim["name"] not in ("sgd", "adafactor") and optim[beta] >= 1.0:
+        if optim["name"] in OPTIMIZERS and optim["name"] not in ("sgd", "adafactor") \
+                and optim[beta] >= 1.0:
             raise ConfigError(f"optim.{beta}", f"must be < 1 for {optim['name']}, got "
                               f"{optim[beta]!r} (the moment estimate would never update)")
     if optim["muon_beta"] >= 1.0 and optim["name"] == "muon":
@@ -72,6 +75,16 @@ def check_optim(optim: dict, total_steps: int) -> None:
     if optim["name"] == "adam" and optim["weight_decay"] > 0:
         raise ConfigError("optim.weight_decay", f"adam has no weight decay (got "
                                                 f"{optim['weight_decay']!r}); use adamw")
+
+
+def _check_name(optim: dict) -> None:
+    """optim.kwargs only with an optax.* name (jtrain.optim.named looks that name up
+    when the optimizer is built)."""
+    name = optim["name"]
+    if name in OPTIMIZERS and optim["kwargs"]:
+        raise ConfigError("optim.kwargs", f"the built-in {name!r} takes its arguments "
+                          "from optim.* keys; optim.kwargs is for an optax.* optim.name "
+                          f"(e.g. 'optax.{name}')")
 
 
 def _check_schedule_free(optim: dict) -> None:

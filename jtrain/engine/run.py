@@ -87,8 +87,8 @@ class TrainResult:
 def train(config=None, workdir: str | None = None, *, model=None, train_data=None,
           eval_data=None, loss_fn: Callable | None = None,
           on_eval: Callable[[int, dict], bool] | None = None,
-          allow_changes: Sequence[str] = (), step=None, callbacks: Sequence = ()
-          ) -> TrainResult:
+          allow_changes: Sequence[str] = (), step=None, callbacks: Sequence = (),
+          tx=None) -> TrainResult:
     """Train `model` on `train_data`. Resumes from the newest checkpoint in `workdir`.
 
     A run that already finished is not run again: its stored result comes back. Every
@@ -121,6 +121,11 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
             checkpoint's when resuming (added to `checkpoint.allow_changes`).
         step: a step of your own (`jtrain.step.Step`: init, update, evaluate) in place of
             the built-in update (from a config: `step.factory`); `model` is then unused.
+        tx: an `optax.GradientTransformation` used as the optimizer (its learning rate
+            and schedule are its own; `train/lr` logs NaN). optim.* keys other than
+            grad_accum_steps, trainable, frozen, lr_mults and ema must keep their
+            defaults (a `ConfigError` names the first that would be ignored). Its state
+            is checkpointed: a resume is exact when the same `tx` is passed again.
 
     Returns:
         The `TrainResult`: the final state, the eval history and `summary.json`.
@@ -155,7 +160,7 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
     try:
         return train_and_evaluate(config, workdir,
                                   _Given(model, train_data, eval_data, loss_fn, step,
-                                         tuple(callbacks)),
+                                         tuple(callbacks), tx),
                                   on_eval=on_eval, allow_changes=allow_changes)
     except RestoreError as e:
         keys = getattr(e, "changed_keys", None)
@@ -174,6 +179,7 @@ class _Given:
     loss_fn: Callable | None = None
     step: Any = None
     callbacks: tuple = ()  # run-control rules (jtrain.control.rule)
+    tx: Any = None  # an optax GradientTransformation (train(tx=...))
 
 
 def train_and_evaluate(config, workdir, given: _Given | None = None, *, on_eval=None,
@@ -245,7 +251,8 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
                 b = build(cfg, sample=model_sample(cfg, data.train_example),
                           eval_example=data.example, model=given.model,
                           loss_fn=given.loss_fn, byte_level=data.byte_level,
-                          train_example=data.train_example, step=user_step)
+                          train_example=data.train_example, step=user_step,
+                          tx=given.tx)
                 check_run(cfg, b, data)
             _precompile(cfg, b, data, startup)
             with startup.phase("state"):  # newest checkpoint, else init_from, else fresh
