@@ -75,6 +75,8 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", f"multidevice: needs {MULTIDEVICE_COUNT} fake CPU devices; runs in the "
         "suite's multidevice child process (see tests/conftest.py)")
+    config.addinivalue_line("markers", "quick: the edit loop's selection, set by "
+                            "tests/conftest.py (`python -m pytest tests -m quick`)")
 
 
 def _bytecode_once() -> None:
@@ -143,6 +145,15 @@ SLOW_GROUPS = (
 )
 
 
+def _quick(item) -> bool:
+    """In the quick selection (`-m quick`, CONTRIBUTING.md): every package's unit tests,
+    not the journeys, the bad-input tables, the 8-device or slow-marked tests, nor the
+    longest files above (the full suite runs them all)."""
+    path = item.nodeid.split("::", 1)[0]
+    return not (path.startswith(("tests/journeys/", "tests/bad_input/")) or "journey" in path
+                or path in SLOW_GROUPS or _marked(item) or item.get_closest_marker("slow"))
+
+
 def _group(item) -> str:
     return "multidevice" if _marked(item) else item.nodeid.split("::", 1)[0]
 
@@ -165,6 +176,8 @@ def pytest_collection_modifyitems(session, config, items):
         return
     for item in items:
         item._jtrain_id = item.nodeid  # before xdist's `@group` suffix: what the child runs
+        if _quick(item):
+            item.add_marker(pytest.mark.quick)
     # Under pytest-xdist (`--dist loadgroup`, pyproject's addopts): the marked tests go to
     # one worker (one child process for them all), the rest by file, so a file's shared
     # run (a module-scoped fixture) is trained once.
