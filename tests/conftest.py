@@ -145,13 +145,24 @@ SLOW_GROUPS = (
 )
 
 
+# Also left out of the quick selection: the next longest files of a run of it (benchmark
+# runs, transformers' models, a trained best step) and the checks the edit loop runs as
+# commands of their own (ruff and mypy; the docs site's build).
+QUICK_LEAVES_OUT = (
+    "tests/bench/test_bench.py", "tests/bench/test_profile_bench.py",
+    "tests/bench/test_data_bench.py", "tests/checkpoint/test_hf.py",
+    "tests/checkpoint/test_best_step.py", "tests/test_lint.py", "tests/test_docs_site.py",
+)
+
+
 def _quick(item) -> bool:
     """In the quick selection (`-m quick`, CONTRIBUTING.md): every package's unit tests,
     not the journeys, the bad-input tables, the 8-device or slow-marked tests, nor the
-    longest files above (the full suite runs them all)."""
+    longest files (the full suite runs them all)."""
     path = item.nodeid.split("::", 1)[0]
     return not (path.startswith(("tests/journeys/", "tests/bad_input/")) or "journey" in path
-                or path in SLOW_GROUPS or _marked(item) or item.get_closest_marker("slow"))
+                or path in SLOW_GROUPS or path in QUICK_LEAVES_OUT or _marked(item)
+                or item.get_closest_marker("slow"))
 
 
 def _group(item) -> str:
