@@ -33,6 +33,7 @@ from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
 from jtrain.checkpoint import integrity, policy
 from jtrain.engine.assemble import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, build, model_sample
+from jtrain.observe.outputs import TX_SOURCE_KEY
 from jtrain.engine.evaluation import (MAX_IN_FLIGHT, Evaluation, evaluate_weights,  # noqa: F401
                                       format_line, headline, local_rows, make_spec, run_eval)
 from jtrain.errors import EvaluateError, UsageError
@@ -45,10 +46,10 @@ from jtrain.observe.outputs import read_run_record
 
 def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data="eval",
                         num_batches: int = 0, plots: bool = True, model=None,
-                        loss_fn=None, weights: str | None = None) -> dict:
+                        loss_fn=None, weights: str | None = None, tx=None) -> dict:
     """Evaluates a checkpoint of a run and writes the report files. The model is rebuilt
     from config.json (a built-in family or model.factory), the loss from loss.fn /
-    loss.terms; `model` / `loss_fn`: the objects a run was given from Python (the same
+    loss.terms; `model` / `loss_fn` / `tx`: the objects a run was given from Python (the same
     ones, or ones built the same way). `weights`: "params", "ema" (the weight EMA) or
     "both"; None = the run's eval.weights.
 
@@ -66,7 +67,7 @@ def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data="eval"
     """
     from flax import linen as nn
 
-    opened = open_run(workdir, model=model, loss_fn=loss_fn, weights=weights, data=data,
+    opened = open_run(workdir, model=model, loss_fn=loss_fn, weights=weights, data=data, tx=tx,
                       eval_defaults=True)
     cfg, b, weights, workdir = opened.cfg, opened.build, opened.weights, opened.workdir
     if plots:  # goodput.png's ledger read first: a hostile one is one line before the eval
@@ -109,7 +110,7 @@ class Opened:
 
 
 def open_run(workdir: str, *, model=None, loss_fn=None, weights: str | None = None,
-             data="eval", eval_defaults: bool = True) -> Opened:
+             data="eval", eval_defaults: bool = True, tx=None) -> Opened:
     """The run at `workdir` read back (config.json checked as trusted, the model and
     loss rebuilt, the data picked) for `evaluate_checkpoint` and `jtrain evaluate
     --follow`; `eval_defaults`: the task's default metrics besides eval.metrics (False:
@@ -137,6 +138,13 @@ def open_run(workdir: str, *, model=None, loss_fn=None, weights: str | None = No
             f"({loss_source}); the CLI cannot rebuild it: call "
             "jtrain.evaluate.evaluate_checkpoint(workdir, loss_fn=...) from Python, or train "
             "with loss.fn='package.module:function' (or loss.terms)")
+    tx_source = sources.get(TX_SOURCE_KEY)
+    if tx_source is not None and tx is None:  # its state is not optim.name's
+        raise EvaluateError(
+            f"--workdir: {workdir} was trained with an optimizer passed from Python "
+            f"(train(tx=...): {tx_source.split(': ', 1)[-1]}); its state is not what "
+            "config.json's optim.name builds: call jtrain.evaluate.evaluate_checkpoint("
+            "workdir, tx=...) with the same optax transformation")
     cfg = config_lib.resolve(recorded)
     if cfg.population.size > 1:  # the state holds every member: evaluate one's export
         raise UsageError(f"{workdir} trained a population of {cfg.population.size} members: "
@@ -154,7 +162,8 @@ def open_run(workdir: str, *, model=None, loss_fn=None, weights: str | None = No
     source, data_name, data_info = _pick_data(data, cfg.data)
     b = build(cfg, sample=model_sample(cfg, source[0]), eval_example=source[0], model=model,
               loss_fn=loss_fn,
-              byte_level=data_info.get("name") == "pystdlib", eval_defaults=eval_defaults)
+              byte_level=data_info.get("name") == "pystdlib", eval_defaults=eval_defaults,
+              tx=tx)
     return Opened(workdir=workdir, cfg=cfg, build=b, reader=reader, source=source,
                   data_name=data_name, weights=weights)
 

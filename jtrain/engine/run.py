@@ -270,7 +270,8 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
                     record=outputs_lib.run_record(
                         model_name=None if given.model is None and from_python is None
                         else b.model_name,
-                        loss_fn=given.loss_fn, decided={**data.decided, **b.decided}),
+                        loss_fn=given.loss_fn, decided={**data.decided, **b.decided},
+                        tx=given.tx),
                     run_ids=control_lib.writer_run_ids(start.control),
                     determinism=determinism, t_start=t_start,
                     shown=mirror.uri if mirror is not None else None)

@@ -112,6 +112,23 @@ def test_train_tx_equals_the_hand_loop_and_resumes_bitwise(runs):
         runs["root"] / "name" / "train.log").read_text()
 
 
+def test_a_tx_run_is_evaluated_with_its_tx_and_refused_without(runs):
+    """config.json's optim.name (adamw) does not build a tx run's optimizer state:
+    without the same tx, evaluation is one line naming tx; with it, the checkpoint
+    restores and scores exactly as the run's own last eval."""
+    from jtrain.errors import EvaluateError, render
+    from jtrain.evaluate import evaluate_checkpoint
+
+    workdir, d = str(runs["root"] / "tx_resumed"), _data()
+    with pytest.raises(EvaluateError) as e:
+        evaluate_checkpoint(workdir, model=_model(), loss_fn=_loss, data=d, plots=False)
+    line = render(e.value)
+    assert "\n" not in line and "optimizer passed from Python" in line and "tx=" in line
+    report = evaluate_checkpoint(workdir, model=_model(), loss_fn=_loss, data=d,
+                                 plots=False, tx=_user_tx())
+    assert report["metrics"]["eval/loss"] == runs["again"].history[-1]["eval/loss"]
+
+
 @pytest.mark.parametrize("optim_cfg, key", [
     ({"name": "optax.no_such_fn"}, "optim.name"),
     ({"name": "optax.contrib.no_such_fn"}, "optim.name"),
