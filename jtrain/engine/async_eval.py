@@ -228,8 +228,8 @@ def follow(workdir: str, *, poll_s: float = 0.2, say: Callable[[str], None] = pr
     """Evaluates every new finished checkpoint of the run at `workdir` once (an async
     run's: its evaluation points), writing WORKDIR/evals/<step>.json (and, for a run not
     in eval.mode=async, the metrics into metrics.jsonl with their step), until the run's
-    summary.json says it finished at its newest checkpoint (or, as a child evaluator,
-    the training process is gone). Returns the steps evaluated. From Python, `model`
+    summary.json says it finished at its newest checkpoint (a child evaluator: until
+    its training process ends it or is gone). Returns the steps evaluated. From Python, `model`
     (a module or a jtrain.step.Step), `loss_fn` and `data` (the eval data, anything
     jtrain.train accepts as eval_data) are what the run was given as objects.
 
@@ -276,7 +276,10 @@ def follow(workdir: str, *, poll_s: float = 0.2, say: Callable[[str], None] = pr
                 if own:
                     _append_metrics(workdir, step, record["metrics"])
         if not todo:
-            if _finished(workdir, steps):
+            # A child evaluator ends with its training process (close, or _exit_with):
+            # a summary.json there may be a stopped session's, which the resumed
+            # session it serves goes on from.
+            if not parent and _finished(workdir, steps):
                 return evaluated
             time.sleep(poll_s)
 
