@@ -214,6 +214,9 @@ def train_case(case, tmp_path, monkeypatch, workdir_root=None):
         here = str(Path(__file__).resolve().parent)  # where it imports them from
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
             p for p in (here, os.environ.get("PYTHONPATH")) if p))
+        # and sees the fake CPU devices this process has (tests/conftest.py sets them
+        # in-process, which a child process does not inherit)
+        monkeypatch.setenv("JAX_NUM_CPU_DEVICES", str(jax.device_count()))
     if "init_from" in case:
         source = {**cfg, "total_steps": 2, "checkpoint": {
             **cfg["checkpoint"], "local_dir": "", "local_every_steps": 0}}
