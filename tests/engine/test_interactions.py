@@ -101,6 +101,18 @@ def documents(n, seed):
     return docs
 
 
+def make_net(batchnorm: bool = False) -> Net:
+    """model.factory for the cases a child evaluator rebuilds from config.json."""
+    return Net(batchnorm)
+
+
+def case_data(tokens: bool, n: int, held_out: bool):
+    """data.source for those cases: the same train (and eval) data setup() makes."""
+    make = documents if tokens else rows
+    train = make(n, 0)
+    return {"train": train, "eval": make(12 if tokens else 24, 1)} if held_out else train
+
+
 def nested(settings: dict) -> dict:
     out: dict = {}
     for dotted, value in settings.items():
@@ -152,7 +164,25 @@ def setup(case, root: str, workdir_root: str) -> dict:
     else:
         kwargs["model"] = Net("model state" in on)
     return {"config": merge(BASE, nested(settings)), "kwargs": kwargs,
-            "workdir_root": workdir_root, "tokens": tokens}
+            "workdir_root": workdir_root, "tokens": tokens, "eval_data": ev, "rows": n}
+
+
+def by_path(given: dict, tokens: bool, n: int, batchnorm: bool) -> dict:
+    """The settings naming setup()'s Python objects by import path (this module, on the
+    child evaluator's PYTHONPATH): the same model, step, loss and data."""
+    assert not isinstance(given["train_data"], Mixture)  # refused with async eval
+    out: dict = {"data.source": f"{__name__}:case_data",
+                 "data.kwargs": {"tokens": tokens, "n": n,
+                                 "held_out": given["eval_data"] is not None}}
+    if "step" in given:
+        out.update({"step.factory": f"{__name__}:own_step",
+                    "step.kwargs": {"batchnorm": batchnorm}})
+    else:
+        out.update({"model.name": "user", "model.factory": f"{__name__}:make_net",
+                    "model.kwargs": {"batchnorm": batchnorm}})
+    if given["loss_fn"] is not None:
+        out["loss.fn"] = f"{__name__}:masked_nll"
+    return out
 
 
 def hand_eval(run, ev, case) -> float:
@@ -177,10 +207,21 @@ def train_case(case, tmp_path, monkeypatch, workdir_root=None):
     base = workdir_root or root
     s = setup(case, root, base)
     cfg = s["config"]
+    if "async eval" in case:  # the child evaluator rebuilds the run from config.json
+        cfg = merge(cfg, nested(by_path(s["kwargs"], s["tokens"], s["rows"],
+                                        "model state" in case)))
+        s = {**s, "kwargs": {}}
+        here = str(Path(__file__).resolve().parent)  # where it imports them from
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+            p for p in (here, os.environ.get("PYTHONPATH")) if p))
+        # and sees the fake CPU devices this process has (tests/conftest.py sets them
+        # in-process, which a child process does not inherit)
+        monkeypatch.setenv("JAX_NUM_CPU_DEVICES", str(jax.device_count()))
     if "init_from" in case:
         source = {**cfg, "total_steps": 2, "checkpoint": {
             **cfg["checkpoint"], "local_dir": "", "local_every_steps": 0}}
         source["checkpoint"].pop("keep_top_k", None)
+        source["eval"] = {**source["eval"], "mode": "sync"}  # a source run, no evaluator
         jtrain.train(source, os.path.join(root, "source"), **s["kwargs"])
         cfg = merge(cfg, {"checkpoint": {"init_from": os.path.join(root, "source")}})
 
@@ -214,7 +255,7 @@ def check_case(case, ref, resumed, s):
         assert resumed.summary["state_sha256"] == ref.summary["state_sha256"], case
         assert last and again == last, case
     assert all(np.isfinite(v) for v in last.values()), (case, last)
-    ev = s["kwargs"]["eval_data"]
+    ev = s["eval_data"]
     if ev is not None and not s["tokens"] and "population" not in case:
         low = {"bf16", "fp16"} & set(case)
         np.testing.assert_allclose(last["eval/loss"], hand_eval(ref, ev, case),
