@@ -224,7 +224,7 @@ def for_run(cfg, workdir: str, ckpt, resumed_from: int | None) -> AsyncEvals | N
 
 # -- the evaluator: jtrain evaluate --follow WORKDIR ---------------------------------------
 def follow(workdir: str, *, poll_s: float = 0.2, say: Callable[[str], None] = print,
-           model=None, loss_fn=None, data="eval") -> list[int]:
+           model=None, loss_fn=None, data="eval", tx=None) -> list[int]:
     """Evaluates every new finished checkpoint of the run at `workdir` once (an async
     run's: its evaluation points), writing WORKDIR/evals/<step>.json (and, for a run not
     in eval.mode=async, the metrics into metrics.jsonl with their step), until the run's
@@ -256,7 +256,7 @@ def follow(workdir: str, *, poll_s: float = 0.2, say: Callable[[str], None] = pr
     if confined:
         say(f"jtrain: evaluator: {confined}")
     opened = checkpoint_eval.open_run(workdir, model=model, loss_fn=loss_fn, data=data,
-                                      eval_defaults=False)
+                                      eval_defaults=False, tx=tx)
     workdir, cfg = opened.workdir, opened.cfg
     parent = os.environ.get(PARENT_ENV)
     if parent:

@@ -230,8 +230,10 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
         config_lib.validate(cfg, num_devices=jax.device_count())
         async_eval.check(cfg, remote=mirror.uri if mirror is not None else None,
                          mixture=isinstance(user_data.train, data_lib.Mixture),
-                         from_python=tuple(f.name for f in dataclasses.fields(given)
-                                           if getattr(given, f.name) is not None))
+                         from_python=tuple(  # what an evaluator process cannot rebuild
+                             name for name in ("model", "train_data", "eval_data", "loss_fn",
+                                               "step", "tx")
+                             if getattr(given, name) is not None))
         faults_lib.arm_plan(cfg, workdir, jax.process_index(), jax.process_count(),
                             publish=mirror.upload if mirror is not None else None)
         if jax.process_index() == 0:  # a writer that cannot start: one line, no step run
