@@ -9,6 +9,7 @@ if __name__ == "__main__":
 
     _cli.module_main("evaluate")
 
+from jtrain.engine.async_eval import follow  # noqa: E402,F401
 from jtrain.engine.checkpoint_eval import (evaluate_checkpoint, read_jsonl,  # noqa: E402,F401
                                            resolve_step, write_report)
 from jtrain.engine.evaluation import (Evaluation, evaluate_weights, format_line,  # noqa: E402,F401

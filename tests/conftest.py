@@ -75,6 +75,8 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", f"multidevice: needs {MULTIDEVICE_COUNT} fake CPU devices; runs in the "
         "suite's multidevice child process (see tests/conftest.py)")
+    config.addinivalue_line("markers", "quick: the edit loop's selection, set by "
+                            "tests/conftest.py (`python -m pytest tests -m quick`)")
 
 
 def _bytecode_once() -> None:
@@ -143,6 +145,26 @@ SLOW_GROUPS = (
 )
 
 
+# Also left out of the quick selection: the next longest files of a run of it (benchmark
+# runs, transformers' models, a trained best step) and the checks the edit loop runs as
+# commands of their own (ruff and mypy; the docs site's build).
+QUICK_LEAVES_OUT = (
+    "tests/bench/test_bench.py", "tests/bench/test_profile_bench.py",
+    "tests/bench/test_data_bench.py", "tests/checkpoint/test_hf.py",
+    "tests/checkpoint/test_best_step.py", "tests/test_lint.py", "tests/test_docs_site.py",
+)
+
+
+def _quick(item) -> bool:
+    """In the quick selection (`-m quick`, CONTRIBUTING.md): every package's unit tests,
+    not the journeys, the bad-input tables, the 8-device or slow-marked tests, nor the
+    longest files (the full suite runs them all)."""
+    path = item.nodeid.split("::", 1)[0]
+    return not (path.startswith(("tests/journeys/", "tests/bad_input/")) or "journey" in path
+                or path in SLOW_GROUPS or path in QUICK_LEAVES_OUT or _marked(item)
+                or item.get_closest_marker("slow"))
+
+
 def _group(item) -> str:
     return "multidevice" if _marked(item) else item.nodeid.split("::", 1)[0]
 
@@ -165,6 +187,8 @@ def pytest_collection_modifyitems(session, config, items):
         return
     for item in items:
         item._jtrain_id = item.nodeid  # before xdist's `@group` suffix: what the child runs
+        if _quick(item):
+            item.add_marker(pytest.mark.quick)
     # Under pytest-xdist (`--dist loadgroup`, pyproject's addopts): the marked tests go to
     # one worker (one child process for them all), the rest by file, so a file's shared
     # run (a module-scoped fixture) is trained once.

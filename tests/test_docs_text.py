@@ -12,6 +12,7 @@ from jtrain import errors
 REPO = Path(__file__).resolve().parents[1]
 GUIDE = REPO / "docs" / "guide"
 TROUBLESHOOTING = GUIDE / "troubleshooting.md"
+TOP_FILES = [REPO / "CHANGELOG.md", REPO / "CONTRIBUTING.md", REPO / "SECURITY.md"]
 
 
 def _failure_table():
@@ -73,7 +74,7 @@ def test_the_readme_opens_with_the_two_set_up_commands_that_ci_runs():
 def test_relative_links_between_pages_resolve():
     """Links from README.md, WORKSPACE.md and docs/ to files of this repository exist
     (pages the docs site generates, docs/reference/, are written by their own tool)."""
-    pages = [REPO / "README.md", REPO / "WORKSPACE.md", *sorted((REPO / "docs").rglob("*.md"))]
+    pages = _doc_pages()
     elsewhere = ("reference/", "guide/ema.md", "guide/optimizers.md",
                  "guide/user-models-precision.md")  # generated, or other parts' pages
     for page in pages:
@@ -97,7 +98,8 @@ PROVENANCE = [
 
 
 def _doc_pages():
-    return [REPO / "README.md", REPO / "WORKSPACE.md", *sorted((REPO / "docs").rglob("*.md"))]
+    return [REPO / "README.md", REPO / "WORKSPACE.md", *TOP_FILES,
+            *sorted((REPO / "docs").rglob("*.md"))]
 
 
 @pytest.mark.parametrize("page", _doc_pages(), ids=lambda p: str(p.relative_to(REPO)))
@@ -186,3 +188,53 @@ def test_every_test_file_the_docs_name_exists():
     for page in _doc_pages():
         for path in set(re.findall(r"\btests/[\w/.-]+\.py\b", page.read_text())):
             assert (REPO / path).is_file(), f"{page.relative_to(REPO)} names {path}"
+
+
+# The top-level keys of the Citation File Format 1.2.0 (its schema's `properties`).
+CFF_KEYS = {"abstract", "authors", "cff-version", "commit", "contact", "date-released",
+            "doi", "identifiers", "keywords", "license", "license-url", "message",
+            "preferred-citation", "references", "repository", "repository-artifact",
+            "repository-code", "title", "type", "url", "version"}
+
+
+def test_citation_file_is_cff_and_names_this_release():
+    """CITATION.cff parses as YAML with CFF 1.2.0's required keys and no other keys; its
+    version and license are the package's (jtrain.__version__, pyproject's SPDX string)."""
+    import tomllib
+
+    import yaml
+
+    import jtrain
+
+    cff = yaml.safe_load((REPO / "CITATION.cff").read_text())
+    assert set(cff) <= CFF_KEYS, set(cff) - CFF_KEYS
+    assert {"cff-version", "message", "title", "authors"} <= set(cff)
+    assert cff["cff-version"] == "1.2.0" and cff["type"] == "software"
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert cff["license"] == project["license"]
+    assert str(cff["version"]) == jtrain.__version__
+    assert cff["authors"] and all(isinstance(a, dict) and ("name" in a or "family-names" in a)
+                                  for a in cff["authors"]), cff["authors"]
+    assert all(isinstance(cff[k], str) and cff[k].strip() for k in ("message", "title"))
+
+
+def test_the_flax_migration_page_states_the_shapes_of_its_model():
+    """Every `NAME/kernel` [..] or `NAME/bias` [..] on docs/guide/migrate-flax.md is that
+    parameter's shape in the page's own model (its `# file: model.py` block, traced by
+    jax.eval_shape on the page's [B, 32] inputs), and every parameter is named."""
+    import jax
+    import numpy as np
+
+    text = (GUIDE / "migrate-flax.md").read_text()
+    source = re.search(r"```python\n(# file: model\.py\n.*?)```", text, re.S).group(1)
+    scope: dict = {}
+    exec(compile(source, "model.py", "exec"), scope)
+    x = jax.ShapeDtypeStruct((1, 32), np.float32)
+    params = jax.eval_shape(lambda x: scope["MLP"]().init(jax.random.key(0), x), x)["params"]
+    shapes = {"/".join(str(k.key) for k in path): list(leaf.shape)
+              for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    stated = {name: [int(d) for d in dims.split(",")] for name, dims in
+              re.findall(r"`(\w+/(?:kernel|bias))` \[([\d, ]+)\]", text)}
+    assert stated, "the page states no parameter shape"
+    assert {n: shapes.get(n) for n in stated} == stated
+    assert {n for n in shapes if n.endswith("kernel")} <= set(stated), shapes

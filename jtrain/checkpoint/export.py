@@ -41,7 +41,7 @@ from jtrain.checkpoint import integrity, policy
 from jtrain.checkpoint.tensorfile import np_dtype as _np_dtype
 from jtrain.checkpoint.tensorfile import read_safetensors, write_safetensors
 from jtrain.errors import ExportError, UsageError
-from jtrain.observe import layout
+from jtrain.observe import layout, runfiles
 
 PARAMS_FILE = "params.safetensors"
 INFO_FILE = "export.json"
@@ -110,8 +110,14 @@ def _named_step(path: str, step: str) -> int | None:
     if workdir is None or not os.path.isfile(os.path.join(workdir, "config.json")):
         raise ExportError(f"{path}: step 'best' needs a run's workdir (with config.json and "
                           "metrics.jsonl)")
-    with open(os.path.join(workdir, "config.json")) as f:
-        ckpt = json.load(f).get("checkpoint", {})
+    cfg_path = os.path.join(workdir, "config.json")
+    ckpt = runfiles.read_object(cfg_path, error=ExportError).get("checkpoint") or {}
+    problem = (runfiles.check_fields({"checkpoint": ckpt}, {"checkpoint": dict})
+               or runfiles.check_fields(ckpt, {k: str for k in ("monitor", "mode")
+                                               if ckpt.get(k) is not None}))
+    if problem is not None:
+        raise ExportError(cfg_path, problem if problem.startswith("checkpoint")
+                          else f"checkpoint.{problem}")
     monitor, mode = ckpt.get("monitor") or "eval/loss", ckpt.get("mode") or "min"
     steps, _, _ = integrity.scan(os.path.join(workdir, "checkpoints"))
     best = policy.best_logged_step(workdir, steps, monitor, mode)
@@ -163,8 +169,8 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
         raise UsageError(f"--weights: expected params or ema, got {weights!r}")
     step_dir = find_step_dir(workdir, step)
     check_out(out, os.path.dirname(os.path.dirname(os.path.abspath(step_dir))))
-    with open(os.path.join(step_dir, "control", "metadata")) as f:
-        control = json.load(f)
+    control = runfiles.read_object(os.path.join(step_dir, "control", "metadata"),
+                                   error=ExportError)
     from jtrain.optim import SCHEDULE_FREE
 
     optimizer = ((control.get("config") or {}).get("optim") or {}).get("name")

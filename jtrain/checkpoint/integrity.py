@@ -29,7 +29,8 @@ import zlib
 import jax
 import numpy as np
 
-from jtrain.errors import first_line
+from jtrain.errors import CheckpointError, WorkdirError
+from jtrain.observe import runfiles
 
 MANIFEST = "jtrain_manifest.json"
 FORMAT = 1
@@ -93,8 +94,7 @@ def write_manifest(step_dir: str, step: int, spec: dict) -> None:
 
 def read_manifest(step_dir: str) -> dict:
     """The manifest of a checked step directory (see `check_step`)."""
-    with open(os.path.join(step_dir, MANIFEST)) as f:
-        return json.load(f)
+    return runfiles.read_object(os.path.join(step_dir, MANIFEST), error=CheckpointError)
 
 
 def check_step(step_dir: str, step: int) -> str | None:
@@ -109,15 +109,12 @@ def check_step(step_dir: str, step: int) -> str | None:
         return f"{step_dir}: is a file, not a checkpoint directory"
     path = os.path.join(step_dir, MANIFEST)
     try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):
-            return f"{path}: not a regular file"
-        with open(path) as f:
-            manifest = json.load(f)
+        manifest = runfiles.read_object(path)
     except FileNotFoundError:
         return f"{path}: missing (the save never finished, or not a jtrain checkpoint)"
-    except (OSError, ValueError) as e:
-        return f"{path}: unreadable ({first_line(e)[:120]})"
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    except WorkdirError as e:
+        return str(e)
+    if manifest.get("format") != FORMAT:
         return f"{path}: unknown manifest format"
     body = {k: v for k, v in manifest.items() if k != "crc"}
     if manifest.get("crc") != zlib.crc32(_canonical(body)):
@@ -149,15 +146,11 @@ def check_step(step_dir: str, step: int) -> str | None:
     for rel in manifest.get("json_files", []):
         fpath = os.path.join(step_dir, rel)
         try:
-            if not stat.S_ISREG(os.lstat(fpath).st_mode):
-                return f"{fpath}: not a regular file"
-            with open(fpath) as f:
-                if not isinstance(json.load(f), dict):
-                    raise ValueError("not a JSON object")
+            runfiles.read_object(fpath)
         except FileNotFoundError:
             return f"{fpath}: missing"
-        except (OSError, ValueError) as e:
-            return f"{fpath}: unreadable ({first_line(e)[:120]})"
+        except WorkdirError as e:
+            return str(e)
     return None
 
 

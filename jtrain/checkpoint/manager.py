@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import os
 import threading
 import time
@@ -57,6 +56,7 @@ from jtrain.checkpoint import init_from as init_from_lib
 from jtrain.checkpoint import integrity, policy
 from jtrain.control import faults
 from jtrain.errors import CheckpointError, RestoreError, first_line
+from jtrain.observe import runfiles
 from jtrain.observe.console import say
 from jtrain.observe.redact import redact
 
@@ -447,8 +447,8 @@ class CheckpointReader:
                 abstract_state))
         items = []
         for name in ("data", "control"):
-            with open(os.path.join(path, name, "metadata")) as f:
-                items.append(json.load(f))
+            items.append(runfiles.read_object(os.path.join(path, name, "metadata"),
+                                              error=RestoreError))
         return state, items[0], items[1]
 
     def close(self) -> None:

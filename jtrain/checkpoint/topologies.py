@@ -15,12 +15,12 @@ which shows it can see the device count in the bits.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
 from jtrain.checkpoint import verify
+from jtrain.observe import runfiles
 
 TIMEOUT_S = 3600
 DROP = ("--workdir", "--verify_topologies", "--verify_negative_control",
@@ -29,9 +29,8 @@ DROP = ("--workdir", "--verify_topologies", "--verify_negative_control",
 
 def _lines(path: str) -> list[dict]:
     try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except OSError:
+        return runfiles.read_ledger(path)
+    except FileNotFoundError:
         return []
 
 

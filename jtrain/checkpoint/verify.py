@@ -61,6 +61,8 @@ from collections.abc import Callable
 
 from jtrain.checkpoint import integrity, store
 from jtrain.control import faults
+from jtrain.errors import WorkdirError
+from jtrain.observe import runfiles
 
 TIMEOUT_S = 3600
 POLL_S = 0.01  # how often a running process's checkpoint directory is looked at
@@ -116,9 +118,8 @@ class Attempt:
 
 def _summary(workdir: str) -> dict | None:
     try:
-        with open(os.path.join(workdir, "summary.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        return runfiles.read_object(os.path.join(workdir, "summary.json"))
+    except (FileNotFoundError, WorkdirError):
         return None
 
 

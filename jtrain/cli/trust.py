@@ -5,12 +5,11 @@ asking (scripts); with no terminal and no `--yes` it refuses: nothing is signed 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 from jtrain.errors import UsageError
-from jtrain.observe import trust
+from jtrain.observe import runfiles, trust
 
 PROG = "python -m jtrain trust"
 DESCRIPTION = ("Trust a run from elsewhere: show the code its config.json names and, once "
@@ -31,11 +30,9 @@ def main(fv, args, argv=None) -> int:
     run = args[0]
     shown = os.path.join(run, "config.json")
     try:
-        with open(shown) as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        raise UsageError("RUN", f"{run} is not a jtrain run (no readable config.json)"
-                         ) from None
+        config = runfiles.read_object(shown)
+    except FileNotFoundError:
+        raise UsageError("RUN", f"{run} is not a jtrain run (no config.json)") from None
     trust.user_key()  # a key that cannot sign says so before anything is asked
     named = trust.import_paths(config if isinstance(config, dict) else {})
     print(f"jtrain: trust: {shown} names "

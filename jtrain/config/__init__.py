@@ -24,6 +24,8 @@ partial dict; `resolve` fills in the defaults and returns a new validated Config
     fields   `Field` and the choice tuples the schema draws from
     schema_control  the run-control sections of the schema (checkpoint ... tune, debug)
     schema_population  the population section, its rules, each member's seed and values
+    interactions  the feature-interaction table: which pairs of features work, which are
+                  refused; the covering array of cases the suite trains
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from jtrain.config.schema import (ACTIVATIONS, DTYPES, INT_MAX, METRIC_NAMES,  #
                                   MODEL_FAMILIES, OPTIMIZERS, SCHEDULES, SCHEMA, WRITERS,
                                   Field, describe, field_of, resume_safe, schema_for)
 from jtrain.config import schema_population, space as space_lib
+from jtrain.config.fields import OpenChoices
 from jtrain.config.rules import (  # noqa: F401  (config.check_mesh, config.check_optim)
     _check_checkpoint, _check_early_stop, _check_regexes, check_mesh, check_optim,
     check_train_metrics, parse_faults)
@@ -246,10 +249,13 @@ def _check_value(key: str, typ, check, value) -> None:
     elif typ is str:
         if not isinstance(value, str):
             raise ConfigError(key, f"must be a string, got {value!r}")
-        if isinstance(check, tuple) and value not in check:
+        if isinstance(check, tuple) and value not in check and not (
+                isinstance(check, OpenChoices) and value.startswith(check.prefix)):
             close = difflib.get_close_matches(value, check, n=1, cutoff=0.6)
             hint = f' (did you mean "{close[0]}"?)' if close else ""
-            raise ConfigError(key, f"must be one of {', '.join(check)}; got {value!r}{hint}")
+            more = f" or {check.prefix}<name>" if isinstance(check, OpenChoices) else ""
+            raise ConfigError(key, f"must be one of {', '.join(check)}{more}; got "
+                                   f"{value!r}{hint}")
         return
     elif typ in ("strs", "ints"):
         if isinstance(value, str) or not isinstance(value, (tuple, list)):

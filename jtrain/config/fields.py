@@ -27,6 +27,15 @@ INT_MAX = 2**31 - 1
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adafactor", "muon", "schedule_free_adamw",
               "schedule_free_sgd", "prodigy")
+
+
+class OpenChoices(tuple):
+    """Choices that also take any value starting with `prefix`: optim.name's built-in
+    names and any optax.* function (jtrain.optim.named checks that one exists)."""
+    prefix = "optax."
+
+
+OPTIMIZER_CHOICES = OpenChoices(OPTIMIZERS)
 SCHEDULES = ("constant", "linear", "cosine", "warmup_cosine", "warmup_linear", "rsqrt")
 WRITERS = ("jsonl", "tensorboard", "mlflow", "wandb")
 METRIC_NAMES = ("loss", "accuracy", "top_k_accuracy", "precision_recall_f1",

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from jtrain.config.fields import OpenChoices
 from jtrain.config.schema import INT_MAX, MODEL_FAMILIES, SCHEMA, Field, schema_for
 
 _TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str", "strs": "list[str]",
@@ -33,7 +34,8 @@ def allowed(field: Field) -> str:
             return f">= {lo:g}" if lo is not None else ""
         return f"[{lo:g}, {hi:g}]"
     word = "items from" if field.type in ("strs", "ints") else "one of"
-    return f"{word} {', '.join(map(str, check))}"
+    more = f", or {check.prefix}NAME" if isinstance(check, OpenChoices) else ""
+    return f"{word} {', '.join(map(str, check))}{more}"
 
 
 def show(value) -> str:

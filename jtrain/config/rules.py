@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from jtrain.config.fields import OPTIMIZERS
 from jtrain.errors import ConfigError
 
 
@@ -52,8 +53,10 @@ def check_optim(optim: dict, total_steps: int) -> None:
                           f"schedule {optim['schedule']!r} decays until step {decay_end} "
                           f"(0 means total_steps={total_steps}), which must be > "
                           f"optim.warmup_steps={optim['warmup_steps']}")
+    _check_name(optim)
     for beta in ("b1", "b2"):  # (0, 1) inclusive in the schema; 1.0 never forgets
-        if optim["name"] not in ("sgd", "adafactor") and optim[beta] >= 1.0:
+        if optim["name"] in OPTIMIZERS and optim["name"] not in ("sgd", "adafactor") \
+                and optim[beta] >= 1.0:
             raise ConfigError(f"optim.{beta}", f"must be < 1 for {optim['name']}, got "
                               f"{optim[beta]!r} (the moment estimate would never update)")
     if optim["muon_beta"] >= 1.0 and optim["name"] == "muon":
@@ -72,6 +75,16 @@ def check_optim(optim: dict, total_steps: int) -> None:
     if optim["name"] == "adam" and optim["weight_decay"] > 0:
         raise ConfigError("optim.weight_decay", f"adam has no weight decay (got "
                                                 f"{optim['weight_decay']!r}); use adamw")
+
+
+def _check_name(optim: dict) -> None:
+    """optim.kwargs only with an optax.* name (jtrain.optim.named looks that name up
+    when the optimizer is built)."""
+    name = optim["name"]
+    if name in OPTIMIZERS and optim["kwargs"]:
+        raise ConfigError("optim.kwargs", f"the built-in {name!r} takes its arguments "
+                          "from optim.* keys; optim.kwargs is for an optax.* optim.name "
+                          f"(e.g. 'optax.{name}')")
 
 
 def _check_schedule_free(optim: dict) -> None:
@@ -168,7 +181,7 @@ def _parse_fault(item: str) -> Fault:
         raise bad(f"unknown kind {kind!r}; kinds: {', '.join(FAULT_KINDS)}")
     takes = _FAULT_TAKES[kind]
     first_s, dash, last_s = steps.partition("-")
-    if not at or not first_s.isdigit() or (dash and not last_s.isdigit()):
+    if not at or not _digits(first_s) or (dash and not _digits(last_s)):
         raise bad("expected a step number after '@'")
     first, last = int(first_s), int(last_s or first_s)
     if dash and "r" not in takes:
@@ -177,7 +190,7 @@ def _parse_fault(item: str) -> Fault:
         raise bad("steps start at 1 and a range goes up")
     process = seconds = None
     for option in options:
-        if option[:1] == "p" and option[1:].isdigit() and process is None:
+        if option[:1] == "p" and _digits(option[1:]) and process is None:
             if "p" not in takes:
                 raise bad(f"{kind} takes no process: " + (
                     "the loss is the same on every process" if kind == "nan" else
@@ -193,6 +206,11 @@ def _parse_fault(item: str) -> Fault:
     if kind == "slow" and seconds is None:
         raise bad("a slow fault needs its seconds per step (slow@5-9:0.2s)")
     return Fault(item, kind, first, last, process, seconds)
+
+
+def _digits(text: str) -> bool:
+    """ASCII digits only: str.isdigit accepts '²', which int() then refuses."""
+    return re.fullmatch("[0-9]+", text) is not None
 
 
 def _number(text: str) -> float | None:

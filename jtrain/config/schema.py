@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from jtrain.config.fields import (ACTIVATIONS, DTYPES, INF, INT_MAX, METRIC_NAMES,  # noqa: F401
-                                  OPTIMIZERS, SCHEDULES, SPACE_KINDS, WRITERS, F, Field,
-                                  _resume_safe)
+                                  OPTIMIZER_CHOICES, OPTIMIZERS, SCHEDULES, SPACE_KINDS,
+                                  WRITERS, F, Field, _resume_safe)
 from jtrain.config.schema_control import CONTROL_SECTIONS
 from jtrain.config.schema_population import POPULATION_SECTIONS
 
@@ -35,7 +35,12 @@ SCHEMA: dict[str, Any] = {
         # + the fields of MODEL_FAMILIES[model.name]
     },
     "optim": {
-        "name": F(str, "adamw", OPTIMIZERS, "optimizer (jtrain/optim.py)"),
+        "name": F(str, "adamw", OPTIMIZER_CHOICES, "optimizer: a built-in name, or any "
+                  "optax / optax.contrib function ('optax.lion', 'optax.contrib.ademamix') "
+                  "with optim.kwargs"),
+        "kwargs": F("dict", {}, None, "an optax.* optim.name's arguments (learning_rate "
+                    "comes from optim.lr / optim.schedule, weight_decay from "
+                    "optim.weight_decay)"),
         "lr": F(float, 1e-3, (0.0, 10.0), "peak learning rate"),
         "schedule": F(str, "warmup_cosine", SCHEDULES, "learning-rate schedule after a "
                       "linear warmup"),

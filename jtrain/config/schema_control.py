@@ -85,6 +85,12 @@ CONTROL_SECTIONS: dict[str, Any] = {
                      "below this"),
         "min_delta": F(float, 1e-4, (0.0, INF), "smallest change that counts as better"),
     },
+    "control": {  # jtrain/control/rule.py; the rules change the trajectory: not resume-safe
+        "callbacks": F("strs", (), None, "'package.module:Class' (or a function) of run-"
+                       "control rules of your own, each called with no arguments: "
+                       "after_step / after_log / after_eval may stop the run, scale the "
+                       "learning rate, log callback/* scalars or save the step"),
+    },
     "nonfinite": _resume_safe({
         "policy": F(str, "skip", ("skip", "halt"), "a non-finite loss or gradient norm: "
                     "skip the update, or halt (exit 4)"),

@@ -83,9 +83,10 @@ def check(tree: dict) -> None:
     if tree["spike"]["zscore"] > 0:
         raise ConfigError("spike.zscore", f"not supported with population.size={size} (a "
                           "rollback restores one run's state); set it to 0")
-    if tree["optim"]["name"].startswith("schedule_free"):
+    if tree["optim"]["name"].startswith(("schedule_free", "optax.")):
         raise ConfigError("population.size", f"optim.name={tree['optim']['name']} is not "
-                          "supported in a population; use population.size=1")
+                          "supported in a population; use population.size=1 or a built-in "
+                          "optim.name")
     if tree["log"]["train_metrics"]:
         raise ConfigError("log.train_metrics", f"not supported with population.size={size}: "
                           "the members' train/loss/m<i> are logged; set it to ()")

@@ -1,6 +1,8 @@
 """The loop's host-side decisions, in one object: what to do after each step the loop
 drains (a skipped update: a warning and a ledger entry; a halt: `NonFiniteError`) and
-after each evaluation (early stopping, the plateau factor, the user's `on_eval` hook).
+what the run-control rules (jtrain.control.rule) ask after each step, log step and
+evaluation: the built-in ones (`BUILT_IN`, in this order), the `on_eval` hook, then the
+user's callbacks.
 
 Everything it decides from comes from global values (the step's in-graph status, the
 globally reduced eval metrics) and its state goes into every checkpoint
@@ -11,38 +13,113 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from typing import Callable
 
 from jtrain import step as step_lib
 from jtrain.control import ledger as ledger_lib
-from jtrain.control import divergence as divergence_lib, monitors
-from jtrain.errors import ConfigError, NonFiniteError
+from jtrain.control import divergence as divergence_lib, monitors, rule as rule_lib
+from jtrain.errors import ConfigError
+
+# The built-in rules, in the order they are consulted (each: a Rule with
+# `from_config(cfg)`; its `name` keys its state in the checkpoint's record). A new rule
+# is its module and one entry here.
+BUILT_IN = (monitors.EarlyStopping, monitors.Plateau, monitors.Spike,
+            divergence_lib.Divergence)
 
 
 @dataclasses.dataclass
 class AfterEval:
     stop: str | None = None  # the reason, one line
-    stopped_by: str | None = None  # "early_stop" | "on_eval"
-    factor: float | None = None  # a new plateau factor
+    stopped_by: str | None = None  # "early_stop" | "on_eval" | "callback"
+    factor: float | None = None  # the new learning-rate factor of the state
+    lr_by: str | None = None  # the rule that changed it
+    checkpoint: bool = False  # a rule asked to save this step
+    log: dict = dataclasses.field(default_factory=dict)  # callback/* scalars
+
+
+@dataclasses.dataclass
+class Pending:
+    """What the hooks of drained steps asked for, until the loop applies it."""
+    stop: str | None = None
+    stopped_by: str | None = None
+    lr_by: str | None = None  # a rule changed the learning-rate factor
+    checkpoint: bool = False
 
 
 class Decisions:
     def __init__(self, cfg, record, *, ledger: ledger_lib.Ledger, on_eval: Callable | None,
                  batch_of: Callable[[int], int | None], indices_of: Callable,
-                 say: Callable[[str], None]):
-        self.cfg, self.ledger, self.on_eval, self.say = cfg, ledger, on_eval, say
+                 say: Callable[[str], None], callbacks=()):
+        self.cfg, self.ledger, self.say = cfg, ledger, say
         self.batch_of, self.indices_of = batch_of, indices_of
         saved = dict(record.monitors or {})
-        self.early = monitors.EarlyStopping(cfg.early_stop, saved.get("early_stop"))
-        self.plateau = monitors.Plateau(cfg.plateau, cfg.optim.lr, saved.get("plateau"))
-        self.spike = monitors.Spike(cfg.spike, saved.get("spike"))
-        self.divergence = divergence_lib.Divergence(cfg.log.get("divergence_warning", 0.0),
-                                                    saved.get("divergence"))
+        self.rules: list[rule_lib.Rule] = [kind.from_config(cfg) for kind in BUILT_IN]
+        if on_eval is not None:
+            self.rules.append(rule_lib.OnEval(on_eval))
+        self.users = list(callbacks)
+        self.rules += self.users
+        for r in self.rules[:len(BUILT_IN)]:
+            r.restore(saved.get(r.name))
+        for u in self.users:
+            u.restore(saved.get("callbacks", {}).get(u.name))
+        self.early, self.plateau, self.spike, self.divergence = self.rules[:4]
+        self.pending = Pending()
         self.halted: str | None = None
 
     # -- after a step ---------------------------------------------------------------------
-    def after_step(self, step: int, status: int, skipped_total: int, consecutive: int,
-                   rows_ok=None) -> None:
+    def syncs(self, step: int) -> bool:
+        """Whether the loop drains `step` before it dispatches the next: a callback's
+        after_step (or after_log at a log step) sees it, and what it asks for applies
+        from the next step on, killed and resumed or not."""
+        log = step % self.cfg.log.every_steps == 0 or step == self.cfg.total_steps
+        return any(u.per_step or (log and u.per_log) for u in self.users)
+
+    def after_step(self, step: int, status: int, loss: float) -> rule_lib.Action:
+        """The rules' after_step hooks; the merged action (its `rollback`: the spike's
+        z-score; its `log`: scalars to write at `step`)."""
+        return self._hooks("after_step", step, {"train/loss": loss, "train/status": status})
+
+    def after_log(self, step: int, scalars: dict) -> dict:
+        """The rules' after_log hooks at a log step: their warnings said; the scalars
+        they log (callback/*), to write with the step's."""
+        return self._hooks("after_log", step, scalars).log or {}
+
+    def check_divergence(self, step: int, loss_window: float) -> None:
+        """At a log step: the divergence rule alone (its warning said, once)."""
+        action = self.divergence.after_log(step, {"train/loss_window": loss_window})
+        if action is not None and action.warn:
+            self.say(action.warn)
+
+    def _hooks(self, hook: str, step: int, values: dict) -> rule_lib.Action:
+        merged = rule_lib.Action(log={})
+        for r in self.rules:
+            action = getattr(r, hook)(step, values)
+            if action is None:
+                continue
+            if action.warn:
+                self.say(action.warn)
+            if action.rollback is not None and merged.rollback is None:
+                merged.rollback = action.rollback
+            merged.log.update(action.log or {})
+            self._note(r, action)
+        return merged
+
+    def _note(self, r: rule_lib.Rule, action: rule_lib.Action) -> None:
+        p = self.pending
+        if action.stop and not p.stop:
+            p.stop, p.stopped_by = action.stop, r.stopped_by
+        if action.lr_factor is not None:
+            p.lr_by = r.name
+        p.checkpoint = p.checkpoint or action.checkpoint
+
+    def take(self) -> Pending:
+        """What the drained steps' hooks asked for since the last call."""
+        out, self.pending = self.pending, Pending()
+        return out
+
+    def nonfinite(self, step: int, status: int, skipped_total: int, consecutive: int,
+                  rows_ok=None) -> None:
         """`status`: the step's `train/status` bits. Raises NonFiniteError on a halt."""
         bad = status & (step_lib.BAD_LOSS | step_lib.BAD_GRADS | step_lib.INVALID_BATCH)
         if step == 1 and status & step_lib.BAD_LOSS and not status & (
@@ -54,7 +131,7 @@ class Decisions:
                            "the model's outputs are not finite before any training; check "
                            "loss_fn / loss.fn / loss.terms and the model (e.g. a log of 0, "
                            "a division by 0)")
-            raise _halt(self.halted, step)
+            raise rule_lib.halt(self.halted, step)
         if bad:
             why = ledger_lib.reason(status)
             batch = self.batch_of(step)
@@ -74,20 +151,7 @@ class Decisions:
                            f"({rule}); no update was applied after it; lower optim.lr, set "
                            "optim.clip_norm, or check the data in WORKDIR/"
                            f"{ledger_lib.FILE}")
-            raise _halt(self.halted, step)
-
-    def check_spike(self, step: int, loss: float) -> float | None:
-        """The z-score of a spike at `step` (the loop rolls back), else None. Raises
-        NonFiniteError when spike.max_rollbacks rollbacks did not help."""
-        z = self.spike.check(step, loss)
-        if z is not None and len(self.spike.rollbacks) >= self.cfg.spike.max_rollbacks:
-            self.halted = (f"training halted at step {step}: the train loss spiked again "
-                           f"(loss {loss:.4g}, z-score {z:.3g}) after "
-                           f"{len(self.spike.rollbacks)} rollbacks (spike.max_rollbacks); "
-                           "lower optim.lr or check the data in WORKDIR/"
-                           f"{ledger_lib.FILE}")
-            raise _halt(self.halted, step)
-        return z
+            raise rule_lib.halt(self.halted, step)
 
     def rolled_back(self, spike_step: int, z: float, to_step: int, last_step: int) -> None:
         """Steps to_step+1..last_step were undone: one ledger entry each, one line."""
@@ -110,40 +174,45 @@ class Decisions:
                  f"{to_step}, steps {to_step + 1}..{last_step} undone and their batches "
                  f"skipped (WORKDIR/{ledger_lib.FILE}){factor}")
 
-    def check_divergence(self, step: int, loss_window: float) -> None:
-        """At a log step: the divergence warning, once (jtrain.control.divergence)."""
-        line = self.divergence.check(step, loss_window)
-        if line:
-            self.say(line)
-
     def lr_factor(self) -> float:
-        """The learning-rate factor the state should carry: plateau x spike."""
-        return self.plateau.factor * self.spike.scale
+        """The learning-rate factor the state should carry: every rule's, multiplied in
+        the rules' order (plateau x spike x the callbacks')."""
+        return math.prod(r.lr_scale for r in self.rules)
 
     # -- after an evaluation ----------------------------------------------------------------
     def after_eval(self, step: int, metrics: dict, *, primary: bool) -> AfterEval:
-        out = AfterEval()
-        try:
-            out.stop = self.early.update(step, metrics)
-            out.factor = self.plateau.update(step, metrics)
-        except KeyError as e:  # checked at start-up; a metric can still vanish (NaN-only)
-            raise ConfigError("early_stop.monitor", str(e.args[0])) from None
-        if out.stop:
-            out.stopped_by = "early_stop"
-        if self.on_eval is not None and not out.stop:
-            wants = bool(self.on_eval(step, dict(metrics))) if primary else False
-            stop, _ = monitors.agree(wants, None)
-            if stop:
-                out.stop, out.stopped_by = "the on_eval hook asked to stop", "on_eval"
-        stop, factor = monitors.agree(bool(out.stop), out.factor)
+        out, stopper, changed = AfterEval(), 0, None
+        for i, r in enumerate(self.rules):
+            if (getattr(r, "primary_only", False) and not primary) or (
+                    getattr(r, "only_if_running", False) and stopper):
+                continue
+            try:
+                action = r.after_eval(step, metrics)
+            except KeyError as e:  # checked at start-up; a metric can still vanish
+                if i >= len(BUILT_IN):
+                    raise
+                raise ConfigError("early_stop.monitor", str(e.args[0])) from None
+            if action is None:
+                continue
+            if action.stop and not stopper:
+                stopper, out.stop, out.stopped_by = i + 1, action.stop, r.stopped_by
+            if action.lr_factor is not None:
+                changed = changed or r.name
+            out.checkpoint = out.checkpoint or action.checkpoint
+            out.log.update(action.log or {})
+        stop, factor, out.checkpoint = monitors.agree(
+            stopper, self.lr_factor() if changed else None, out.checkpoint)
         if stop and not out.stop:  # process 0 decided; say the same here
-            out.stop, out.stopped_by = "process 0 decided to stop", "early_stop"
-        out.factor = None if factor is None else factor * self.spike.scale
+            out.stopped_by = self.rules[stop - 1].stopped_by
+            out.stop = f"process 0 decided to stop ({out.stopped_by})"
+        out.factor, out.lr_by = factor, changed or (self.plateau.name if factor else None)
         return out
 
     def state(self) -> dict:
-        return {"early_stop": self.early.to_json(), "plateau": self.plateau.to_json(),
-                "spike": self.spike.to_json(), "divergence": self.divergence.to_json()}
+        out = {r.name: r.state() for r in self.rules[:len(BUILT_IN)]}
+        if self.users:
+            out["callbacks"] = {u.name: u.state() for u in self.users}
+        return out
 
     def best(self) -> dict:
         """The monitored metric's best step and value, for the summary."""
@@ -180,10 +249,3 @@ def check_monitors(cfg, eval_keys: set[str] | None) -> None:
 def _short(xs: list, n: int = 8) -> str:
     head = ", ".join(str(x) for x in xs[:n])
     return f"[{head}{', ...' if len(xs) > n else ''}] ({len(xs)})"
-
-
-def _halt(message: str, step: int) -> NonFiniteError:
-    """The halt error, carrying its step (summary.json records it)."""
-    error = NonFiniteError(message)
-    error.step = step
-    return error

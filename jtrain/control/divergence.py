@@ -12,13 +12,30 @@ from __future__ import annotations
 
 import math
 
+from jtrain.control.rule import Action, Rule
 
-class Divergence:
+
+class Divergence(Rule):
     """`check(step, loss_window)` -> the warning line the first time the loss window is
     above `factor` x the first one (a positive, finite first window), else None."""
+    name = "divergence"
 
     def __init__(self, factor: float, state: dict | None = None):
         self.factor = float(factor)
+        self.restore(state)
+
+    @classmethod
+    def from_config(cls, cfg) -> "Divergence":
+        return cls(cfg.log.get("divergence_warning", 0.0))
+
+    def after_log(self, step, scalars):
+        line = self.check(step, scalars["train/loss_window"])
+        return Action(warn=line) if line else None
+
+    def state(self) -> dict:
+        return self.to_json()
+
+    def restore(self, state: dict | None) -> None:
         state = state or {}
         first = state.get("first")
         self.first: tuple[int, float] | None = (int(first[0]), float(first[1])) \

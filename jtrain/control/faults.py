@@ -37,7 +37,7 @@ from typing import Callable
 
 from jtrain.config.rules import Fault, parse_faults
 from jtrain.errors import ConfigError
-from jtrain.observe import layout
+from jtrain.observe import layout, runfiles
 
 FAULT_ENV = "JTRAIN_FAULT"
 FAULT_PROCESS_ENV = "JTRAIN_FAULT_PROCESS"
@@ -117,17 +117,18 @@ def arm_plan(cfg, workdir: str | None, process: int = 0, processes: int = 1,
     path = os.path.join(workdir, FILE) if workdir and faults else None
     fired = set()
     if path is not None and os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                    fired.add((record["fault"], record["process"]))
-                except (ValueError, KeyError, TypeError):
-                    continue  # a torn last line: the fault did not act
+        # a torn last line is skipped (the fault did not act); any other bad line, a link
+        # or a FIFO is one WorkdirError before the first step
+        for record in runfiles.read_ledger(path, _fired_fields, cap=runfiles.JSON):
+            fired.add((record["fault"], record["process"]))
     mine = [f for f in faults if (f.text, process) not in fired and (
         f.process in (None, process) if f.kind in ("kill", "hang", "slow")
         else f.kind == "nan" or process == 0)]
     _plan = _Plan(mine, path, process, publish)
+
+
+def _fired_fields(record: dict) -> str | None:
+    return runfiles.check_fields(record, {"fault": str, "process": int})
 
 
 def _watchdog_on(cfg, processes: int) -> bool:

@@ -8,7 +8,8 @@ checkpoint's run-control record (`RunControl.monitors`): a run killed between ev
 resumed re-runs the same evals from the same state and stops at the same step.
 
 Early stopping (`early_stop.*`, Lightning's rules): an eval improves when it beats the
-best by more than `min_delta`; `patience` evals in a row without improvement stop the
+best by more than `min_delta` (only patience reads that margin: the best reported is the
+best eval seen, see `Best`); `patience` evals in a row without improvement stop the
 run; so do `stopping_threshold` (good enough), `divergence_threshold` (hopeless) and,
 with `check_finite`, a NaN or infinite value.
 
@@ -32,37 +33,52 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jtrain.control import ledger as ledger_lib
+from jtrain.control.rule import Action, Rule, halt
+
 
 @dataclasses.dataclass
 class Best:
-    """The best value of a metric so far and the evals since it improved."""
+    """The best value of a metric so far and the evals since it last improved.
+
+    Two things, kept apart: `value` / `step` is the best eval seen (ties go to the newer
+    step, the rule of checkpoint retention and `--step=best`), what the summary reports;
+    `reference` is the value an eval must beat by more than `min_delta` to count as an
+    improvement, which only restarts patience (`bad_evals`). A gain below `min_delta`
+    moves the best, not the reference: small gains add up against the reference, as in
+    Lightning and PyTorch."""
     mode: str  # "min" | "max"
     min_delta: float
     value: float | None = None
     step: int | None = None
     bad_evals: int = 0
+    reference: float | None = None
 
-    def better(self, value: float) -> bool:
-        if self.value is None:
-            return True
-        if self.mode == "min":
-            return value < self.value - self.min_delta
-        return value > self.value + self.min_delta
+    def _beats(self, value: float, than: float, margin: float) -> bool:
+        return value < than - margin if self.mode == "min" else value > than + margin
 
     def update(self, step: int, value: float) -> bool:
-        """Record one eval; True when it improved."""
-        if math.isfinite(value) and self.better(value):
-            self.value, self.step, self.bad_evals = value, step, 0
+        """Record one eval; True when it improved on the reference by more than min_delta."""
+        if not math.isfinite(value):
+            self.bad_evals += 1
+            return False
+        if self.value is None or not self._beats(self.value, value, 0.0):
+            self.value, self.step = value, step
+        if self.reference is None or self._beats(value, self.reference, self.min_delta):
+            self.reference, self.bad_evals = value, 0
             return True
         self.bad_evals += 1
         return False
 
     def to_json(self) -> dict:
-        return {"value": self.value, "step": self.step, "bad_evals": self.bad_evals}
+        return {"value": self.value, "step": self.step, "bad_evals": self.bad_evals,
+                "reference": self.reference}
 
     def load(self, d: dict | None) -> None:
         if d:
             self.value, self.step, self.bad_evals = d["value"], d["step"], d["bad_evals"]
+            # A state saved before the two were kept apart: its value was the reference.
+            self.reference = d.get("reference", d["value"])
 
 
 def monitored(metrics: dict, key: str) -> float:
@@ -73,12 +89,27 @@ def monitored(metrics: dict, key: str) -> float:
     return float(metrics[key])
 
 
-class EarlyStopping:
+class EarlyStopping(Rule):
     """`update(step, metrics)` -> None, or the reason to stop now (one line)."""
+    name = stopped_by = "early_stop"
 
     def __init__(self, cfg, state: dict | None = None):
         self.cfg = cfg
-        self.best = Best(cfg.mode, float(cfg.min_delta))
+        self.restore(state)
+
+    @classmethod
+    def from_config(cls, cfg) -> "EarlyStopping":
+        return cls(cfg.early_stop)
+
+    def after_eval(self, step, eval_metrics):
+        reason = self.update(step, eval_metrics)
+        return Action(stop=reason) if reason else None
+
+    def state(self) -> dict:
+        return self.to_json()
+
+    def restore(self, state: dict | None) -> None:
+        self.best = Best(self.cfg.mode, float(self.cfg.min_delta))
         self.best.load((state or {}).get("best"))
 
     @property
@@ -112,13 +143,33 @@ class EarlyStopping:
         return {"best": self.best.to_json()}
 
 
-class Plateau:
+class Plateau(Rule):
     """`update(step, metrics)` -> the new learning-rate factor, or None if unchanged."""
+    name = "plateau"
 
     def __init__(self, cfg, peak_lr: float, state: dict | None = None):
         self.cfg, self.peak_lr = cfg, float(peak_lr)
+        self.restore(state)
+
+    @classmethod
+    def from_config(cls, cfg) -> "Plateau":
+        return cls(cfg.plateau, cfg.optim.lr)
+
+    @property
+    def lr_scale(self) -> float:  # type: ignore[override]
+        return self.factor
+
+    def after_eval(self, step, eval_metrics):
+        before = self.factor
+        new = self.update(step, eval_metrics)
+        return None if new is None else Action(lr_factor=new / before)
+
+    def state(self) -> dict:
+        return self.to_json()
+
+    def restore(self, state: dict | None) -> None:
         state = state or {}
-        self.best = Best(cfg.mode, float(cfg.min_delta))
+        self.best = Best(self.cfg.mode, float(self.cfg.min_delta))
         self.best.load(state.get("best"))
         self.factor = float(state.get("factor", 1.0))
         self.cooldown_left = int(state.get("cooldown_left", 0))
@@ -151,13 +202,43 @@ class Plateau:
                 "cooldown_left": self.cooldown_left, "reductions": self.reductions}
 
 
-class Spike:
+class Spike(Rule):
     """`check(step, loss)` -> the loss's z-score when it is a spike, else None (and the
     loss joins the window). The window holds the last `spike.window` finite losses of
     steps that were kept; a rollback to step c drops the losses of steps after c."""
+    name = "spike"
 
     def __init__(self, cfg, state: dict | None = None):
         self.cfg = cfg
+        self.restore(state)
+
+    @classmethod
+    def from_config(cls, cfg) -> "Spike":
+        return cls(cfg.spike)
+
+    @property
+    def lr_scale(self) -> float:  # type: ignore[override]
+        return self.scale
+
+    def after_step(self, step, metrics):
+        """A spike: roll back (the loop); one after spike.max_rollbacks: the halt."""
+        if metrics["train/status"]:  # a skipped update: the non-finite policy's
+            return None
+        loss = metrics["train/loss"]
+        z = self.check(step, loss)
+        if z is None:
+            return None
+        if len(self.rollbacks) >= self.cfg.max_rollbacks:
+            raise halt(f"training halted at step {step}: the train loss spiked again "
+                       f"(loss {loss:.4g}, z-score {z:.3g}) after {len(self.rollbacks)} "
+                       "rollbacks (spike.max_rollbacks); lower optim.lr or check the data "
+                       f"in WORKDIR/{ledger_lib.FILE}", step)
+        return Action(rollback=z)
+
+    def state(self) -> dict:
+        return self.to_json()
+
+    def restore(self, state: dict | None) -> None:
         state = state or {}
         self.recent = [(int(s), float(v)) for s, v in state.get("recent", [])]
         self.rollbacks = [list(r) for r in state.get("rollbacks", [])]  # [spike, to step]
@@ -189,15 +270,19 @@ class Spike:
         return {"recent": self.recent, "rollbacks": self.rollbacks, "scale": self.scale}
 
 
-def agree(stop: bool, factor: float | None) -> tuple[bool, float | None]:
-    """Process 0's decision on every process (one small broadcast per eval)."""
+def agree(stop: int, factor: float | None, checkpoint: bool = False
+          ) -> tuple[int, float | None, bool]:
+    """Process 0's decision on every process (one small broadcast per eval): `stop` is 0
+    or the stopping rule's position + 1, `factor` the new learning-rate factor or None,
+    `checkpoint` whether a rule asked to save the step."""
     import jax
 
     if jax.process_count() == 1:
-        return stop, factor
+        return stop, factor, checkpoint
     import numpy as np
     from jax.experimental import multihost_utils
 
-    code = np.asarray([float(stop), -1.0 if factor is None else float(factor)], np.float64)
+    code = np.asarray([float(stop), -1.0 if factor is None else float(factor),
+                       float(checkpoint)], np.float64)
     code = np.asarray(multihost_utils.broadcast_one_to_all(code))
-    return bool(code[0]), (None if code[1] < 0 else float(code[1]))
+    return int(code[0]), (None if code[1] < 0 else float(code[1])), bool(code[2])

@@ -24,7 +24,7 @@ from jtrain.observe.outputs import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY  # noqa: F4
 
 def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | None = None,
           byte_level: bool = False, eval_defaults: bool = False,
-          train_example: dict | None = None, step=None) -> Build:
+          train_example: dict | None = None, step=None, tx=None) -> Build:
     """Model, mesh, optimizer, abstract state and shardings, jitted steps: the set-up that
     training, `python -m jtrain.evaluate` and the benchmarks share. `sample`: one example's
     inputs (any pytree of arrays), `eval_example`: one eval example (for its targets).
@@ -32,7 +32,8 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
     `train_example`: one training example; with a memory budget (control.memory) the
     step's grad_accum_steps is planned from it. `step`: a step of your own
     (jtrain.step.Step; also taken as `model`, and built from `step.factory` when the
-    config names one), composed from jtrain.engine.own_step's parts instead.
+    config names one), composed from jtrain.engine.own_step's parts instead. `tx`: an
+    optax transformation used as the optimizer instead of optim.* (jtrain.train(tx=...)).
 
     Examples:
         ```python
@@ -54,7 +55,7 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
         step = own_step.load(cfg.step)
     setup = Setup(user_model=model, loss_fn=loss_fn, sample=sample, eval_example=eval_example,
                   train_example=train_example, byte_level=byte_level,
-                  eval_defaults=eval_defaults, user_step=step)
+                  eval_defaults=eval_defaults, user_step=step, user_tx=tx)
     for part in PARTS if step is None else own_step.PARTS:
         setup = part(cfg, setup)
     return Build(**{f.name: getattr(setup, f.name) for f in dataclasses.fields(Build)})

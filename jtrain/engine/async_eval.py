@@ -30,7 +30,7 @@ from typing import Callable
 import jax
 
 from jtrain.errors import ConfigError, EvaluateError
-from jtrain.observe import jsonl, layout
+from jtrain.observe import jsonl, layout, runfiles
 
 PARENT_ENV = "JTRAIN_EVAL_PARENT"  # the training process of a child evaluator
 NICE_ENV = "JTRAIN_EVAL_NICE"  # a child evaluator's eval.async_nice
@@ -38,9 +38,13 @@ CPUS_ENV = "JTRAIN_EVAL_CPUS"  # its CPUs (eval.async_cpus), comma-separated ids
 LOG = "evaluator.log"  # in WORKDIR/evals: the child evaluator's output
 
 
-def check(cfg, remote: str | None = None) -> None:
+def check(cfg, remote: str | None = None, mixture: bool = False,
+          from_python: tuple[str, ...] = ()) -> None:
     """What eval.mode=async does not cover: one ConfigError before the first step.
-    `remote`: the workdir's URI when it is on an object store."""
+    `remote`: the workdir's URI when it is on an object store; `mixture`: the train data
+    is a jtrain.data.Mixture given from Python (data.mixture is then empty);
+    `from_python`: the names of jtrain.train's arguments passed as objects (model,
+    train_data, ...), which config.json does not name."""
     if cfg.eval.mode != "async":
         return
     if remote is not None:
@@ -50,11 +54,20 @@ def check(cfg, remote: str | None = None) -> None:
         raise ConfigError("eval.mode", "async runs on one process only (the evaluator "
                                        "follows one workdir); use eval.mode=sync")
     if cfg.population.size > 1:
-        raise ConfigError("eval.mode", "async does not evaluate a population's members; "
+        raise ConfigError("eval.mode", "async does not evaluate a population's members "
+                                       "(population.size > 1); "
                                        "use eval.mode=sync")
-    if cfg.data.mixture:
+    if cfg.data.mixture or mixture:
         raise ConfigError("eval.mode", "async does not score a data.mixture's components; "
                                        "use eval.mode=sync")
+    if from_python and cfg.eval.async_evaluator == "child":
+        # The child rebuilds the run from config.json alone: it cannot import an object,
+        # and with data passed from Python it would score the config's data instead.
+        raise ConfigError("eval.async_evaluator", "the child evaluator rebuilds the run from "
+                          f"config.json, but {', '.join(from_python)} came from Python; name "
+                          "them in the config (model.factory, data.source, loss.fn, "
+                          "step.factory) or set eval.async_evaluator=external and run "
+                          "jtrain.evaluate.follow(workdir, model=..., loss_fn=..., data=...)")
 
 
 def is_point(cfg, step: int) -> bool:
@@ -211,19 +224,39 @@ def for_run(cfg, workdir: str, ckpt, resumed_from: int | None) -> AsyncEvals | N
 
 # -- the evaluator: jtrain evaluate --follow WORKDIR ---------------------------------------
 def follow(workdir: str, *, poll_s: float = 0.2, say: Callable[[str], None] = print,
-           model=None, loss_fn=None) -> list[int]:
+           model=None, loss_fn=None, data="eval", tx=None) -> list[int]:
     """Evaluates every new finished checkpoint of the run at `workdir` once (an async
     run's: its evaluation points), writing WORKDIR/evals/<step>.json (and, for a run not
     in eval.mode=async, the metrics into metrics.jsonl with their step), until the run's
-    summary.json says it finished at its newest checkpoint (or, as a child evaluator,
-    the training process is gone). Returns the steps evaluated."""
+    summary.json says it finished at its newest checkpoint (a child evaluator: until
+    its training process ends it or is gone). Returns the steps evaluated. From Python, `model`
+    (a module or a jtrain.step.Step), `loss_fn` and `data` (the eval data, anything
+    jtrain.train accepts as eval_data) are what the run was given as objects.
+
+    Examples:
+        ```python
+        import threading
+
+        import jtrain
+        import jtrain.evaluate
+
+        cfg = {"total_steps": 20, "eval": {"mode": "async", "every_steps": 10,
+                                           "async_evaluator": "external"}}
+        t = threading.Thread(target=jtrain.evaluate.follow, args=("runs/a",),
+                             kwargs={"model": Net(), "data": (x_val, y_val)})
+        t.start()
+        jtrain.train(cfg, "runs/a", model=Net(), train_data=(x, y),
+                     eval_data=(x_val, y_val))
+        t.join()
+        ```
+    """
     from jtrain.engine import checkpoint_eval
 
     confined = confine()  # a child evaluator: nice value and CPUs before JAX starts
     if confined:
         say(f"jtrain: evaluator: {confined}")
-    opened = checkpoint_eval.open_run(workdir, model=model, loss_fn=loss_fn,
-                                      eval_defaults=False)
+    opened = checkpoint_eval.open_run(workdir, model=model, loss_fn=loss_fn, data=data,
+                                      eval_defaults=False, tx=tx)
     workdir, cfg = opened.workdir, opened.cfg
     parent = os.environ.get(PARENT_ENV)
     if parent:
@@ -243,7 +276,10 @@ def follow(workdir: str, *, poll_s: float = 0.2, say: Callable[[str], None] = pr
                 if own:
                     _append_metrics(workdir, step, record["metrics"])
         if not todo:
-            if _finished(workdir, steps):
+            # A child evaluator ends with its training process (close, or _exit_with):
+            # a summary.json there may be a stopped session's, which the resumed
+            # session it serves goes on from.
+            if not parent and _finished(workdir, steps):
                 return evaluated
             time.sleep(poll_s)
 
@@ -287,13 +323,11 @@ def _append_metrics(workdir: str, step: int, metrics: dict) -> None:
 
 
 def _finished(workdir: str, steps: list[int]) -> bool:
-    """summary.json names the newest checkpoint: the run ended there."""
-    import json
-
+    """summary.json names the newest checkpoint: the run ended there (a summary.json
+    that is not a JSON object is one WorkdirError: it is written whole, never torn)."""
     try:
-        with open(os.path.join(workdir, "summary.json")) as f:
-            step = json.load(f).get("step")
-    except (FileNotFoundError, ValueError):
+        step = runfiles.read_object(os.path.join(workdir, "summary.json")).get("step")
+    except FileNotFoundError:
         return False
     return bool(steps) and step == max(steps)
 

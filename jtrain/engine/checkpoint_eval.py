@@ -33,22 +33,23 @@ from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
 from jtrain.checkpoint import integrity, policy
 from jtrain.engine.assemble import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, build, model_sample
+from jtrain.observe.outputs import TX_SOURCE_KEY
 from jtrain.engine.evaluation import (MAX_IN_FLIGHT, Evaluation, evaluate_weights,  # noqa: F401
                                       format_line, headline, local_rows, make_spec, run_eval)
 from jtrain.errors import EvaluateError, UsageError
 from jtrain.metrics.classification import classification_report
 from jtrain.observe import layout
-from jtrain.observe import jsonl, trust
+from jtrain.observe import jsonl, runfiles, trust
 from jtrain.observe import compiles as compiles_lib
 from jtrain.observe.outputs import read_run_record
 
 
 def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data="eval",
                         num_batches: int = 0, plots: bool = True, model=None,
-                        loss_fn=None, weights: str | None = None) -> dict:
+                        loss_fn=None, weights: str | None = None, tx=None) -> dict:
     """Evaluates a checkpoint of a run and writes the report files. The model is rebuilt
     from config.json (a built-in family or model.factory), the loss from loss.fn /
-    loss.terms; `model` / `loss_fn`: the objects a run was given from Python (the same
+    loss.terms; `model` / `loss_fn` / `tx`: the objects a run was given from Python (the same
     ones, or ones built the same way). `weights`: "params", "ema" (the weight EMA) or
     "both"; None = the run's eval.weights.
 
@@ -66,9 +67,11 @@ def evaluate_checkpoint(workdir: str, *, step: str | int = "latest", data="eval"
     """
     from flax import linen as nn
 
-    opened = open_run(workdir, model=model, loss_fn=loss_fn, weights=weights, data=data,
+    opened = open_run(workdir, model=model, loss_fn=loss_fn, weights=weights, data=data, tx=tx,
                       eval_defaults=True)
     cfg, b, weights, workdir = opened.cfg, opened.build, opened.weights, opened.workdir
+    if plots:  # goodput.png's ledger read first: a hostile one is one line before the eval
+        goodput_sessions(workdir)
     chosen = resolve_step(step, opened.reader.all_steps(), workdir,
                           monitor=cfg.checkpoint.monitor, mode=cfg.checkpoint.mode)
     state = opened.reader.restore(chosen, b.abstract_with_shardings())[0]
@@ -107,7 +110,7 @@ class Opened:
 
 
 def open_run(workdir: str, *, model=None, loss_fn=None, weights: str | None = None,
-             data="eval", eval_defaults: bool = True) -> Opened:
+             data="eval", eval_defaults: bool = True, tx=None) -> Opened:
     """The run at `workdir` read back (config.json checked as trusted, the model and
     loss rebuilt, the data picked) for `evaluate_checkpoint` and `jtrain evaluate
     --follow`; `eval_defaults`: the task's default metrics besides eval.metrics (False:
@@ -116,8 +119,8 @@ def open_run(workdir: str, *, model=None, loss_fn=None, weights: str | None = No
     cfg_path = os.path.join(workdir, "config.json")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"--workdir: {workdir} has no config.json (not a jtrain run)")
-    with open(cfg_path) as f:
-        recorded = json.load(f)
+    recorded = runfiles.read_object(cfg_path)
+    layout.check_folders(workdir)  # evals/ (--follow) written into, never through a link
     trust.check(workdir, recorded, shown=shown,  # before anything it names is imported
                 skip=("model.",) * (model is not None) + ("loss.",) * (loss_fn is not None))
     sources = read_run_record(workdir)  # run.json (older runs: config.json)
@@ -135,6 +138,13 @@ def open_run(workdir: str, *, model=None, loss_fn=None, weights: str | None = No
             f"({loss_source}); the CLI cannot rebuild it: call "
             "jtrain.evaluate.evaluate_checkpoint(workdir, loss_fn=...) from Python, or train "
             "with loss.fn='package.module:function' (or loss.terms)")
+    tx_source = sources.get(TX_SOURCE_KEY)
+    if tx_source is not None and tx is None:  # its state is not optim.name's
+        raise EvaluateError(
+            f"--workdir: {workdir} was trained with an optimizer passed from Python "
+            f"(train(tx=...): {tx_source.split(': ', 1)[-1]}); its state is not what "
+            "config.json's optim.name builds: call jtrain.evaluate.evaluate_checkpoint("
+            "workdir, tx=...) with the same optax transformation")
     cfg = config_lib.resolve(recorded)
     if cfg.population.size > 1:  # the state holds every member: evaluate one's export
         raise UsageError(f"{workdir} trained a population of {cfg.population.size} members: "
@@ -152,7 +162,8 @@ def open_run(workdir: str, *, model=None, loss_fn=None, weights: str | None = No
     source, data_name, data_info = _pick_data(data, cfg.data)
     b = build(cfg, sample=model_sample(cfg, source[0]), eval_example=source[0], model=model,
               loss_fn=loss_fn,
-              byte_level=data_info.get("name") == "pystdlib", eval_defaults=eval_defaults)
+              byte_level=data_info.get("name") == "pystdlib", eval_defaults=eval_defaults,
+              tx=tx)
     return Opened(workdir=workdir, cfg=cfg, build=b, reader=reader, source=source,
                   data_name=data_name, weights=weights)
 
@@ -221,9 +232,10 @@ def goodput_sessions(workdir: str) -> list[dict]:
     """The run's sessions from goodput.jsonl (observe.goodput.sessions); [] without it."""
     from jtrain.observe import goodput
 
-    if not os.path.exists(os.path.join(workdir, goodput.FILE)):
+    try:
+        records = goodput.read(workdir)
+    except FileNotFoundError:
         return []
-    records = goodput.read(workdir)
     return goodput.sessions(records) if records else []
 
 

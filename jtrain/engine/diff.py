@@ -18,12 +18,12 @@ line). The human lines go to stderr, one JSON line to stdout.
 
 from __future__ import annotations
 
-import json
 import os
 
 from jtrain.checkpoint import CheckpointReader
 from jtrain.engine.replay import read_run
-from jtrain.observe import hashes as hashes_lib
+from jtrain.errors import WorkdirError
+from jtrain.observe import hashes as hashes_lib, runfiles
 
 DATA_KEYS = ("name", "kind", "num_examples", "num_eval_examples", "fingerprint")
 
@@ -73,10 +73,10 @@ def _control(workdir: str) -> dict:
     reader = CheckpointReader(workdir)
     for step in reversed(reader.all_steps()):
         try:
-            with open(os.path.join(reader.directory, str(step), "control", "metadata")) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            continue
+            return runfiles.read_object(os.path.join(reader.directory, str(step), "control",
+                                                     "metadata"))
+        except (FileNotFoundError, WorkdirError):
+            continue  # a damaged step: the next older one
     return {}
 
 

@@ -33,7 +33,8 @@ MAX_IN_FLIGHT = 8
 @dataclasses.dataclass
 class Evaluation:
     scalars: dict[str, float]         # "eval/<name>": value
-    arrays: dict[str, np.ndarray]     # "confusion_matrix": int64 [C, C] (true, predicted)
+    # "confusion_matrix": float64 [C, C] (true, predicted), summed example weights
+    arrays: dict[str, np.ndarray]
     num_examples: int
 
 

@@ -99,7 +99,9 @@ class _Session:
     hashes: hashes_lib.Recorder | None = None  # debug.hash_every_steps (hashes.jsonl)
     pending: deque = dataclasses.field(default_factory=deque)  # (step, metrics): in flight
     config_hash: str = ""  # --debug_multihost's (the config is fixed)
-    set_factor: Callable | None = None  # jit(state, factor) -> state (plateau)
+    set_factor: Callable | None = None  # jit(state, factor) -> state (plateau, callbacks)
+    save_asked: bool = False  # a rule asked for a checkpoint of this step
+    last_drained: int = 0  # the newest step drained
     all_finite: Callable | None = None  # jit(params) -> bool (before a save)
 
 
@@ -126,12 +128,14 @@ def run_loop(cfg, run: Run):
             state, best = _evaluate_and_decide(cfg, run, session, state, step)
         if run.stopper.should_stop(step):  # SIGTERM/SIGINT, the same step on all processes
             session.stopped_by = session.stopped_by or run.stopper.signal_name
-        if session.stopped_by or best or step == total or run.ckpt.due(step):
+        if session.stopped_by or best or session.save_asked or step == total \
+                or run.ckpt.due(step):
             state = _save(cfg, run, session, state, step)
         if session.stopped_by:
             break
     state = _drained(cfg, run, session, state)
-    if run.async_evals is not None and session.stopped_by in (None, "early_stop", "on_eval"):
+    if run.async_evals is not None and session.stopped_by in (None, "early_stop", "on_eval",
+                                                              "callback"):
         _record_rest(cfg, run, session)  # the evals not applied yet: recorded, not decided
     run.watchdog.beat("final save")
     if step == total == start:  # resumed at the end: its eval is in the checkpoint
@@ -230,7 +234,8 @@ def _dispatched(cfg, run: Run, session: _Session, state, step: int, metrics, tim
     if run.out.profiler.after_step(step, metrics):
         run.out.progress.message(f"jtrain: profile trace written to {run.out.profiler.directory}")
     session.pending.append((step, metrics))
-    return _drained(cfg, run, session, state, keep=cfg.max_steps_in_flight)
+    keep = 0 if run.decisions.syncs(step) else cfg.max_steps_in_flight
+    return _drained(cfg, run, session, state, keep=keep)
 
 
 def _evaluate_and_decide(cfg, run: Run, session: _Session, state, step: int):
@@ -260,14 +265,22 @@ def _decide(cfg, run: Run, session: _Session, state, step: int, entry: dict, *,
                                        primary=jax.process_index() == 0)
     if not act:
         return state
+    if decided.log:
+        run.out.writer.write_scalars(step, decided.log)
     if decided.factor is not None:
         state = session.set_factor(state, np.float32(decided.factor))
         run.out.progress.message(
             f"jtrain: step {step}: {cfg.plateau.monitor} has not improved; "
-            f"learning-rate factor now {decided.factor:.3g} (plateau.factor)")
-    if decided.stop:
+            f"learning-rate factor now {decided.factor:.3g} (plateau.factor)"
+            if decided.lr_by == "plateau" else _lr_line(step, decided.factor, decided.lr_by))
+    if decided.stop and not session.stopped_by:
         session.stop_reason, session.stopped_by = decided.stop, decided.stopped_by
+    session.save_asked = session.save_asked or decided.checkpoint
     return state
+
+
+def _lr_line(step: int, factor: float, by: str | None) -> str:
+    return f"jtrain: step {step}: learning-rate factor now {factor:.3g} (callback {by})"
 
 
 def _apply_lagged(cfg, run: Run, session: _Session, state, step: int):
@@ -316,7 +329,7 @@ def _save(cfg, run: Run, session: _Session, state, step: int):
         run.ckpt.save(step, state, run.train_iter.get_state(), evals=session.history,
                       stopped_by=session.stopped_by, monitors=run.decisions.state(),
                       skip_ledger=list(run.decisions.ledger.entries))
-    session.saved = step
+    session.saved, session.save_asked = step, False
     if run.async_evals is not None:
         run.async_evals.saved(step)  # an evaluation point: held until applied
     multihost.heartbeat.note_checkpoint(step)  # for a failed peer's line
@@ -332,6 +345,14 @@ def _drained(cfg, run: Run, session: _Session, state, *, keep: int = 0):
     if session.rollback is not None:
         state = _rollback(cfg, run, state, *session.rollback)
         session.rollback = None
+    asked = run.decisions.take()  # what the drained steps' hooks asked for
+    if asked.lr_by is not None and state is not None:
+        factor = run.decisions.lr_factor()
+        state = session.set_factor(state, np.float32(factor))
+        run.out.progress.message(_lr_line(session.last_drained, factor, asked.lr_by))
+    if asked.stop and not session.stopped_by:
+        session.stop_reason, session.stopped_by = asked.stop, asked.stopped_by
+    session.save_asked = session.save_asked or asked.checkpoint
     return state
 
 
@@ -365,18 +386,21 @@ def _drain(item, cfg, run: Run, session: _Session) -> None:
     status, loss = jax.device_get((metrics["train/status"], metrics["train/loss"]))
     status, loss = int(status), float(loss)
     session.hashes.drained(step)
-    if run.decisions.spike.enabled and session.rollback is None and not status:
-        z = run.decisions.check_spike(step, loss)
-        if z is not None:
-            session.rollback = (step, z)
+    session.last_drained = step
+    if session.rollback is None:  # the steps a rollback undoes are shown to no rule
+        asked = run.decisions.after_step(step, status, loss)
+        if asked.rollback is not None:
+            session.rollback = (step, asked.rollback)
+        if asked.log:
+            run.out.writer.write_scalars(step, asked.log)
     if not status and np.isfinite(loss):  # the log window's mean: applied updates only
         session.window = (session.window[0] + loss, session.window[1] + 1)
     if status:
         small = jax.device_get({k: metrics[k] for k in
                                 ("train/skipped_steps", "train/consecutive_skips")})
         rows_ok = np.asarray(jax.device_get(metrics["train/rows_ok"]))
-        run.decisions.after_step(step, status, int(small["train/skipped_steps"]),
-                                 int(small["train/consecutive_skips"]), rows_ok)
+        run.decisions.nonfinite(step, status, int(small["train/skipped_steps"]),
+                                int(small["train/consecutive_skips"]), rows_ok)
     if step % cfg.log.every_steps and step != cfg.total_steps:
         return
     fetched = jax.device_get(metrics)  # log.train_metrics' states ride along: one fetch
@@ -389,7 +413,7 @@ def _drain(item, cfg, run: Run, session: _Session) -> None:
     total, count = session.window
     values["train/loss_window"] = total / count if count else float("nan")
     session.window = (0.0, 0)
-    run.decisions.check_divergence(step, values["train/loss_window"])
+    values.update(run.decisions.after_log(step, values))  # divergence; callback/* scalars
     run.out.writer.write_scalars(step, values)
     if run.out.progress.batches_per_epoch is None:  # a stream: learned after one epoch
         learned = getattr(run.train_iter, "epoch_batches", None)

@@ -42,6 +42,14 @@ _BUILT_IN_ONLY = (
      "return them from update as metrics"),
     ("model.loss_scale", lambda c: c.model.loss_scale != "dynamic",
      "scale the loss inside the step"),
+    # The step calls its model itself: jtrain's cast to a compute dtype (and fp16's loss
+    # scaling) never reaches it, so a 16-bit model.dtype would be reported, not run.
+    ("model.dtype", lambda c: c.model.dtype in ("auto", "float32"),
+     "cast inside the step (e.g. the model's dtype=jnp.bfloat16)"),
+    # Masks and factors of the built-in optax chain, which the step does not call.
+    *((f"optim.{key}", lambda c, key=key: not c.optim[key],
+       "freeze or scale parameters inside update") for key in ("trainable", "frozen",
+                                                               "lr_mults")),
 )
 
 
@@ -70,7 +78,7 @@ def options(cfg, s: parts_lib.Setup) -> parts_lib.Setup:
     for key, ok, instead in _BUILT_IN_ONLY:
         if not ok(cfg):
             raise ConfigError(key, f"configures the built-in update; with a step of your "
-                                   f"own ({name_of(s.user_step)}), {instead}")
+                                   f"own (step.factory: {name_of(s.user_step)}), {instead}")
     return s.replace(model_name=f"step {name_of(s.user_step)}")
 
 

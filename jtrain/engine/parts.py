@@ -85,6 +85,7 @@ class Build:
             final_eval) -> dict` each.
         decided: the values the set-up decided (run.json's "decided").
         user_step: a step of your own (`jtrain.step.Step`), None for the built-in.
+        tx_given: True when `tx` is the one given to `jtrain.train(tx=...)`.
 
     Examples:
         ```python
@@ -125,6 +126,7 @@ class Build:
     reports: tuple[Callable, ...] = ()
     decided: dict = dataclasses.field(default_factory=dict)  # run.json's "decided"
     user_step: Any = None  # a step of your own (jtrain.step.Step), else None: built-in
+    tx_given: bool = False  # the optimizer is train(tx=...)'s, not optim.*'s
 
     def abstract_with_shardings(self):
         """What orbax restores into."""
@@ -142,6 +144,7 @@ class Setup(Build):
     byte_level: bool = False  # byte-level text (bits per byte)
     eval_defaults: bool = False  # the task's default metrics too (jtrain evaluate)
     extra_trainable: tuple[str, ...] = ()  # patterns added to optim.trainable (LoRA's)
+    user_tx: Any = None  # train(tx=...): an optax transformation, else None: optim.*
     model_inputs: tuple = ()  # data.model_inputs
     valid_fn: Callable | None = None  # data.valid_fn
     predict_fn: Callable | None = None  # eval.predict_fn
@@ -224,7 +227,17 @@ def loss(cfg, s: Setup) -> Setup:
 def optimizer(cfg, s: Setup) -> Setup:
     """The optax chain and its schedule (optim.make_optimizer), with the trainable
     patterns parts added; a population that varies optim.weight_decay keeps each
-    member's rate in the optimizer state."""
+    member's rate in the optimizer state. A transformation given to train(tx=...) is
+    the optimizer instead (optim.given_optimizer)."""
+    if s.user_tx is not None:
+        if cfg.population.size > 1:
+            raise ConfigError("population.size", "a population builds one optimizer per "
+                              "member from optim.*; with jtrain.train(tx=...) set "
+                              "population.size=1")
+        tx, schedule = optim_lib.given_optimizer(s.user_tx, cfg.optim, cfg.total_steps,
+                                                 extra_trainable=s.extra_trainable)
+        return s.replace(tx=tx, schedule=schedule, tx_given=True,
+                         grad_accum_steps=cfg.optim.grad_accum_steps)
     tx, schedule = optim_lib.make_optimizer(
         cfg.optim, cfg.total_steps, extra_trainable=s.extra_trainable,
         decay_in_state=population_lib.decay_in_state(cfg))
@@ -437,6 +450,11 @@ def invariant_of(cfg, s: Setup, *extra):
     if det.chunks % n:
         raise ConfigError("determinism.chunks", f"{det.chunks} is not a multiple of the "
                           f"{n} devices of the data and fsdp axes")
+    accum = cfg.optim.grad_accum_steps
+    if (rows // det.chunks) % accum:  # each chunk is cut into the microbatches
+        raise ConfigError("determinism.chunks", f"a chunk of {rows // det.chunks} rows "
+                          f"(data.batch_size={rows} / {det.chunks}) is not divisible by "
+                          f"optim.grad_accum_steps={accum}")
     return (s.mesh, det.chunks, *extra)
 
 

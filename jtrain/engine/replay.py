@@ -22,7 +22,6 @@ a run (one line). One JSON line on stdout; the human lines on stderr.
 from __future__ import annotations
 
 import functools
-import json
 import os
 
 import jax
@@ -34,8 +33,9 @@ from jtrain import data as data_lib
 from jtrain import mesh as mesh_lib
 from jtrain import precision as precision_lib
 from jtrain.engine.assemble import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, build, model_sample
+from jtrain.observe.outputs import TX_SOURCE_KEY
 from jtrain.errors import UsageError
-from jtrain.observe import hashes as hashes_lib, trust
+from jtrain.observe import hashes as hashes_lib, runfiles, trust
 from jtrain.observe import compiles as compiles_lib
 from jtrain.observe.outputs import read_run_record
 
@@ -46,15 +46,13 @@ def read_run(workdir: str, flag: str = "RUN") -> dict:
     if not os.path.isdir(workdir):
         raise UsageError(flag, f"{workdir} is not a directory (a jtrain run's workdir)")
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        raise UsageError(flag, f"{workdir} is not a jtrain run (no readable config.json)"
-                         ) from None
+        return runfiles.read_object(path)
+    except FileNotFoundError:
+        raise UsageError(flag, f"{workdir} is not a jtrain run (no config.json)") from None
 
 
 def replay(workdir: str, step: int, *, model=None, train_data=None, eval_data=None,
-           loss_fn=None, say=None) -> dict:
+           loss_fn=None, say=None, tx=None) -> dict:
     """Re-runs step `step` of the run in `workdir` (see the module docstring); returns
     {"step", "from_step", "recorded", "replayed", "reproduced", "examples_match",
     "leaf", "max_abs_diff"} ("leaf": the first differing leaf against the checkpoint at
@@ -86,7 +84,7 @@ def replay(workdir: str, step: int, *, model=None, train_data=None, eval_data=No
         raise UsageError("--step", f"no state hash recorded at step {step} in {workdir}; "
                          + (f"recorded steps: {shown}" if listed else
                             "none recorded (train with debug.hash_every_steps = N)"))
-    _check_sources(workdir, model, loss_fn)
+    _check_sources(workdir, model, loss_fn, tx)
     cfg = config_lib.resolve(recorded_cfg)
     config_lib.validate(cfg, num_devices=jax.device_count())
     compiles_lib.configure_cache_for_reader(cfg.compile.cache_dir)
@@ -96,7 +94,7 @@ def replay(workdir: str, step: int, *, model=None, train_data=None, eval_data=No
     data = data_lib.prepare(cfg.data, user, seed=cfg.seed, gather=mesh_lib.process_values)
     b = build(cfg, sample=model_sample(cfg, data.train_example), eval_example=data.example,
               model=model, loss_fn=loss_fn, byte_level=data.byte_level,
-              train_example=data.train_example)
+              train_example=data.train_example, tx=tx)
     reader = checkpoint.CheckpointReader(workdir)
     steps = reader.all_steps()
     before = [s for s in steps if s < step] or [s for s in steps if s == step]
@@ -157,10 +155,10 @@ def _host(state) -> dict:
             for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
 
 
-def _check_sources(workdir: str, model, loss_fn) -> None:
+def _check_sources(workdir: str, model, loss_fn, tx) -> None:
     sources = read_run_record(workdir)
     for key, given, arg in ((MODEL_SOURCE_KEY, model, "model"),
-                            (LOSS_SOURCE_KEY, loss_fn, "loss_fn")):
+                            (LOSS_SOURCE_KEY, loss_fn, "loss_fn"), (TX_SOURCE_KEY, tx, "tx")):
         if sources.get(key) and given is None:
             raise UsageError("RUN", f"{workdir} was trained with a {arg} passed from Python "
                              f"({sources[key].split(': ', 1)[-1]}); the command line cannot "

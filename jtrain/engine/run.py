@@ -30,6 +30,7 @@ from jtrain import state as state_lib
 from jtrain import step as step_lib
 from jtrain.control import decide as decide_lib
 from jtrain.control import faults as faults_lib
+from jtrain.control import rule as rule_lib
 from jtrain.control import ledger as ledger_lib
 from jtrain.control import watchdog as watchdog_lib
 from jtrain.engine import async_eval
@@ -42,7 +43,7 @@ from jtrain.engine.assemble import (LOSS_SOURCE_KEY, MODEL_SOURCE_KEY, Build, bu
                                     check_run, model_sample)
 from jtrain.errors import NonFiniteError, RestoreError, WorkdirError
 from jtrain.observe import compiles as compiles_lib, goodput as goodput_lib
-from jtrain.observe import outputs as outputs_lib
+from jtrain.observe import layout, outputs as outputs_lib
 from jtrain.observe import startup as startup_lib
 from jtrain.observe import writers as writers_lib
 from jtrain.observe.console import say
@@ -86,7 +87,8 @@ class TrainResult:
 def train(config=None, workdir: str | None = None, *, model=None, train_data=None,
           eval_data=None, loss_fn: Callable | None = None,
           on_eval: Callable[[int, dict], bool] | None = None,
-          allow_changes: Sequence[str] = (), step=None) -> TrainResult:
+          allow_changes: Sequence[str] = (), step=None, callbacks: Sequence = (),
+          tx=None) -> TrainResult:
     """Train `model` on `train_data`. Resumes from the newest checkpoint in `workdir`.
 
     A run that already finished is not run again: its stored result comes back. Every
@@ -110,10 +112,20 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
         on_eval: `on_eval(step, metrics) -> bool`, called on process 0 after every
             evaluation with the globally reduced metrics; True stops the run there
             (checkpointed, on every process; `stopped_by == "on_eval"`).
+        callbacks: run-control rules of your own (`jtrain.control.Rule`: `after_step`,
+            `after_log`, `after_eval` returning a `jtrain.control.Action` to stop, scale
+            the learning rate, log `callback/*` scalars or save the step; `state` /
+            `restore` for resume), consulted after the built-in ones and before
+            `control.callbacks` of the config.
         allow_changes: config keys (fnmatch patterns) that may differ from the
             checkpoint's when resuming (added to `checkpoint.allow_changes`).
         step: a step of your own (`jtrain.step.Step`: init, update, evaluate) in place of
             the built-in update (from a config: `step.factory`); `model` is then unused.
+        tx: an `optax.GradientTransformation` used as the optimizer (its learning rate
+            and schedule are its own; `train/lr` logs NaN). optim.* keys other than
+            grad_accum_steps, trainable, frozen, lr_mults and ema must keep their
+            defaults (a `ConfigError` names the first that would be ignored). Its state
+            is checkpointed: a resume is exact when the same `tx` is passed again.
 
     Returns:
         The `TrainResult`: the final state, the eval history and `summary.json`.
@@ -147,7 +159,8 @@ def train(config=None, workdir: str | None = None, *, model=None, train_data=Non
     """
     try:
         return train_and_evaluate(config, workdir,
-                                  _Given(model, train_data, eval_data, loss_fn, step),
+                                  _Given(model, train_data, eval_data, loss_fn, step,
+                                         tuple(callbacks), tx),
                                   on_eval=on_eval, allow_changes=allow_changes)
     except RestoreError as e:
         keys = getattr(e, "changed_keys", None)
@@ -165,6 +178,8 @@ class _Given:
     eval_data: Any = None
     loss_fn: Callable | None = None
     step: Any = None
+    callbacks: tuple = ()  # run-control rules (jtrain.control.rule)
+    tx: Any = None  # an optax GradientTransformation (train(tx=...))
 
 
 def train_and_evaluate(config, workdir, given: _Given | None = None, *, on_eval=None,
@@ -213,7 +228,12 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
     # (jtrain.control.signals); one that came during the CLI's imports is taken over.
     with control_lib.Stopper(cfg.checkpoint.grace_seconds) as stopper, startup.recorder:
         config_lib.validate(cfg, num_devices=jax.device_count())
-        async_eval.check(cfg, remote=mirror.uri if mirror is not None else None)
+        async_eval.check(cfg, remote=mirror.uri if mirror is not None else None,
+                         mixture=isinstance(user_data.train, data_lib.Mixture),
+                         from_python=tuple(  # what an evaluator process cannot rebuild
+                             name for name in ("model", "train_data", "eval_data", "loss_fn",
+                                               "step", "tx")
+                             if getattr(given, name) is not None))
         faults_lib.arm_plan(cfg, workdir, jax.process_index(), jax.process_count(),
                             publish=mirror.upload if mirror is not None else None)
         if jax.process_index() == 0:  # a writer that cannot start: one line, no step run
@@ -225,6 +245,7 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
                 given.model if isinstance(given.model, step_lib.Step) else None)
             user_step = from_python if from_python is not None else (
                 own_step.load(cfg.step) if cfg.step.factory else None)
+            callbacks = rule_lib.users(given.callbacks, cfg.control.callbacks)
             with startup.phase("data"):  # checked: a DataError before any step
                 data = data_lib.prepare(
                     cfg.data, user_data, seed=cfg.seed, eval_batch_size=cfg.eval.batch_size,
@@ -234,7 +255,8 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
                 b = build(cfg, sample=model_sample(cfg, data.train_example),
                           eval_example=data.example, model=given.model,
                           loss_fn=given.loss_fn, byte_level=data.byte_level,
-                          train_example=data.train_example, step=user_step)
+                          train_example=data.train_example, step=user_step,
+                          tx=given.tx)
                 check_run(cfg, b, data)
             _precompile(cfg, b, data, startup)
             with startup.phase("state"):  # newest checkpoint, else init_from, else fresh
@@ -252,7 +274,8 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
                     record=outputs_lib.run_record(
                         model_name=None if given.model is None and from_python is None
                         else b.model_name,
-                        loss_fn=given.loss_fn, decided={**data.decided, **b.decided}),
+                        loss_fn=given.loss_fn, decided={**data.decided, **b.decided},
+                        tx=given.tx),
                     run_ids=control_lib.writer_run_ids(start.control),
                     determinism=determinism, t_start=t_start,
                     shown=mirror.uri if mirror is not None else None)
@@ -261,7 +284,7 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
                 workdir=workdir, build=b, state=start.state, data=data, train_iter=train_iter,
                 ckpt=ckpt, out=out, resumed_from=start.step, watchdog=watchdog,
                 decisions=_decisions(cfg, workdir, ckpt.control, start, data, train_iter,
-                                     on_eval, out.progress.message),
+                                     on_eval, out.progress.message, callbacks),
                 stopper=stopper, startup=startup, goodput=ledger, record=out.record,
                 async_evals=async_evals)
             for line in notices:  # after the header: e.g. a warmup shortened for a short run
@@ -290,6 +313,7 @@ def _checked_workdir(workdir) -> str:
     if workdir is None:
         raise ValueError("workdir: required (the run's identity: checkpoints, logs, summary)")
     check_workdir(str(workdir))
+    layout.check_folders(str(workdir))
     return os.path.abspath(workdir)
 
 
@@ -337,15 +361,17 @@ def _watchdog(cfg, workdir: str) -> control_lib.Watchdog:
 
 def _precompile(cfg, b: Build, data, startup) -> None:
     """compile.precompile: the step compiles beside the state's init; its first call
-    reuses the executable."""
-    if cfg.compile.precompile:
+    reuses the executable. Not with LoRA: qwix patches JAX functions process-wide for each
+    traced call, and the state's init and the step's compile tracing adapted models on two
+    threads at once raced on that patch (KeyError 'jax.numpy.asarray.__code__')."""
+    if cfg.compile.precompile and not cfg.finetune.lora.rank:
         startup.precompile = compiles_lib.precompile(
             b.train_step, b.abstract_with_shardings(),
             compiles_lib.abstract_batch(data.train_example, cfg.data.batch_size,
                                         mesh_lib.batch_sharding(b.mesh)), mesh=b.mesh)
 
 
-def _decisions(cfg, workdir, record, start, data, train_iter, on_eval, say):
+def _decisions(cfg, workdir, record, start, data, train_iter, on_eval, say, callbacks):
     """The loop's decisions (control.decide), continuing the restored record."""
     ledger = ledger_lib.Ledger(workdir, record.skip_ledger,
                                 primary=jax.process_index() == 0, resumed_step=start.step)
@@ -353,4 +379,5 @@ def _decisions(cfg, workdir, record, start, data, train_iter, on_eval, say):
     batch_of, indices_of = data.batch_positions(train_iter.get_state(),
                                                 (start.step or 0) + 1)
     return decide_lib.Decisions(cfg, record, ledger=ledger, on_eval=on_eval,
-                                 batch_of=batch_of, indices_of=indices_of, say=say)
+                                 batch_of=batch_of, indices_of=indices_of, say=say,
+                                 callbacks=callbacks)

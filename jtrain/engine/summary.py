@@ -18,7 +18,8 @@ from jtrain.control import ledger as ledger_lib
 from jtrain.data import mixture as mixture_lib
 from jtrain.engine import evaluation as evaluator
 from jtrain.observe import goodput as goodput_lib, layout
-from jtrain.observe import jsonl
+from jtrain.observe import jsonl, runfiles
+from jtrain.errors import WorkdirError
 
 # summary.json's stopped_by when the run ended with more than nonfinite.max_skipped_share
 # of its updates skipped: not done (exit 4), its checkpoints kept.
@@ -28,11 +29,10 @@ SKIPPED_SHARE = "max_skipped_share"
 def stored_summary(workdir: str, state) -> dict | None:
     """summary.json when it is the record of exactly this state (a finished run)."""
     try:
-        with open(os.path.join(workdir, "summary.json")) as f:
-            stored = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(stored, dict) or stored.get("step") != int(jax.device_get(state.step)):
+        stored = runfiles.read_object(os.path.join(workdir, "summary.json"))
+    except (FileNotFoundError, WorkdirError):
+        return None  # not the record of this state: the summary is written again
+    if stored.get("step") != int(jax.device_get(state.step)):
         return None
     if stored.get("stopped_by") == SKIPPED_SHARE:  # not done: judged again, with this config
         return None

@@ -11,9 +11,13 @@ Batch keys: ``logits`` [..., C] (or integer ``preds`` [...]) and ``labels`` [...
 classification; float ``preds`` and ``labels`` for regression; ``loss`` (or ``values``) for
 averages; ``scores`` for AUROC; ``mask`` (optional, bool or float, shape a prefix of
 ``labels``: [B] or [B, T]; 0 = padding). Padded entries are removed with ``where``, never by
-multiplying, so NaN / inf / out-of-range garbage in padded rows cannot leak. ``Average`` and
-its kin (``Loss``, ``Perplexity``, ``BitsPerByte``) read a float mask as a weight; every other
-metric counts an entry iff ``mask > 0``.
+multiplying, so NaN / inf / out-of-range garbage in padded rows cannot leak. Every metric reads
+a float mask as the entry's weight (its value where > 0, else 0; a bool mask weighs 0 / 1), as
+scikit-learn's ``sample_weight``: accuracies are weighted shares, confusion-matrix entries
+summed weights (precision / recall / F1 follow from them), AUROC the weighted share of
+(positive, negative) pairs ranked right, MSE / MAE / R2 / Pearson weighted moments, Spearman
+the weighted Pearson correlation of weighted midranks (an entry of weight w counting as w
+copies).
 
 Jittable: ``update`` works inside ``jax.jit`` (also on sharded batches) and the state is a
 fixed-shape pytree: Average, Loss, Perplexity, BitsPerByte, Accuracy, TopKAccuracy,
@@ -22,9 +26,9 @@ Host-side: AUROC and Spearman need every (score, label) pair; their ``update`` t
 arrays outside jit, drops padded entries, and appends to numpy buffers. They are exact, and
 raise once more than ``max_examples`` valid entries are held (no approximation).
 
-Precision. On device one batch contributes float32 sums and int32 counts (XLA's reductions:
+Precision. On device one batch contributes float32 sums (XLA's reductions:
 ~5e-8 relative error for 1M float32 values on CPU). ``merge`` outside jit turns leaves into
-numpy float64 / int64, and ``update`` outside jit is ``merge(state_of_batch)``, so accumulation
+numpy float64, and ``update`` outside jit is ``merge(state_of_batch)``, so accumulation
 across batches and hosts is float64. Second moments (R2, Pearson) are centred per batch and
 merged with Chan et al.'s parallel formula, which avoids the cancellation of sum-of-squares
 formulas. The exact pattern for an eval loop:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jtrain.metrics.base import Array, broadcast_mask, ratio, require, sum_merge, zeros
+from jtrain.metrics.base import Array, entry_weights, ratio, require, sum_merge, zeros
 
 
 @struct.dataclass
@@ -46,12 +46,7 @@ class Average:
 
     def update(self, **batch):
         values = jnp.asarray(require(batch, self.key, self), jnp.float32)
-        mask = batch.get("mask")
-        if mask is None:
-            weight = jnp.ones(values.shape, jnp.float32)
-        else:
-            mask = broadcast_mask(mask, values.shape, jnp)
-            weight = jnp.where(mask > 0, mask.astype(jnp.float32), 0.0)
+        weight = entry_weights(batch.get("mask"), values.shape)
         part = self.replace(
             total=jnp.sum(jnp.where(weight > 0, values * weight, 0.0)),
             count=jnp.sum(weight))

@@ -82,16 +82,21 @@ def broadcast_mask(mask, shape, xp):
     return xp.broadcast_to(mask, shape)
 
 
-def valid_mask(mask, shape) -> jax.Array:
-    """bool [shape]: True for real entries, False for padding."""
+def entry_weights(mask, shape) -> jax.Array:
+    """float32 [shape]: each entry's weight, the mask's value where it is > 0 and 0 elsewhere
+    (padding, and a bool mask's False; a bool mask's True weighs 1)."""
     if mask is None:
-        return jnp.ones(shape, bool)
+        return jnp.ones(shape, jnp.float32)
     mask = broadcast_mask(mask, shape, jnp)
-    return mask if mask.dtype == jnp.bool_ else mask > 0
+    if mask.dtype == jnp.bool_:
+        return mask.astype(jnp.float32)
+    return jnp.where(mask > 0, mask.astype(jnp.float32), 0.0)
 
 
-def masked_sum(values, valid) -> jax.Array:
-    return jnp.sum(jnp.where(valid, values, 0), dtype=jnp.float32)
+def weighted_sum(values, weights, axis=None) -> jax.Array:
+    """sum(weights * values) over the entries that weigh; a zero-weight entry's value (NaN
+    in a padded row) is never multiplied in."""
+    return jnp.sum(jnp.where(weights > 0, values * weights, 0.0), axis=axis, dtype=jnp.float32)
 
 
 def class_predictions(batch: dict, who) -> jax.Array:

@@ -1,4 +1,5 @@
-"""Gathered (host-side) metrics: AUROC and Spearman keep every valid entry and are exact."""
+"""Gathered (host-side) metrics: AUROC and Spearman keep every entry that weighs (with its
+weight) and are exact."""
 
 from __future__ import annotations
 
@@ -19,12 +20,15 @@ def _fetch(x, who) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def _host_valid(batch: dict, shape, who) -> np.ndarray:
+def _host_weights(batch: dict, shape, who) -> np.ndarray:
+    """float64 [shape]: the mask's value where it is > 0, else 0 (a bool mask weighs 1)."""
     mask = batch.get("mask")
     if mask is None:
-        return np.ones(shape, bool)
+        return np.ones(shape, np.float64)
     mask = broadcast_mask(_fetch(mask, who), shape, np)
-    return mask if mask.dtype == np.bool_ else mask > 0
+    if mask.dtype == np.bool_:
+        return mask.astype(np.float64)
+    return np.where(mask > 0, mask.astype(np.float64), 0.0)
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
@@ -33,21 +37,28 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
     return z / z.sum(axis=-1, keepdims=True)
 
 
-def _midranks(x: np.ndarray) -> np.ndarray:
-    """1-based ranks, ties get their average rank (scipy.stats.rankdata 'average')."""
-    _, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
-    ends = np.cumsum(counts)
-    return (ends - (counts - 1) / 2.0)[inverse.reshape(-1)]
+def _midranks(x: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """1-based ranks, ties get their average rank (scipy.stats.rankdata 'average'), an entry
+    of weight w counting as w entries (all weights 1: the plain midranks)."""
+    _, inverse = np.unique(x, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    tied = np.bincount(inverse, weights=weights)   # summed weight per distinct value
+    ends = np.cumsum(tied)
+    return (ends - (tied - 1) / 2.0)[inverse]
 
 
-def _binary_auroc(positive: np.ndarray, scores: np.ndarray) -> float:
-    """Mann-Whitney form of the ROC area; ties count one half, as in sklearn's roc_auc_score."""
-    n_pos = int(positive.sum())
-    n_neg = positive.size - n_pos
-    if n_pos == 0 or n_neg == 0:
+def _binary_auroc(positive: np.ndarray, scores: np.ndarray, weights: np.ndarray) -> float:
+    """Weighted Mann-Whitney form of the ROC area: the weighted share of (positive, negative)
+    pairs ordered right, ties counting one half, as in sklearn's roc_auc_score(sample_weight)."""
+    _, inverse = np.unique(scores, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    pos = np.bincount(inverse, weights=np.where(positive, weights, 0.0))  # per distinct score
+    neg = np.bincount(inverse, weights=np.where(positive, 0.0, weights))
+    w_pos, w_neg = pos.sum(), neg.sum()
+    if not positive.any() or positive.all():
         return math.nan
-    rank_sum = _midranks(scores)[positive].sum()
-    return float((rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+    below = np.cumsum(neg) - neg                   # negative weight strictly below each score
+    return float((pos * (below + neg / 2.0)).sum() / (w_pos * w_neg))
 
 
 def _concat(chunks: tuple, tail_shape: tuple, dtype) -> np.ndarray:
@@ -62,7 +73,8 @@ def check_capacity(metric) -> None:
         raise ValueError(
             f"{type(metric).__name__} holds {held} valid examples > max_examples="
             f"{metric.max_examples}; it is exact and keeps every example: raise max_examples "
-            f"(about {16 * (metric.num_classes if isinstance(metric, AUROC) else 2)} bytes each)")
+            f"(about {8 * (metric.num_classes if isinstance(metric, AUROC) else 2) + 16} bytes"
+            " each)")
 
 
 @struct.dataclass
@@ -70,7 +82,10 @@ class AUROC:
     """Exact ROC AUC: binary (num_classes=2) or one-vs-rest macro over num_classes >= 3.
 
     update(labels, scores | logits, mask): host-side, not jittable. Binary: ``scores`` [...]
-    (any monotone score of class 1) or [..., 2] (column 1 is used); labels in {0, 1}.
+    (any monotone score of class 1) or [..., 2] (column 1 is used); labels in {0, 1}. Each
+    entry weighs its mask (its value if > 0; entries of weight 0 are not kept), as sklearn's
+    roc_auc_score with sample_weight: the weighted share of (positive, negative) pairs
+    ranked right.
     Multiclass: ``scores`` [..., C] are probabilities as sklearn expects; ``logits`` [..., C]
     are turned into probabilities with a float64 softmax. A class with no positive or no
     negative example has an undefined AUROC: compute() returns nan then (as sklearn does for
@@ -79,6 +94,7 @@ class AUROC:
     Attributes:
         scores: the kept scores (numpy, host side).
         labels: the kept labels.
+        weights: the kept entries' weights.
         num_classes: 2 for binary, or the classes of a one-vs-rest macro (static).
         max_examples: how many valid entries it may keep (static).
 
@@ -94,6 +110,7 @@ class AUROC:
     """
     scores: tuple   # float64 chunks, [n] (binary) or [n, C]
     labels: tuple   # int64 chunks, [n]
+    weights: tuple  # float64 chunks, [n]
     num_classes: int = struct.field(pytree_node=False, default=2)
     max_examples: int = struct.field(pytree_node=False, default=1_000_000)
     JITTABLE: ClassVar[bool] = False
@@ -102,7 +119,8 @@ class AUROC:
     def empty(cls, num_classes: int = 2, max_examples: int = 1_000_000):
         if num_classes < 2:
             raise ValueError(f"AUROC: num_classes must be >= 2, got {num_classes}")
-        return cls(scores=(), labels=(), num_classes=num_classes, max_examples=max_examples)
+        return cls(scores=(), labels=(), weights=(), num_classes=num_classes,
+                   max_examples=max_examples)
 
     def update(self, **batch):
         labels = _fetch(require(batch, "labels", self), self)
@@ -118,26 +136,30 @@ class AUROC:
         if scores.shape != want:
             raise ValueError(f"AUROC(num_classes={self.num_classes}): scores shape {scores.shape}, "
                              f"expected {want} for labels {labels.shape}")
-        valid = _host_valid(batch, labels.shape, self)
-        part = self.replace(scores=(scores[valid],), labels=(labels[valid].astype(np.int64),))
+        w = _host_weights(batch, labels.shape, self)
+        valid = w > 0
+        part = self.replace(scores=(scores[valid],), labels=(labels[valid].astype(np.int64),),
+                            weights=(w[valid],))
         return self.merge(part)
 
     def merge(self, other):
         check_mergeable(self, other)
-        merged = self.replace(scores=self.scores + other.scores, labels=self.labels + other.labels)
+        merged = self.replace(scores=self.scores + other.scores, labels=self.labels + other.labels,
+                              weights=self.weights + other.weights)
         check_capacity(merged)
         return merged
 
     def buffers(self) -> dict[str, np.ndarray]:
         tail = () if self.num_classes == 2 else (self.num_classes,)
         return {"scores": _concat(self.scores, tail, np.float64),
-                "labels": _concat(self.labels, (), np.int64)}
+                "labels": _concat(self.labels, (), np.int64),
+                "weights": _concat(self.weights, (), np.float64)}
 
     def compute(self) -> float:
         b = self.buffers()
         if self.num_classes == 2:
-            return _binary_auroc(b["labels"] == 1, b["scores"])
-        per_class = [_binary_auroc(b["labels"] == c, b["scores"][:, c])
+            return _binary_auroc(b["labels"] == 1, b["scores"], b["weights"])
+        per_class = [_binary_auroc(b["labels"] == c, b["scores"][:, c], b["weights"])
                      for c in range(self.num_classes)]
         return float(np.mean(per_class))
 
@@ -146,11 +168,15 @@ class AUROC:
 class Spearman:
     """Spearman rank correlation of preds and labels (ties get average ranks, like scipy).
 
-    Host-side, not jittable: keeps every valid pair; more than ``max_examples`` raises.
+    Each pair weighs its mask (its value if > 0; pairs of weight 0 are not kept) as that
+    many copies of the pair would: weighted midranks, then their weighted Pearson
+    correlation (every weight 1: scipy's spearmanr). Host-side, not jittable: keeps every
+    pair that weighs; more than ``max_examples`` raises.
 
     Attributes:
         preds: the kept predictions, float64 chunks on the host.
         labels: the kept labels, likewise.
+        weights: the kept pairs' weights, likewise.
         max_examples: how many valid pairs it may keep (static).
 
     Examples:
@@ -164,36 +190,42 @@ class Spearman:
     """
     preds: tuple    # float64 chunks [n]
     labels: tuple   # float64 chunks [n]
+    weights: tuple  # float64 chunks [n]
     max_examples: int = struct.field(pytree_node=False, default=1_000_000)
     JITTABLE: ClassVar[bool] = False
 
     @classmethod
     def empty(cls, max_examples: int = 1_000_000):
-        return cls(preds=(), labels=(), max_examples=max_examples)
+        return cls(preds=(), labels=(), weights=(), max_examples=max_examples)
 
     def update(self, **batch):
         preds = _fetch(require(batch, "preds", self), self).astype(np.float64)
         labels = _fetch(require(batch, "labels", self), self).astype(np.float64)
         if preds.shape != labels.shape:
             raise ValueError(f"Spearman: preds {preds.shape} and labels {labels.shape} differ")
-        valid = _host_valid(batch, labels.shape, self)
-        return self.merge(self.replace(preds=(preds[valid],), labels=(labels[valid],)))
+        w = _host_weights(batch, labels.shape, self)
+        valid = w > 0
+        return self.merge(self.replace(preds=(preds[valid],), labels=(labels[valid],),
+                                       weights=(w[valid],)))
 
     def merge(self, other):
         check_mergeable(self, other)
-        merged = self.replace(preds=self.preds + other.preds, labels=self.labels + other.labels)
+        merged = self.replace(preds=self.preds + other.preds, labels=self.labels + other.labels,
+                              weights=self.weights + other.weights)
         check_capacity(merged)
         return merged
 
     def buffers(self) -> dict[str, np.ndarray]:
         return {"preds": _concat(self.preds, (), np.float64),
-                "labels": _concat(self.labels, (), np.float64)}
+                "labels": _concat(self.labels, (), np.float64),
+                "weights": _concat(self.weights, (), np.float64)}
 
     def compute(self) -> float:
         b = self.buffers()
         if len(b["preds"]) < 2:
             return math.nan
-        rx, ry = _midranks(b["preds"]), _midranks(b["labels"])
-        rx, ry = rx - rx.mean(), ry - ry.mean()
-        den = math.sqrt(float(rx @ rx) * float(ry @ ry))
-        return float(np.clip((rx @ ry) / den, -1.0, 1.0)) if den > 0 else math.nan
+        w = b["weights"]
+        rx, ry = _midranks(b["preds"], w), _midranks(b["labels"], w)
+        rx, ry = rx - np.average(rx, weights=w), ry - np.average(ry, weights=w)
+        den = math.sqrt(float((w * rx) @ rx) * float((w * ry) @ ry))
+        return float(np.clip(((w * rx) @ ry) / den, -1.0, 1.0)) if den > 0 else math.nan

@@ -10,17 +10,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jtrain.metrics.base import (Array, check_mergeable, masked_sum, merge_operands,
-                                 ratio, require, sum_merge, to_host, valid_mask, zeros)
+from jtrain.metrics.base import (Array, check_mergeable, entry_weights, merge_operands, ratio,
+                                 require, sum_merge, to_host, weighted_sum, zeros)
 
 
 @struct.dataclass
 class MSE:
-    """Mean squared error of `preds` against `labels` (entries with mask > 0).
+    """Mean squared error of `preds` against `labels`, each entry weighing its mask (its
+    value if > 0, else 0): sklearn's mean_squared_error with sample_weight.
 
     Attributes:
-        total: the sum of the squared errors.
-        count: the count of entries.
+        total: the weighted sum of the squared errors.
+        count: the summed weight of the entries.
 
     Examples:
         ```python
@@ -48,9 +49,9 @@ class MSE:
     def update(self, **batch):
         preds = jnp.asarray(require(batch, "preds", self), jnp.float32)
         labels = jnp.asarray(require(batch, "labels", self), jnp.float32)
-        valid = valid_mask(batch.get("mask"), labels.shape)
-        return self.merge(self.replace(total=masked_sum(self._error(preds, labels), valid),
-                                       count=jnp.sum(valid, dtype=jnp.float32)))
+        w = entry_weights(batch.get("mask"), labels.shape)
+        return self.merge(self.replace(total=weighted_sum(self._error(preds, labels), w),
+                                       count=jnp.sum(w, dtype=jnp.float32)))
 
     def merge(self, other):
         return sum_merge(self, other)
@@ -62,8 +63,8 @@ class MSE:
 @struct.dataclass
 class MAE(MSE):
 
-    """Mean absolute error of `preds` against `labels` (entries with mask > 0); its
-    fields are those of `MSE`, `total` the sum of the absolute errors.
+    """Mean absolute error of `preds` against `labels`, weighted as `MSE`; its fields are
+    those of `MSE`, `total` the weighted sum of the absolute errors.
 
     Examples:
         ```python
@@ -80,15 +81,17 @@ class MAE(MSE):
 
 @struct.dataclass
 class Moments:
-    """Count, means and centred second moments of (x, y); merged with Chan's formula.
+    """Weighted means and centred second moments of (x, y); merged with Chan's formula
+    (n is the summed weight; with every weight 1, the plain moments).
 
     Attributes:
-        n: the count of pairs.
-        mean_x: the mean of x.
-        mean_y: the mean of y.
-        m2x: the sum of squared deviations of x from its mean.
+        n: the summed weight of the pairs.
+        mean_x: the weighted mean of x.
+        mean_y: the weighted mean of y.
+        m2x: the weighted sum of squared deviations of x from its mean.
         m2y: the same of y.
-        cxy: the sum of the products of the deviations of x and y.
+        cxy: the weighted sum of the products of the deviations of x and y.
+        count: how many pairs weigh (weight > 0), whatever their weight.
 
     Examples:
         ```python
@@ -103,22 +106,24 @@ class Moments:
     mean_y: Array
     m2x: Array   # sum (x - mean_x)^2
     m2y: Array   # sum (y - mean_y)^2
-    cxy: Array   # sum (x - mean_x)(y - mean_y)
+    cxy: Array   # sum w (x - mean_x)(y - mean_y)
+    count: Array  # pairs with w > 0: "fewer than 2 pairs" is a count, not a weight
 
     @classmethod
     def empty(cls):
-        return cls(*(zeros(np.float32) for _ in range(6)))
+        return cls(*(zeros(np.float32) for _ in range(7)))
 
     @classmethod
-    def of_batch(cls, x, y, valid):
-        n = jnp.sum(valid, dtype=jnp.float32)
-        safe_n = jnp.maximum(n, 1.0)
-        mean_x = masked_sum(x, valid) / safe_n
-        mean_y = masked_sum(y, valid) / safe_n
-        dx = jnp.where(valid, x - mean_x, 0.0)
-        dy = jnp.where(valid, y - mean_y, 0.0)
-        return cls(n=n, mean_x=mean_x, mean_y=mean_y, m2x=jnp.sum(dx * dx),
-                   m2y=jnp.sum(dy * dy), cxy=jnp.sum(dx * dy))
+    def of_batch(cls, x, y, w):
+        n = jnp.sum(w, dtype=jnp.float32)
+        safe_n = jnp.where(n > 0, n, 1.0)
+        mean_x = weighted_sum(x, w) / safe_n
+        mean_y = weighted_sum(y, w) / safe_n
+        dx = jnp.where(w > 0, x - mean_x, 0.0)
+        dy = jnp.where(w > 0, y - mean_y, 0.0)
+        return cls(n=n, mean_x=mean_x, mean_y=mean_y, m2x=jnp.sum(w * dx * dx),
+                   m2y=jnp.sum(w * dy * dy), cxy=jnp.sum(w * dx * dy),
+                   count=jnp.sum(w > 0, dtype=jnp.float32))
 
     def merge(self, other):
         xp, a, b = merge_operands(self, other)
@@ -129,13 +134,13 @@ class Moments:
         return Moments(n=n, mean_x=a.mean_x + dx * frac, mean_y=a.mean_y + dy * frac,
                        m2x=a.m2x + b.m2x + dx * dx * cross,
                        m2y=a.m2y + b.m2y + dy * dy * cross,
-                       cxy=a.cxy + b.cxy + dx * dy * cross)
+                       cxy=a.cxy + b.cxy + dx * dy * cross, count=a.count + b.count)
 
 
 def _regression_batch(metric, batch):
     preds = jnp.asarray(require(batch, "preds", metric), jnp.float32)
     labels = jnp.asarray(require(batch, "labels", metric), jnp.float32)
-    return preds, labels, valid_mask(batch.get("mask"), labels.shape)
+    return preds, labels, entry_weights(batch.get("mask"), labels.shape)
 
 
 @struct.dataclass
@@ -145,18 +150,21 @@ class R2:
     axis (sklearn's columns; with 1, every entry is a sample of one output), every other
     axis indexing samples; R² of each output, then their plain mean. Pooling the entries
     of several outputs instead would count the differences between the outputs' means as
-    explained variance. Per output: nan for fewer than 2 counted entries (left out of the
-    mean; nan if every output is); 1.0 / 0.0 for constant labels (force_finite).
+    explained variance. Each entry weighs its mask (its value if > 0, else 0), as
+    sklearn's sample_weight. Per output: nan for fewer than 2 counted entries (weight > 0;
+    left out of the mean; nan if every output is); 1.0 / 0.0 for constant labels
+    (force_finite).
 
-    The state, per output: the count, the label mean, the centred label sum of squares
-    and the residual sum of squares, merged with Chan's formula (exact across batches,
-    devices and hosts).
+    The state, per output: the summed weight, the weighted label mean, the weighted centred
+    label sum of squares, the weighted residual sum of squares and the count, merged with
+    Chan's formula (exact across batches, devices and hosts).
 
     Attributes:
-        n: the count of entries per output.
-        mean: the labels' mean per output.
-        m2: the labels' sum of squared deviations per output.
-        sse: the sum of squared errors per output.
+        n: the summed weight of the entries per output.
+        mean: the labels' weighted mean per output.
+        m2: the labels' weighted sum of squared deviations per output.
+        sse: the weighted sum of squared errors per output.
+        count: the count of entries with weight > 0 per output.
         num_outputs: how many outputs are scored apart (static).
 
     Examples:
@@ -171,7 +179,8 @@ class R2:
     n: Array      # [k] counted entries
     mean: Array   # [k] label mean
     m2: Array     # [k] sum (label - mean)^2
-    sse: Array    # [k] sum (pred - label)^2
+    sse: Array    # [k] sum w (pred - label)^2
+    count: Array  # [k] entries with w > 0
     num_outputs: int = struct.field(pytree_node=False, default=1)
     JITTABLE: ClassVar[bool] = True
 
@@ -179,23 +188,24 @@ class R2:
     def empty(cls, num_outputs: int = 1):
         if num_outputs < 1:
             raise ValueError(f"R2: num_outputs must be >= 1, got {num_outputs}")
-        return cls(*(zeros(np.float32, (num_outputs,)) for _ in range(4)),
+        return cls(*(zeros(np.float32, (num_outputs,)) for _ in range(5)),
                    num_outputs=num_outputs)
 
     def update(self, **batch):
-        preds, labels, valid = _regression_batch(self, batch)
+        preds, labels, weights = _regression_batch(self, batch)
         k = self.num_outputs
         last = labels.shape[-1] if labels.ndim > 1 else 1
         if last != k:
             raise ValueError(f"R2(num_outputs={k}): labels {tuple(labels.shape)}: their last "
                              f"axis holds the outputs; R2.empty(num_outputs={last}) scores "
                              f"{last} outputs, flattened labels one")
-        y, p, v = (a.reshape(-1, k) for a in (labels, preds, valid))
-        n = jnp.sum(v, axis=0, dtype=jnp.float32)
-        mean = jnp.sum(jnp.where(v, y, 0.0), axis=0) / jnp.maximum(n, 1.0)
-        dy = jnp.where(v, y - mean, 0.0)
-        part = self.replace(n=n, mean=mean, m2=jnp.sum(dy * dy, axis=0),
-                            sse=jnp.sum(jnp.where(v, jnp.square(p - y), 0.0), axis=0))
+        y, p, w = (a.reshape(-1, k) for a in (labels, preds, weights))
+        n = jnp.sum(w, axis=0, dtype=jnp.float32)
+        mean = weighted_sum(y, w, axis=0) / jnp.where(n > 0, n, 1.0)
+        dy = jnp.where(w > 0, y - mean, 0.0)
+        part = self.replace(n=n, mean=mean, m2=jnp.sum(w * dy * dy, axis=0),
+                            sse=weighted_sum(jnp.square(p - y), w, axis=0),
+                            count=jnp.sum(w > 0, axis=0, dtype=jnp.float32))
         return self.merge(part)
 
     def merge(self, other):
@@ -205,11 +215,11 @@ class R2:
         frac = b.n / xp.where(n > 0, n, 1.0)  # weight of b in the merged mean
         d = b.mean - a.mean
         return self.replace(n=n, mean=a.mean + d * frac, m2=a.m2 + b.m2 + d * d * a.n * frac,
-                            sse=a.sse + b.sse)
+                            sse=a.sse + b.sse, count=a.count + b.count)
 
     def compute(self) -> float:
-        n, sst, sse = (to_host(v).reshape(-1) for v in (self.n, self.m2, self.sse))
-        defined = n >= 2
+        count, sst, sse = (to_host(v).reshape(-1) for v in (self.count, self.m2, self.sse))
+        defined = count >= 2
         if not defined.any():
             return math.nan
         constant = (sse == 0.0).astype(np.float64)  # constant labels: sklearn's force_finite
@@ -219,7 +229,8 @@ class R2:
 
 @struct.dataclass
 class Pearson:
-    """Pearson correlation of preds and labels from merged moments (nan if n < 2 or constant).
+    """Pearson correlation of preds and labels from merged moments, each pair weighing its
+    mask (nan for fewer than 2 pairs or constant values).
 
     Attributes:
         moments: the merged `Moments` of (preds, labels).
@@ -249,6 +260,6 @@ class Pearson:
 
     def compute(self) -> float:
         m = jax.tree.map(to_host, self.moments)
-        if m.n < 2 or m.m2x <= 0 or m.m2y <= 0:
+        if m.count < 2 or m.m2x <= 0 or m.m2y <= 0:
             return math.nan
         return float(np.clip(m.cxy / np.sqrt(m.m2x * m.m2y), -1.0, 1.0))

@@ -194,8 +194,8 @@ def make_collection(spec: EvalSpec) -> MetricCollection:
 def metric_batch(outputs, batch: dict, spec: EvalSpec) -> dict:
     """The metric keys (logits or preds, labels, mask) for jtrain's batch conventions.
 
-    The mask is `weights` x row `mask` (an LM's loss mask drops padding tokens); metrics
-    other than the averages count an entry iff its mask is > 0.
+    The mask is `weights` x row `mask` (an LM's loss mask drops padding tokens); every
+    metric weighs an entry by its mask (padding rows weigh 0).
 
     Examples:
         ```python

@@ -131,9 +131,10 @@ def _check(provider, fns, sample, mesh, lora, batch_size):
     inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         (batch_size,) + np.shape(x), np.asarray(x).dtype), sample)
 
-    def total(p, x):  # what a train step differentiates, in short
-        return sum(jnp.sum(jnp.asarray(y, jnp.float32)) for y in jax.tree.leaves(
-            fns.apply(p, x, jax.random.key(0), True)))
+    def total(p, x):  # what a train step differentiates, in short; in train mode a
+        # model's state (BatchNorm statistics) is updated, so it is applied mutable
+        out, _ = fns.apply(p, x, jax.random.key(0), True, mutable=True)
+        return sum(jnp.sum(jnp.asarray(y, jnp.float32)) for y in jax.tree.leaves(out))
 
     with jax.set_mesh(mesh):
         params = fns.existing_params

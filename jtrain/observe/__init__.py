@@ -6,7 +6,10 @@
     header    the run header and the parameter table printed before training
     trust     config.json.sig: runs signed with the user's key; a run naming code it
               did not sign is not opened (jtrain trust RUN)
-    layout    every file a run's workdir holds (docs/reference/workdir.md), start-up order
+    layout    every file a run's workdir holds (docs/reference/workdir.md), start-up
+              order; the one writer of run files (never through a link)
+    runfiles  the one reader of run files: regular files only, capped, strictly decoded,
+              anything malformed one line naming the file
     liblogs   library logs (orbax, absl, grain) and error tracebacks into train.log
     writers   metric writers: JSONL, TensorBoard, MLflow, W&B (background thread)
     writer_checks  each writer checked at start-up: the MLflow store, writable folders

@@ -35,10 +35,13 @@ import contextlib
 import io
 import itertools
 import json
+import logging
+import math
 import os
 import time
 
-from jtrain.observe import layout
+from jtrain.errors import WorkdirError
+from jtrain.observe import layout, runfiles
 
 FILE = "goodput.jsonl"
 WIDTH = 2048  # bytes per session line, newline included
@@ -85,8 +88,12 @@ class Ledger:
         self._file = io.FileIO(layout.open_update(path), "r+")
         size = os.fstat(self._file.fileno()).st_size
         self._at = size - size % WIDTH  # a torn last line (a crash mid-append) is replaced
+        if self._at > runfiles.LEDGER[1]:
+            self.close()
+            raise WorkdirError(path, f"larger than {runfiles.LEDGER[1]} bytes, the cap for "
+                               f"a {runfiles.LEDGER[0]}")
         self._file.seek(0)
-        self._previous = _records(self._file.read(self._at))
+        self._previous = _records(self._file.read(self._at), path)
 
     # -- the marks the loop sets ------------------------------------------------------
 
@@ -203,15 +210,17 @@ SESSION_KEYS = ("productive", "startup", "compile", "checkpoints", "eval", "data
 def sessions(records: list[dict]) -> list[dict]:
     """Each session's seconds by category (SESSION_KEYS; `restart_gaps`: the gap before
     it), with its steps computed and recomputed (those a later session computed again)."""
+    later = [math.inf] * len(records)  # the least first step of the sessions after each
+    for i in range(len(records) - 2, -1, -1):  # one pass back: linear in the sessions
+        later[i] = min(later[i + 1], records[i + 1]["first_step"])
     rows = []
     for i, r in enumerate(records):
         row = dict.fromkeys(SESSION_KEYS, 0.0)
         for c in ("startup", "compile", "checkpoints", "eval", "data", "other"):
             row[c] = r[c]
         recomputed, recomputed_steps = 0.0, 0
-        later = [q["first_step"] for q in records[i + 1:]]
-        if later and r["step"] > min(later):  # a later session computed these again
-            kept = max(min(later), r["first_step"])
+        if r["step"] > later[i]:  # a later session computed these again
+            kept = max(later[i], r["first_step"])
             recomputed_steps = r["step"] - kept
             recomputed = r["steps"] - _steps_at(r, kept)
         row["recomputed"] = recomputed
@@ -247,19 +256,39 @@ def block(records: list[dict]) -> dict:
 
 
 def read(workdir: str) -> list[dict]:
-    """The session records of WORKDIR/goodput.jsonl, in order (a torn line skipped)."""
-    with open(os.path.join(workdir, FILE), "rb") as f:
-        return _records(f.read())
+    """The session records of WORKDIR/goodput.jsonl, in order (a torn last line skipped,
+    a malformed record skipped with a warning); a link, a FIFO or a file over the cap is
+    one WorkdirError (jtrain.observe.runfiles)."""
+    path = os.path.join(workdir, FILE)
+    return _records(runfiles.read_bytes(path, runfiles.LEDGER), path)
 
 
-def _records(data: bytes) -> list[dict]:
-    out = []
-    for line in data.split(b"\n"):
-        with contextlib.suppress(ValueError):
-            record = json.loads(line)
-            if isinstance(record, dict) and "start" in record:
-                out.append(record)
-    return out
+_FIELDS = {"step": int, "end": float, **dict.fromkeys(CATEGORIES, float), "start": float,
+           "first_step": int, "phases": dict, "saves": list}
+
+
+def _records(data: bytes, path: str) -> list[dict]:
+    """A malformed record (a hand edit, a foreign file) is skipped with a warning: the
+    ledger only reports, so it never fails a run that trained, nor its evaluation."""
+    return runfiles.parse_ledger(data, path, _check, bad=_warn)
+
+
+def _check(record: dict) -> str | None:
+    problem = runfiles.check_fields(record, _FIELDS)
+    if problem is None:
+        problem = runfiles.check_fields(record["phases"], dict.fromkeys(record["phases"],
+                                                                        float))
+        problem = problem and f"phases.{problem}"
+    if problem is None and not all(
+            isinstance(s, list) and len(s) == 2 and type(s[0]) is int
+            and runfiles.check_fields({"t": s[1]}, {"t": float}) is None
+            for s in record["saves"]):
+        problem = "saves: expected a list of [step, seconds]"
+    return problem
+
+
+def _warn(message: str) -> None:
+    logging.warning("jtrain: goodput: %s", message)
 
 
 def _sec(s: float) -> str:

@@ -32,6 +32,10 @@ def describe_run(cfg, build, data, *, workdir: str, origin: str, peak: float | N
         extra.append(f"jtrain: {build.model_name}: init / update / evaluate of your own; its "
                      f"state: {n_params:,} values in {len(leaves)} leaves (params and "
                      "optimizer states alike)")
+    elif getattr(build, "tx_given", False):
+        extra.append(f"jtrain: optimizer: the optax transformation given to "
+                     f"jtrain.train(tx=...) (its own learning rate and schedule), "
+                     f"{build.grad_accum_steps} microbatch(es) per update")
     else:
         extra.append(optimizer_line(cfg.optim, cfg.total_steps, build.grad_accum_steps,
                                     params=build.abstract.params))

@@ -5,12 +5,10 @@ each step appears once."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import stat
 
-from jtrain.errors import WorkdirError, first_line
+from jtrain.errors import WorkdirError
+from jtrain.observe import runfiles
 
 
 def json_float(v: float):
@@ -34,75 +32,52 @@ def drop_evals_after(path: str, step: int) -> None:
 
 
 def _keep_only(path: str, keep) -> None:
-    with open(path, "rb") as f:
-        lines = f.readlines()
-    kept = []
-    for line in lines:
-        record, problem = _parse(line)
-        if problem is None and keep(record):
-            kept.append(line if line.endswith(b"\n") else line + b"\n")
-    if len(kept) == len(lines):
+    data = runfiles.read_bytes(path, runfiles.LEDGER)
+    kept = b"".join(line if line.endswith(b"\n") else line + b"\n"
+                    for line, record in runfiles.ledger_lines(data, path, _check, bad=_skip)
+                    if keep(record))
+    if kept == data:
         return
     from jtrain.observe import layout
 
-    layout.write_file(path, b"".join(kept))
+    layout.write_file(path, kept)
 
 
 def last_byte(path: str) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1)
+    return runfiles.read_bytes(path, runfiles.LEDGER)[-1:]
 
 
 def read_records(path: str, check=None) -> list[dict]:
     """The records of a metrics.jsonl (or hashes.jsonl): JSON objects with an integer
     "step". A torn last line (a kill mid-write) is skipped. Without `check`, any other
-    bad line (not UTF-8, not JSON, not an object, no integer step) is skipped too; with
-    `check(record) -> problem or None`, a bad line is one WorkdirError naming the file,
-    the line and the field. A path that is not a regular file is no records (or, with
-    `check`, the error)."""
+    bad line (not UTF-8, not JSON, not an object, no integer step) is skipped too, and a
+    path that is not a readable regular file is no records; with `check(record) ->
+    problem or None`, either is one WorkdirError naming the file, the line and the
+    field (jtrain.observe.runfiles reads it)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        if check is None:
+            return runfiles.read_ledger(path, _check, bad=_skip)
+        return runfiles.read_ledger(path, lambda r: _check(r) or check(r))
     except FileNotFoundError:
         return []
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
+    except WorkdirError:
         if check is not None:
-            raise WorkdirError(path, "not a regular file")
+            raise
         return []
-    os.set_blocking(fd, True)
-    out = []
-    with os.fdopen(fd, "rb") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            record, problem = _parse(line)
-            if problem is None and check is not None:
-                problem = check(record)
-            if problem is None:
-                out.append(record)
-            elif check is not None and line.endswith(b"\n"):
-                raise WorkdirError(f"{path}: line {number}", problem)
-    return out
 
 
 def parse_records(data: bytes) -> list[dict]:
     """The good records of a metrics.jsonl's bytes (read from elsewhere than a local
     file, e.g. a bucket): bad lines skipped, as read_records does without `check`."""
-    parsed = [_parse(line) for line in data.splitlines() if line.strip()]
-    return [record for record, problem in parsed if problem is None]
+    return runfiles.parse_ledger(data, "metrics.jsonl", _check, bad=_skip)
 
 
-def _parse(line: bytes) -> tuple[dict, str | None]:
-    try:
-        record = json.loads(line.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        return {}, f"not UTF-8 (byte {e.start})"
-    except (ValueError, RecursionError) as e:
-        return {}, f"not JSON ({first_line(e)[:80]})"
-    if not isinstance(record, dict):
-        return {}, "not a JSON object"
+def _skip(message: str) -> None:
+    """A bad line of a lenient read: left out (the strict readers name it)."""
+
+
+def _check(record: dict) -> str | None:
     step = record.get("step")
     if type(step) is not int or step < 0:
-        return {}, f"step: expected a non-negative integer, got {step!r:.40}"
-    return record, None
+        return f"step: expected a non-negative integer, got {step!r:.40}"
+    return None

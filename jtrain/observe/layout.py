@@ -66,6 +66,23 @@ def _open_regular(path: str, mode: int) -> int:
     os.set_blocking(fd, True)
     return fd
 
+# The folders jtrain writes into: files are created inside them by name (orbax, the
+# TensorBoard writer, the profiler), so a symlink planted there would send those writes
+# out of the run.
+FOLDERS = ("checkpoints", "checkpoints.damaged", "tb", "evals", "profile", "logs", "wandb")
+
+
+def check_folders(workdir: str) -> None:
+    """A WorkdirError naming the first of the run's folders that is a symlink (checked at
+    start-up, before anything is written)."""
+    for name in FOLDERS:
+        path = os.path.join(workdir, name)
+        if os.path.islink(path):
+            raise WorkdirError(path, "is a symlink; jtrain writes only inside the run, "
+                               "never through a link (replace it by a folder, or use "
+                               "another --workdir)")
+
+
 EVALS = "evals"  # eval.mode=async / jtrain evaluate --follow: one result file per step
 
 
@@ -84,14 +101,22 @@ def write_eval_result(workdir: str, step: int, record: dict) -> None:
 
 
 def read_eval_result(workdir: str, step: int) -> dict | None:
-    """The result file of `step`, or None while there is none."""
-    import json
+    """The result file of `step`, or None while there is none; one that is not a result
+    (not a JSON object, metrics not numbers, a link, a FIFO) is one WorkdirError."""
+    from jtrain.observe import runfiles
 
+    path = eval_result_path(workdir, step)
     try:
-        with open(eval_result_path(workdir, step)) as f:
-            return json.load(f)
+        record = runfiles.read_object(path)
     except FileNotFoundError:
         return None
+    if "skipped" not in record:
+        problem = runfiles.check_fields(record, {"metrics": dict})
+        problem = problem or runfiles.check_fields(
+            record["metrics"], dict.fromkeys(record["metrics"], float))
+        if problem is not None:
+            raise WorkdirError(path, problem)
+    return record
 
 
 def eval_result_steps(workdir: str) -> set[int]:

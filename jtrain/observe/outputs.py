@@ -27,13 +27,15 @@ from jtrain.optim import schedules
 from jtrain.control import changes as changes_lib
 from jtrain.observe import console, header as header_lib, perf as perf_lib
 from jtrain.observe import writers as writers_lib
-from jtrain.observe import layout, trust
+from jtrain.errors import WorkdirError
+from jtrain.observe import layout, runfiles, trust
 from jtrain.observe.redact import redact
 
 CONFIG_FILE = "config.json"
 RUN_FILE = "run.json"
 MODEL_SOURCE_KEY = "model_source"  # run.json: how the run got its model
 LOSS_SOURCE_KEY = "loss_source"  # ... and its loss_fn, when one was passed from Python
+TX_SOURCE_KEY = "tx_source"  # ... and its optimizer, when train(tx=...) gave one
 
 
 @dataclasses.dataclass
@@ -51,31 +53,36 @@ class Outputs:
         self.writer.close()
 
 
-def run_record(*, model_name: str | None, loss_fn: Callable | None, decided: dict) -> dict:
+def run_record(*, model_name: str | None, loss_fn: Callable | None, decided: dict,
+               tx=None) -> dict:
     """run.json's content: `model_name` of a model passed from Python (None: built from
-    the config), `loss_fn` passed from Python, the set-up's decisions."""
+    the config), `loss_fn` and `tx` passed from Python, the set-up's decisions."""
     record: dict[str, Any] = {}
     if model_name is not None:
         record[MODEL_SOURCE_KEY] = f"python: {model_name}"
     if loss_fn is not None:
         record[LOSS_SOURCE_KEY] = f"python: {getattr(loss_fn, '__name__', 'loss_fn')}"
+    if tx is not None:  # config.json's optim.name does not describe the optimizer state
+        record[TX_SOURCE_KEY] = f"python: {type(tx).__name__}"
     record["decided"] = decided
     return record
 
 
 def read_run_record(workdir: str) -> dict:
     """A workdir's run.json; older runs kept model_source / loss_source in config.json.
-    {} when neither says anything."""
+    {} when neither says anything; a malformed one is one WorkdirError naming it."""
     for name in (RUN_FILE, CONFIG_FILE):
+        path = os.path.join(workdir, name)
         try:
-            with open(os.path.join(workdir, name)) as f:
-                data = json.load(f)
-        except (OSError, ValueError):
+            data = runfiles.read_object(path)
+        except FileNotFoundError:
             continue
-        if name == RUN_FILE:
-            return data if isinstance(data, dict) else {}
-        if isinstance(data, dict):
-            return {k: data[k] for k in (MODEL_SOURCE_KEY, LOSS_SOURCE_KEY) if k in data}
+        sources = {k: data[k] for k in (MODEL_SOURCE_KEY, LOSS_SOURCE_KEY, TX_SOURCE_KEY)
+                   if k in data}
+        problem = runfiles.check_fields(sources, dict.fromkeys(sources, str))
+        if problem is not None:
+            raise WorkdirError(path, problem)
+        return data if name == RUN_FILE else sources
     return {}
 
 

@@ -7,10 +7,12 @@ matplotlib with the Agg backend (no display needed), imported only when plotting
 
 from __future__ import annotations
 
+import io
 import json
 
 import numpy as np
 
+from jtrain.observe import layout
 from jtrain.observe.console import EMA
 
 # The eval panel shows the first of these the run logged.
@@ -24,6 +26,15 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save(fig, path: str, **kwargs) -> None:
+    """The figure as a PNG at `path`, written whole through a temporary file beside it
+    (layout.write_file): a symlink planted at `path` in a run is replaced, not written
+    through."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", **kwargs)
+    layout.write_file(path, buf.getvalue())
 
 
 def _series(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -73,7 +84,7 @@ def training_curves(records: list[dict], path: str) -> bool:
     for ax in axes.flat:
         ax.grid(alpha=0.3)
     fig.suptitle(f"training curves ({len(train_steps)} log steps, last step {train_steps[-1]})")
-    fig.savefig(path, dpi=100)
+    save(fig, path, dpi=100)
     plt.close(fig)
     return True
 
@@ -86,10 +97,14 @@ def _line(ax, steps, values, title, ylabel, marker=None, color="tab:blue"):
     ax.set(title=title, xlabel="step", ylabel=ylabel)
 
 
+def _count_text(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:.4g}"
+
+
 def confusion_matrix(counts: np.ndarray, path: str, title: str = "confusion matrix") -> None:
     """Rows = true class, columns = predicted; colour = share of the row, text = counts
-    (for up to 20 classes)."""
-    counts = np.asarray(counts, np.int64)
+    (summed example weights, which need not be whole; for up to 20 classes)."""
+    counts = np.asarray(counts, np.float64)
     c = counts.shape[0]
     rows = counts.sum(axis=1, keepdims=True)
     share = np.where(rows > 0, counts / np.maximum(rows, 1), 0.0)
@@ -101,12 +116,12 @@ def confusion_matrix(counts: np.ndarray, path: str, title: str = "confusion matr
     if c <= 20:
         for i in range(c):
             for j in range(c):
-                ax.text(j, i, str(counts[i, j]), ha="center", va="center", fontsize=9,
+                ax.text(j, i, _count_text(counts[i, j]), ha="center", va="center", fontsize=9,
                         color="white" if share[i, j] > 0.5 else "black")
         ax.set_xticks(range(c))
         ax.set_yticks(range(c))
     ax.set(title=title, xlabel="predicted class", ylabel="true class")
-    fig.savefig(path, dpi=100)
+    save(fig, path, dpi=100)
     plt.close(fig)
 
 
@@ -149,7 +164,7 @@ def population_curves(records: list[dict], path: str, size: int,
         ax.set_axis_off()
     fig.suptitle(f"population of {size} members (winner: best last value; lower is better "
                  "for losses)")
-    fig.savefig(path, dpi=80)
+    save(fig, path, dpi=80)
     plt.close(fig)
     return True
 
@@ -180,6 +195,6 @@ def goodput_bars(rows: list[dict], path: str) -> dict:
            title=f"goodput {100 * productive / total if total > 0 else 0:.1f}% of "
                  f"{total:.1f} s")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.savefig(path, dpi=80, metadata={"goodput": json.dumps(drawn)})
+    save(fig, path, dpi=80, metadata={"goodput": json.dumps(drawn)})
     plt.close(fig)
     return drawn

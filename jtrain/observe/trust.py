@@ -2,10 +2,11 @@
 
 A config names code by import path ("package.module:function": model.factory,
 step.factory, data.source, data.transform, data.valid_fn, loss.fn, loss.terms.*.fn,
-eval.predict_fn, data.mixture.*.source), and the commands that rebuild a run from its
-config.json (jtrain evaluate, jtrain replay, python -m jtrain.recipes.report) import
-those modules and call them with kwargs from the same file. A run directory is data,
-so (as Jupyter trusts notebooks) the user's own tools sign what they write:
+eval.predict_fn, data.mixture.*.source, control.callbacks), and the commands that
+rebuild a run from its config.json (jtrain evaluate, jtrain replay, python -m
+jtrain.recipes.report) import those modules and call them with kwargs from the same
+file. A run directory is data, so (as Jupyter trusts notebooks) the user's own tools
+sign what they write:
 
 - when jtrain writes a run's config.json it writes config.json.sig beside it: the
   HMAC-SHA256 of the file's bytes under a per-user key (`key_file()`: $JTRAIN_TRUST_KEY_FILE,
@@ -33,7 +34,7 @@ import secrets
 import stat
 
 from jtrain.errors import WorkdirError
-from jtrain.observe import layout
+from jtrain.observe import layout, runfiles
 
 KEY_ENV = "JTRAIN_TRUST_KEY_FILE"
 SIGNATURE_FILE = "config.json.sig"
@@ -42,7 +43,7 @@ _PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 # The keys whose value is only ever an import path: any string there is a name to check
 # (a module path without ":" is imported too, e.g. by python -m jtrain.recipes.report).
 CODE_KEYS = frozenset({"model.factory", "step.factory", "data.source", "data.transform",
-                       "data.valid_fn", "loss.fn", "eval.predict_fn"})
+                       "data.valid_fn", "loss.fn", "eval.predict_fn", "control.callbacks"})
 # Keys that hold a built-in's name or an import path (with ":"): loss.terms.NAME.fn,
 # data.mixture.NAME.source.
 _BUILTIN_OR_CODE = re.compile(r"loss\.terms\.[^.]+\.fn|data\.mixture\.[^.]+\.source")
@@ -173,8 +174,7 @@ def sign(workdir: str, *, required: bool = True) -> str | None:
         return None
     if key is None:
         return None
-    with open(os.path.join(workdir, "config.json"), "rb") as f:
-        sig = signature(f.read(), key)
+    sig = signature(runfiles.read_bytes(os.path.join(workdir, "config.json")), key)
     layout.write_file(os.path.join(workdir, SIGNATURE_FILE), sig + "\n")
     return sig
 
@@ -190,6 +190,7 @@ def import_paths(config, prefix: str = "") -> list[tuple[str, str]]:
         key = f"{prefix}{k}"
         if isinstance(v, str):
             if (key in CODE_KEYS and v) or _PATH.fullmatch(v) or (
+                    prefix.rstrip(".") in CODE_KEYS and v) or (
                     ":" in v and _BUILTIN_OR_CODE.fullmatch(key)):
                 found.append((v, key))
         elif isinstance(v, (dict, list, tuple)):
@@ -207,12 +208,11 @@ def untrusted(config: dict, skip=()) -> list[tuple[str, str]]:
 def verify(workdir: str, *, strict: bool = False) -> bool:
     """Whether config.json.sig is the user's signature of config.json as it is; `strict`:
     a key that signs nothing (user_key) raises its WorkdirError instead of False."""
-    try:
-        with open(os.path.join(workdir, "config.json"), "rb") as f:
-            content = f.read()
-        with open(os.path.join(workdir, SIGNATURE_FILE)) as f:
-            sig = f.read().strip()
-    except OSError:
+    try:  # bytes: a signature that is not ASCII hex simply does not match
+        content = runfiles.read_bytes(os.path.join(workdir, "config.json"))
+        sig = runfiles.read_bytes(os.path.join(workdir, SIGNATURE_FILE),
+                                  runfiles.SIGNATURE).strip()
+    except (OSError, WorkdirError):
         return False
     try:
         key = user_key(create=False)
@@ -220,7 +220,7 @@ def verify(workdir: str, *, strict: bool = False) -> bool:
         if strict:
             raise
         return False
-    return key is not None and hmac.compare_digest(signature(content, key), sig)
+    return key is not None and hmac.compare_digest(signature(content, key).encode(), sig)
 
 
 def listing(paths) -> str:

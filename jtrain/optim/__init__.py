@@ -51,9 +51,15 @@ Choices worth knowing:
   leaves, which for these optimizers is multiplying their learning rate (weight decay
   included, as it is scaled by the learning rate).
 
+- Any other optax / optax.contrib function by name ("optax.lion", with `optim.kwargs`)
+  takes the place of the optimizer in the chain above (named.py says what jtrain passes
+  it); `jtrain.train(tx=...)` replaces the whole chain but the freezing and lr_mults
+  (`given_optimizer`).
+
 Its modules: schedules.py (optim.schedule), decay.py (weight decay whose rate is in
-the optimizer state, one per population member) and update.py (one optimizer update,
-gradients summed over microbatches: jtrain.step.optimizer_update / accumulated).
+the optimizer state, one per population member), named.py (optax functions by name) and
+update.py (one optimizer update, gradients summed over microbatches:
+jtrain.step.optimizer_update / accumulated).
 """
 
 import functools
@@ -67,6 +73,7 @@ import optax
 from jtrain.config import sections
 from jtrain.errors import ConfigError
 from jtrain.optim import decay as optim_decay
+from jtrain.optim import named
 from jtrain.optim.schedules import _SCHEDULES, SCHEDULES, make_schedule  # noqa: F401
 
 
@@ -320,10 +327,14 @@ def _check_names(optim_cfg) -> None:
     get = getattr(optim_cfg, "get", lambda key, default=None: default)
     for key, known in (("name", _OPTIMIZERS), ("schedule", _SCHEDULES)):
         value = get(key, None)
+        if key == "name" and isinstance(value, str) and named.is_optax_name(value):
+            continue
         if value is not None and value not in known:
             what = "optimizer" if key == "name" else "schedule"
             raise ConfigError(f"optim.{key}", f"unknown {what} {value!r}; choose one of: "
-                                              f"{', '.join(known)}")
+                                              f"{', '.join(known)}" + (
+                                                  ", or optax.<name> / optax.contrib.<name>"
+                                                  if key == "name" else ""))
 
 
 def make_optimizer(optim_cfg, total_steps, *, extra_trainable=(), decay_in_state=False):
@@ -356,6 +367,9 @@ def make_optimizer(optim_cfg, total_steps, *, extra_trainable=(), decay_in_state
     if name in SCHEDULE_FREE:  # lr_mults and the plateau factor scale the base step
         tx = _OPTIMIZERS[name](optim_cfg, schedule, wd, mask,
                                tail=(*mults, _scale_by_lr_factor()))
+    elif named.is_optax_name(name):
+        tx = named.build(name, dict(optim_cfg["kwargs"]), schedule, wd, mask)
+        tx = optax.chain(tx, *mults) if mults else tx
     else:
         tx = (optim_decay.optimizer(name, optim_cfg, schedule, wd, mask) if decay_in_state
               else _OPTIMIZERS[name](optim_cfg, schedule, wd, mask))
@@ -372,3 +386,36 @@ def make_optimizer(optim_cfg, total_steps, *, extra_trainable=(), decay_in_state
     if name in SCHEDULE_FREE:
         tx = _TakesLrFactor(tx.init, tx.update)
     return tx, schedule
+
+
+# What optim.* still means with train(tx=...): the step's accumulation and EMA, and the
+# freezing and lr_mults wrapped around the given transformation. Every other key
+# configures the built-in chain, and a non-default value would be silently ignored.
+_WITH_TX = ("grad_accum_steps", "trainable", "frozen", "lr_mults", "ema")
+
+
+def given_optimizer(tx, optim_cfg, total_steps, *, extra_trainable=()):
+    """`(tx, schedule)` for a transformation passed as `jtrain.train(tx=...)`: `tx` with
+    optim.lr_mults and optim.trainable / frozen around it as for a built-in name;
+    `schedule` logs NaN (the learning rate is inside `tx`). ConfigError naming the first
+    optim key that would be ignored."""
+    if not isinstance(tx, optax.GradientTransformation):
+        raise ConfigError("tx", f"must be an optax.GradientTransformation, got "
+                                f"{type(tx).__name__}")
+    optim_cfg = sections.section("optim", optim_cfg, total_steps=total_steps)
+    defaults = sections.section("optim", {}, total_steps=total_steps)
+    for key in optim_cfg:
+        if key not in _WITH_TX and optim_cfg[key] != defaults[key]:
+            raise ConfigError(f"optim.{key}", f"{optim_cfg[key]!r} would be ignored: "
+                              "jtrain.train(tx=...) is the whole optimizer; leave "
+                              f"optim.{key} at its default or build it into tx")
+    if optim_cfg["lr_mults"]:
+        tx = optax.chain(tx, _scale_by_path(dict(optim_cfg["lr_mults"])))
+    trainable = (*optim_cfg["trainable"], *extra_trainable)
+    if trainable or optim_cfg["frozen"]:
+        tx = optax.multi_transform(
+            {"train": tx, "frozen": optax.set_to_zero()},
+            functools.partial(trainable_labels, trainable=trainable,
+                              frozen=tuple(optim_cfg["frozen"])))
+    return tx, lambda count: jnp.full((), jnp.nan, jnp.float32)
+

@@ -29,11 +29,19 @@ import time
 import uuid
 
 from jtrain.checkpoint import store
-from jtrain.errors import ConfigError, JtrainError
+from jtrain.errors import ConfigError, JtrainError, WorkdirError
+from jtrain.observe import runfiles
 
 LEASE = "worker.json"
 TRIAL_DIRS = ("trials", "populations")  # each trial's run mirrors itself
 
+
+
+def parse_lease(data: bytes, name: str) -> dict:
+    """A lease object's record; anything else (a torn write, a list, a field of another
+    type) is a WorkdirError (jtrain.observe.runfiles' rules)."""
+    return runfiles.parse_object(data, name, {"host": str, "pid": int, "time": float,
+                                              "token": str})
 
 class StudyFiles:
     """The study's files of a search at `uri`: the staging copy (`local`), the lease."""
@@ -53,13 +61,15 @@ class StudyFiles:
     # -- the lease ----------------------------------------------------------------------
     def _read_lease(self) -> dict | None:
         try:
-            return json.loads(self.mirror.fs.cat_file(self._lease))
+            data = self.mirror.fs.cat_file(self._lease)
         except FileNotFoundError:
-            return None
-        except ValueError:  # a torn or foreign object: nobody's lease
             return None
         except Exception as e:
             raise store.failure(self.uri, e, f"reading {LEASE}") from None
+        try:
+            return parse_lease(data, self._lease)
+        except WorkdirError:  # a torn or foreign object: nobody's lease
+            return None
 
     def _write_lease(self) -> None:
         body = json.dumps({**self._me, "time": time.time()}).encode()

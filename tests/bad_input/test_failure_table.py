@@ -136,7 +136,7 @@ CASES = [
      {"JTRAIN_NUM_PROCESSES": "two"}, 2,
      "usage error: JTRAIN_NUM_PROCESSES='two' in the environment: expected an integer"),
     ("no_coordinator", ["train", DEBUG, "--workdir=runs/a", "--num_processes=2"], {}, 2,
-     "--coordinator_address: required when --num_processes > 1"),
+     "config error: --coordinator_address: required when --num_processes > 1"),
     ("evaluate_no_workdir", ["evaluate"], {}, 2, "usage error: --workdir: required"),
     ("evaluate_missing", ["evaluate", "--workdir=runs/nope"], {}, 2,
      "evaluate error: --workdir: "),
@@ -150,7 +150,8 @@ CASES = [
      "usage error: --out: required"),
     ("bench_unknown", ["bench", "nosuch"], {}, 2,
      "usage error: unknown benchmark 'nosuch'"),
-    ("command_typo", ["trian"], {}, 2, 'jtrain trian: unknown command'),
+    ("command_typo", ["trian"], {}, 2, "usage error: jtrain trian: unknown command; choose "
+     'from train, evaluate, export, tune, bench, diff, replay, trust (did you mean "train"?)'),
     # Writers that cannot start: found before the data, the build or any step; an
     # existing run's files are left as they were (test_writer_failures_keep_the_run).
     ("writer_mlflow_file_store", ["train", DEBUG, "--workdir=runs/mlf",

@@ -2,8 +2,11 @@
 format 1 (docs/checkpoint-format.md): a user's NNX model (tests/projects/nnx_mlp.py) with
 the weight EMA on, stopped after its checkpoint at step 2 of 4. This release must read that
 checkpoint bitwise (the hash of every saved leaf, no computation involved) and resume it to
-step 4 with the final state hash recorded when the fixture was made (float computation:
-that one holds on the machine class that made it, see the changelog).
+step 4 with the final state hash recorded when the fixture was made. Those two steps are
+float computation, and XLA:CPU vectorises them for the CPU it runs on (AVX-512 on one
+machine, AVX2 on another: other reduction orders, other bits); both the record and the
+test compute them with XLA's instruction set capped at AVX2 (`ISA`), which every x86-64
+CPU that runs JAX's wheels has, so the hash is one on all of them.
 
 Regenerate (only together with a changelog entry):
 
@@ -27,6 +30,18 @@ CONFIG = {"model": {"name": "user", "factory": "nnx_mlp:make"},
           "total_steps": 4, "seed": 3, "optim": {"lr": 0.05, "ema": {"decay": 0.5}},
           "eval": {"every_steps": 0}, "checkpoint": {"every_steps": 2},
           "log": {"writers": ["jsonl"], "verbosity": 0, "every_steps": 1}}
+# The resume's float steps are compiled for this instruction set on every machine.
+ISA = "--xla_cpu_max_isa=AVX2"
+RESUME = """
+import json
+
+import jtrain
+
+config = json.load(open("run/config.json"))  # the run's own config feeds back
+result = jtrain.train(config, "run")
+print(json.dumps({"step": result.summary["step"], "sha": result.summary["state_sha256"],
+                  "steps": [r["step"] for r in result.train_history]}))
+"""
 FIELDS = ("step", "params", "opt_state", "rng", "loss_scale", "skipped_steps",
           "consecutive_skips", "halted_at", "lr_factor", "ema", "model_state")
 
@@ -65,12 +80,8 @@ def regenerate() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         _in(tmp)
-        result = jtrain.train(CONFIG, "run")
+        jtrain.train(CONFIG, "run")
         run = os.path.join(tmp, "run")
-        record = {"format": 1, "step": 2, "final_step": 4,
-                  "saved_sha256": saved_sha256(os.path.join(run, "checkpoints", "2")),
-                  "final_state_sha256": result.summary["state_sha256"],
-                  "made_with": {"jtrain": jtrain.__version__, "machine": "x86_64 CPU"}}
         shutil.rmtree(os.path.join(run, "checkpoints", "4"))
         os.remove(os.path.join(run, "summary.json"))
         for name in os.listdir(run):  # the log and signature are this machine's
@@ -79,25 +90,41 @@ def regenerate() -> None:
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         shutil.rmtree(FIXTURE, ignore_errors=True)
         shutil.copytree(run, FIXTURE)
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copytree(FIXTURE, os.path.join(tmp, "run"))
+        resumed = resume(tmp)
+    record = {"format": 1, "step": 2, "final_step": 4,
+              "saved_sha256": saved_sha256(os.path.join(FIXTURE, "checkpoints", "2")),
+              "final_state_sha256": resumed["sha"],
+              "made_with": {"jtrain": jtrain.__version__, "machine": "x86_64 CPU",
+                            "xla_flags": ISA}}
     with open(RECORD, "w") as f:
         f.write(json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
-def test_a_format_1_checkpoint_reads_bitwise_and_resumes_to_the_recorded_state(
-        tmp_path, monkeypatch):
-    import jtrain
+def resume(root) -> dict:
+    """The run at ROOT/run resumed to its end by a user's script in ROOT, compiled for
+    the `ISA` cap (a new process: XLA reads its flags when its CPU backend starts)."""
+    import subprocess
 
+    shutil.copy(os.path.join(PROJECTS, "nnx_mlp.py"), root)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
+    proc = subprocess.run([sys.executable, "-c", RESUME], cwd=root, capture_output=True,
+                          text=True, timeout=300, env={**env, "XLA_FLAGS": ISA})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_format_1_checkpoint_reads_bitwise_and_resumes_to_the_recorded_state(tmp_path):
     record = json.load(open(RECORD))
     run = tmp_path / "run"
     shutil.copytree(FIXTURE, run)
     assert sorted(os.listdir(run / "checkpoints")) == ["2"]
     assert saved_sha256(str(run / "checkpoints" / "2")) == record["saved_sha256"]
-    _in(tmp_path, monkeypatch)
-    config = json.load(open(run / "config.json"))  # the run's own config feeds back
-    result = jtrain.train(config, "run")
-    assert result.summary["step"] == record["final_step"] == 4
-    assert [r["step"] for r in result.train_history] == [3, 4]  # resumed after step 2
-    assert result.summary["state_sha256"] == record["final_state_sha256"]
+    resumed = resume(tmp_path)
+    assert resumed["step"] == record["final_step"] == 4
+    assert resumed["steps"] == [3, 4]  # resumed after step 2
+    assert resumed["sha"] == record["final_state_sha256"]
 
 
 if __name__ == "__main__":

@@ -42,6 +42,25 @@ def test_early_stop_patience_and_min_delta(resume_at):
     assert es.best.step == 50 and es.best.value == 0.7
 
 
+@pytest.mark.parametrize("resume_at", [None, 1, 2, 3])
+def test_a_gain_below_min_delta_moves_the_best_not_patience(resume_at):
+    """0.79 beats 0.8 by less than min_delta: it is the best seen (what the summary
+    reports), and patience still counts from 0.8's reference; a state saved without the
+    reference (an older checkpoint) resumes with its value as the reference."""
+    cfg = section("early_stop", monitor="eval/loss", patience=3, min_delta=0.05)
+    values = [1.0, 0.8, 0.79, 0.85, 0.78, 0.77]
+    step, reason, es = run_early(cfg, values, resume_at)
+    assert step == 50 and "in 3 evals" in reason   # 0.79, 0.85, 0.78: none beats 0.8 - 0.05
+    assert (es.best.step, es.best.value) == (50, 0.78)
+    assert es.best.reference == 0.8
+    assert (es.best.step, es.best.value) == min(
+        ((10 * (i + 1), v) for i, v in enumerate(values[:5])), key=lambda sv: sv[1])
+    old = {"best": {"value": 0.8, "step": 20, "bad_evals": 1}}
+    resumed = monitors.EarlyStopping(cfg, old)
+    resumed.update(40, {"eval/loss": 0.76})          # 0.8 - 0.76 < 0.05: no improvement
+    assert (resumed.best.step, resumed.best.bad_evals) == (40, 2)
+
+
 def test_early_stop_thresholds_and_non_finite():
     cfg = section("early_stop", monitor="eval/loss", patience=99, stopping_threshold=0.75)
     assert run_early(cfg, SEQ)[0] == 50

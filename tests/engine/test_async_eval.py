@@ -175,3 +175,49 @@ def test_a_save_renamed_into_place_while_the_evaluator_lists_is_passed_over(tmp_
 
     monkeypatch.setattr(integrity.os, "lstat", lstat)
     assert integrity.scan(str(tmp_path)) == ([10], [], [])
+
+
+def _small(mode, evaluator="child"):
+    return {"total_steps": 4, "seed": 0, "data": {"batch_size": 8, "val_fraction": 0.0},
+            "eval": {"every_steps": 2, "mode": mode, "async_evaluator": evaluator},
+            "checkpoint": {"every_steps": 2, "max_to_keep": 20},
+            "log": {"verbosity": 0, "writers": ("jsonl",)},
+            "optim": {"name": "adamw", "lr": 0.05, "schedule": "constant"}}
+
+
+def test_the_child_evaluator_with_objects_from_python_is_one_line_before_step_1(tmp_path):
+    """The child rebuilds the run from config.json: a model, or data, passed from
+    Python is refused before any step, naming what came from Python."""
+    from jtrain import errors
+
+    given = {"model": {"model": Net()},
+             "train_data": {"train_data": mydata.make(40, train=None)}}
+    for name, kwargs in given.items():
+        workdir = tmp_path / name
+        try:
+            jtrain.train(_small("async"), str(workdir), **kwargs)
+        except errors.ConfigError as e:
+            line = errors.render(e)
+        else:
+            raise AssertionError(f"{name} from Python with the child evaluator ran")
+        assert line.startswith("jtrain: config error: eval.async_evaluator: ") and \
+            "\n" not in line and f"but {name} came from Python" in line, line
+        assert "eval.async_evaluator=external" in line and "follow(" in line, line
+        assert not (workdir / "checkpoints").exists()
+
+
+def test_follow_scores_the_eval_data_given_from_python_as_a_sync_eval_did(tmp_path):
+    """A sync run's evals at steps 2 and 4 against follow(model=, data=) over its
+    checkpoints: the same data, so the same numbers."""
+    rows = mydata.make(56, train=None)
+    train = {k: v[:40] for k, v in rows.items()}
+    ev = {k: v[40:] for k, v in rows.items()}
+    result = jtrain.train(_small("sync"), str(tmp_path), model=Net(), train_data=train,
+                          eval_data=ev)
+    synced = {r["step"]: r["eval/loss"] for r in result.history}
+    assert sorted(synced) == [2, 4]
+    assert async_eval.follow(str(tmp_path), model=Net(), data=ev, say=lambda _: None) == [2, 4]
+    for step in (2, 4):
+        got = layout.read_eval_result(str(tmp_path), step)
+        assert got["metrics"]["eval/loss"] == synced[step], (step, got, synced)
+        assert got["num_examples"] == 16

@@ -345,7 +345,8 @@ def test_accumulation_is_the_steps_own_and_exact_under_padding(tmp_path):
                      step=make_accumulating(4), train_data=data(100))
     assert errors.render(caught.value) == (
         "jtrain: config error: optim.grad_accum_steps: configures the built-in update; with "
-        "a step of your own (sgd), accumulate inside update (jtrain.step.accumulated)")
+        "a step of your own (step.factory: sgd), accumulate inside update "
+        "(jtrain.step.accumulated)")
     assert not (tmp_path / "x" / "metrics.jsonl").exists()
     train = data(100)
     result = jtrain.train(config(total_steps=8, data=PADDED), str(tmp_path),

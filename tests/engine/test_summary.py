@@ -91,3 +91,52 @@ def test_a_run_below_the_share_ends_done(tmp_path):
                           train_data=_data(24))  # 3 NaN rows: 3 of 8 updates skipped
     assert (result.summary["skipped_steps"], result.stopped_by) == (3, None)
     assert result.summary["message"].startswith("jtrain: done at step 8")
+
+
+def test_best_is_the_best_eval_seen_whatever_min_delta(tmp_path):
+    """early_stop.min_delta larger than any gain: after the first eval no eval counts as
+    an improvement (patience alone reads min_delta), yet summary.json's best, the argmin
+    of the recorded evals and `--step=best` name the same, lowest, eval."""
+    from jtrain.engine import checkpoint_eval
+
+    workdir = tmp_path / "run"
+    cfg = {"total_steps": 12, "data": {"batch_size": 8, "shuffle": False, "val_fraction": 0.0},
+           "log": {"verbosity": 0}, "eval": {"every_steps": 2},
+           "checkpoint": {"every_steps": 2, "max_to_keep": 10},
+           "early_stop": {"monitor": "eval/loss", "min_delta": 1e3, "patience": 100},
+           "optim": {"lr": 0.05}}
+    data = _data(64)
+    data["inputs"][8, 2] = 0.0   # _data's one NaN row (every 64th from row 8) made finite
+    eval_data = {k: v[:24] for k, v in data.items()}
+    result = jtrain.train(cfg, workdir, model=Net(nnx.Rngs(0)), train_data=data,
+                          eval_data=eval_data)
+    evals = [(h["eval/loss"], h["step"]) for h in result.history]
+    want_value, want_step = min(evals, key=lambda vs: (vs[0], -vs[1]))  # ties: newer
+    assert want_step != evals[0][1], evals   # the loss went down: the first eval is not best
+    stored = json.loads((workdir / "summary.json").read_text())
+    assert (stored["best_step"], stored["best_value"]) == (want_step, want_value)
+    steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir())
+    assert want_step in steps
+    assert checkpoint_eval.resolve_step("best", steps, str(workdir)) == want_step
+
+
+def test_a_run_stopped_by_sigterm_is_not_judged_by_the_share(tmp_path, monkeypatch):
+    """SIGTERM at step 4 with 3 of its 4 updates skipped (75% > 50%): a signal stop is a
+    clean stop, exit 0, nothing judged; the rerun trains to the end and is judged then,
+    over the 8 steps that ran (7 skipped)."""
+    from jtrain.control import faults
+
+    workdir = tmp_path / "run"
+    monkeypatch.setenv(faults.FAULT_ENV, "step:4:TERM")
+    stopped = jtrain.train(_config(), workdir, model=Net(nnx.Rngs(0)), train_data=_data(2))
+    assert (stopped.stopped_by, stopped.summary["step"]) == ("SIGTERM", 4)
+    assert stopped.summary["skipped_steps"] == 3    # over the share, yet a signal stop
+    stored = json.loads((workdir / "summary.json").read_text())
+    assert (stored["stopped_by"], stored["exit_code"]) == ("SIGTERM", 0)
+    assert stored["message"].startswith("jtrain: stopped by SIGTERM at step 4")
+    monkeypatch.delenv(faults.FAULT_ENV)
+    with pytest.raises(errors.NonFiniteError) as caught:
+        jtrain.train(_config(), workdir, model=Net(nnx.Rngs(0)), train_data=_data(2))
+    assert errors.render(caught.value).startswith(
+        "jtrain: non-finite error: 7 of 8 updates were skipped (88%)")
+    assert caught.value.summary["resumed_from"] == 4

@@ -103,3 +103,39 @@ summary = jtrain.train({"total_steps": 4, "optim": {"name": "muon", "lr": 0.02},
                        "runs/muon", model=MLP(), train_data=data)
 print("done", summary)
 '''
+
+
+OPTAX_CONFIG = '''
+from jtrain.config import defaults
+
+
+def get_config():
+    c = defaults(model="transformer")
+    c.total_steps = 3
+    c.model.update(d_model=16, num_layers=1, num_heads=2, d_ff=32, max_len=16)
+    c.data.update(name="pystdlib", seq_len=16, batch_size=4)
+    c.eval.every_steps = 0
+    c.optim.name = "optax.adabelief"  # not one of jtrain's names
+    c.optim.kwargs = {"b1": 0.8, "eps": 1e-12}
+    return c
+'''
+
+
+def test_a_config_file_names_an_optax_function(tmp_path):
+    """A newcomer's optimizer, named in the config file with its arguments: the run
+    trains with it; a name optax lacks is one line and exit 2 before any step."""
+    (tmp_path / "cfg.py").write_text(OPTAX_CONFIG)
+    proc = run_python(tmp_path, "-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/o")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "jtrain: optimizer optax.adabelief, peak lr" in proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "runs" / "o" / "summary.json").read_text())
+    assert summary["step"] == 3
+    config = json.loads((tmp_path / "runs" / "o" / "config.json").read_text())
+    assert config["optim"]["kwargs"] == {"b1": 0.8, "eps": 1e-12}
+    bad = run_python(tmp_path, "-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/b",
+                     "--config.optim.name=optax.adabelieff")
+    lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
+    assert bad.returncode == 2 and lines == [
+        "jtrain: config error: optim.name: optax has no public function 'adabelieff' "
+        "(names look like optax.lion, optax.contrib.muon)"], bad.stderr[-3000:]
+    assert not (tmp_path / "runs" / "b" / "summary.json").exists()

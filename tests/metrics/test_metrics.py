@@ -181,11 +181,12 @@ def reference(d: dict) -> dict[str, float]:
                                                      zero_division=0)
     for i in classes:
         ref.update({f"precision/{i}": p[i], f"recall/{i}": r[i], f"f1/{i}": f[i]})
-    # Tokens: a float mask weights the averages; the accuracy counts tokens with mask > 0.
+    # Tokens: a float mask weights the averages and the accuracy alike.
     w = d["tok_mask"].astype(np.float64)
-    keep = w > 0
-    ref["token_accuracy"] = skm.accuracy_score(d["tok_labels"][keep],
-                                               d["tok_logits"].argmax(-1)[keep])
+    ref["token_accuracy"] = (skm.accuracy_score(d["tok_labels"].ravel(),
+                                                d["tok_logits"].argmax(-1).ravel(),
+                                                sample_weight=w.ravel())
+                             if w.sum() else math.nan)
     mean_loss = np.average(d["tok_loss"].astype(np.float64), weights=w) if w.sum() else math.nan
     ref.update(loss=mean_loss, perplexity=math.exp(mean_loss),
                bits_per_byte=mean_loss / math.log(2))
@@ -233,7 +234,7 @@ def test_matches_reference(case, key):
 def test_confusion_and_per_class(case):
     got, want = case_results(case)
     np.testing.assert_array_equal(got["confusion"], want["confusion"])
-    assert got["confusion"].dtype == np.int64
+    assert got["confusion"].dtype == np.float64   # summed weights, 1 per example here
     for key in want:
         if "/" in key:
             assert_close(got[key], want[key])
