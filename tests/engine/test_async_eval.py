@@ -208,7 +208,8 @@ def test_the_child_evaluator_with_objects_from_python_is_one_line_before_step_1(
 
 def test_follow_scores_the_eval_data_given_from_python_as_a_sync_eval_did(tmp_path):
     """A sync run's evals at steps 2 and 4 against follow(model=, data=) over its
-    checkpoints: the same data, so the same numbers."""
+    checkpoints: the same data, so the same numbers (the external follower of
+    docs/guide/evaluation.md, given the run's model and eval data)."""
     rows = mydata.make(56, train=None)
     train = {k: v[:40] for k, v in rows.items()}
     ev = {k: v[40:] for k, v in rows.items()}
