@@ -377,15 +377,22 @@ def make_optimizer(optim_cfg, total_steps, *, extra_trainable=(), decay_in_state
     clip_norm = float(optim_cfg["clip_norm"])
     if clip_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)
-    trainable = (*optim_cfg["trainable"], *extra_trainable)
-    if trainable or optim_cfg["frozen"]:
-        tx = optax.multi_transform(
-            {"train": tx, "frozen": optax.set_to_zero()},
-            functools.partial(trainable_labels, trainable=trainable,
-                              frozen=tuple(optim_cfg["frozen"])))
+    tx = _frozen_apart(tx, optim_cfg, extra_trainable)
     if name in SCHEDULE_FREE:
         tx = _TakesLrFactor(tx.init, tx.update)
     return tx, schedule
+
+
+def _frozen_apart(tx, optim_cfg, extra_trainable):
+    """`tx` for the trainable leaves only: optim.trainable / frozen (and what LoRA adds)
+    get no update and keep no optimizer state."""
+    trainable = (*optim_cfg["trainable"], *extra_trainable)
+    if not (trainable or optim_cfg["frozen"]):
+        return tx
+    return optax.multi_transform(
+        {"train": tx, "frozen": optax.set_to_zero()},
+        functools.partial(trainable_labels, trainable=trainable,
+                          frozen=tuple(optim_cfg["frozen"])))
 
 
 # What optim.* still means with train(tx=...): the step's accumulation and EMA, and the
@@ -411,11 +418,6 @@ def given_optimizer(tx, optim_cfg, total_steps, *, extra_trainable=()):
                               f"optim.{key} at its default or build it into tx")
     if optim_cfg["lr_mults"]:
         tx = optax.chain(tx, _scale_by_path(dict(optim_cfg["lr_mults"])))
-    trainable = (*optim_cfg["trainable"], *extra_trainable)
-    if trainable or optim_cfg["frozen"]:
-        tx = optax.multi_transform(
-            {"train": tx, "frozen": optax.set_to_zero()},
-            functools.partial(trainable_labels, trainable=trainable,
-                              frozen=tuple(optim_cfg["frozen"])))
+    tx = _frozen_apart(tx, optim_cfg, extra_trainable)
     return tx, lambda count: jnp.full((), jnp.nan, jnp.float32)
 
