@@ -26,6 +26,7 @@ from jtrain.control import faults
 from jtrain.data import Mixture
 from jtrain.observe import plots
 from jtrain.step import Step
+from jtrain.tune.trial import trial_config
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB, BATCH, STEPS, STOP = 8, 16, 6, 4
@@ -114,14 +115,8 @@ def case_data(tokens: bool, n: int, held_out: bool):
 
 
 def nested(settings: dict) -> dict:
-    out: dict = {}
-    for dotted, value in settings.items():
-        node = out
-        *parents, last = dotted.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value
-    return out
+    """Dotted keys -> a nested config: what a search does with its sampled values."""
+    return trial_config({}, settings)
 
 
 def merge(base: dict, over: dict) -> dict:
