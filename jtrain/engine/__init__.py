@@ -3,15 +3,15 @@ commands that read a run.
 
     run.py              train() and its page, train_and_evaluate() (the train command
                         calls it): resolve once, data, build, restore, loop, summary
-    assemble.py         build(): the parts applied in order (Build); check_run
-    parts.py            Build, Setup and the parts: model, LoRA, optimizer, EMA, state,
+    assemble.py         build(): one page, top-down over parts.py's helpers; check_run
+    parts.py            Build and build's helpers: model, LoRA, loss, optimizer, state,
                         population, train metrics, memory plan, the jitted steps
     checks.py           pre-flight: the model takes each split's inputs, the loss scores
                         them, targets fit the outputs
     loop.py             the loop: dispatch, drain, eval before save, decide, save
     evaluation.py       the eval pass shared by training and jtrain evaluate
     summary.py          the end of a run: summary.json, the final line, a halt's record
-    own_step.py         a step of your own (jtrain.step.Step): its parts, its checks
+    own_step.py         a step of your own (jtrain.step.Step): build's sibling, its checks
     population.py       population.size > 1: the member axis, vmapped init and step,
                         each member evaluated, the summary's block and plot
     checkpoint_eval.py  evaluate_checkpoint(): a saved step scored, its report written

@@ -1,23 +1,26 @@
 """`build()`: the set-up that training, `python -m jtrain.evaluate` and the benchmarks
 share — model (built-in, `model.factory` or yours, LoRA-wrapped when configured), mesh,
 optimizer, loss (yours, `loss.fn` or `loss.terms`), abstract state, shardings and the
-jitted steps — before the first array exists: the parts of jtrain.engine.parts applied
-in order, each `part(cfg, setup) -> setup`. `check_run`: the checks that call the model
-before the first step.
+jitted steps — before the first array exists, read top-down: each line a helper of
+jtrain.engine.parts with its inputs as arguments and its outputs as return values.
+`check_run`: the checks that call the model before the first step.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 from jtrain import data as data_lib
+from jtrain import mesh as mesh_lib
+from jtrain import precision as precision_lib
+from jtrain import state as state_lib
 from jtrain import step as step_lib
 from jtrain.control import decide as decide_lib
 from jtrain.engine import checks as model_checks
 from jtrain.engine import evaluation as evaluator
 from jtrain.engine import own_step
-from jtrain.engine.parts import PARTS, Build, Setup, model_flops_per_example  # noqa: F401
+from jtrain.engine import parts
+from jtrain.engine.parts import Build, model_flops_per_example  # noqa: F401
 from jtrain.errors import ConfigError
 from jtrain.observe.outputs import LOSS_SOURCE_KEY, MODEL_SOURCE_KEY  # noqa: F401
 
@@ -32,7 +35,7 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
     `train_example`: one training example; with a memory budget (control.memory) the
     step's grad_accum_steps is planned from it. `step`: a step of your own
     (jtrain.step.Step; also taken as `model`, and built from `step.factory` when the
-    config names one), composed from jtrain.engine.own_step's parts instead. `tx`: an
+    config names one), set up by jtrain.engine.own_step.build instead. `tx`: an
     optax transformation used as the optimizer instead of optim.* (jtrain.train(tx=...)).
 
     Examples:
@@ -53,12 +56,45 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
         step, model = model, None
     if step is None and cfg.step.factory:
         step = own_step.load(cfg.step)
-    setup = Setup(user_model=model, loss_fn=loss_fn, sample=sample, eval_example=eval_example,
-                  train_example=train_example, byte_level=byte_level,
-                  eval_defaults=eval_defaults, user_step=step, user_tx=tx)
-    for part in PARTS if step is None else own_step.PARTS:
-        setup = part(cfg, setup)
-    return Build(**{f.name: getattr(setup, f.name) for f in dataclasses.fields(Build)})
+    if step is not None:
+        return own_step.build(cfg, step, eval_example=eval_example,
+                              train_example=train_example, loss_fn=loss_fn)
+    mesh, policy = mesh_lib.make_mesh(cfg.mesh), precision_lib.make_policy(cfg.model)
+    module, user = parts.model_object(cfg, model, policy)
+    lora_fns, extra_trainable, lora_record = parts.lora(cfg, module, sample, mesh)
+    m = parts.model_functions(cfg, module, user, policy, sample, mesh, lora_fns)
+    loss = parts.loss_of(cfg, loss_fn)
+    tx_given = tx is not None
+    tx, schedule = parts.optimizer(cfg, tx, extra_trainable)
+    abstract, shardings, init, policy = parts.member_state(cfg, m, tx, policy, mesh)
+    trainable = parts.trainable(cfg, abstract.params, extra_trainable)
+    pop, state_abstract, state_shardings, init = parts.population(
+        cfg, mesh, m, tx, policy, abstract, shardings, init)
+    metrics_spec = parts.train_metrics(cfg, m, abstract.params,
+                                       train_example or eval_example, loss)
+
+    def step_of(accum):
+        return parts.train_step_of(cfg, mesh, m, loss, tx, schedule, policy, state_shardings,
+                                   pop, metrics_spec, accum)
+
+    plan, accum, plan_record = parts.memory_plan(cfg, mesh, train_example, state_abstract,
+                                                 step_of)
+    train_step = step_of(accum)
+    eval_spec = evaluator.make_spec(cfg.eval, m.fns.apply, abstract.params, m.inputs,
+                                    eval_example, byte_level=byte_level,
+                                    with_defaults=eval_defaults, predict_fn=loss.predict_fn,
+                                    model_inputs=loss.model_inputs)
+    eval_step, eval_tail = parts.eval_steps(cfg, mesh, m.fns.apply, loss, eval_spec,
+                                            state_lib.eval_part(shardings))
+    decided = {**lora_record, **parts.auto_shard_record(cfg, mesh, abstract, shardings),
+               **plan_record}
+    return Build(
+        mesh=mesh, policy=policy, model_fns=m.fns, model_name=m.name, sample_inputs=m.inputs,
+        loss_fn=loss.fn, tx=tx, schedule=schedule, abstract=abstract, shardings=shardings,
+        state_abstract=state_abstract, state_shardings=state_shardings, init=init,
+        train_step=train_step, eval_step=eval_step, eval_tail=eval_tail, eval_spec=eval_spec,
+        grad_accum_steps=accum, trainable=trainable, memory_plan=plan, population=pop,
+        flops_per_example=m.flops, tx_given=tx_given, decided=decided)
 
 
 def check_run(cfg, b: Build, data) -> None:

@@ -46,6 +46,7 @@ from jtrain.control.faults import before_step, fault_point, perturb
 from jtrain.data import RunData
 from jtrain.data.prefetch import DevicePrefetch
 from jtrain.engine import async_eval, evaluation as evaluator
+from jtrain.engine import population as population_lib
 from jtrain.engine import summary as summary_lib
 from jtrain.engine.assemble import Build
 from jtrain.errors import NonFiniteError
@@ -456,7 +457,7 @@ def _rollback(cfg, run: Run, state, spike_step: int, z: float):
 
 
 def _evaluate(cfg, run: Run, state, step: int) -> dict:
-    """The eval of `state` at `step` (of each member, combined: build's `per_member`), a
+    """The eval of `state` at `step` (a population: of each member, combined), a
     mixture's components as eval/<name>/...; written, said, and returned as the
     history's record."""
     if run.data.eval is None:
@@ -476,7 +477,10 @@ def _evaluate(cfg, run: Run, state, step: int) -> dict:
 def _score(cfg, run: Run, state, data) -> evaluator.Evaluation:
     """One eval set scored (engine.evaluation: the params, the EMA or both)."""
     b = run.build
-    return b.per_member(state, functools.partial(
+    evaluate = functools.partial(
         evaluator.evaluate_weights, b.eval_step, source=data, weights=cfg.eval.weights,
         mesh=b.mesh, local_batch=run.data.eval_batch, max_batches=cfg.eval.num_batches,
-        spec=b.eval_spec, tail_step=b.eval_tail))
+        spec=b.eval_spec, tail_step=b.eval_tail)
+    if b.population is not None:
+        return population_lib.per_member(b.population, state, evaluate)
+    return evaluate(state)

@@ -1,6 +1,6 @@
-"""A step of your own (`jtrain.step.Step`: init, update, evaluate) in the engine: the
-parts `build()` composes in place of the model's (`PARTS`), the checks before the first
-step (`check`), and `step.factory` (`load`).
+"""A step of your own (`jtrain.step.Step`: init, update, evaluate) in the engine: `build`,
+build()'s sibling over the same helpers, the checks before the first step (`check`), and
+`step.factory` (`load`).
 
 The step's whole state (any pytree) is the train state's `params` field, so sharding
 (its logical annotations, or mesh.auto_shard's rule for unannotated leaves), checkpoints,
@@ -25,7 +25,7 @@ from jtrain import state as state_lib
 from jtrain import step as step_lib
 from jtrain.engine import checks as model_checks
 from jtrain.engine import evaluation as evaluator
-from jtrain.engine import parts as parts_lib
+from jtrain.engine import parts
 from jtrain.errors import ConfigError, ModelError, first_line
 
 # Config keys that configure the built-in update and have no meaning for a step of
@@ -72,74 +72,82 @@ def name_of(step: step_lib.Step) -> str:
     return step.name or getattr(step.update, "__qualname__", "step").split(".")[0]
 
 
-def options(cfg, s: parts_lib.Setup) -> parts_lib.Setup:
+def build(cfg, step: step_lib.Step, *, eval_example, train_example, loss_fn) -> parts.Build:
+    """build()'s sibling for a step of your own, over the same helpers: the keys of the
+    built-in update refused, the step's state (shapes first, then init), `update` inside
+    the engine's guard, `evaluate` scored by jtrain's metrics and loss."""
+    refuse_built_in_keys(cfg, step)
+    mesh, policy = mesh_lib.make_mesh(cfg.mesh), precision_lib.make_policy(cfg.model)
+    loss = parts.loss_of(cfg, loss_fn)
+    example = jax.tree.map(np.asarray, train_example if train_example is not None
+                           else eval_example)
+    abstract, shardings, init = _state(cfg, step, example, mesh, policy)
+    eval_spec, eval_step, eval_tail = _eval(cfg, step, mesh, loss, abstract, shardings,
+                                            eval_example)
+    return parts.Build(
+        mesh=mesh, policy=policy, model_name=f"step {name_of(step)}", sample_inputs=example,
+        loss_fn=loss.fn, abstract=abstract, shardings=shardings, state_abstract=abstract,
+        state_shardings=shardings, init=init,
+        train_step=_train_step(cfg, step, mesh, loss, shardings), eval_step=eval_step,
+        eval_tail=eval_tail, eval_spec=eval_spec, user_step=step)
+
+
+def refuse_built_in_keys(cfg, step) -> None:
     """Keys of the built-in update set to a value a step of your own cannot honour: a
     ConfigError naming the key and what to do instead."""
     for key, ok, instead in _BUILT_IN_ONLY:
         if not ok(cfg):
             raise ConfigError(key, f"configures the built-in update; with a step of your "
-                                   f"own (step.factory: {name_of(s.user_step)}), {instead}")
-    return s.replace(model_name=f"step {name_of(s.user_step)}")
+                                   f"own (step.factory: {name_of(step)}), {instead}")
 
 
-def state(cfg, s: parts_lib.Setup) -> parts_lib.Setup:
-    """The step's state, shapes first (`init` traced on one training example): sharded by
-    its logical annotations, unannotated leaves by mesh.auto_shard's rule; the engine's
-    fields (step, rng, counters, lr factor) beside it, replicated."""
-    step, example = s.user_step, _example(s)
+def _state(cfg, step, example, mesh, policy):
+    """(abstract, shardings, init): the step's state, shapes first (`init` traced on one
+    training example): sharded by its logical annotations, unannotated leaves by
+    mesh.auto_shard's rule; the engine's fields (step, rng, counters, lr factor) beside
+    it, replicated."""
     rng = jax.random.key(cfg.seed)
     try:
         annotated = jax.eval_shape(step.init, jax.random.fold_in(rng, 0), example)
     except Exception as e:  # noqa: BLE001 - the user's init: one line
         raise ModelError(f"step {name_of(step)}", f"init(rng, example) raised "
                          f"{type(e).__name__}: {first_line(e)}") from None
-    with jax.set_mesh(s.mesh):
+    with jax.set_mesh(mesh):
         user_shardings = mesh_lib.logical_to_shardings(
-            annotated, s.mesh, auto_shard_min_bytes=mesh_lib.auto_shard_bytes(cfg.mesh))
-    abstract = jax.eval_shape(functools.partial(_fresh, policy=s.policy, rng=rng),
+            annotated, mesh, auto_shard_min_bytes=mesh_lib.auto_shard_bytes(cfg.mesh))
+    abstract = jax.eval_shape(functools.partial(_fresh, policy=policy, rng=rng),
                               nn.unbox(annotated))
-    repl = mesh_lib.replicated(s.mesh)
+    repl = mesh_lib.replicated(mesh)
     shardings = jax.tree.map(lambda _: repl, abstract).replace(params=user_shardings)
-    init = functools.partial(_init, step, example, rng, s.policy, shardings, s.mesh)
-    return s.replace(abstract=abstract, shardings=shardings, state_abstract=abstract,
-                     state_shardings=shardings, init=init, sample_inputs=example)
+    return abstract, shardings, functools.partial(_init, step, example, rng, policy,
+                                                  shardings, mesh)
 
 
-def train_step(cfg, s: parts_lib.Setup) -> parts_lib.Setup:
+def _train_step(cfg, step, mesh, loss, shardings):
     """`update` inside the engine's guard (jtrain.step.make_step_train), jitted with the
     state's shardings and the state donated."""
-    fn = step_lib.make_step_train(s.user_step, halt_on_nonfinite=cfg.nonfinite.policy == "halt",
+    fn = step_lib.make_step_train(step, halt_on_nonfinite=cfg.nonfinite.policy == "halt",
                                   max_consecutive=cfg.nonfinite.max_consecutive,
-                                  valid_fn=s.valid_fn)
-    repl = mesh_lib.replicated(s.mesh)
-    if parts_lib.invariant_of(cfg, s) is not None:  # whole on every device: same bits
-        return s.replace(train_step=invariant.Whole(fn, s.mesh, (s.state_shardings, repl)))
-    return s.replace(train_step=jax.jit(
-        fn, in_shardings=(s.state_shardings, mesh_lib.batch_sharding(s.mesh)),
-        out_shardings=(s.state_shardings, repl), donate_argnums=0))
+                                  valid_fn=loss.valid_fn)
+    repl = mesh_lib.replicated(mesh)
+    if parts.invariant_of(cfg, mesh) is not None:  # whole on every device: same bits
+        return invariant.Whole(fn, mesh, (shardings, repl))
+    return jax.jit(fn, in_shardings=(shardings, mesh_lib.batch_sharding(mesh)),
+                   out_shardings=(shardings, repl), donate_argnums=0)
 
 
-def eval_step(cfg, s: parts_lib.Setup) -> parts_lib.Setup:
-    """`evaluate(state, batch)` scored by jtrain's metrics and loss (the run's loss_fn /
-    loss.fn, else the default loss on its outputs and the batch's targets)."""
-    step = s.user_step
+def _eval(cfg, step, mesh, loss, abstract, shardings, example):
+    """(spec, eval_step, eval_tail): `evaluate(state, batch)` scored by jtrain's metrics
+    and loss (the run's loss_fn / loss.fn, else the default loss on its outputs and the
+    batch's targets); all None without `evaluate`."""
     if step.evaluate is None:
-        return s
+        return None, None, None
     apply = _as_apply(step.evaluate)
-    example = s.eval_example
-    spec = evaluator.make_spec(cfg.eval, apply, s.abstract.params,
+    spec = evaluator.make_spec(cfg.eval, apply, abstract.params,
                                model_checks.example_batch(example), example,
-                               predict_fn=s.predict_fn, model_inputs=tuple(example))
-    fn = step_lib.make_eval_step(apply, s.loss_fn or step_lib.losses.default_loss,
-                                 user_loss=s.loss_fn is not None, metrics=spec,
-                                 predict_fn=s.predict_fn, batch_loss=s.batch_loss,
-                                 forward=step.evaluate)
-    s = s.replace(eval_spec=spec, eval_fn=fn,
-                  eval_step=parts_lib.eval_of(cfg, s, fn, s.shardings.params))
-    return parts_lib.eval_tail(cfg, s)
-
-
-PARTS = (parts_lib.mesh_and_policy, options, parts_lib.loss, state, train_step, eval_step)
+                               predict_fn=loss.predict_fn, model_inputs=tuple(example))
+    return (spec, *parts.eval_steps(cfg, mesh, apply, loss._replace(model_inputs=()), spec,
+                                    shardings.params, forward=step.evaluate))
 
 
 def check(cfg, b, data) -> None:
@@ -211,11 +219,6 @@ def _check_same_state(who, before, after) -> None:
 def _flat(tree):
     return [(jax.tree_util.keystr(p, simple=True, separator="/") or "state", leaf)
             for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def _example(s):
-    example = s.train_example if s.train_example is not None else s.eval_example
-    return jax.tree.map(np.asarray, example)
 
 
 def _as_apply(evaluate):

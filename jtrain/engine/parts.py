@@ -1,23 +1,18 @@
-"""What `build()` (jtrain.engine.assemble) composes: `Build`, the set-up; `Setup`, a Build
-in the making; the parts, each `part(cfg, setup) -> setup`, applied in the order of
-`PARTS`. Core parts always contribute; a feature's part returns the set-up unchanged when
-the config leaves the feature off:
+"""The helpers `build()` (jtrain.engine.assemble) calls, top-down, each with its inputs
+as arguments and its outputs as return values, and `Build`, what it returns. A step of
+your own (jtrain.engine.own_step) is a sibling build over the same helpers.
 
-    lora           finetune.lora: adapters on the model's weights; only they train
-    ema            optim.ema: the state keeps a weight EMA and the step moves it
-    auto_shard     mesh.auto_shard: with fsdp > 1, run.json records where leaves went
-    population     population.size > 1: a member axis on the state, the step vmapped,
-                   each member evaluated, summary.json's population block
-    train_metrics  log.train_metrics: metric states from the train step's own outputs
-    memory_plan    a memory budget: the grad_accum_steps whose step fits it
-    eval_tail      a batch-level loss: a partial eval batch scored at its true size
-
-A part sets fields: options for the core parts after it (`state_options`, `step_options`,
-`step_wraps`), results, how the loop scores the state and what the summary adds
-(`per_member`, `reports`), run.json's `decided`. The train step is the built-in update
-(`step.make_train_step`) with those options, wrapped and jitted in `train_step_of`, where
-a step of your own would take its place. A new feature adds a part, not a branch in
-build, the loop or the summary.
+    model_object     the model: yours (computing in the policy's dtype) or the built-in
+    lora             finetune.lora: adapters on the model's weights; only they train
+    model_functions  init / apply, the model's name, one global batch of inputs, FLOPs
+    loss_of          the loss and what it reads (model inputs, row validity, predictions)
+    optimizer        the optax chain and its schedule, or train(tx=...)'s
+    member_state     one member's abstract state, shardings and init (optim.ema inside)
+    population       population.size > 1: the member axis, every member's init
+    train_metrics    log.train_metrics: metric states from the train step's outputs
+    memory_plan      a memory budget: the grad_accum_steps whose step fits it
+    train_step_of    the built-in update, jitted (a population's vmapped)
+    eval_steps       the eval step, and a batch-level loss's tail step
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import types
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -46,10 +41,6 @@ from jtrain.errors import ConfigError, JtrainError
 from jtrain.losses import terms as loss_terms
 from jtrain.models import adapters
 from jtrain.models import lora as lora_lib
-
-
-def _one_member(state, evaluate):
-    return evaluate(state)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,9 +71,6 @@ class Build:
         memory_plan: the plan when `control.memory` gave a budget, else None.
         population: the population when `population.size` > 1, else None.
         flops_per_example: training FLOPs of one example, when known.
-        per_member: `(state, evaluate) -> Evaluation` of what the state holds.
-        reports: what the parts add to summary.json, `(cfg, run, state, session,
-            final_eval) -> dict` each.
         decided: the values the set-up decided (run.json's "decided").
         user_step: a step of your own (`jtrain.step.Step`), None for the built-in.
         tx_given: True when `tx` is the one given to `jtrain.train(tx=...)`.
@@ -120,10 +108,6 @@ class Build:
     memory_plan: Any = None  # control.memory.Plan when a budget was given, else None
     population: Any = None  # engine.population.Population when population.size > 1
     flops_per_example: float | None = None  # training FLOPs of one example, if known
-    # per_member(state, evaluate): one Evaluation of what the state holds (a population:
-    # each member's, combined); reports: (cfg, run, state, session, final_eval) -> dict.
-    per_member: Callable = _one_member
-    reports: tuple[Callable, ...] = ()
     decided: dict = dataclasses.field(default_factory=dict)  # run.json's "decided"
     user_step: Any = None  # a step of your own (jtrain.step.Step), else None: built-in
     tx_given: bool = False  # the optimizer is train(tx=...)'s, not optim.*'s
@@ -133,314 +117,251 @@ class Build:
         return checkpoint.abstract_with_shardings(self.state_abstract, self.state_shardings)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Setup(Build):
-    """A Build in the making, and what parts hand to the parts after them."""
-    user_model: Any = None  # the model object given (or model.factory's); None: built-in
-    module: Any = None  # the model object the model functions come from
-    sample: Any = None  # one example's model inputs
-    eval_example: dict | None = None  # one eval example (its targets)
-    train_example: dict | None = None  # one training example (the memory plan)
-    byte_level: bool = False  # byte-level text (bits per byte)
-    eval_defaults: bool = False  # the task's default metrics too (jtrain evaluate)
-    extra_trainable: tuple[str, ...] = ()  # patterns added to optim.trainable (LoRA's)
-    user_tx: Any = None  # train(tx=...): an optax transformation, else None: optim.*
-    model_inputs: tuple = ()  # data.model_inputs
-    valid_fn: Callable | None = None  # data.valid_fn
-    predict_fn: Callable | None = None  # eval.predict_fn
-    batch_loss: bool = False  # the loss scores whole batches (loss.eval_scope)
-    state_options: dict = dataclasses.field(default_factory=dict)  # make_abstract_state's
-    step_options: dict = dataclasses.field(default_factory=dict)  # make_train_step's
-    step_wraps: tuple[Callable, ...] = ()  # train step -> train step, in order
-    eval_fn: Callable | None = None  # the eval step before jit
 
-    def replace(self, **changes) -> "Setup":
-        return dataclasses.replace(self, **changes)
+class Loss(NamedTuple):
+    """The loss and what it reads: `fn` (None: the default loss), `batch` (it scores whole
+    batches: loss.eval_scope), the data's model inputs, row validity (data.valid_fn) and
+    eval.predict_fn."""
+    fn: Callable | None
+    batch: bool
+    model_inputs: tuple
+    valid_fn: Callable | None
+    predict_fn: Callable | None
 
 
-def mesh_and_policy(cfg, s: Setup) -> Setup:
-    """The device mesh (mesh.make_mesh) and the dtype policy (precision.make_policy)."""
-    return s.replace(mesh=mesh_lib.make_mesh(cfg.mesh),
-                     policy=precision_lib.make_policy(cfg.model))
+class Model(NamedTuple):
+    """The model as build uses it: its functions, its name ("user <Class>" for yours),
+    ShapeDtypeStructs of one global batch of inputs, training FLOPs of one example."""
+    fns: adapters.ModelFns
+    name: str
+    inputs: Any
+    flops: float | None
 
 
-def model(cfg, s: Setup) -> Setup:
-    """The model object: yours (its layers computing in the policy's dtype), model.factory's
-    (treated as yours), or the built-in family of model.name."""
-    policy, module = s.policy, s.user_model
+def model_object(cfg, given, policy):
+    """(module, user): the model object (yours, its layers computing in the policy's dtype;
+    model.factory's, treated as yours; or the built-in family of model.name) and yours
+    as given (None for the built-in)."""
+    module = given
     if module is None:
         module = models_lib.make_model(cfg.model, dtype=policy.compute_dtype,
                                        param_dtype=policy.param_dtype)
-    user = module if s.user_model is not None or cfg.model.name == "user" else None
+    user = module if given is not None or cfg.model.name == "user" else None
     if user is not None and policy.compute_dtype != np.float32:
         module = adapters.with_compute_dtype(module, policy.compute_dtype,
                                              tuple(cfg.model.keep_fp32))
-    return s.replace(user_model=user, module=module)
+    return module, user
 
 
-def lora(cfg, s: Setup) -> Setup:
-    """finetune.lora: adapters on the targeted weights (models.lora), whose patterns join
-    optim.trainable, so only they train; run.json records the addition."""
+def lora(cfg, module, sample, mesh):
+    """finetune.lora: (model functions with adapters on the targeted weights, the patterns
+    that join optim.trainable so only they train, run.json's record of the addition);
+    (None, (), {}) when off."""
     if not cfg.finetune.lora.rank:
-        return s
-    fns, extra = lora_lib.to_model_fns(s.module, cfg, s.sample, s.mesh)
-    return s.replace(model_fns=fns, extra_trainable=extra, decided={
-        **s.decided, "optim.trainable": {"value": [*cfg.optim.trainable, *extra],
-                                         "from": "finetune.lora",
-                                         "configured": list(cfg.optim.trainable)}})
+        return None, (), {}
+    fns, extra = lora_lib.to_model_fns(module, cfg, sample, mesh)
+    return fns, extra, {"optim.trainable": {"value": [*cfg.optim.trainable, *extra],
+                                            "from": "finetune.lora",
+                                            "configured": list(cfg.optim.trainable)}}
 
 
-def model_fns(cfg, s: Setup) -> Setup:
-    """The model's init / apply (models.adapters: Linen, NNX or pure), unless a part made
-    them; yours computes in the policy's dtype (precision.cast_apply). Its name, one
-    global batch of its inputs, its training FLOPs per example."""
-    fns = s.model_fns if s.model_fns is not None else adapters.to_model_fns(s.module, s.mesh)
-    user = s.user_model
+def model_functions(cfg, module, user, policy, sample, mesh, fns=None) -> Model:
+    """The model's init / apply (models.adapters: Linen, NNX or pure; `fns` when LoRA made
+    them); yours computes in the policy's dtype (precision.cast_apply)."""
+    fns = fns if fns is not None else adapters.to_model_fns(module, mesh)
     name = cfg.model.name if user is None else f"user {_model_name(user, fns)}"
     if user is not None:
         fns = dataclasses.replace(fns, apply=precision_lib.cast_apply(
-            fns.apply, s.policy, tuple(cfg.model.keep_fp32)))
+            fns.apply, policy, tuple(cfg.model.keep_fp32)))
     inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), s.sample)
-    return s.replace(model_fns=fns, model_name=name, sample_inputs=inputs,
-                     flops_per_example=model_flops_per_example(
-                         user, cfg.model, jax.tree.map(np.shape, s.sample)))
+        (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), sample)
+    return Model(fns, name, inputs, model_flops_per_example(
+        user, cfg.model, jax.tree.map(np.shape, sample)))
 
 
-def loss(cfg, s: Setup) -> Setup:
-    """The loss (train()'s loss_fn, else loss.fn / loss.terms, else None: the default) and
-    whether it scores whole batches (loss.eval_scope); the data's model inputs, row
-    validity (data.valid_fn) and eval.predict_fn."""
-    fn, multi = s.loss_fn, False
+def loss_of(cfg, loss_fn) -> Loss:
+    """train()'s loss_fn, else loss.fn / loss.terms, else None (the default loss)."""
+    fn, multi = loss_fn, False
     if fn is None:
         fn, multi = loss_terms.from_config(cfg.loss)
     scope = cfg.loss.eval_scope
-    return s.replace(
-        loss_fn=fn, batch_loss=scope == "batch" or (scope == "auto" and multi),
-        model_inputs=tuple(cfg.data.model_inputs),
-        valid_fn=data_lib.load_named(cfg.data.valid_fn, "data.valid_fn")
-        if cfg.data.valid_fn else None,
-        predict_fn=data_lib.load_named(cfg.eval.predict_fn, "eval.predict_fn")
+    return Loss(
+        fn, scope == "batch" or (scope == "auto" and multi), tuple(cfg.data.model_inputs),
+        data_lib.load_named(cfg.data.valid_fn, "data.valid_fn") if cfg.data.valid_fn else None,
+        data_lib.load_named(cfg.eval.predict_fn, "eval.predict_fn")
         if cfg.eval.predict_fn else None)
 
 
-def optimizer(cfg, s: Setup) -> Setup:
-    """The optax chain and its schedule (optim.make_optimizer), with the trainable
-    patterns parts added; a population that varies optim.weight_decay keeps each
-    member's rate in the optimizer state. A transformation given to train(tx=...) is
-    the optimizer instead (optim.given_optimizer)."""
-    if s.user_tx is not None:
-        if cfg.population.size > 1:
-            raise ConfigError("population.size", "a population builds one optimizer per "
-                              "member from optim.*; with jtrain.train(tx=...) set "
-                              "population.size=1")
-        tx, schedule = optim_lib.given_optimizer(s.user_tx, cfg.optim, cfg.total_steps,
-                                                 extra_trainable=s.extra_trainable)
-        return s.replace(tx=tx, schedule=schedule, tx_given=True,
-                         grad_accum_steps=cfg.optim.grad_accum_steps)
-    tx, schedule = optim_lib.make_optimizer(
-        cfg.optim, cfg.total_steps, extra_trainable=s.extra_trainable,
-        decay_in_state=population_lib.decay_in_state(cfg))
-    return s.replace(tx=tx, schedule=schedule, grad_accum_steps=cfg.optim.grad_accum_steps)
+def optimizer(cfg, given_tx, extra_trainable):
+    """(tx, schedule): the optax chain of optim.* (optim.make_optimizer) with the patterns
+    LoRA added; a population that varies optim.weight_decay keeps each member's rate in
+    the optimizer state. A transformation given to train(tx=...) is the optimizer instead
+    (optim.given_optimizer)."""
+    if given_tx is None:
+        return optim_lib.make_optimizer(cfg.optim, cfg.total_steps,
+                                        extra_trainable=extra_trainable,
+                                        decay_in_state=population_lib.decay_in_state(cfg))
+    if cfg.population.size > 1:
+        raise ConfigError("population.size", "a population builds one optimizer per "
+                          "member from optim.*; with jtrain.train(tx=...) set "
+                          "population.size=1")
+    return optim_lib.given_optimizer(given_tx, cfg.optim, cfg.total_steps,
+                                     extra_trainable=extra_trainable)
 
 
-def ema(cfg, s: Setup) -> Setup:
-    """optim.ema: the state keeps a weight EMA (state.py), which the step moves after each
-    applied update."""
-    if not cfg.optim.ema.decay > 0:
-        return s
-    return s.replace(state_options={**s.state_options, "ema": True}, step_options={
-        **s.step_options, "ema_decay": float(cfg.optim.ema.decay),
-        "ema_warmup": str(cfg.optim.ema.warmup)})
-
-
-def state(cfg, s: Setup) -> Setup:
-    """Shapes before arrays: the abstract state and its shardings (state.py; leaves
-    without logical axes by mesh.auto_shard's rule), the train-mode state check, the
-    policy with what the traced model computes in, the fresh state's init."""
+def member_state(cfg, model: Model, tx, policy, mesh):
+    """(abstract, shardings, init, policy): shapes before arrays (state.py; leaves without
+    logical axes by mesh.auto_shard's rule; optim.ema: the state keeps a weight EMA), the
+    fresh state's init, and the policy with what the traced model computes in."""
     try:  # Linen's init calls the model: the first time it meets the data's inputs
         abstract, shardings = state_lib.make_abstract_state(
-            s.model_fns, s.tx, s.policy, s.sample_inputs, s.mesh, cfg.seed,
-            auto_shard_min_bytes=mesh_lib.auto_shard_bytes(cfg.mesh), **s.state_options)
+            model.fns, tx, policy, model.inputs, mesh, cfg.seed,
+            auto_shard_min_bytes=mesh_lib.auto_shard_bytes(cfg.mesh),
+            ema=cfg.optim.ema.decay > 0)
     except JtrainError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's model: one line, no traceback
         raise model_checks.model_call_error(
-            e, s.sample_inputs, model=s.model_name.removeprefix("user ")) from e
-    policy = _measure_precision(s.policy, cfg, s.model_fns, abstract.params,
-                                s.sample_inputs, s.mesh)
-    return s.replace(abstract=abstract, shardings=shardings, state_abstract=abstract,
-                     state_shardings=shardings, policy=policy, init=functools.partial(
-                         state_lib.init_state, s.model_fns, s.tx, policy, s.sample_inputs,
-                         s.mesh, cfg.seed, shardings))
+            e, model.inputs, model=model.name.removeprefix("user ")) from e
+    policy = _measure_precision(policy, cfg, model.fns, abstract.params, model.inputs, mesh)
+    return abstract, shardings, functools.partial(
+        state_lib.init_state, model.fns, tx, policy, model.inputs, mesh, cfg.seed,
+        shardings), policy
 
 
-def trainable(cfg, s: Setup) -> Setup:
-    """Which parameters train (optim.trainable / frozen / lr_mults and the patterns parts
-    added): a pattern that matches no parameter is a ConfigError before the first step."""
+def trainable(cfg, params, extra_trainable):
+    """Which parameters train (optim.trainable / frozen / lr_mults and LoRA's patterns),
+    None when all do: a pattern that matches no parameter is a ConfigError before the
+    first step."""
     if not (cfg.optim.trainable or cfg.optim.frozen or cfg.optim.lr_mults
-            or s.extra_trainable):
-        return s
-    return s.replace(trainable=optim_lib.trainable_split(s.abstract.params, cfg.optim,
-                                                         s.extra_trainable))
+            or extra_trainable):
+        return None
+    return optim_lib.trainable_split(params, cfg.optim, extra_trainable)
 
 
-def auto_shard(cfg, s: Setup) -> Setup:
-    """mesh.auto_shard (applied by `state`): with fsdp > 1, run.json records where the
+def auto_shard_record(cfg, mesh, abstract, shardings) -> dict:
+    """mesh.auto_shard (applied by member_state): with fsdp > 1, run.json records where the
     parameters and the optimizer state were laid out."""
-    if not s.mesh.shape["fsdp"] > 1:
-        return s
+    if not mesh.shape["fsdp"] > 1:
+        return {}
     min_bytes = mesh_lib.auto_shard_bytes(cfg.mesh)
-    return s.replace(decided={**s.decided, "mesh.auto_shard": {
+    return {"mesh.auto_shard": {
         "value": min_bytes is not None, "from": "mesh.fsdp > 1",
-        "params": mesh_lib.layout(s.abstract.params, s.shardings.params, min_bytes),
-        "opt_state": mesh_lib.layout(s.abstract.opt_state, s.shardings.opt_state)}})
+        "params": mesh_lib.layout(abstract.params, shardings.params, min_bytes),
+        "opt_state": mesh_lib.layout(abstract.opt_state, shardings.opt_state)}}
 
 
-def population(cfg, s: Setup) -> Setup:
-    """population.size > 1 (engine.population): the member axis in front of the state
-    (sharded over the data axis when it can be), every member's init, the step vmapped,
-    each member evaluated, summary.json's population block and population.png."""
+def population(cfg, mesh, model: Model, tx, policy, abstract, shardings, init):
+    """(population, the whole state's abstract, shardings and init): population.size > 1
+    (engine.population) puts the member axis in front of the state (sharded over the data
+    axis when it can be) and inits every member; otherwise the member's are the whole's."""
     pop = population_lib.from_config(cfg)
     if pop is None:
-        return s
-    pop = population_lib.with_mesh(pop, s.mesh, s.shardings)
-    shardings = population_lib.shardings(pop, s.shardings)
-    return s.replace(
-        population=pop, state_abstract=population_lib.abstract(pop, s.abstract),
-        state_shardings=shardings,
-        init=functools.partial(population_lib.init, pop, s.model_fns, s.tx, s.policy,
-                               s.sample_inputs, s.mesh, shardings,
-                               ema=s.shardings.ema is not None),
-        step_wraps=(*s.step_wraps, functools.partial(population_lib.train_step, pop)),
-        per_member=functools.partial(population_lib.per_member, pop),
-        reports=(*s.reports, functools.partial(population_lib.report, pop)))
+        return None, abstract, shardings, init
+    pop = population_lib.with_mesh(pop, mesh, shardings)
+    whole = population_lib.shardings(pop, shardings)
+    return pop, population_lib.abstract(pop, abstract), whole, functools.partial(
+        population_lib.init, pop, model.fns, tx, policy, model.inputs, mesh, whole,
+        ema=shardings.ema is not None)
 
 
-def train_metrics(cfg, s: Setup) -> Setup:
-    """log.train_metrics: the eval metrics' definitions on the train step's outputs, their
-    states merged exactly over microbatches (train/<name> at log steps); a metric the
-    outputs cannot give is a ConfigError naming the key."""
+def train_metrics(cfg, model: Model, params, example, loss: Loss):
+    """log.train_metrics: the eval metrics' definitions on the train step's outputs (their
+    states merged exactly over microbatches: train/<name> at log steps), None when off; a
+    metric the outputs cannot give is a ConfigError naming the key."""
     if not cfg.log.train_metrics:
-        return s
+        return None
     names = types.SimpleNamespace(metrics=tuple(cfg.log.train_metrics), top_k=cfg.eval.top_k,
                                   max_gathered=cfg.eval.max_gathered)
     try:
-        spec = evaluator.make_spec(names, s.model_fns.apply, s.abstract.params,
-                                   s.sample_inputs, s.train_example or s.eval_example,
-                                   predict_fn=s.predict_fn, model_inputs=s.model_inputs)
+        return evaluator.make_spec(names, model.fns.apply, params, model.inputs, example,
+                                   predict_fn=loss.predict_fn, model_inputs=loss.model_inputs)
     except ConfigError as e:
         raise ConfigError("log.train_metrics", e.why) from None
-    return s.replace(step_options={**s.step_options, "train_metrics": spec,
-                                   "predict_fn": s.predict_fn})
 
 
-def memory_plan(cfg, s: Setup) -> Setup:
-    """A memory budget (memory.budget_bytes, or what the device reports) and a training
-    example: the smallest grad_accum_steps whose compiled step fits (control.memory);
-    run.json records it."""
-    budget, source = memory_lib.device_budget(cfg.memory.budget_bytes, s.mesh.devices.flat[0])
-    if budget is None or s.train_example is None:
-        return s
+def memory_plan(cfg, mesh, train_example, state_abstract, step_of):
+    """(plan, grad_accum_steps, run.json's record): with a memory budget
+    (memory.budget_bytes, or what the device reports) and a training example, the smallest
+    grad_accum_steps whose compiled step (`step_of(accum)`) fits (control.memory);
+    (None, optim.grad_accum_steps, {}) otherwise."""
+    accum = cfg.optim.grad_accum_steps
+    budget, source = memory_lib.device_budget(cfg.memory.budget_bytes, mesh.devices.flat[0])
+    if budget is None or train_example is None:
+        return None, accum, {}
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), s.train_example)
+        (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), train_example)
 
-    def measure(accum):
-        compiled = train_step_of(cfg, s, grad_accum_steps=accum).lower(s.state_abstract, batch)
-        return memory_lib.step_bytes(compiled.compile())
+    def measure(n):
+        return memory_lib.step_bytes(step_of(n).lower(state_abstract, batch).compile())
 
     plan = memory_lib.plan(measure, per_device_batch=cfg.data.batch_size
-                           // mesh_lib.data_parallel_size(s.mesh),
-                           configured=cfg.optim.grad_accum_steps, budget=budget,
-                           source=source)
-    return s.replace(memory_plan=plan, grad_accum_steps=plan.accum, decided={
-        **s.decided, "optim.grad_accum_steps": {"value": plan.accum, "from": "memory plan",
-                                                "configured": cfg.optim.grad_accum_steps}})
+                           // mesh_lib.data_parallel_size(mesh),
+                           configured=accum, budget=budget, source=source)
+    return plan, plan.accum, {"optim.grad_accum_steps": {
+        "value": plan.accum, "from": "memory plan", "configured": accum}}
 
 
-def train_step(cfg, s: Setup) -> Setup:
-    """The train step, jitted once (`train_step_of`)."""
-    return s.replace(train_step=train_step_of(cfg, s))
-
-
-def eval_step(cfg, s: Setup) -> Setup:
-    """What the evaluation computes (eval.metrics, the task's defaults: engine.evaluation)
-    and its step on one member's params, jitted with the batch sharded."""
-    spec = evaluator.make_spec(cfg.eval, s.model_fns.apply, s.abstract.params,
-                               s.sample_inputs, s.eval_example, byte_level=s.byte_level,
-                               with_defaults=s.eval_defaults, predict_fn=s.predict_fn,
-                               model_inputs=s.model_inputs)
-    fn = step_lib.make_eval_step(
-        s.model_fns.apply, s.loss_fn or losses.default_loss, user_loss=s.loss_fn is not None,
-        metrics=spec, model_inputs=s.model_inputs, predict_fn=s.predict_fn,
-        batch_loss=s.batch_loss)
-    return s.replace(eval_spec=spec, eval_fn=fn,
-                     eval_step=eval_of(cfg, s, fn, state_lib.eval_part(s.shardings)))
-
-
-def eval_of(cfg, s: Setup, fn: Callable, params_shardings) -> Callable:
-    """The eval step: jitted with the batch sharded, or determinism.topology_invariant's
-    chunked form (`invariant.SplitEval`: programs for one device on each device)."""
-    chosen = invariant_of(cfg, s)
-    if chosen is not None:
-        return invariant.SplitEval(fn, *chosen)
-    batch_sharding, repl = mesh_lib.batch_sharding(s.mesh), mesh_lib.replicated(s.mesh)
-    return jax.jit(fn, in_shardings=(params_shardings, batch_sharding),
-                   out_shardings=(repl, batch_sharding, repl))
-
-
-def eval_tail(cfg, s: Setup) -> Setup:
-    """A batch-level loss of yours (loss.eval_scope): the eval step on replicated rows, so
-    a partial last batch is scored at its true size (engine.evaluation)."""
-    if not (s.batch_loss and s.loss_fn is not None):
-        return s
-    repl = mesh_lib.replicated(s.mesh)
-    return s.replace(eval_tail=jax.jit(s.eval_fn, in_shardings=(
-        state_lib.eval_part(s.shardings), repl),
-                                       out_shardings=repl))
-
-
-PARTS: tuple[Callable[[Any, Setup], Setup], ...] = (
-    mesh_and_policy, model, lora, model_fns, optimizer, ema, state, trainable, loss,
-    auto_shard, population, train_metrics, memory_plan, train_step, eval_step, eval_tail)
-
-
-def train_step_of(cfg, s: Setup, **options):
-    """The built-in update (step.make_train_step) with the options parts added (and
-    `options` over them: the memory plan's trials), each wrap applied (a population's
-    vmap), jitted with the whole state's shardings and the state donated. A step of
-    your own would take the built-in update's place here."""
+def train_step_of(cfg, mesh, model: Model, loss: Loss, tx, schedule, policy, shardings,
+                  pop, metrics_spec, grad_accum_steps: int):
+    """The built-in update (step.make_train_step: the EMA moved with optim.ema, the train
+    metrics' states with log.train_metrics), a population's vmapped over the member axis,
+    jitted with the whole state's `shardings` and the state donated;
+    determinism.topology_invariant's programs for one device otherwise."""
+    ema = cfg.optim.ema
     step = step_lib.make_train_step(
-        s.model_fns.apply, s.loss_fn or losses.default_loss, s.tx, s.schedule,
-        dynamic_loss_scale=s.policy.dynamic_loss_scale,
+        model.fns.apply, loss.fn or losses.default_loss, tx, schedule,
+        grad_accum_steps=grad_accum_steps, dynamic_loss_scale=policy.dynamic_loss_scale,
         halt_on_nonfinite=cfg.nonfinite.policy == "halt",
-        max_consecutive=cfg.nonfinite.max_consecutive, valid_fn=s.valid_fn,
-        model_inputs=s.model_inputs, invariant=invariant_of(cfg, s, s.state_shardings),
-        **{"grad_accum_steps": s.grad_accum_steps, **s.step_options, **options})
+        max_consecutive=cfg.nonfinite.max_consecutive, valid_fn=loss.valid_fn,
+        model_inputs=loss.model_inputs, invariant=invariant_of(cfg, mesh, shardings),
+        **({"ema_decay": float(ema.decay), "ema_warmup": str(ema.warmup)}
+           if ema.decay > 0 else {}),
+        **({"train_metrics": metrics_spec, "predict_fn": loss.predict_fn}
+           if metrics_spec is not None else {}))
     if isinstance(step, invariant.SplitStep):  # several programs: nothing to jit or donate
         return step
-    for wrap in s.step_wraps:
-        step = wrap(step)
-    return jax.jit(step, in_shardings=(s.state_shardings, mesh_lib.batch_sharding(s.mesh)),
-                   out_shardings=(s.state_shardings, mesh_lib.replicated(s.mesh)),
-                   donate_argnums=0)
+    if pop is not None:
+        step = population_lib.train_step(pop, step)
+    return jax.jit(step, in_shardings=(shardings, mesh_lib.batch_sharding(mesh)),
+                   out_shardings=(shardings, mesh_lib.replicated(mesh)), donate_argnums=0)
 
 
-def invariant_of(cfg, s: Setup, *extra):
+def eval_steps(cfg, mesh, apply, loss: Loss, spec, params_shardings, *, forward=None):
+    """(eval_step, eval_tail): the pure eval step (step.make_eval_step: `spec`'s metrics,
+    the loss's terms) jitted with the batch sharded, or determinism.topology_invariant's
+    chunked form; and for a batch-level loss of yours (loss.eval_scope) the same step on
+    replicated rows, so a partial last batch is scored at its true size (None otherwise)."""
+    fn = step_lib.make_eval_step(
+        apply, loss.fn or losses.default_loss, user_loss=loss.fn is not None, metrics=spec,
+        model_inputs=loss.model_inputs, predict_fn=loss.predict_fn, batch_loss=loss.batch,
+        **({"forward": forward} if forward is not None else {}))
+    repl = mesh_lib.replicated(mesh)
+    tail = (jax.jit(fn, in_shardings=(params_shardings, repl), out_shardings=repl)
+            if loss.batch and loss.fn is not None else None)
+    chosen = invariant_of(cfg, mesh)
+    if chosen is not None:
+        return invariant.SplitEval(fn, *chosen), tail
+    batch_sharding = mesh_lib.batch_sharding(mesh)
+    return jax.jit(fn, in_shardings=(params_shardings, batch_sharding),
+                   out_shardings=(repl, batch_sharding, repl)), tail
+
+
+def invariant_of(cfg, mesh, *extra):
     """(mesh, chunks, *extra) for determinism.topology_invariant, None when off; a
     ConfigError for what the mode does not cover."""
     det = cfg.determinism
     if not det.topology_invariant:
         return None
-    if s.mesh.shape["tensor"] > 1:
+    if mesh.shape["tensor"] > 1:
         raise ConfigError("determinism.topology_invariant", "not implemented with tensor "
-                          f"parallelism (mesh.tensor={s.mesh.shape['tensor']}); use the data "
+                          f"parallelism (mesh.tensor={mesh.shape['tensor']}); use the data "
                           "and fsdp axes")
     if cfg.population.size > 1:
         raise ConfigError("determinism.topology_invariant", "not implemented for a "
                           "population (population.size > 1)")
     rows = cfg.data.batch_size
-    n = mesh_lib.data_parallel_size(s.mesh)
+    n = mesh_lib.data_parallel_size(mesh)
     if rows % det.chunks:
         raise ConfigError("determinism.chunks", f"{det.chunks} does not divide "
                           f"data.batch_size={rows}")
@@ -455,7 +376,7 @@ def invariant_of(cfg, s: Setup, *extra):
         raise ConfigError("determinism.chunks", f"a chunk of {rows // det.chunks} rows "
                           f"(data.batch_size={rows} / {det.chunks}) is not divisible by "
                           f"optim.grad_accum_steps={accum}")
-    return (s.mesh, det.chunks, *extra)
+    return (mesh, det.chunks, *extra)
 
 
 def model_flops_per_example(model, model_cfg, input_shape) -> float | None:

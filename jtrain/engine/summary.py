@@ -1,8 +1,7 @@
 """The end of a run: summary.json and the one final line (done, stopped by a signal,
 stopped early, already finished, too many updates skipped), the record of a non-finite
 halt, and the best step of the monitored metric. Called by engine/run.py's page after
-jtrain.engine.loop.run_loop returns; what a part of the set-up adds (a population's block)
-comes from build's `reports`."""
+jtrain.engine.loop.run_loop returns; a population adds its block (engine.population)."""
 
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ from jtrain import state as state_lib
 from jtrain.control import ledger as ledger_lib
 from jtrain.data import mixture as mixture_lib
 from jtrain.engine import evaluation as evaluator
+from jtrain.engine import population as population_lib
 from jtrain.observe import goodput as goodput_lib, layout
 from jtrain.observe import jsonl, runfiles
 from jtrain.errors import WorkdirError
@@ -74,8 +74,9 @@ def summarize(cfg, run, state, session) -> dict:
         **run.out.perf.summary(),
         **run.startup.recorder.summary(),
     }
-    for report in run.build.reports:  # what the set-up's parts add (build's `reports`)
-        summary.update(report(cfg, run, state, session, final_eval))
+    if run.build.population is not None:  # its block and population.png
+        summary.update(population_lib.report(run.build.population, cfg, run, state,
+                                             session, final_eval))
     # What the set-up decided beyond config.json, as run.json records it.
     summary["decided"] = run.record.get("decided", {})
     # The precision configured and what the traced model computes in (matmul dtypes).
