@@ -58,7 +58,7 @@ from jtrain.control import faults
 from jtrain.errors import CheckpointError, RestoreError, first_line
 from jtrain.observe import runfiles
 from jtrain.observe.console import say
-from jtrain.observe.redact import redact
+from jtrain.redact import redact
 
 
 class _Unreadable(Exception):

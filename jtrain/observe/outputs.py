@@ -29,7 +29,7 @@ from jtrain.observe import console, header as header_lib, perf as perf_lib
 from jtrain.observe import writers as writers_lib
 from jtrain.errors import WorkdirError
 from jtrain.observe import layout, runfiles, trust
-from jtrain.observe.redact import redact
+from jtrain.redact import redact
 
 CONFIG_FILE = "config.json"
 RUN_FILE = "run.json"

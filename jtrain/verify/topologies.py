@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 
-from jtrain.checkpoint import verify
+from jtrain.verify import resume
 from jtrain.observe import runfiles
 
 TIMEOUT_S = 3600
@@ -73,7 +73,7 @@ def _n(count: int) -> str:
 def run_from_cli(argv: list, workdir: str, counts: list[int], *,
                  negative_control: bool = False) -> int:
     """The driver: reruns the command line without the verify flags, once per count."""
-    args = verify.without_flags(argv[1:], DROP, valued=("--workdir", "--verify_topologies"))
+    args = resume.without_flags(argv[1:], DROP, valued=("--workdir", "--verify_topologies"))
     mode = "false" if negative_control else "true"
     root = os.path.abspath(workdir)
     os.makedirs(root, exist_ok=True)
