@@ -24,7 +24,7 @@ from typing import Any, Callable
 import jax
 
 from jtrain.optim import schedules
-from jtrain.control import changes as changes_lib
+from jtrain.config import changes as changes_lib
 from jtrain.observe import console, header as header_lib, perf as perf_lib
 from jtrain.observe import writers as writers_lib
 from jtrain.errors import WorkdirError
