@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from absl import flags
 
-from jtrain.cli import reference
+from jtrain import reference
 from jtrain.metrics import names
 from journey import user_env
 
