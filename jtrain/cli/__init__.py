@@ -32,6 +32,7 @@ form) and a finished train command leaves by the same fast exit (`jtrain.cli.exi
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -93,7 +94,7 @@ def run_command(name: str, argv) -> int:
     prog = COMMANDS[name].prog
     overrides_from = [prog, *runner.split_free_form(argv)[0]]  # --config.a.b=... forms
     return runner.run(prog, lambda fv: module.define_flags(fv, overrides_from),
-                      lambda fv, args: module.main(fv, args, argv), argv,
+                      functools.partial(module.main, argv=argv), argv,
                       description=module.DESCRIPTION, run_log=getattr(module, "run_log", None))
 
 
