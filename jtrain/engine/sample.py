@@ -249,7 +249,7 @@ def open_run(workdir: str, *, step=None, model=None) -> tuple[Any, dict]:
     from jtrain.observe.outputs import MODEL_SOURCE_KEY, read_run_record
 
     shown, workdir = workdir, os.path.abspath(workdir)
-    recorded = read_run(workdir)
+    recorded = read_run(shown)
     if model is None:  # nothing but the model's factory is imported
         trust.check(workdir, {"model": recorded.get("model") or {}}, shown=shown)
     cfg = config_lib.resolve(recorded)
