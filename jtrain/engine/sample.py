@@ -47,9 +47,23 @@ INTERFACE = "max_len, init_cache(batch, length), __call__(tokens, cache=, pad=)"
 
 @dataclasses.dataclass(frozen=True)
 class Sample:
-    """One prompt's continuation: `tokens` (the stop string cut), `text` (a byte-level
-    model's tokens as UTF-8; None for other vocabularies) and `finish`: "stop" (a stop
-    string), "length" (max_new_tokens) or "context" (the model's context was full)."""
+    """One prompt's continuation, as `jtrain.sample` returns it.
+
+    Attributes:
+        tokens: the new token ids (a stop string cut off).
+        text: those tokens as UTF-8 text (invalid bytes replaced) for a byte-level model
+            (vocab_size 256); None for other vocabularies.
+        finish: "stop" (a stop string), "length" (max_new_tokens) or "context" (the
+            model's context was full).
+
+    Examples:
+        ```python
+        import jtrain
+
+        s = jtrain.sample("runs/base", "def ", max_new_tokens=8)[0]
+        print(repr(s.text), s.finish)   # e.g. 'main():' length
+        ```
+    """
     tokens: list[int]
     text: str | None
     finish: str
