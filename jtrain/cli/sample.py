@@ -50,7 +50,7 @@ def main(fv, args, argv=None) -> int:
                      temperature=fv.temperature, top_k=fv.top_k, top_p=fv.top_p,
                      seed=fv.seed, stop=fv.stop or (), step=fv.step)
     seconds = time.perf_counter() - start
-    for i, (prompt, s) in enumerate(zip(fv.prompt, out)):
+    for i, (prompt, s) in enumerate(zip(fv.prompt, out, strict=True)):
         sys.stdout.write(("\n" if i else "") + prompt + s.text + "\n")
     sys.stdout.flush()
     tokens = sum(len(s.tokens) for s in out)

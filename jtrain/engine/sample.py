@@ -316,7 +316,8 @@ def _checked(model, params: dict, shown: str) -> dict:
     have = {k: v for k, v in params.items() if k == "params"}
     same = jax.tree.structure(want.get("params")) == jax.tree.structure(have.get("params"))
     if not same or any(a.shape != b.shape for a, b in zip(jax.tree.leaves(want["params"]),
-                                                          jax.tree.leaves(have["params"]))):
+                                                          jax.tree.leaves(have["params"]),
+                                                          strict=True)):
         raise UsageError("RUN", f"{shown}: the checkpoint's params are not those of the "
                          "model its config.json builds")
     return have

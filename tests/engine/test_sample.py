@@ -63,7 +63,7 @@ def test_greedy_equals_transformers_generate_token_for_token(tf, tmp_path, mlp, 
                                                       "max_len": DIMS["max_len"]}})
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
     ours = jtrain.sample(params, PROMPTS, model=m, max_new_tokens=24)  # one batch
-    for prompt, got in zip(PROMPTS, ours):
+    for prompt, got in zip(PROMPTS, ours, strict=True):
         ids = torch.tensor([list(prompt.encode())])
         with torch.no_grad():
             theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -137,7 +137,7 @@ def test_a_stop_string_cuts_the_continuation_before_it(model):
 def test_a_batch_of_different_lengths_equals_each_prompt_alone(model):
     m, params = model
     batch = jtrain.sample(params, PROMPTS, model=m, max_new_tokens=20)
-    for prompt, got in zip(PROMPTS, batch):
+    for prompt, got in zip(PROMPTS, batch, strict=True):
         assert got == jtrain.sample(params, prompt, model=m, max_new_tokens=20)[0]
 
 
