@@ -4,7 +4,8 @@ window recomputed without it the same tokens; the seed decides the draw; top_k=1
 greedy; top-k / top-p keep what they say; stop strings cut; a batch of prompts of
 different lengths equals each prompt alone; bad input is one line. A tiny random
 built-in transformer (2 layers, width 32, 256 bytes), no training: the run-directory
-side is tests/journeys/test_sample_journey.py."""
+side is tests/journeys/test_sample_journey.py. The Python example of
+docs/guide/language-models.md is what these tests call."""
 
 import os
 
