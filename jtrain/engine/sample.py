@@ -313,11 +313,13 @@ def _checked(model, params: dict, shown: str) -> dict:
 
     want = meta.unbox(jax.eval_shape(model.init, jax.random.key(0),
                                      jnp.zeros((1, 1), jnp.int32)))
-    have = {k: v for k, v in params.items() if k == "params"}
-    same = jax.tree.structure(want.get("params")) == jax.tree.structure(have.get("params"))
-    if not same or any(a.shape != b.shape for a, b in zip(jax.tree.leaves(want["params"]),
-                                                          jax.tree.leaves(have["params"]),
-                                                          strict=True)):
+
+    def shapes(tree) -> dict:
+        return {jax.tree_util.keystr(p): tuple(v.shape)
+                for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    have = {"params": params.get("params", {})}
+    if shapes(want.get("params", {})) != shapes(have["params"]):
         raise UsageError("RUN", f"{shown}: the checkpoint's params are not those of the "
                          "model its config.json builds")
     return have
