@@ -254,10 +254,14 @@ def open_run(workdir: str, *, step=None, model=None) -> tuple[Any, dict]:
     """(model, {"params": ...}) of a run's checkpoint; one line for a run that cannot be
     sampled (not a run, a population, LoRA adapters, a step of your own, a model
     without the decode interface or passed from Python, a damaged checkpoint)."""
+    from flax import traverse_util
+    from flax.core import meta
+
     from jtrain import config as config_lib
     from jtrain import models as models_lib
     from jtrain import precision as precision_lib
     from jtrain.checkpoint import export as export_lib
+    from jtrain.checkpoint.integrity import leaf_path
     from jtrain.engine.replay import read_run
     from jtrain.observe import trust
     from jtrain.observe.outputs import MODEL_SOURCE_KEY, read_run_record
@@ -297,29 +301,12 @@ def open_run(workdir: str, *, step=None, model=None) -> tuple[Any, dict]:
         raise UsageError("--step" if step is not None else "RUN",
                          message(e.key, e.why)) from None
     leaves = export_lib.load_checkpoint_leaves(step_dir, ("params",))
-    params: dict = {}
-    for path, value in leaves.items():
-        *parents, name = path.split("/")
-        node = params
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[name] = jnp.asarray(value)
-    return model, _checked(model, params, shown)
-
-
-def _checked(model, params: dict, shown: str) -> dict:
-    """The checkpoint's params, when their paths and shapes are the model's."""
-    from flax.core import meta
-
     want = meta.unbox(jax.eval_shape(model.init, jax.random.key(0),
                                      jnp.zeros((1, 1), jnp.int32)))
-
-    def shapes(tree) -> dict:
-        return {jax.tree_util.keystr(p): tuple(v.shape)
-                for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-    have = {"params": params.get("params", {})}
-    if shapes(want.get("params", {})) != shapes(have["params"]):
+    shapes = {leaf_path(p): tuple(v.shape) for p, v in
+              jax.tree_util.tree_flatten_with_path({"params": want["params"]})[0]}
+    if shapes != {k: tuple(v.shape) for k, v in leaves.items()}:
         raise UsageError("RUN", f"{shown}: the checkpoint's params are not those of the "
                          "model its config.json builds")
-    return have
+    return model, traverse_util.unflatten_dict({tuple(k.split("/")): jnp.asarray(v)
+                                                for k, v in leaves.items()})

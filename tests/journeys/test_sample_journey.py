@@ -68,3 +68,16 @@ def test_a_run_naming_untrusted_code_is_refused_before_it_is_imported(run, capsy
         sys.path.remove(str(run))
     assert "planted_mod" not in sys.modules
     assert errors.render(e.value).endswith(f"if you trust it: jtrain trust {other}")
+
+
+def test_a_checkpoint_that_is_not_the_configs_model_is_one_line(run):
+    other = run / "wider"
+    shutil.copytree(run / "run", other)
+    config = json.loads((other / "config.json").read_text())
+    config["model"]["d_model"] = 64
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(errors.UsageError) as e:
+        jtrain.sample(str(other), "hi")
+    assert errors.render(e.value) == (f"jtrain: usage error: RUN: {other}: the checkpoint's "
+                                      "params are not those of the model its config.json "
+                                      "builds")
