@@ -68,6 +68,15 @@ def test_a_run_naming_untrusted_code_is_refused_before_it_is_imported(run, capsy
         sys.path.remove(str(run))
     assert "planted_mod" not in sys.modules
     assert errors.render(e.value).endswith(f"if you trust it: jtrain trust {other}")
+    config["model"] = json.loads((run / "run" / "config.json").read_text())["model"]
+    config["loss"]["fn"] = "planted_mod:loss"  # named, never imported: sampling needs
+    (other / "config.json").write_text(json.dumps(config))  # the built-in model alone
+    sys.path.insert(0, str(run))
+    try:
+        assert jtrain.sample(str(other), "hi", max_new_tokens=2)[0].finish == "length"
+    finally:
+        sys.path.remove(str(run))
+    assert "planted_mod" not in sys.modules
 
 
 def test_a_checkpoint_that_is_not_the_configs_model_is_one_line(run):
