@@ -150,7 +150,7 @@ SLOW_GROUPS = (
 # commands of their own (ruff and mypy; the docs site's build).
 QUICK_LEAVES_OUT = (
     "tests/bench/test_bench.py", "tests/bench/test_profile_bench.py",
-    "tests/bench/test_data_bench.py", "tests/checkpoint/test_hf.py",
+    "tests/bench/test_data_bench.py", "tests/checkpoint/test_hf.py", "tests/engine/test_sample.py",
     "tests/checkpoint/test_best_step.py", "tests/test_lint.py", "tests/test_docs_site.py",
 )
 

@@ -69,6 +69,12 @@ value measured while the load exceeded the core count is marked `!` and "unrelia
 the JSON. `table` prints a --out JSON (peers, overhead, data) as docs/benchmarks.md's
 markdown tables, every round's value beside the median.
 
+    python -m jtrain.bench sample                               # ~1 min on 2 CPU cores
+
+`sample`: decode tokens/s of `jtrain sample` with its KV cache, without it (the window
+recomputed every token) and transformers' `generate` on the Hugging Face export of the
+same parameters; greedy, interleaved rounds (details in `jtrain.bench.sample`).
+
     python -m jtrain.bench console                              # a few seconds
     python -m jtrain.bench console --columns=80 --updates=5000
 
@@ -299,6 +305,8 @@ def commands() -> dict:
                        "waits, waits, saves, CPU seconds, wall time)"),
         "invariant": (*_module_bench("invariant"), "determinism.topology_invariant vs "
                       "default: step time and step memory on 1 and 8 devices"),
+        "sample": (*_module_bench("sample"), "decode tokens/s: jtrain sample with its KV "
+                   "cache, without it, and transformers' generate on the same export"),
         "table": (lambda fv: None, table, "a benchmark's --out JSON as a markdown table"),
     }
 

@@ -116,6 +116,16 @@ REFUSED: dict[tuple[str, str], str] = {
 }
 
 
+# Commands that read a finished run instead of training one: no pairs (they change no
+# run); each row says which runs it reads and what it refuses in one line.
+AFTER_RUN: dict[str, tuple[str, str]] = {
+    "jtrain sample": ("any run the built-in transformer trained (any precision, device "
+                      "set-up, resume, EMA, packing or mixture), or a model with the decode "
+                      "interface; refused: a population, LoRA adapters, a step of your own",
+                      "language-models.md"),
+}
+
+
 def feature(name: str) -> Feature:
     return next(f for f in FEATURES if f.name == name)
 
@@ -213,6 +223,10 @@ def markdown() -> str:
     lines += ["", "## Refused pairs", "", "| feature | feature | why |", "|---|---|---|"]
     for (a, b), why in REFUSED.items():
         lines.append(f"| {a} | {b} | {why} |")
+    lines += ["", "## Commands on a finished run", "", "| command | reads | guide |",
+              "|---|---|---|"]
+    for command, (reads, page) in AFTER_RUN.items():
+        lines.append(f"| `{command}` | {reads} | [{page}]({page}) |")
     return "\n".join(lines) + "\n"
 
 
