@@ -329,8 +329,8 @@ class DependencyError(JtrainError):
         ```python
         from jtrain.errors import DependencyError, render
 
-        e = DependencyError("grain 0.3.0", "grain.DataLoader._shard_options moved; ...")
-        print(render(e))      # jtrain: dependency error: grain 0.3.0: grain.DataLoader...
+        e = DependencyError("grain 0.3.0", "a private attribute of grain.DataLoader moved")
+        print(render(e))      # jtrain: dependency error: grain 0.3.0: a private ...
         print(e.exit_code)    # 1 (the exit status of the command)
         ```
     """

@@ -179,7 +179,7 @@ def test_tests_need_no_convenience_a_user_lacks():
 # monitors are listed, so the table holds across their renames.
 FLOORS = {
     0: ("jtrain.cli.boot", "jtrain.errors", "jtrain.observe.redact", "jtrain.cli.hostmem",
-        "jtrain.paths"),
+        "jtrain.paths", "jtrain.internals"),
     1: ("jtrain.config", "jtrain.step", "jtrain.state", "jtrain.optim", "jtrain.precision",
         "jtrain.mesh", "jtrain.losses", "jtrain.metrics", "jtrain.invariant"),
     2: ("jtrain.multihost",),
