@@ -51,6 +51,8 @@ def test_backends_started_moved_is_one_line_also_for_deterministic(monkeypatch):
 
     from jtrain import precision
 
+    jax.devices()
+    assert precision.set_deterministic(True) == "deterministic: on (CPU: already deterministic)"
     monkeypatch.delattr(xla_bridge, "backends_are_initialized")
     with pytest.raises(DependencyError) as e:
         internals.backends_started()
@@ -159,6 +161,18 @@ def test_a_compiled_program_loads_onto_a_device(no_compile_cache):
     loaded = internals.load_compiled_on(compiled, device)
     assert isinstance(loaded, jax.stages.Compiled)
     assert np.asarray(loaded(x)).tobytes() == np.asarray(compiled(x)).tobytes()
+
+
+@pytest.mark.multidevice
+def test_a_program_compiled_for_one_device_runs_on_another(no_compile_cache):
+    first, other = jax.devices()[:2]
+    x = jax.device_put(np.arange(4, dtype=np.float32), first)
+    compiled = jax.jit(lambda v: jnp.cos(v) * 3).lower(x).compile()
+    moved = internals.load_compiled_on(compiled, other)
+    y = jax.device_put(x, other)
+    out = moved(y)
+    assert out.devices() == {other}
+    assert np.asarray(out).tobytes() == np.asarray(compiled(x)).tobytes()
 
 
 def test_loading_moved_compiles_on_the_device_instead(monkeypatch):
