@@ -320,10 +320,8 @@ class DiskFullError(JtrainError):
 
 
 class DependencyError(JtrainError):
-    """An installed library (JAX, flax, qwix, grain, optuna, torch) moved an internal
-    that jtrain reaches for (jtrain.internals); the key names the library and its
-    version, the line what moved and what cannot work without it. Nothing about your
-    config or data: install the versions of constraints.txt.
+    """An installed library moved a private part jtrain uses (jtrain.internals): the key
+    names the library and its version. Install the versions of constraints.txt.
 
     Examples:
         ```python

@@ -1,18 +1,10 @@
-"""Every private API of a library that jtrain reaches for, in one place: JAX, flax, qwix,
-grain, optuna, torch. No other module of jtrain names a private module (`_src`) or a
-private attribute of these libraries; tests/test_internals.py holds a canary for each
-function here (on the pinned versions the private thing exists and behaves as assumed)
-and checks what happens when it is gone.
-
-Each function says what it reaches for, why no public API does it, and what happens the
-day the library moves it: a fallback that changes no result (a check skipped, a
-slower path), or one line, `jtrain: dependency error: <library> <version>: <what> moved;
-<what cannot work>` (errors.DependencyError, exit 1) — never an error that blames the
-user's config or data. A patch of a library is installed for a run and undone at its end
-(`compile_cache_patches`).
-
-Ground floor: imports only third-party packages and jtrain.errors.
-"""
+"""Every private API of JAX, flax, qwix, grain, optuna and torch that jtrain uses, one
+named function each (no other module names a `_src` module or a private attribute of
+theirs; tests/test_internals.py has a canary for each). Each says what it reaches for,
+why no public API does it, and what happens the day it moves: a fallback that changes
+no result, or `jtrain: dependency error: <library> <version>: <what> moved; ...`
+(errors.DependencyError), never an error that blames the config or data. A patch of a
+library lasts one run (`compile_cache_patches`). Imports only jtrain.errors."""
 
 from __future__ import annotations
 
@@ -37,14 +29,9 @@ def moved(dist: str, what: str, cannot: str) -> DependencyError:
                                                 "version jtrain pins (constraints.txt)")
 
 
-# -- JAX: the backend, the coordination service, cluster detection ------------------------
-
-
 def backends_started() -> bool:
-    """Whether XLA's backends have started (XLA_FLAGS set later are not read).
-    Reaches for `jax._src.xla_bridge.backends_are_initialized`: no public API answers
-    without starting them (`jax.devices()` does). Moved: DependencyError (deterministic=true
-    cannot tell whether its XLA flags apply)."""
+    """Whether XLA's backends started (XLA_FLAGS set later are not read):
+    `jax._src.xla_bridge.backends_are_initialized`; every public way starts them."""
     try:
         from jax._src import xla_bridge
 
@@ -67,10 +54,9 @@ def _global_state():
 
 
 def distributed_client():
-    """The coordination-service client `jax.distributed.initialize` made (its key-value
-    store carries the preflight reports and heartbeats), or None in a run of one
-    process. Reaches for `jax._src.distributed.global_state.client`: JAX exposes no
-    client. Moved: DependencyError, in multi-process runs only."""
+    """The coordination-service client of `jax.distributed.initialize` (its key-value
+    store carries preflight reports and heartbeats), None in one process:
+    `jax._src.distributed.global_state.client`, which JAX does not expose."""
     import jax
 
     if not jax.distributed.is_initialized():
@@ -83,10 +69,8 @@ def distributed_client():
 
 
 def coordinator_address() -> str:
-    """The coordinator address `jax.distributed.initialize` used ("" if unknown).
-    Reaches for `jax._src.distributed.global_state.coordinator_address` (it may come from
-    JAX's cluster detection, which jtrain does not see). Moved: "" (preflight's check of a
-    loopback address across hosts is skipped)."""
+    """The coordinator address JAX used (perhaps from its cluster detection):
+    `global_state.coordinator_address`. Moved: "" (preflight's loopback check skipped)."""
     try:
         return str(_global_state().coordinator_address or "")
     except (DependencyError, AttributeError):
@@ -94,12 +78,10 @@ def coordinator_address() -> str:
 
 
 def cluster_detector():
-    """`detect(init_timeout_s) -> (coordinator, num_processes, process_id)` (None where
-    nothing was found) from JAX's cluster detection (SLURM, Cloud TPU, ...), without
-    starting the runtime. Reaches for `jax._src.clusters.ClusterEnv`: the public
-    `jax.distributed.initialize()` detects and starts at once, and jtrain's roll call
-    must come between the two. Moved: DependencyError (--distributed=auto cannot work;
-    pass --coordinator_address, --num_processes and --process_id)."""
+    """`detect(timeout_s) -> (coordinator, num_processes, process_id)` (None: not found)
+    from JAX's cluster detection (SLURM, Cloud TPU): `jax._src.clusters.ClusterEnv`; the
+    public `jax.distributed.initialize()` detects and starts at once, and jtrain's roll
+    call comes between the two."""
     try:
         from jax._src import clusters
 
@@ -111,26 +93,19 @@ def cluster_detector():
     return lambda timeout_s: tuple(detect(None, None, None, None, None, int(timeout_s))[:3])
 
 
-# -- JAX: compiles -----------------------------------------------------------------------
-
-
 def lowering_logger() -> logging.Logger:
-    """The logger of JAX's lowering, whose DEBUG record "Compiling <fn> with global shapes
-    ..." names each compiled function and its argument shapes (observe.compiles).
-    `jax._src.interpreters.pxla` by name: the monitoring events carry no shapes. Moved:
-    no record arrives and a recompile's shapes read "?"."""
+    """The logger `jax._src.interpreters.pxla`, whose DEBUG "Compiling <fn> with global
+    shapes ..." names a compile's arguments (JAX's monitoring events carry no shapes).
+    Moved: no record arrives, a recompile's shapes read "?"."""
     return logging.getLogger("jax._src.interpreters.pxla")
 
 
 def load_compiled_on(compiled, device):
-    """`compiled` (a jax.stages.Compiled for one device) loaded onto `device`: its
-    executable serialized and deserialized with that device's assignment, as JAX's
-    persistent cache does for an entry compiled on another device (invariant.py: every
-    device runs the same machine code). Reaches for
-    `jax.experimental.serialize_executable._JaxPjrtUnpickler` and
-    `jax._src.lib.xla_client.DeviceList`: the public `deserialize_and_load` keeps the
-    device it was compiled for. Moved: any exception; the caller compiles the program
-    on `device` instead."""
+    """`compiled` (for one device) loaded onto `device`, serialized and deserialized with
+    that device's assignment (invariant.py: every device runs the same machine code):
+    `serialize_executable._JaxPjrtUnpickler`, `xla_client.DeviceList`; the public
+    `deserialize_and_load` keeps the original device. Moved: an exception; the caller
+    compiles on `device`."""
     import io
 
     import jax
@@ -159,23 +134,17 @@ def load_compiled_on(compiled, device):
 
 @contextlib.contextmanager
 def compile_cache_patches():
-    """For the `with` block (a run), JAX's persistent-cache writer and its size-limit
-    eviction replaced by jtrain's, put back on leaving; yields the names of those in
-    place. A patch already in place (a run inside a run) is left to its owner.
+    """For the `with` block (a run), JAX's persistent-cache writer and eviction replaced,
+    put back on leaving; yields the names of the patches put in (none when a run inside
+    a run finds them in place). JAX has no option for either:
 
-    `write_from_every_process`: on XLA:CPU each process's cache key is its own (it hashes
-    the topology of the process's devices), yet JAX writes entries from process 0 only,
-    so the other processes compiled every program at every start; here they write their
-    own entries (different keys: different files). Other platforms keep JAX's rule.
-    `list_once_per_process`: JAX lists the cache directory, stats every entry and reads
-    its access time at every write (0.35 CPU s a compile with 6,400 entries); here a
-    process lists it at its first write and again only when its own writes since would
-    pass the limit.
-
-    Reaches for `jax._src.compiler._cache_write`, `jax._src.compilation_cache.
-    put_executable_and_time`, `jax._src.lru_cache.LRUCache._evict_if_needed` and its
-    file suffixes: JAX has no option for either. Moved or changed signature: JAX's own
-    writer or eviction stays (slower starts, same results)."""
+    `write_from_every_process` (`compiler._cache_write`): on XLA:CPU each process's key
+    is its own (it hashes its devices' topology), yet JAX writes from process 0 only, so
+    the others compiled every program at every start; here each writes its own entries.
+    `list_once_per_process` (`lru_cache.LRUCache._evict_if_needed`): JAX lists the
+    directory and reads every access time at each write (0.35 CPU s with 6,400
+    entries); here a process lists it at its first write and when its own writes since
+    would pass the limit. Moved or another signature: JAX's own stays (same results)."""
     undo = [u for u in (_patch_cache_write(), _patch_eviction()) if u is not None]
     try:
         yield tuple(name for name, _ in undo)
@@ -194,7 +163,6 @@ def _signature(fn) -> list[str] | None:
 
 
 def _patch_cache_write():
-    """("write_from_every_process", undo) or None (not patched here)."""
     try:
         import jax
         from jax._src import compilation_cache as jcc
@@ -227,7 +195,6 @@ def _patch_cache_write():
 
 
 def _patch_eviction():
-    """("list_once_per_process", undo) or None (not patched here)."""
     try:
         from jax._src import lru_cache
     except ImportError:
@@ -255,10 +222,9 @@ def _patch_eviction():
 
 
 def evict_least_recent(path, target_size: int, cache_suffix: str, atime_suffix: str) -> int:
-    """Deletes the entries of the cache directory `path` (a pathlib / epath Path) with the
-    oldest access times until their sizes sum to at most `target_size`; returns the sum
-    left. An entry another process deleted meanwhile, or without its access time (being
-    written), is skipped or counts as the oldest."""
+    """Deletes the least recently read entries of the cache directory `path` until their
+    sizes sum to at most `target_size`; returns the sum left. An entry deleted meanwhile,
+    or without its access time (being written), is skipped or counts as the oldest."""
     import heapq
 
     entries, size = [], 0
@@ -286,13 +252,8 @@ def evict_least_recent(path, target_size: int, cache_suffix: str, atime_suffix: 
     return size
 
 
-# -- JAX: the trace (LoRA finds the weight a matmul reads) --------------------------------
-
-
 def trace_primal(x):
-    """A value under jax.grad (a JVPTracer) as the jit trace holds it, where the
-    operation that made it can be looked up; anything else as it is. Reaches for
-    `JVPTracer.primal` (jax._src.interpreters.ad)."""
+    """A value under jax.grad (`JVPTracer.primal`) as the jit trace holds it."""
     import jax
 
     while isinstance(x, jax.core.Tracer) and not hasattr(x, "parent") \
@@ -302,12 +263,9 @@ def trace_primal(x):
 
 
 def trace_producer(x):
-    """(primitive name, input tracers) of the operation that made the traced value `x`
-    in a jit trace, or None (an input of the trace, a constant, a concrete array).
-    Reaches for `DynamicJaxprTracer.parent` and `TracingEqn.in_tracers / .primitive`
-    (jax._src.interpreters.partial_eval): a jaxpr is only built after the trace, and
-    LoRA must find a matmul's weight while tracing. `check_trace_walk` says whether this
-    works with the installed JAX."""
+    """(primitive name, input tracers) of the operation that made `x` in a jit trace, or
+    None (an input, a constant): `DynamicJaxprTracer.parent` (a jaxpr exists only after
+    the trace; LoRA finds a matmul's weight while tracing). See `check_trace_walk`."""
     eqn = getattr(x, "parent", None)
     if eqn is None:
         return None
@@ -316,9 +274,8 @@ def trace_producer(x):
 
 @functools.cache
 def check_trace_walk() -> None:
-    """Raises DependencyError unless `trace_producer` / `trace_primal` follow a traced
-    value back to its input, under jit and under jax.grad (LoRA would otherwise adapt no
-    weight and blame finetune.lora.targets)."""
+    """Raises DependencyError unless the trace walk reaches a value's input, under jit
+    and jax.grad (else LoRA would adapt nothing and blame finetune.lora.targets)."""
     import jax
     import jax.numpy as jnp
 
@@ -343,10 +300,8 @@ def check_trace_walk() -> None:
 
 
 def matmul_paths() -> tuple[str, ...]:
-    """The dotted paths of jnp.matmul that qwix intercepts: `jax.numpy.matmul` and the
-    module attribute `x @ w` calls (`jax._src.numpy.tensor_contractions.matmul`), derived
-    from the jitted function's wrapped one. Moved (no `__wrapped__`): DependencyError
-    (LoRA would miss every `x @ w`)."""
+    """The paths of jnp.matmul that qwix intercepts: `jax.numpy.matmul` and the one `x @ w`
+    calls (`jax._src.numpy.tensor_contractions.matmul`, found through `__wrapped__`)."""
     import jax.numpy as jnp
 
     inner = getattr(jnp.matmul, "__wrapped__", None)
@@ -356,16 +311,11 @@ def matmul_paths() -> tuple[str, ...]:
     return "jax.numpy.matmul", f"{module}.{inner.__name__}"
 
 
-# -- qwix: LoRA's helpers ------------------------------------------------------------------
-
-
 @functools.cache
 def qwix_lora() -> types.SimpleNamespace:
-    """qwix's own LoRA helpers, which models/lora.py redoes its two matmul paths from:
-    the adapter shapes, parameters and delta (`qwix._src.providers.lora._*`), the einsum
-    parser, the current module and its path, qwix's parameter search and unboxing
-    (`qwix._src.utils.flax_util`). qwix exports only the providers. Raises ImportError
-    without qwix (an optional dependency); moved: DependencyError (LoRA cannot run)."""
+    """qwix's LoRA helpers that models/lora.py builds its matmul paths from (qwix exports
+    only its providers): adapter shapes, parameters and delta (`providers.lora._*`), the
+    einsum parser, the current module (`utils.flax_util`). ImportError without qwix."""
     import qwix
 
     try:
@@ -392,26 +342,21 @@ def qwix_lora() -> types.SimpleNamespace:
 
 
 def qwix_rule(provider, op: str):
-    """The rule qwix's provider matched for the current module and op
-    (`Provider._get_current_rule_and_op_id`, checked by `qwix_lora`)."""
+    """The rule matched for the current module and op (checked by `qwix_lora`)."""
     return provider._get_current_rule_and_op_id(op, only_rule=True)[0]
 
 
 def qwix_rank(provider) -> int:
-    """The rank of the provider's first rule (`Provider._rules`). Moved: DependencyError."""
+    """The rank of the provider's first rule (`Provider._rules`)."""
     rules = getattr(provider, "_rules", None)
     if not rules:
         raise moved("qwix", "qwix.LoraProvider._rules", "LoRA cannot adapt an einsum")
     return rules[0].rank
 
 
-# -- grain ---------------------------------------------------------------------------------
-
-
 def grain_loader_shard(loader) -> tuple[int, int]:
-    """(shard_index, shard_count) a grain DataLoader reads. Reaches for
-    `DataLoader._shard_options`: grain exposes no getter. Moved: DependencyError (a grain
-    DataLoader cannot be checked against the run's processes), never a data error."""
+    """(shard_index, shard_count) a grain DataLoader reads: `DataLoader._shard_options`
+    (no getter). Moved: DependencyError, never a data error."""
     opts = getattr(loader, "_shard_options", None)
     try:
         return int(opts.shard_index), int(opts.shard_count)
@@ -421,20 +366,14 @@ def grain_loader_shard(loader) -> tuple[int, int]:
 
 
 def grain_loader_epochs(loader):
-    """The `num_epochs` of a grain DataLoader's IndexSampler (None: forever), or
-    "unknown". Reaches for `DataLoader._sampler._num_epochs`: neither has a getter.
-    Moved, or another sampler: "unknown" (said in messages; a finite eval loader is
-    read to its end)."""
+    """A grain DataLoader's `_sampler._num_epochs` (None: forever; no getter). Moved, or
+    another sampler: "unknown" (said in messages; an eval loader is read to its end)."""
     return getattr(getattr(loader, "_sampler", None), "_num_epochs", "unknown")
 
 
-# -- optuna --------------------------------------------------------------------------------
-
-
 def optuna_storage(study):
-    """The storage of an optuna Study (tune/: a running trial failed atomically, its
-    heartbeat, an earlier trial read by number). Reaches for `Study._storage`: optuna
-    keeps the storage it wraps (a cache over an RDB) private. Moved: DependencyError."""
+    """A Study's storage (tune/: trials failed atomically, heartbeats, a trial read by
+    number): `Study._storage`, which optuna keeps private."""
     storage = getattr(study, "_storage", None)
     if storage is None:
         raise moved("optuna", "optuna.Study._storage", "jtrain tune cannot update trials")
@@ -442,22 +381,17 @@ def optuna_storage(study):
 
 
 def optuna_study_id(study) -> int:
-    """The study's id in its storage: `Study._study_id`, else (moved) asked of the
-    storage by the study's name."""
+    """`Study._study_id`, else (moved) asked of the storage by the study's name."""
     sid = getattr(study, "_study_id", None)
     return sid if sid is not None else optuna_storage(study).get_study_id_from_name(
         study.study_name)
 
 
 def optuna_trial_id(study, trial) -> int:
-    """A trial's id in its storage: `Trial._trial_id` / `FrozenTrial._trial_id`, else
-    (moved) asked of the storage by the trial's number."""
+    """A (Frozen)Trial's `_trial_id`, else (moved) asked of the storage by number."""
     tid = getattr(trial, "_trial_id", None)
     return tid if tid is not None else optuna_storage(
         study).get_trial_id_from_study_id_trial_number(optuna_study_id(study), trial.number)
-
-
-# -- torch ---------------------------------------------------------------------------------
 
 
 def _torch_worker():
@@ -477,10 +411,8 @@ def torch_worker_info_class() -> type:
 
 
 def torch_with_worker_info(info, fn):
-    """fn() with `torch.utils.data.get_worker_info()` returning `info`: what a torch
-    IterableDataset reads to split itself, here by jtrain's stream shards. Reaches for
-    the module global `torch.utils.data._utils.worker._worker_info`: torch sets it only in
-    its own worker processes. Moved: DependencyError."""
+    """fn() with `get_worker_info()` returning `info` (a torch IterableDataset splits
+    itself by it): the global `_utils.worker._worker_info`, set by torch's workers only."""
     worker = _torch_worker()
     previous = worker._worker_info
     worker._worker_info = info

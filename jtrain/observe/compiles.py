@@ -84,7 +84,7 @@ def configure_cache(cache_dir: str, max_gb: float = 0.0) -> str | None:
         # A size limit makes JAX lock the directory (filelock) around every read and
         # write: what lets several runs and processes share it safely.
         jax.config.update("jax_compilation_cache_max_size",
-                          int(max_gb * 2**30) if max_gb > 0 and _has_filelock() else -1)
+                          int(max_gb * 2**30) if max_gb > 0 else -1)
     cc.reset_cache()  # JAX checks "is the cache used" once, at the first compile
     return path
 
@@ -126,14 +126,6 @@ def configure_cache_for_reader(cache_dir: str) -> str | None:
     compile_cfg = SCHEMA["compile"]
     return configure_cache(compile_cfg["cache_dir"].default if cache_dir else "",
                            compile_cfg["cache_max_gb"].default)
-
-
-def _has_filelock() -> bool:
-    try:
-        import filelock  # noqa: F401 - a dependency of jtrain; JAX needs it for the limit
-    except ImportError:
-        return False
-    return True
 
 
 class Recorder:
