@@ -208,6 +208,26 @@ def test_cache_patches_are_in_place_inside_and_undone_after():
     assert _cache_functions() == before
 
 
+def test_a_process_other_than_0_writes_its_own_entries_during_a_run(tmp_path, monkeypatch):
+    from jax._src import distributed
+
+    from jtrain.observe import compiles
+
+    monkeypatch.setattr(distributed.global_state, "process_id", 1)
+    compiles.configure_cache(str(tmp_path / "xla"))
+    try:
+        def entries():
+            return sorted(p.name for p in (tmp_path / "xla").iterdir())
+
+        jax.jit(lambda v: v * 5 - 1)(np.ones(7, np.float32))  # JAX alone: process 0 writes
+        assert entries() == []
+        with internals.compile_cache_patches():
+            jax.jit(lambda v: v * 7 - 1)(np.ones(7, np.float32))
+        assert len([e for e in entries() if e.endswith("-cache")]) == 1
+    finally:
+        compiles.configure_cache_for_reader("auto")  # conftest's set-up, for the next tests
+
+
 def test_cache_patches_moved_leave_jax_as_it_is(monkeypatch):
     from jax._src import compiler, lru_cache
 
