@@ -13,7 +13,7 @@ its pieces are public so research code can assemble them one by one:
 
 Importing the package has no side effects and imports nothing heavy: each name below is
 loaded from its module on first use (`import jtrain` does not import JAX). Process
-set-up of the command-line entry points is `jtrain.cli.boot`.
+set-up of the command-line entry points is `jtrain.boot`.
 """
 
 from __future__ import annotations

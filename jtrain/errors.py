@@ -12,7 +12,7 @@ from the classes below (`python -m jtrain.cli.exit_codes --markdown`). Entry poi
 `render(e)` on stderr and exit with `exit_code(e)`; no traceback for any of these.
 `classify(e)` turns what libraries raise (OSError, orbax's wrapped I/O errors) into the
 error that says what to change. Every rendered line passes through the redactor
-(jtrain.observe.redact).
+(jtrain.redact).
 """
 
 from __future__ import annotations
@@ -409,7 +409,7 @@ def render(e: BaseException, kind: str | None = None) -> str:
         render(ValueError("boom"))                          # 'jtrain: internal error: boom'
         ```
     """
-    from jtrain.observe.redact import redact_text
+    from jtrain.redact import redact_text
 
     if isinstance(e, JtrainError):
         said = message(e.key, e.why).strip()

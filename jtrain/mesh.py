@@ -20,9 +20,9 @@ from flax import linen as nn
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jtrain.config import sections
+from jtrain.config.rules import MESH_AXES, resolve_axis_sizes
 from jtrain.errors import ConfigError
 
-MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 # Logical axis name -> mesh axis (or None = replicated). Built-in models annotate
@@ -73,34 +73,6 @@ def unknown_axes(annotated_tree, mesh: Mesh, rules=LOGICAL_RULES) -> list[str]:
 
 def _path_str(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-
-
-def resolve_axis_sizes(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
-    """Returns (data, fsdp, tensor) sizes; a single -1 takes the remaining devices.
-
-    Raises ConfigError("mesh.<axis>", why) when the sizes cannot cover num_devices.
-    """
-    sizes = {a: int(mesh_cfg[a]) for a in MESH_AXES}
-    free = [a for a, s in sizes.items() if s == -1]
-    if len(free) > 1:
-        raise ConfigError(f"mesh.{free[1]}",
-                          f"only one axis may be -1, got -1 for {', '.join(free)}")
-    fixed = math.prod(s for s in sizes.values() if s != -1)
-    # The key to change: a set axis that does not divide the devices, else any set axis.
-    set_axes = [a for a, s in sizes.items() if s not in (-1, 1)]
-    bad = [a for a in set_axes if num_devices % sizes[a]] or set_axes or ["data"]
-    if free:
-        if num_devices % fixed:
-            raise ConfigError(
-                f"mesh.{bad[-1]}", f"the axes other than mesh.{free[0]}=-1 multiply to "
-                f"{fixed}, which does not divide the {num_devices} devices")
-        sizes[free[0]] = num_devices // fixed
-    elif fixed != num_devices:
-        raise ConfigError(
-            f"mesh.{bad[-1]}", f"data*fsdp*tensor = {sizes['data']}*{sizes['fsdp']}*"
-            f"{sizes['tensor']} = {fixed}, but there are {num_devices} devices (-1 on one "
-            "axis takes the rest)")
-    return sizes["data"], sizes["fsdp"], sizes["tensor"]
 
 
 def make_mesh(mesh_cfg=None, devices=None) -> Mesh:

@@ -354,15 +354,6 @@ def ema_init(params):
                         params)
 
 
-def ema_update(ema, params, rate):
-    """One step of the average towards `params` with decay `rate` (a float32 scalar)."""
-    def one(e, p):
-        if not jnp.issubdtype(e.dtype, jnp.floating):
-            return p.astype(e.dtype)
-        return e + (1.0 - rate).astype(e.dtype) * (p.astype(e.dtype) - e)
-    return jax.tree.map(one, ema, params)
-
-
 def ema_as_params(ema, params):
     """The average in the params' dtypes (what an eval step or an export takes)."""
     return jax.tree.map(lambda e, p: e if e.dtype == p.dtype else e.astype(p.dtype),

@@ -258,7 +258,7 @@ def secret_in_argv(argv) -> str | None:
     """The first argument holding a secret (a URI's password, a secret-named flag), shown
     masked; None when none does. Every worker's command line is visible to every user
     of its node, so secrets travel in the environment instead."""
-    from jtrain.observe.redact import redact_text
+    from jtrain.redact import redact_text
 
     for arg in argv:
         plain = re.sub(r"://[^\s:@/\"`]*@", "://", arg)  # a user name alone is no secret

@@ -112,7 +112,7 @@ def _marked(item) -> bool:
 SLOW_GROUPS = (
     "tests/journeys/test_doc_examples.py",
     "multidevice",
-    "tests/checkpoint/test_resume_chaos.py",
+    "tests/verify/test_resume_chaos.py",
     "tests/multihost/test_launch_runs.py",
     "tests/recipes/test_recipes.py",
     "tests/bench/test_peers.py",

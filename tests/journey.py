@@ -184,12 +184,12 @@ def marked_block(page, test_file: str) -> str:
 
 def verify_resume_against(cwd, argv, root: str, reference: str, kills: int = 1,
                           timeout: int = 600):
-    """jtrain's resume verifier (`jtrain.checkpoint.verify.verify_resume`, what
+    """jtrain's resume verifier (`jtrain.verify.resume.verify_resume`, what
     `--verify_resume` runs) on the user's command `python ARGV --workdir=ROOT/interrupted`
     in `cwd`: SIGKILLed `kills` times and restarted with the same command, then compared
     with `reference`, a run finished already. Paths relative to `cwd`. Returns the
     verdict (.ok, .line)."""
-    from jtrain.checkpoint import verify
+    from jtrain.verify import resume as verify
 
     def command(run_dir):
         return [sys.executable, *map(str, argv), f"--workdir={run_dir}"]

@@ -175,7 +175,7 @@ def test_the_readme_lists_every_command_and_each_module_form():
 
 def test_the_benchmarking_guide_names_every_benchmark():
     """docs/guide/benchmarking.md's opening paragraph names each `jtrain bench` command."""
-    from jtrain.cli import bench
+    from jtrain.bench import command as bench
 
     opening = (GUIDE / "benchmarking.md").read_text().split("\n\n")[1]
     for name in bench.commands():

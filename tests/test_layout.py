@@ -1,5 +1,6 @@
-"""The package's shape: no import circles, no module over 400 lines, every subsystem
-package says what it owns, and WORKSPACE.md's module map matches the tree."""
+"""The package's shape: no import circles between modules or between packages, no import
+of a higher floor, no module over 600 lines, every subsystem package says what it owns,
+and WORKSPACE.md's module map matches the tree."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ MAX_LINES = 600  # a failure; past WARN_LINES a module is a signal to look
 WARN_LINES = 400
 
 
-def _modules() -> dict[str, Path]:
+def _modules(package: Path = PACKAGE) -> dict[str, Path]:
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = path
     return out
@@ -62,17 +63,71 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
+def package_of(module: str) -> str:
+    """The package a module belongs to: its folder under jtrain/ (`jtrain.cli.train` ->
+    `jtrain.cli`), a top-level module itself (`jtrain.errors`), the root `jtrain`."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph folded onto packages: an edge wherever any module of one imports
+    any module of another (a module of a package importing its siblings is no edge)."""
+    out: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        here = package_of(module)
+        out.setdefault(here, set()).update(package_of(d) for d in deps)
+        out[here].discard(here)
+        for d in deps:
+            out.setdefault(package_of(d), set())
+    return out
+
+
+def _cycles_text(cycles: list[list[str]]) -> str:
+    return "; ".join(" -> ".join(c) for c in cycles)
+
+
 def test_cycle_finder_finds_a_planted_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycles(graph) == [["a", "b", "c", "a"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
 
 
+def test_package_checker_finds_a_planted_cycle(tmp_path):
+    """Two packages whose modules import each other's, one import inside a function: no
+    circle between modules, one between the packages."""
+    files = {"__init__.py": "", "errors.py": "",
+             "a/__init__.py": "", "a/x.py": "from jtrain.b import y\n",
+             "a/w.py": "from jtrain import errors\n",
+             "b/__init__.py": "", "b/y.py": "import os\n",
+             "b/z.py": "def later():\n    from jtrain.a import w\n    return w\n"}
+    for name, text in files.items():
+        (tmp_path / "jtrain" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "jtrain" / name).write_text(text)
+    graph = import_graph(_modules(tmp_path / "jtrain"))
+    assert graph["jtrain.b.z"] == {"jtrain.a.w"}  # the import inside the function counts
+    assert find_cycles(graph) == []
+    packages = package_graph(graph)
+    assert packages["jtrain.a"] == {"jtrain.b", "jtrain.errors"}
+    assert find_cycles(packages) == [["jtrain.a", "jtrain.b", "jtrain.a"]]
+    (tmp_path / "jtrain" / "b" / "z.py").write_text("import os\n")  # the circle undone
+    assert find_cycles(package_graph(import_graph(_modules(tmp_path / "jtrain")))) == []
+
+
 def test_no_import_cycles():
     graph = import_graph(_modules())
     assert len(graph) > 40 and sum(map(len, graph.values())) > 100  # the walk saw the package
     cycles = find_cycles(graph)
-    assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
+    assert not cycles, "import circles: " + _cycles_text(cycles)
+
+
+def test_no_package_import_cycles():
+    """Between packages (a folder under jtrain/, a top-level module, the root) no circle
+    either: each package's imports, function-level ones and the root's included, point
+    one way."""
+    packages = package_graph(layered_graph(_modules()))
+    assert len(packages) > 25 and sum(map(len, packages.values())) > 100
+    cycles = find_cycles(packages)
+    assert not cycles, "package import circles: " + _cycles_text(cycles)
 
 
 def test_no_module_over_600_lines():
@@ -136,8 +191,9 @@ BY_WHAT = {"journeys": "user journeys: jtrain run as its user runs it, in a subp
            "bad_input": "tables of bad input: one line and an exit code per row",
            "projects": "shared user projects that tests copy into their temp dir",
            "fixtures": "runs written by earlier formats, which this release must still read",
-           "core": "units of the pure core at the package's top level: step, state, mesh, "
-                   "precision, errors, host memory"}
+           "core": "units of the core and the ground floor at the package's top level: "
+                   "step, state, mesh, precision, errors, paths, boot, host memory, "
+                   "redaction"}
 
 
 def test_tests_are_laid_out_like_the_package():
@@ -175,19 +231,21 @@ def test_tests_need_no_convenience_a_user_lacks():
 
 # Floors, lowest first: a module imports only its own floor or lower ones. The longest
 # matching prefix names a module's floor; the package root `jtrain` itself (its lazy
-# public names) is an entry point. Both names of the eval loop and of the early-stopping
-# monitors are listed, so the table holds across their renames.
+# public names) is an entry point. Within a floor the packages import one another one
+# way only (test_no_package_import_cycles).
 FLOORS = {
-    0: ("jtrain.cli.boot", "jtrain.errors", "jtrain.observe.redact", "jtrain.cli.hostmem",
-        "jtrain.paths", "jtrain.internals"),
+    0: ("jtrain.boot", "jtrain.hostmem", "jtrain.errors", "jtrain.redact", "jtrain.paths",
+        "jtrain.internals"),
     1: ("jtrain.config", "jtrain.step", "jtrain.state", "jtrain.optim", "jtrain.precision",
         "jtrain.mesh", "jtrain.losses", "jtrain.metrics", "jtrain.invariant"),
     2: ("jtrain.multihost",),
     3: ("jtrain.data", "jtrain.models", "jtrain.control", "jtrain.checkpoint",
         "jtrain.observe", "jtrain.recipes"),
     4: ("jtrain.engine",),
-    5: ("jtrain", "jtrain.main", "jtrain.cli", "jtrain.evaluate", "jtrain.export",
-        "jtrain.diff", "jtrain.replay", "jtrain.tune", "jtrain.bench", "jtrain.__main__"),
+    5: ("jtrain.verify",),
+    6: ("jtrain", "jtrain.main", "jtrain.cli", "jtrain.evaluate", "jtrain.export",
+        "jtrain.diff", "jtrain.replay", "jtrain.tune", "jtrain.bench", "jtrain.__main__",
+        "jtrain.reference"),
 }
 # (importer, imported) pairs allowed to go up, each with why.
 UPWARD_EXCEPTIONS: set[tuple[str, str]] = set()
@@ -221,23 +279,25 @@ def upward_edges(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 
 def test_floor_table_and_checker():
-    assert floor("jtrain") == 5 and floor("jtrain.tune.trial") == 5
-    assert floor("jtrain.observe.redact") == 0 and floor("jtrain.control.monitors") == 3
+    assert floor("jtrain") == 6 and floor("jtrain.tune.trial") == 6
+    assert floor("jtrain.redact") == 0 and floor("jtrain.control.monitors") == 3
     assert floor("jtrain.multihost.heartbeat") == 2 and floor("jtrain.engine.evaluation") == 4
+    assert floor("jtrain.verify.resume") == 5 and floor("jtrain.boot") == 0
     planted = {"jtrain.errors": {"jtrain.cli.runner"}, "jtrain.cli.runner": {"jtrain.errors"},
                "jtrain.data.load": {"jtrain"}}
     assert upward_edges(planted) == [("jtrain.data.load", "jtrain"),
                                      ("jtrain.errors", "jtrain.cli.runner")]
     graph = layered_graph(_modules())
-    signals = graph["jtrain.control.signals"]  # `from jtrain.cli import boot`: a module
-    assert "jtrain.cli.boot" in signals and "jtrain" not in signals
+    signals = graph["jtrain.control.signals"]  # `from jtrain import boot`: a module
+    assert "jtrain.boot" in signals and "jtrain" not in signals
     assert "jtrain" in graph["jtrain.tune.trial"]  # `import jtrain`: the root
 
 
 def test_no_module_imports_a_higher_floor():
-    """Entry points on top, then the run's wiring, subsystems, multihost, the core, the
-    ground floor (process start-up, errors, redaction); no import goes up, and no module
-    below the entry points imports the package root."""
+    """Entry points on top, then the verifiers (they launch runs), the run's wiring,
+    subsystems, multihost, the core, the ground floor (process start-up, errors,
+    redaction, confined paths); no import goes up, and no module below the entry points
+    imports the package root."""
     modules = _modules()
     graph = layered_graph(modules)
     up = upward_edges(graph)

@@ -1,5 +1,5 @@
 """The generated reference (docs/reference/: config keys, exit codes, command flags, metric
-names) is what `python -m jtrain.cli.reference --write docs/reference` writes, and the metric
+names) is what `python -m jtrain.reference --write docs/reference` writes, and the metric
 names list (jtrain.metrics.names) holds every name a run writes."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from absl import flags
 
-from jtrain.cli import reference
+from jtrain import reference
 from jtrain.metrics import names
 from journey import user_env
 
@@ -22,14 +22,14 @@ DOCS = REPO / "docs" / "reference"
 
 def test_generated_reference_pages_are_up_to_date():
     assert reference.stale(str(DOCS)) == [], (
-        "docs/reference is stale: python -m jtrain.cli.reference --write docs/reference")
+        "docs/reference is stale: python -m jtrain.reference --write docs/reference")
 
 
 def test_check_names_a_stale_page(tmp_path):
     for name, text in reference.pages().items():
         (tmp_path / name).write_text(text)
     (tmp_path / "commands.md").write_text("# Command-line flags\n")
-    proc = subprocess.run([sys.executable, "-m", "jtrain.cli.reference", "--check", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "jtrain.reference", "--check", str(tmp_path)],
                           env=user_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "commands.md" in proc.stderr and "config.md" not in proc.stderr

@@ -1,5 +1,5 @@
 """Benchmarks of the jtrain engine: `python -m jtrain.bench NAME` (the command, its flags
-and the overhead report: jtrain/cli/bench.py).
+and the overhead report: jtrain/bench/command.py).
 
     overhead     the real training loop vs a hand-written jax.jit loop
     data         jtrain's data pipeline vs torch's DataLoader

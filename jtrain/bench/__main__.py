@@ -1,4 +1,4 @@
-"""`python -m jtrain.bench NAME` = `jtrain bench NAME`: the command is jtrain/cli/bench.py."""
+"""`python -m jtrain.bench NAME` = `jtrain bench NAME`: the command is jtrain/bench/command.py."""
 
 from jtrain import cli
 

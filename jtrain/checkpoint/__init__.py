@@ -13,10 +13,8 @@
     hf          the built-in transformer's tensors in Hugging Face's layout and back;
                 `init_from=hf:DIR` reading, config checks, `checkpoint.init_map`
     hf_export   `export --format=hf`: a directory transformers loads (needs the hf extra)
-    verify      `--verify_resume`: kill/restart chaos run vs an uninterrupted one
     store       a run directory on object storage (s3://, gs://, through fsspec): the
                 staging copy, steps committed by a marker after their upload
-    topologies  `--verify_topologies`: the same run on several device counts, hashes compared
 
 Public names: Checkpointer, CheckpointReader, Start, abstract_with_shardings, and the
 errors RestoreError, CheckpointError (from jtrain.errors). The engine opens a run's

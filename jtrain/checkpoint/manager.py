@@ -54,11 +54,12 @@ from jtrain import config as config_lib
 from jtrain import control as control_lib
 from jtrain.checkpoint import init_from as init_from_lib
 from jtrain.checkpoint import integrity, policy
+from jtrain.config import changes as changes_lib
 from jtrain.control import faults
 from jtrain.errors import CheckpointError, RestoreError, first_line
 from jtrain.observe import runfiles
 from jtrain.observe.console import say
-from jtrain.observe.redact import redact
+from jtrain.redact import redact
 
 
 class _Unreadable(Exception):
@@ -256,21 +257,21 @@ class Checkpointer:
         def data_identity(info):  # what would change the batches (names may vary)
             return {k: info[k] for k in ("fingerprint", "num_examples") if k in info}
 
-        changes = control_lib.config_changes(
+        changes = changes_lib.config_changes(
             {**saved.config, "data_info": data_identity(saved.data_info)},
             {**current.config, "data_info": data_identity(current.data_info)})
-        bad = control_lib.unallowed_changes(changes, tuple(self.cfg.allow_changes),
+        bad = changes_lib.unallowed_changes(changes, tuple(self.cfg.allow_changes),
                                             current.config)
         if bad:
             what = (f"the config changed since {path} was saved: "
-                    f"{control_lib.describe_changes(changes, bad)}")
+                    f"{changes_lib.describe_changes(changes, bad)}")
             raise RestoreError(  # changed_keys: jtrain.train names its own argument
                 f"{what}; to resume anyway, allow them: --config.checkpoint.allow_changes="
                 f"{','.join(bad)} (or use a new workdir)", changed_keys=bad, what=what)
         history = list(saved.config_changes)
         if changes:
             say("resuming with config changes: "
-                + control_lib.describe_changes(changes, list(changes)))
+                + changes_lib.describe_changes(changes, list(changes)))
             history.append({"step": int(os.path.basename(path)),
                             "changes": {k: list(v) for k, v in changes.items()},
                             "allowed": list(self.cfg.allow_changes)})

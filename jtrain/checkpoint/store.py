@@ -45,7 +45,7 @@ import threading
 
 from jtrain import paths
 from jtrain.errors import JtrainError, WorkdirError, first_line
-from jtrain.observe.redact import redact_text
+from jtrain.redact import redact_text
 
 COMMIT = "jtrain_committed.json"
 STAGING_ENV = "JTRAIN_STAGING_DIR"

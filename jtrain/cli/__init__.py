@@ -15,19 +15,17 @@
     runner.py     the one command-line framework (absl flags, config files) and the one
                   error path: parse, run
     exits.py      how a command ends: the line, the code, peers told, the fast exit
-    train.py, evaluate.py, export.py, diff.py, replay.py, trust.py, tune.py, bench.py
-                  the commands
-    boot.py       process start-up (before anything heavy is imported); hostmem.py its
-                  huge-page re-exec and XLA:CPU / malloc settings
-    reference.py  python -m jtrain.cli.reference --write docs/reference: every generated
-                  page; exit_codes.py its exit-code table
+    train.py, evaluate.py, export.py, diff.py, replay.py, trust.py
+                  the commands; tune's and bench's live in their packages
+                  (jtrain/tune/command.py, jtrain/bench/command.py), a floor above
+    exit_codes.py the exit-code table (docs/reference/exit_codes.md)
 
-Each command `jtrain/cli/<name>.py` has the
+Each command (`jtrain/cli/<name>.py`, `jtrain/<name>/command.py`) has the
 same two functions, `define_flags(fv, argv)` and `main(fv, args, argv) -> exit code`, and
 `PROG` / `DESCRIPTION`; `run_command` parses its flags and runs it through the one error
 path (`jtrain.cli.runner.run`: one line and an exit code per failure); the search and the
 benchmarks themselves live in jtrain.tune and jtrain.bench. Every form starts the same way
-(`start`: process start-up, `jtrain.cli.boot`; the current directory first on `sys.path`, as
+(`start`: process start-up, `jtrain.boot`; the current directory first on `sys.path`, as
 `python -m` puts it, so a `model.factory` module beside the config imports under every
 form) and a finished train command leaves by the same fast exit (`jtrain.cli.exits`).
 """
@@ -43,7 +41,7 @@ from jtrain import errors
 
 
 class Command(NamedTuple):
-    module: str  # a jtrain/cli/<name>.py command, or a package's module with main(argv)
+    module: str  # a jtrain/cli/<name>.py command, or jtrain/<package>/command.py
     prog: str  # the documented module form, used in usage lines
     about: str  # one line of help
 
@@ -55,9 +53,9 @@ COMMANDS = {
                         "evaluate a checkpoint: --workdir=DIR [--step=N|best]"),
     "export": Command("jtrain.cli.export", "python -m jtrain.export",
                       "export parameters (safetensors): --workdir=DIR --out=DIR"),
-    "tune": Command("jtrain.cli.tune", "python -m jtrain.tune",
+    "tune": Command("jtrain.tune.command", "python -m jtrain.tune",
                     "hyperparameter search over runs: --config=FILE --workdir=DIR"),
-    "bench": Command("jtrain.cli.bench", "python -m jtrain.bench",
+    "bench": Command("jtrain.bench.command", "python -m jtrain.bench",
                      "benchmarks of the engine itself (jtrain bench --help lists them)"),
     "diff": Command("jtrain.cli.diff", "python -m jtrain.diff",
                     "where two runs part: config, data, versions, state hashes: RUN_A RUN_B"),
@@ -102,11 +100,11 @@ def run_command(name: str, argv) -> int:
 def start(name: str) -> None:
     """What every form of every command does first: the current directory on sys.path
     (where `python -m` puts it; a console script's sys.path starts with its own bin/),
-    then the process start-up (jtrain.cli.boot)."""
+    then the process start-up (jtrain.boot)."""
     here = os.getcwd()
     if here not in sys.path and "" not in sys.path:
         sys.path.insert(0, here)
-    from jtrain.cli import boot
+    from jtrain import boot
 
     boot.start(name)
 

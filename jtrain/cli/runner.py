@@ -33,7 +33,7 @@ from collections.abc import Callable
 from absl import flags
 
 from jtrain import errors
-from jtrain.cli import boot
+from jtrain import boot
 from jtrain.cli import exits
 
 

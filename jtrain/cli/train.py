@@ -41,7 +41,7 @@ saved, exit 0 (a signal during start-up: nothing new to save);
 `--print_config` prints every key of the resolved config with its type, default, range
 and description, and exits 0. stdout carries one JSON line, the run's result
 (summary.json's scalars); everything else is on stderr.
-`--verify_resume`: see jtrain.checkpoint.verify (exit 1 on FAIL).
+`--verify_resume`: see jtrain.verify.resume (exit 1 on FAIL).
 """
 
 
@@ -151,7 +151,7 @@ def main(fv: flags.FlagValues, args: list[str], argv: list[str]) -> int:
     if fv.config is None:
         raise errors.ConfigError("--config", "required, e.g. --config=configs/base.py")
     if fv.print_config or fv.verify_resume or fv.verify_topologies or fv.dry_run:
-        from jtrain.cli import boot
+        from jtrain import boot
 
         boot.resume_gc()  # the collector, paused through the imports
     if fv.print_config:
@@ -165,18 +165,19 @@ def main(fv: flags.FlagValues, args: list[str], argv: list[str]) -> int:
     # orbax and others log every save at INFO through absl; jtrain prints its own lines.
     absl_logging.set_verbosity(absl_logging.WARNING)
     if fv.verify_resume:
-        from jtrain.checkpoint import store, verify
+        from jtrain.checkpoint import store
+        from jtrain.verify import resume
 
         local_dir = str(fv.config.get("checkpoint", {}).get("local_dir", "") or "")
         if store.is_remote(fv.workdir) and local_dir:
             raise errors.ConfigError("checkpoint.local_dir", "--verify_resume with a "
                                      "workdir on an object store is for runs without a "
                                      f"local tier; {fv.workdir} with local_dir={local_dir}")
-        return verify.run_from_cli(["jtrain", *argv], fv.workdir, kills=fv.verify_kills,
+        return resume.run_from_cli(["jtrain", *argv], fv.workdir, kills=fv.verify_kills,
                                    negative_control=fv.verify_negative_control,
                                    local_dir=local_dir)
     if fv.verify_topologies:
-        from jtrain.checkpoint import topologies
+        from jtrain.verify import topologies
 
         counts = []
         for c in fv.verify_topologies:
@@ -223,7 +224,7 @@ def _start(fv, config: dict):
     import jax
 
     import jtrain.engine.run  # noqa: F401 - imported here: the "imports" phase counts it
-    from jtrain.cli import boot
+    from jtrain import boot
     from jtrain.multihost import start
     from jtrain.observe import startup
 
@@ -243,7 +244,7 @@ def _print_result(fv, result) -> None:
     """The machine-readable result: one JSON line on stdout (process 0)."""
     import jax
 
-    from jtrain.observe.redact import redact_text
+    from jtrain.redact import redact_text
 
     if jax.process_index() == 0:
         scalars = {k: v for k, v in result.summary.items()

@@ -21,6 +21,8 @@ partial dict; `resolve` fills in the defaults and returns a new validated Config
              0.1}, 10)`): defaults filled in, the section's own rules checked
     rules    the rules of single sections (mesh, optim, early_stop, checkpoint)
     named    `load_named("pkg.mod:fn", key)`: the object a config key names
+    changes  a resumed run's config against its checkpoint's: the diff, and which
+             changed keys need `checkpoint.allow_changes`
     fields   `Field` and the choice tuples the schema draws from
     schema_control  the run-control sections of the schema (checkpoint ... tune, debug)
     schema_population  the population section, its rules, each member's seed and values
@@ -46,7 +48,7 @@ from jtrain.config import schema_population, space as space_lib
 from jtrain.config.fields import OpenChoices
 from jtrain.config.rules import (  # noqa: F401  (config.check_mesh, config.check_optim)
     _check_checkpoint, _check_early_stop, _check_regexes, check_mesh, check_optim,
-    check_train_metrics, parse_faults)
+    check_train_metrics, parse_faults, resolve_axis_sizes)
 from jtrain.errors import ConfigError  # noqa: F401  (jtrain.config.ConfigError)
 
 
@@ -341,9 +343,7 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
                           f"{tree['data']['seq_len']} exceeds model.max_len={model['max_len']}")
     if num_devices is None:
         return
-    from jtrain import mesh as mesh_lib  # only the device check needs it
-
-    data, fsdp, tensor = mesh_lib.resolve_axis_sizes(mesh, num_devices)  # ConfigError
+    data, fsdp, tensor = resolve_axis_sizes(mesh, num_devices)  # ConfigError
     dp = data * fsdp
     if batch % dp:
         raise ConfigError("data.batch_size",

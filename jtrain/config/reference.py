@@ -71,7 +71,7 @@ def _get(tree: dict, dotted: str):
 def resolved_text(config) -> str:
     """The resolved config, one key a line: `key = value  (type; default; range) doc`."""
     from jtrain.config import resolve  # the package imports this module: resolve lazily
-    from jtrain.observe.redact import redact  # imports nothing of jtrain
+    from jtrain.redact import redact  # imports nothing of jtrain
 
     cfg = redact(resolve(config).to_dict())  # values under secret keys masked
     family = cfg["model"]["name"]

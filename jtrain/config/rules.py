@@ -1,9 +1,11 @@
-"""Rules of single config sections beyond one key's type and range: the mesh, the
-optimizer (with the run's total_steps), early stopping, checkpoints, regex lists. Used by
-`jtrain.config.validate` for a whole config and by `config.sections` for one section."""
+"""Rules of single config sections beyond one key's type and range: the mesh (its axis
+sizes over the devices), the optimizer (with the run's total_steps), early stopping,
+checkpoints, regex lists. Used by `jtrain.config.validate` for a whole config and by
+`config.sections` for one section."""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import NamedTuple
 
@@ -11,11 +13,42 @@ from jtrain.config.fields import OPTIMIZERS
 from jtrain.errors import ConfigError
 
 
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
 def check_mesh(mesh: dict) -> None:
     """The `mesh` section's rules beyond one key's type and range."""
-    for axis in ("data", "fsdp", "tensor"):
+    for axis in MESH_AXES:
         if mesh[axis] == 0:
             raise ConfigError(f"mesh.{axis}", "must be a positive size or -1, got 0")
+
+
+def resolve_axis_sizes(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
+    """Returns (data, fsdp, tensor) sizes; a single -1 takes the remaining devices.
+
+    Raises ConfigError("mesh.<axis>", why) when the sizes cannot cover num_devices.
+    """
+    sizes = {a: int(mesh_cfg[a]) for a in MESH_AXES}
+    free = [a for a, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        raise ConfigError(f"mesh.{free[1]}",
+                          f"only one axis may be -1, got -1 for {', '.join(free)}")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    # The key to change: a set axis that does not divide the devices, else any set axis.
+    set_axes = [a for a, s in sizes.items() if s not in (-1, 1)]
+    bad = [a for a in set_axes if num_devices % sizes[a]] or set_axes or ["data"]
+    if free:
+        if num_devices % fixed:
+            raise ConfigError(
+                f"mesh.{bad[-1]}", f"the axes other than mesh.{free[0]}=-1 multiply to "
+                f"{fixed}, which does not divide the {num_devices} devices")
+        sizes[free[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        raise ConfigError(
+            f"mesh.{bad[-1]}", f"data*fsdp*tensor = {sizes['data']}*{sizes['fsdp']}*"
+            f"{sizes['tensor']} = {fixed}, but there are {num_devices} devices (-1 on one "
+            "axis takes the rest)")
+    return sizes["data"], sizes["fsdp"], sizes["tensor"]
 
 
 # log.train_metrics: eval.metrics' names whose state is computed inside the train step.

@@ -2,7 +2,6 @@
 
     signals   SIGTERM / SIGINT -> stop after the current step, on every process (Stopper)
     record    the run-control record every checkpoint carries (RunControl)
-    changes   config diffs on resume and which keys need checkpoint.allow_changes
     faults    faults on purpose (debug.faults, once per run) and the test-only JTRAIN_FAULT
     watchdog  a step, eval or save past watchdog.timeout_s -> stacks dumped, exit 5 (Watchdog)
     rule      the rule protocol (Rule, Action): built-in rules and a user's callbacks
@@ -13,13 +12,10 @@
     ledger    the skip ledger: skipped steps and their example indices (WORKDIR/skipped.jsonl)
 """
 
-from jtrain.control.changes import (config_changes, describe_changes, flatten,
-                                    unallowed_changes)
 from jtrain.control.rule import Action, Rule
 from jtrain.control.record import RunControl, versions, writer_run_ids
 from jtrain.control.signals import SYNC_EVERY, Stopper, StopRequested
 from jtrain.control.watchdog import Watchdog, effective_timeout
 
 __all__ = ["Action", "Rule", "RunControl", "SYNC_EVERY", "StopRequested", "Stopper", "Watchdog",
-           "config_changes", "describe_changes", "effective_timeout", "flatten",
-           "unallowed_changes", "versions", "writer_run_ids"]
+           "effective_timeout", "versions", "writer_run_ids"]

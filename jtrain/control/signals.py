@@ -69,9 +69,9 @@ class Stopper:
             sigs = (signal.SIGINT,) if self._multi else (signal.SIGTERM, signal.SIGINT)
             for sig in sigs:
                 self._previous[sig] = signal.signal(sig, self._handle)
-        from jtrain.cli import boot
+        from jtrain import boot
 
-        early = boot.take_early_signal()  # arrived during the CLI's start-up (jtrain.cli.boot)
+        early = boot.take_early_signal()  # arrived during the CLI's start-up (jtrain.boot)
         if early:
             self._announce(early, during="start-up")
         return self

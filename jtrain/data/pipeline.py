@@ -214,7 +214,7 @@ def prepare_workers() -> None:
     too). grain starts them with the "spawn" context, never `fork` beside a live JAX
     runtime. It reads absl flags while doing so, which raises UnparsedFlagAccessError in
     a plain script (no absl.app owns the process): marked parsed then, if nobody has."""
-    from jtrain.cli import boot
+    from jtrain import boot
 
     boot.mark_absl_parsed()
 

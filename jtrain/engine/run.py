@@ -47,7 +47,7 @@ from jtrain.observe import layout, outputs as outputs_lib
 from jtrain.observe import startup as startup_lib
 from jtrain.observe import writers as writers_lib
 from jtrain.observe.console import say
-from jtrain.observe.redact import redact
+from jtrain.redact import redact
 
 
 @dataclasses.dataclass

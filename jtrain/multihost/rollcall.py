@@ -36,9 +36,9 @@ def _token() -> str:
 
 
 def _interrupted() -> None:
-    """A SIGTERM / SIGINT while waiting for peers (recorded by jtrain.cli.boot for the CLI):
+    """A SIGTERM / SIGINT while waiting for peers (recorded by jtrain.boot for the CLI):
     stop here, exit 0, as for any signal during start-up (nothing to save)."""
-    from jtrain.cli import boot
+    from jtrain import boot
 
     name = boot.early_signal()
     if name:

@@ -23,5 +23,4 @@
     goodput   every second of a run over its sessions (goodput.jsonl): productive,
               start-up, compile, checkpoints, eval, data, recomputed, restart gaps
     tbx       tensorboardX's event-file modules without its torch import
-    redact    secrets masked in everything printed or written (imports nothing of jtrain)
 """

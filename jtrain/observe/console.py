@@ -13,7 +13,7 @@ import sys
 import time
 import warnings
 
-from jtrain.observe.redact import redact_text
+from jtrain.redact import redact_text
 from jtrain.observe import layout
 
 

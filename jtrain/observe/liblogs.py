@@ -18,7 +18,7 @@ import os
 import threading
 import traceback
 
-from jtrain.observe.redact import redact_text
+from jtrain.redact import redact_text
 from jtrain.observe import layout
 from jtrain.errors import WorkdirError
 

@@ -24,12 +24,12 @@ from typing import Any, Callable
 import jax
 
 from jtrain.optim import schedules
-from jtrain.control import changes as changes_lib
+from jtrain.config import changes as changes_lib
 from jtrain.observe import console, header as header_lib, perf as perf_lib
 from jtrain.observe import writers as writers_lib
 from jtrain.errors import WorkdirError
 from jtrain.observe import layout, runfiles, trust
-from jtrain.observe.redact import redact
+from jtrain.redact import redact
 
 CONFIG_FILE = "config.json"
 RUN_FILE = "run.json"

@@ -20,7 +20,7 @@ from pathlib import Path
 from jtrain import config as config_lib
 from jtrain.observe import jsonl, tbx, writer_checks
 from jtrain.observe import layout
-from jtrain.observe.redact import redact, redact_text
+from jtrain.redact import redact, redact_text
 
 _MLFLOW_PARAM_MAX_LEN = 6000  # MLflow rejects longer parameter values.
 

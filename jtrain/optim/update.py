@@ -17,7 +17,15 @@ import optax
 
 from jtrain import metrics as metrics_lib
 from jtrain import optim
-from jtrain.state import ema_update
+
+
+def ema_update(ema, params, rate):
+    """One step of the average towards `params` with decay `rate` (a float32 scalar)."""
+    def one(e, p):
+        if not jnp.issubdtype(e.dtype, jnp.floating):
+            return p.astype(e.dtype)
+        return e + (1.0 - rate).astype(e.dtype) * (p.astype(e.dtype) - e)
+    return jax.tree.map(one, ema, params)
 
 
 def _split_microbatches(batch, k: int):

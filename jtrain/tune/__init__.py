@@ -10,7 +10,7 @@ is a jtrain run in WORKDIR/trials/<n> (WORKDIR may be a bucket: s3://bucket/stud
 search writes WORKDIR/trials.jsonl, WORKDIR/best_config.py (retrain with `python -m
 jtrain.main --config=...`) and WORKDIR/tune.png. Optuna is an extra: `pip install
 'jtrain[tune]'`. The command (its flags, the worker loop, the job broadcast) is
-jtrain/cli/tune.py.
+jtrain/tune/command.py.
 
     study.py     storage, sampler, pruner, the next trial, killed trials, heartbeats
     trial.py     one trial: sampled params -> config -> jtrain.train -> outcome

@@ -1,4 +1,4 @@
-"""`python -m jtrain.tune` = `jtrain tune`: the command is jtrain/cli/tune.py."""
+"""`python -m jtrain.tune` = `jtrain tune`: the command is jtrain/tune/command.py."""
 
 from jtrain import cli
 

@@ -70,9 +70,9 @@ def write_best_config(workdir: str, base: dict, rec: dict, monitor: str) -> str:
     Only keys of `tune.space` with values it can take reach it (else one WorkdirError).
     The file is fixed text plus data: every string from the study (params, workdir) or
     the config is in a data literal (VALUES, TRIAL, written by repr), never in the
-    docstring or in code; secrets are masked (jtrain.observe.redact), one comment line
+    docstring or in code; secrets are masked (jtrain.redact), one comment line
     naming each masked key."""
-    from jtrain.observe.redact import redact
+    from jtrain.redact import redact
 
     # Only the space's keys and values reach the file (checked again: the writer does
     # not trust its caller's record).

@@ -23,7 +23,7 @@ from optuna.trial import TrialState
 
 from jtrain import internals
 from jtrain.errors import ConfigError, first_line
-from jtrain.observe.redact import redact_text
+from jtrain.redact import redact_text
 
 # Trial attributes (user attrs: visible in Optuna's own tools too).
 HOST, PID, BEAT = "jtrain_host", "jtrain_pid", "jtrain_heartbeat"

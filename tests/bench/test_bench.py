@@ -10,7 +10,7 @@ import pytest
 
 from journey import run_python
 from jtrain.bench import main as bench_main
-from jtrain.cli import bench as bench
+from jtrain.bench import command as bench
 
 
 def _positive(x) -> bool:

@@ -6,7 +6,6 @@ import math
 import re
 
 from jtrain.bench import main as bench_main
-from jtrain.cli import bench as bench
 
 
 def test_data_bench_reports_medians_and_ratios(tmp_path, capsys):

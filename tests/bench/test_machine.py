@@ -4,7 +4,6 @@ measurement is marked unreliable; `bench table` on a peers JSON. No timing asser
 import json
 
 from jtrain.bench import main as bench_main
-from jtrain.cli import bench as bench
 from jtrain.bench import machine, peers as bp, table
 
 

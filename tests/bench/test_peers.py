@@ -7,7 +7,6 @@ import json
 import pytest
 
 from jtrain.bench import main as bench_main
-from jtrain.cli import bench as bench
 from jtrain.bench import peers as bp
 from journey import run_python
 

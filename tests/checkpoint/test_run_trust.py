@@ -181,7 +181,7 @@ def test_what_a_config_may_name_unsigned_is_exactly_the_documented_list():
     import re
 
     defined = _defined_in_jtrain()
-    assert {"jtrain.bench.scaling:_spawn", "jtrain.checkpoint.verify:_run",
+    assert {"jtrain.bench.scaling:_spawn", "jtrain.verify.resume:_run",
             "jtrain.checkpoint.integrity:quarantine", "jtrain.recipes.byol"} <= defined
     opens_unsigned = {p for p in defined for key in trust.CODE_KEYS
                       if not trust.untrusted(_at(key, p))}

@@ -190,7 +190,7 @@ def test_the_verifier_names_and_reads_a_bucket_runs_staging_copy(s3, tmp_path, m
     """--verify_resume on a bucket: the training run's staging copy is the path the
     verifier gives it (a reader's is not); each process of a run gets a fresh one; the
     committed steps and summary.json are read from the bucket; fresh() empties it."""
-    from jtrain.checkpoint import verify
+    from jtrain.verify import resume as verify
 
     uri = f"s3://{s3[2]}/verify/interrupted"
     run = verify._BucketRun(uri, str(tmp_path))

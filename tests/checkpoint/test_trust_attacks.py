@@ -26,7 +26,7 @@ EVIL_PY = "open('MARKER', 'w').close()\n"
 PAYLOADS = [
     ("model", "factory", "jtrain.bench.scaling:_spawn",
      {"code": EVIL_PY, "devices": 1, "env": {}}),
-    ("step", "factory", "jtrain.checkpoint.verify:_run",
+    ("step", "factory", "jtrain.verify.resume:_run",
      {"argv": ["sh", "-c", "touch MARKER"], "env": {}, "log_path": "log.txt"}),
     ("model", "factory", "jtrain.bench.peers:launch",
      {"cmd": ["touch", "MARKER"], "cwd": ".", "log": "log.txt", "timeout": 30}),

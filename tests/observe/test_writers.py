@@ -15,7 +15,7 @@ from ml_collections import ConfigDict
 
 from jtrain.observe import writers
 from jtrain.observe.console import Progress
-from jtrain.observe.redact import redact, redact_text
+from jtrain.redact import redact, redact_text
 from jtrain.observe.writers import MetricWriter
 
 SECRETS = ("sk-test-123abc", "s3cr3t-value", "hunter2", "tok-999")

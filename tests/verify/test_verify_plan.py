@@ -8,8 +8,8 @@ import os
 import signal
 import sys
 
-from jtrain.checkpoint import verify
-from jtrain.checkpoint.verify import Attempt, Timeline
+from jtrain.verify import resume as verify
+from jtrain.verify.resume import Attempt, Timeline
 
 KILLED = -signal.SIGKILL
 

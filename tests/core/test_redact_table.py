@@ -19,7 +19,7 @@ from flax import nnx
 import jtrain
 from jtrain import config as config_lib
 from jtrain.checkpoint import export as export_lib
-from jtrain.observe.redact import REDACTED, redact, redact_text
+from jtrain.redact import REDACTED, redact, redact_text
 
 # (text, the secrets in it)
 SHAPES = [

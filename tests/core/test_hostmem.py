@@ -1,10 +1,10 @@
-"""jtrain.cli.hostmem: jtrain's entry points restart once with huge-page malloc (the XLA:CPU
+"""jtrain.hostmem: jtrain's entry points restart once with huge-page malloc (the XLA:CPU
 step's scratch buffer is mapped fresh every step); JTRAIN_HUGETLB=0 and a tunable the user
 set already leave the process alone."""
 
 import pytest
 
-from jtrain.cli import hostmem
+from jtrain import hostmem
 from journey import run_python
 
 CAN = hostmem.tunables_with_hugetlb({}) is not None  # glibc >= 2.35 and THP available
@@ -69,7 +69,7 @@ def test_cpu_flags_added_unless_xla_flags_names_them():
 
 
 def test_entry_points_start_with_the_cpu_flags(tmp_path):
-    code = ("from jtrain.cli import boot; boot.start('bench'); import os, sys; "
+    code = ("from jtrain import boot; boot.start('bench'); import os, sys; "
             "print(os.environ['XLA_FLAGS'], 'jax' in sys.modules)")
     proc = run_python(tmp_path, "-c", code)
     assert proc.returncode == 0, proc.stderr
@@ -89,7 +89,7 @@ def test_arena_cap_unless_the_user_chose():
 
 # Threads that allocate after boot.start: glibc's malloc_info lists one <heap> per arena.
 ARENAS = '''import ctypes, sys, threading
-from jtrain.cli import boot
+from jtrain import boot
 boot.start("bench")
 def work():
     blocks = [bytearray(200_000) for _ in range(50)]

@@ -16,11 +16,10 @@ which shows it can see the device count in the bits.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
-from jtrain.checkpoint import verify
 from jtrain.observe import runfiles
+from jtrain.verify import resume
 
 TIMEOUT_S = 3600
 DROP = ("--workdir", "--verify_topologies", "--verify_negative_control",
@@ -73,7 +72,7 @@ def _n(count: int) -> str:
 def run_from_cli(argv: list, workdir: str, counts: list[int], *,
                  negative_control: bool = False) -> int:
     """The driver: reruns the command line without the verify flags, once per count."""
-    args = verify.without_flags(argv[1:], DROP, valued=("--workdir", "--verify_topologies"))
+    args = resume.without_flags(argv[1:], DROP, valued=("--workdir", "--verify_topologies"))
     mode = "false" if negative_control else "true"
     root = os.path.abspath(workdir)
     os.makedirs(root, exist_ok=True)
@@ -86,9 +85,7 @@ def run_from_cli(argv: list, workdir: str, counts: list[int], *,
         command = [sys.executable, "-m", "jtrain.main", *args, f"--workdir={run_dir}",
                    "--config.debug.hash_every_steps=1",
                    f"--config.determinism.topology_invariant={mode}"]
-        with open(run_dir + ".log", "w") as log:
-            code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  timeout=TIMEOUT_S).returncode
+        code = resume._run(command, env, run_dir + ".log", timeout=TIMEOUT_S)[0]  # 124: timeout
         if code != 0:
             _say(f"FAIL: the run on {n} devices exited {code} (see {run_dir}.log)",
                  negative_control)

@@ -91,7 +91,7 @@ def main(fv, args, argv) -> int:
                          "pip install 'jtrain[tune]'") from None
     from absl import logging as absl_logging
 
-    from jtrain.cli import boot
+    from jtrain import boot
     from jtrain import config as config_lib
     from jtrain.config import space as space_lib
     from jtrain.observe import startup
@@ -171,7 +171,7 @@ class Worker:
             return self._loop()
 
     def _loop(self) -> int:
-        from jtrain.cli import boot
+        from jtrain import boot
         from jtrain.multihost import preflight
         from jtrain.tune import trial as trial_lib
 
@@ -252,7 +252,7 @@ class Worker:
 
         import jax
 
-        from jtrain.cli import boot
+        from jtrain import boot
 
         if jax.process_count() > 1 or threading.current_thread() is not \
                 threading.main_thread():

@@ -1,5 +1,5 @@
 """Start-up: every entry point starts the same way whichever form a user types
-(`python -m jtrain.X` or the `jtrain X` script), through `jtrain.cli.boot.start` before JAX
+(`python -m jtrain.X` or the `jtrain X` script), through `jtrain.boot.start` before JAX
 is imported; importing jtrain from a script does nothing to the process."""
 
 import json
@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from jtrain.cli import hostmem
+from jtrain import hostmem
 from journey import run_python, user_env
 
 CAN = hostmem.tunables_with_hugetlb({}) is not None  # glibc >= 2.35 and THP available
@@ -102,7 +102,7 @@ def test_the_train_command_turns_the_collector_back_on_after_its_imports(tmp_pat
 
     import jtrain.main
     from jtrain import errors
-    from jtrain.cli import boot
+    from jtrain import boot
     from jtrain.engine import run as run_lib
 
     seen = []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import fnmatch
 import json
 
-from jtrain import config as config_lib
+from jtrain.config import schema
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -68,7 +68,7 @@ def _new_key_at_its_default(key: str, change: tuple) -> bool:
     """A key the checkpoint's config lacks (it was saved by a jtrain without that key)
     and that now holds its schema default: the saved run did what the default does."""
     old, new = change
-    field = config_lib.field_of(key)
+    field = schema.field_of(key)
     default = None if field is None else field.default
     if isinstance(default, tuple):
         default = list(default)
@@ -81,7 +81,7 @@ def unallowed_changes(changes: dict, allowed, config: dict) -> list[str]:
     for key in changes:
         # Keys that cannot change the trained state (config.Field.resume) may differ;
         # they are still recorded.
-        if config_lib.resume_safe(key):
+        if schema.resume_safe(key):
             continue
         if _new_key_at_its_default(key, changes[key]):
             continue  # saved before the key existed: that run behaved as its default

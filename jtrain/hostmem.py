@@ -16,7 +16,7 @@ huge pages (`madvise(MADV_HUGEPAGE)`) on what it maps, and the same 344 MB arriv
 peak RSS. Tunables are read once when the process starts, so jtrain's own entry points
 (`python -m jtrain.main|evaluate|export|tune|bench`, the `jtrain` command) re-execute
 themselves once with it added to `GLIBC_TUNABLES` before anything heavy is imported
-(`maybe_reexec`, called by `jtrain.cli.boot.start`). A script that calls `jtrain.train()`
+(`maybe_reexec`, called by `jtrain.boot.start`). A script that calls `jtrain.train()`
 can get the same by starting Python with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, or by
 calling `maybe_reexec()` as its first line. `JTRAIN_HUGETLB=0` turns the re-exec off.
 
@@ -32,7 +32,7 @@ Malloc arenas: glibc gives each thread that allocates its own arena (up to 8 per
 and memory freed in one arena is not reused by another; XLA:CPU's worker threads each
 allocate the step's buffers below the mmap threshold, so every arena keeps its own
 high-water mark. Capped at 2 arenas (`mallopt(M_ARENA_MAX)`, before any thread starts:
-`limit_arenas`, called by `jtrain.cli.boot.start`) the peak RSS of `bench peers` on 2 cores
+`limit_arenas`, called by `jtrain.boot.start`) the peak RSS of `bench peers` on 2 cores
 fell from 819-884 to 722-752 MB (lm_base) and from 415-451 to 390-392 MB (lm_debug), the
 same bits in every parameter (docs/benchmarks.md, "Memory and page faults of the base
 LM"). `JTRAIN_MALLOC_ARENAS=N` sets another cap, `0` keeps glibc's default; a cap the
@@ -105,7 +105,7 @@ def maybe_reexec() -> None:
     sys.stderr.flush()
     # exec resets handlers but keeps the signal mask and pending signals: a SIGTERM /
     # SIGINT that comes while the new image starts waits until `release_signals()`,
-    # after jtrain.cli.boot has installed its start-up handlers.
+    # after jtrain.boot has installed its start-up handlers.
     old = signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
     try:
         os.execve(sys.executable, [sys.executable] + list(argv[1:]), env)
@@ -132,7 +132,7 @@ def cpu_flags(environ) -> str | None:
 
 def set_cpu_flags() -> None:
     """Adds CPU_FLAGS to this process's XLA_FLAGS; effective only before JAX's backend
-    starts (jtrain.cli.boot.start calls it first thing)."""
+    starts (jtrain.boot.start calls it first thing)."""
     value = cpu_flags(os.environ)
     if value is not None:
         os.environ["XLA_FLAGS"] = value
@@ -155,7 +155,7 @@ def arena_cap(environ) -> int | None:
 
 def limit_arenas() -> int | None:
     """Caps glibc's malloc arenas (`arena_cap`); effective for arenas made afterwards, so
-    before the process starts threads (jtrain.cli.boot.start calls it). The cap set, or None."""
+    before the process starts threads (jtrain.boot.start calls it). The cap set, or None."""
     cap = arena_cap(os.environ)
     if cap is None:
         return None

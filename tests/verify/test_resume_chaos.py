@@ -1,6 +1,6 @@
 """The chaos test: SIGKILL a run mid-step, mid-eval, mid-save and at a random moment,
 restart it each time, and require the final state to be bitwise identical to an
-uninterrupted run (jtrain.checkpoint.verify), on 8 fake devices with a torch map-style dataset,
+uninterrupted run (jtrain.verify.resume), on 8 fake devices with a torch map-style dataset,
 2 grain workers, dropout and bfloat16 compute. Then the negative control: with the data
 position not restored on restart, the verifier must report a mismatch, every time (its
 kill lands after the first save and before the last one by construction)."""
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from jtrain.checkpoint import verify
+from jtrain.verify import resume as verify
 
 
 SCRIPT = '''

@@ -8,7 +8,7 @@ set up; importing jtrain (the package or any module) changes nothing about the p
 `command` is the subcommand's name ("train", "evaluate", "export", "tune", "bench"), so
 `python -m jtrain.main` and `jtrain train` start the same way. In order:
 
-1. the huge-page re-exec (jtrain.cli.hostmem: the process starts again once with
+1. the huge-page re-exec (jtrain.hostmem: the process starts again once with
    `glibc.malloc.hugetlb=1`; `JTRAIN_HUGETLB=0` turns it off), with SIGTERM / SIGINT
    held across the exec; then XLA:CPU options added to `XLA_FLAGS` unless it names
    them (`hostmem.CPU_FLAGS`: the scheduler that keeps the step's scratch smaller);
@@ -48,7 +48,7 @@ import sys
 import threading
 import time
 
-from jtrain.cli import hostmem
+from jtrain import hostmem
 
 STOPPABLE = ("train", "tune")  # commands whose run takes early signals over
 GC_PAUSED = ("train",)  # commands whose imports run without the collector
