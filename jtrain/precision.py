@@ -198,11 +198,11 @@ def set_deterministic(enabled: bool) -> str | None:
         return None
     import os
 
-    from jax._src import xla_bridge  # the one place that knows whether XLA started
+    from jtrain import internals
 
     current = os.environ.get("XLA_FLAGS", "")
     missing = [f for f in DETERMINISTIC_FLAGS if f.split("=")[0] not in current]
-    if xla_bridge.backends_are_initialized():
+    if internals.backends_started():
         if jax.default_backend() == "cpu":
             return "deterministic: on (CPU: already deterministic)"
         if missing:
