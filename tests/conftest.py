@@ -72,6 +72,8 @@ def pytest_sessionstart(session):
 
 def pytest_configure(config):
     _CONFIG.append(config)
+    if "quick" in (config.getoption("markexpr", "") or "") and not CHILD_REPORTS:
+        config.pluginmanager.register(_QuickGuard(), "jtrain-quick-guard")
     if os.environ.get("JTRAIN_TEST_TIMES"):
         config.pluginmanager.register(_Times(os.environ["JTRAIN_TEST_TIMES"]), "jtrain-times")
     from journey import trust_key_file
@@ -269,6 +271,28 @@ class _Times:
         with open(self.path, "a") as f:
             f.write(f"{wall:8.2f} {own + kids:8.2f} {kids:8.2f} "
                     f"{getattr(item, '_jtrain_id', item.nodeid)}\n")
+
+
+class _QuickGuard:
+    """Under `-m quick`: a test whose processes (a Python launch, grain's workers, an
+    evaluator jtrain starts) used more than half a CPU second fails, saying why. The
+    source scan (_starts_a_process) leaves out the launches a test's own code makes; a
+    test that starts one another way takes `@pytest.mark.slow`."""
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        self.start = _cpu(resource.RUSAGE_CHILDREN)
+        yield
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        report = (yield).get_result()
+        used = _cpu(resource.RUSAGE_CHILDREN) - self.start
+        if call.when == "teardown" and used > 0.5:
+            report.outcome = "failed"
+            report.longrepr = (f"{item.nodeid}: its processes used {used:.1f} CPU s; the "
+                               "quick selection starts none: mark the test "
+                               "@pytest.mark.slow (tests/conftest.py, _quick)")
 
 
 def _cpu(who) -> float:
