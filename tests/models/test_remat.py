@@ -37,6 +37,7 @@ def _loss_and_grads(remat):
     return params, *step(params)
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 @pytest.mark.parametrize("remat", ["full", "dots_saveable", "dots_with_no_batch_dims_saveable"])
 def test_remat_gives_the_same_loss_and_gradients(remat):
     params0, loss0, grads0 = _loss_and_grads("none")
