@@ -9,6 +9,8 @@ import os
 import shutil
 import types
 
+import pytest
+
 import jtrain
 from jtrain import config as config_lib
 from jtrain.checkpoint import policy
@@ -59,6 +61,7 @@ def test_a_resume_drops_the_eval_records_it_applies_again(tmp_path):
     assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:3]
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 def test_a_resumed_run_writes_each_eval_once(tmp_path):
     """Every 2 steps, lag 2: the eval of step 4 is applied (written) at step 8, that of
     step 6 at step 10. A session killed after step 10 and resumed from checkpoint 6 has

@@ -290,6 +290,7 @@ def test_the_page_is_what_the_table_generates():
         "stale: python -m jtrain.config.interactions > docs/guide/feature-interactions.md")
 
 
+@pytest.mark.slow  # three to four trainings of many features each (~10 CPU s a case)
 @pytest.mark.parametrize("case", ONE_DEVICE, ids=[f"case{i}" for i in range(len(ONE_DEVICE))])
 def test_a_generated_case_resumes_bitwise_and_evaluates_its_state(case, tmp_path,
                                                                   monkeypatch):

@@ -153,6 +153,7 @@ def sources(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 @pytest.mark.parametrize("kind", ["nnx", "linen"])
 @pytest.mark.parametrize("source", ["run", "export"])
 def test_init_from_carries_the_running_statistics(tmp_path, sources, kind, source):

@@ -307,6 +307,7 @@ def _error_lines(stderr: str) -> list[str]:
     return [ln for ln in stderr.splitlines() if " error: " in ln]
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 def test_user_pretrains_lora_finetunes_and_exports_merged(tmp_path, monkeypatch, capfd):
     user_dir(tmp_path, ["nnx_mlp"], {"finetune.py": SCRIPT, "myconfig.py": CONFIG})
     proc = _run(tmp_path, "finetune.py")

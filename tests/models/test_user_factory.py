@@ -72,6 +72,7 @@ def test_cli_trains_evaluates_and_finetunes_a_factory_model(user_dir):
     assert json.load(open(user_dir / "runs/ft/summary.json"))["step"] == 2
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 def test_factory_gets_the_policy_dtype_and_bad_factories_are_config_errors(user_dir,
                                                                             monkeypatch):
     monkeypatch.syspath_prepend(str(user_dir))
