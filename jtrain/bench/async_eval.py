@@ -5,7 +5,7 @@ Every side runs the same command (`python -m jtrain.main`, configs/base.py:debug
 small byte-level LM, eval every `--every` steps over `--eval_batches` batches, no early
 stopping so all do the same steps; `none` sets eval.every_steps=0: one eval at the
 end) as a separate process, the sides in turn, `--rounds` times. `async` runs its child
-evaluator at `--nice` and on `--cpus` CPUs (eval.async_nice, eval.async_cpus);
+evaluator at `--nice` and on `--cpus` CPUs (JTRAIN_EVAL_NICE, JTRAIN_EVAL_CPUS);
 `async_nice0` is the same at nice 0 (the evaluator competing as an equal).
 
 What the claim "async evaluation does not slow the step" is about, per side (medians):
@@ -59,8 +59,8 @@ def define_flags(fv) -> None:
     flags.DEFINE_integer("every", 10, "eval.every_steps", flag_values=fv)
     flags.DEFINE_integer("eval_batches", 10, "eval.num_batches", flag_values=fv)
     flags.DEFINE_integer("lag", 1, "eval.async_lag", flag_values=fv)
-    flags.DEFINE_integer("nice", 19, "eval.async_nice of the async side", flag_values=fv)
-    flags.DEFINE_integer("cpus", 0, "eval.async_cpus of the async sides", flag_values=fv)
+    flags.DEFINE_integer("nice", 19, "JTRAIN_EVAL_NICE of the async side", flag_values=fv)
+    flags.DEFINE_integer("cpus", 0, "JTRAIN_EVAL_CPUS of the async sides", flag_values=fv)
     flags.DEFINE_list("sides", ["none", "sync", "async"], f"sides, of {', '.join(SIDES)}",
                       flag_values=fv)
     flags.DEFINE_integer("rounds", 2, "rounds (each runs every side once)", flag_values=fv)
@@ -77,7 +77,7 @@ def _command(workdir: str, side: str, a: dict) -> list[str]:
             f"--workdir={workdir}", f"--config.total_steps={a['steps']}",
             f"--config.eval.every_steps={every}", f"--config.eval.num_batches={a['eval_batches']}",
             f"--config.eval.mode={mode}", f"--config.eval.async_lag={a['lag']}",
-            f"--config.eval.async_nice={nice}", f"--config.eval.async_cpus={a['cpus']}",
+            f"--config.JTRAIN_EVAL_NICE={nice}", f"--config.JTRAIN_EVAL_CPUS={a['cpus']}",
             f"--config.log.every_steps={a['every']}", "--config.checkpoint.every_steps=0",
             "--config.log.writers=jsonl"]
 

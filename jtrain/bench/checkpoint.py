@@ -19,7 +19,7 @@ total save and restore seconds (goal <= 5 s each), and steps/s during a save / w
 state_sha256 is checked against the saved one once.
 
 On a CPU-only machine the train step and the background write compete for the same
-cores: `--writer_nice` (checkpoint.writer_nice, default 19) trades the two goals. At 19
+cores: `--writer_nice` (JTRAIN_WRITER_NICE, default 19) trades the two goals. At 19
 the write takes only cycles the step leaves idle (steps/s ~unchanged, the write takes
 longer); at 0 it finishes sooner and slows the steps. The sync time is what the write
 costs when nothing competes (after a stop, or with the work on a GPU).

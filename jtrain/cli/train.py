@@ -191,11 +191,12 @@ def main(fv: flags.FlagValues, args: list[str], argv: list[str]) -> int:
     if fv.dry_run:
         _dry_run(fv)
         return 0
-    if getattr(fv.config, "deterministic", False):  # XLA_FLAGS before the backend starts
-        from jtrain import precision
+    config = _config_dict(fv)
+    if ((config.get("determinism") or {}).get("gpu_ops") is True
+            or config.get("deterministic") is True):  # (its old name) XLA_FLAGS before
+        from jtrain import precision                 # the backend starts
 
         precision.set_deterministic(True)
-    config = _config_dict(fv)
     resolved = _start(fv, config)
     from jtrain.engine.run import train_and_evaluate
 

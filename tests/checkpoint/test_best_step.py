@@ -1,5 +1,5 @@
 """`best` wherever a step is chosen: `python -m jtrain.export RUN --step=best` and
-`checkpoint.init_from_step=best` pick the same checkpoint as `jtrain.evaluate --step=best`
+`init.step=best` pick the same checkpoint as `jtrain.evaluate --step=best`
 (the run's checkpoint.monitor as logged in metrics.jsonl), from relative paths; the rule
 itself against known values: the lowest (mode min) or highest (mode max) logged value,
 ties to the newer step, a step without a finite logged value never chosen."""

@@ -1,4 +1,4 @@
-"""`python -m jtrain.export` (safetensors, no pickle) and `checkpoint.init_from`."""
+"""`python -m jtrain.export` (safetensors, no pickle) and `init.path`."""
 
 import json
 import os
@@ -104,7 +104,7 @@ def test_init_from_mismatch_and_missing_path(run_dir, tmp_path):
         open_run(tmp_path / "b", cfg, state=make_state(extra=True))
     from jtrain.config import ConfigError
 
-    with pytest.raises(ConfigError, match="checkpoint.init_from: .*no such file"):
+    with pytest.raises(ConfigError, match="init.path: .*no such file"):
         open_run(tmp_path / "c", make_config(init_from=str(tmp_path / "nope")))
 
 

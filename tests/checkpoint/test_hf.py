@@ -1,6 +1,6 @@
 """Hugging Face in and out: the layout mapping (bitwise both ways), config checks naming
-the field, `--format=hf` logits equal to transformers', `checkpoint.init_from=hf:DIR` into
-the built-in transformer and (with checkpoint.init_map) into another model, and an FSDP
+the field, `--format=hf` logits equal to transformers', `init.path=hf:DIR` into
+the built-in transformer and (with init.map) into another model, and an FSDP
 run on 8 devices importing and exporting the same bytes. Tiny random configs, offline."""
 
 import json
@@ -100,9 +100,9 @@ def test_config_the_builtin_model_cannot_represent_names_the_field(field, value)
 def test_init_map_config_and_rename():
     cfg = config_lib.resolve({"model": {"name": "mlp"}, "checkpoint": {"init_map": {
         r"^proj\.weight$": "dense/kernel.T"}}})
-    assert [tuple(p) for p in cfg.checkpoint.init_map] == [(r"^proj\.weight$", "dense/kernel.T")]
+    assert [tuple(p) for p in cfg.init.map] == [(r"^proj\.weight$", "dense/kernel.T")]
     for bad in ("x", [("a",)], [("(", "b")]):
-        with pytest.raises(ConfigError, match="checkpoint.init_map"):
+        with pytest.raises(ConfigError, match="init.map"):
             config_lib.resolve({"checkpoint": {"init_map": bad}})
     w = np.arange(6, dtype=np.float32).reshape(2, 3)
     out = hf.rename({"proj.weight": w, "other": w}, hf.parse_map([(r"^proj\.weight$",
@@ -190,7 +190,7 @@ def test_hf_into_a_user_model_by_init_map(tmp_path, capfd):
     export.write_safetensors(str(hf_dir / "model.safetensors"),
                              {"proj.weight": w, "proj.bias": np.ones(16, np.float32),
                               "extra": np.zeros(2, np.float32)}, {"format": "pt"})
-    with pytest.raises(ConfigError, match="checkpoint.init_map: required"):
+    with pytest.raises(ConfigError, match="init.map: required"):
         open_run(tmp_path / "a", make_config(init_from=f"hf:{hf_dir}"))
     pairs = [(r"^proj\.weight$", "dense/kernel.T"), (r"^proj\.(bias)$", r"dense/\1")]
     ck, start = open_run(tmp_path / "b", make_config(init_from=f"hf:{hf_dir}", init_map=pairs))

@@ -1,5 +1,5 @@
 """One path convention for every parameter pattern: `optim.frozen` / `trainable` /
-`lr_mults`, `checkpoint.init_exclude` / `init_map` and `finetune.lora.targets` all search
+`lr_mults`, `init.exclude` / `init_map` and `finetune.lora.targets` all search
 the parameter's path in the params tree (`o/kernel`, no `params/`), and a pattern that
 matches nothing is a config error naming its key, before the first step."""
 
@@ -115,7 +115,7 @@ def test_a_pattern_with_the_old_params_prefix_is_read_without_it(source, tmp_pat
     assert got["o/kernel"].tobytes() == leaves(fresh.params)["o/kernel"].tobytes()
     assert got["hidden/kernel"].tobytes() == leaves(src_state.params)["hidden/kernel"].tobytes()
     err = capfd.readouterr().err
-    assert "jtrain: note: checkpoint.init_exclude: '^params/o/' is read as '^o/'" in err
+    assert "jtrain: note: init.exclude: '^params/o/' is read as '^o/'" in err
     assert "2 excluded (fresh init: o/bias, o/kernel)" in err
 
 
@@ -132,9 +132,9 @@ def test_init_map_renames_a_parameter_with_its_optimizer_state(source, tmp_path)
 
 
 @pytest.mark.parametrize("ckpt, key", [
-    ({"init_exclude": ("^out/",)}, "checkpoint.init_exclude"),
-    ({"init_exclude": ("^params/out/",)}, "checkpoint.init_exclude"),
-    ({"init_map": ((r"^head/(.*)", r"o/\1"),)}, "checkpoint.init_map"),
+    ({"init_exclude": ("^out/",)}, "init.exclude"),
+    ({"init_exclude": ("^params/out/",)}, "init.exclude"),
+    ({"init_map": ((r"^head/(.*)", r"o/\1"),)}, "init.map"),
 ])
 def test_a_pattern_that_matches_no_parameter_is_a_config_error(source, tmp_path, ckpt, key):
     src, _ = source
@@ -204,8 +204,8 @@ def test_user_starts_a_new_head_from_a_run(tmp_path):
     proc = run_python(tmp_path, "-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/src")
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run_python(tmp_path, "-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/ft",
-                      "--config.checkpoint.init_from=runs/src",
-                      "--config.checkpoint.init_exclude=('^o/',)",
+                      "--config.init.path=runs/src",
+                      "--config.init.exclude=('^o/',)",
                       "--config.optim.frozen=('^hidden/',)")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "jtrain: trainable 18 params in 2 leaves; frozen 40 in 2 leaves" in proc.stderr
@@ -213,11 +213,11 @@ def test_user_starts_a_new_head_from_a_run(tmp_path):
     assert "; initialized from runs/src (step 3, 2 leaves, 2 excluded)" in proc.stderr
 
     proc = run_python(tmp_path, "-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/bad",
-                      "--config.checkpoint.init_from=runs/src",
-                      "--config.checkpoint.init_exclude=('^out/',)")
+                      "--config.init.path=runs/src",
+                      "--config.init.exclude=('^out/',)")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     errors = [ln for ln in proc.stderr.splitlines() if " error: " in ln]
-    assert errors == ["jtrain: config error: checkpoint.init_exclude: '^out/' matches no "
+    assert errors == ["jtrain: config error: init.exclude: '^out/' matches no "
                       "parameter path; paths look like 'hidden/bias', 'hidden/kernel', "
                       "'o/bias'"], proc.stderr[-3000:]

@@ -121,10 +121,10 @@ def test_the_child_evaluator_gets_the_last_cpus_and_the_nice_value(monkeypatch):
     assert [async_eval.evaluator_cpus(n) for n in (0, 1, 2, 4, 9)] == \
         [None, [3], [2, 3], None, None]  # all of them or more: no pinning
     cfg = _cfg()
-    cfg.eval.async_nice, cfg.eval.async_cpus = 5, 1
+    cfg.JTRAIN_EVAL_NICE, cfg.JTRAIN_EVAL_CPUS = 5, 1
     env = async_eval.child_env(cfg)
     assert (env[async_eval.NICE_ENV], env[async_eval.CPUS_ENV]) == ("5", "3")
-    cfg.eval.async_cpus = 0
+    cfg.JTRAIN_EVAL_CPUS = 0
     assert async_eval.CPUS_ENV not in async_eval.child_env(cfg)
 
 

@@ -1,7 +1,7 @@
 """The weight EMA (optim.ema): it equals the numpy recurrence over the params the step
 produced, a skipped update leaves it untouched, frozen leaves keep an average equal to
 themselves; eval.weights=both writes eval/... and eval/ema/... and a monitor may name
-either; checkpoint.init_from starts it at the loaded params (an export) or takes the
+either; init.path starts it at the loaded params (an export) or takes the
 source's average (a checkpoint); bad settings are one config error each."""
 
 import json

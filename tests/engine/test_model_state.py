@@ -3,7 +3,7 @@ statistics (NNX `nnx.BatchStat`, Linen's `batch_stats`) move with every applied 
 equal a numpy recomputation of the momentum average over the global batches the run
 consumed, are what evaluation uses (its metrics equal the model evaluated by hand with
 them), resume bitwise from a checkpoint, are exported beside the parameters and carried
-by checkpoint.init_from; a skipped step leaves them, accumulation moves them once per
+by init.path; a skipped step leaves them, accumulation moves them once per
 strided microbatch; under determinism.topology_invariant every eval row is scored and an
 eval batch the chunks do not divide is refused before step 1."""
 

@@ -1,7 +1,7 @@
 """Documented features that had no test, each checked where a user meets it.
 
 One plain-script run (`python run.py` in an empty directory, jtrain as installed) with
-`checkpoint.keep_every_steps`, `checkpoint.writer_nice` and the MLflow and W&B writers
+`checkpoint.keep_every_steps`, `JTRAIN_WRITER_NICE` and the MLflow and W&B writers
 (offline W&B, MLflow's local sqlite store) is shared by the tests that read it. Then:
 `checkpoint.grace_seconds` from a config, the precision policy's `auto` choices (the
 platform is an argument of make_policy, so the GPU/TPU branches run here as logic),
@@ -40,7 +40,7 @@ cfg = {"total_steps": 12, "data": {"batch_size": 16},
                       "writer_nice": 7}}
 result = jtrain.train(cfg, "runs/f", model=Net(), train_data={"inputs": x, "targets": y},
                       eval_data={"inputs": x[:32], "targets": y[:32]})
-nices = []  # tensorstore's write threads, which checkpoint.writer_nice lowers
+nices = []  # tensorstore's write threads, which JTRAIN_WRITER_NICE lowers
 for tid in os.listdir("/proc/self/task"):
     with open(f"/proc/self/task/{tid}/comm") as f:
         if f.read().startswith("ts_pool"):

@@ -173,7 +173,7 @@ def test_distilled_student_beats_the_student_alone_and_exports_as_a_plain_run(tm
     student.total_steps = student.eval.every_steps = STEPS
     run = killed_and_restarted(
         tmp_path, student, ["-m", "jtrain.main", "--config=distill.py:debug",
-                            "--config.checkpoint.init_from=runs/teacher",
+                            "--config.init.path=runs/teacher",
                             "--config.checkpoint.every_steps=4", f"--config.total_steps={STEPS}",
                             f"--config.eval.every_steps={STEPS}"], "runs/student")
     loss["student"] = json.loads((run / "summary.json").read_text())["eval/loss"]
@@ -192,5 +192,5 @@ def test_distilled_student_beats_the_student_alone_and_exports_as_a_plain_run(tm
     with pytest.raises(errors.JtrainError) as e:
         jtrain.train(config, "runs/bad")
     assert errors.render(e.value) == (
-        "jtrain: config error: checkpoint.init_into: 'techer' names no part of the state; "
+        "jtrain: config error: init.into: 'techer' names no part of the state; "
         "its top-level names: opt, student, teacher")

@@ -2,7 +2,7 @@
 adapters train (base weights bitwise unchanged, optimizer state for adapters only) for a
 Linen and an NNX model; the merged weights (`W + alpha/rank * A @ B`) make the plain model
 compute what the adapted one does (Linen, NNX, the built-in transformer, multi-axis and
-einsum kernels), and every adapter gets a gradient; `checkpoint.init_from` of a plain run
+einsum kernels), and every adapter gets a gradient; `init.path` of a plain run
 keeps the adapters fresh; bad settings are one-line config errors; a user's journey: a
 script pretrains and LoRA fine-tunes their model, the CLI exports it with --merge_lora
 (the CLI's one lines for a run without LoRA and a config that adapts nothing, in-process)."""
