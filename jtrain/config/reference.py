@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from jtrain.config.fields import OpenChoices
-from jtrain.config.schema import INT_MAX, MODEL_FAMILIES, SCHEMA, Field, schema_for
+from jtrain.config.schema import INT_MAX, MODEL_FAMILIES, OPTIMIZERS, SCHEMA, Field, schema_for
 
 _TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str", "strs": "list[str]",
                "ints": "list[int]", "dict": "dict",
@@ -112,8 +112,9 @@ def markdown() -> str:
              "`python -m jtrain.main --config=FILE --print_config` prints a config's "
              "resolved values. *resume*: may differ when a run resumes without "
              "`checkpoint.allow_changes`. New names below the free-form dicts "
-             "`data.kwargs` and `model.kwargs` are accepted from the command line "
-             "(`--config.data.kwargs.log_dir=logs`).\n"]
+             "`data.kwargs`, `model.kwargs`, `step.kwargs` and `optim.kwargs` are accepted "
+             "from the command line (`--config.data.kwargs.log_dir=logs`, "
+             "`--config.optim.kwargs.beta=0.9`).\n"]
     top = [(k, f) for k, f in SCHEMA.items() if isinstance(f, Field)]
     parts += ["## Top level\n", _table(top)]
     for section, spec in SCHEMA.items():
@@ -122,4 +123,8 @@ def markdown() -> str:
     for family, spec in MODEL_FAMILIES.items():
         parts += [f"## model.* of the `{family}` family (model.name={family!r})\n",
                   _table(list(fields(spec, "model.")))]
+    for name, args in OPTIMIZERS.items():
+        if args:
+            parts += [f"## optim.kwargs of `{name}` (optim.name={name!r})\n",
+                      _table(list(fields(args, "optim.kwargs.")))]
     return "\n".join(parts)

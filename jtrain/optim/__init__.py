@@ -406,7 +406,7 @@ def given_optimizer(tx, optim_cfg, total_steps, *, extra_trainable=()):
                                 f"{type(tx).__name__}")
     optim_cfg = sections.section("optim", optim_cfg, total_steps=total_steps)
     defaults = sections.section("optim", {}, total_steps=total_steps)
-    for key in optim_cfg:
+    for key in sorted(optim_cfg, key=lambda k: k != "name"):  # the name before its kwargs
         if key not in _WITH_TX and optim_cfg[key] != defaults[key]:
             raise ConfigError(f"optim.{key}", f"{optim_cfg[key]!r} would be ignored: "
                               "jtrain.train(tx=...) is the whole optimizer; leave "
