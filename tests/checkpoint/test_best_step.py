@@ -80,8 +80,8 @@ def test_export_and_init_from_best(home, monkeypatch):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.load(open("exports/best/export.json"))["step"] == best
     assert proc.stdout.startswith(f"jtrain: exported step {best}:")
-    res = jtrain.train({**CFG, "total_steps": 1, "checkpoint": {
-        "init_from": "runs/a", "init_from_step": "best"}}, "runs/ft", model=Net(),
+    res = jtrain.train({**CFG, "total_steps": 1, "init": {
+        "path": "runs/a", "step": "best"}}, "runs/ft", model=Net(),
         train_data=_data())
     assert res.summary["step"] == 1
     bad = export_command.main(["runs/a/checkpoints/2", "--step=best", "--out=exports/x"])

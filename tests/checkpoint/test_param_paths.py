@@ -75,8 +75,8 @@ def test_one_pattern_selects_the_same_leaves_for_freezing_and_init_exclude(sourc
     frozen = {path for path, label in labels.items() if label == "frozen"}
     assert frozen == {"o/bias", "o/kernel"} and split["frozen"][0] == 2
 
-    got = leaves(start_from(tmp_path / "new", fresh, init_from=str(src),
-                            init_exclude=("^o/",)).params)
+    got = leaves(start_from(tmp_path / "new", fresh, path=str(src),
+                            exclude=("^o/",)).params)
     kept_fresh = {p for p, v in got.items() if np.array_equal(v, leaves(fresh.params)[p])
                   and not np.array_equal(v, leaves(src_state.params)[p])}
     assert kept_fresh == frozen
@@ -86,8 +86,8 @@ def test_init_exclude_keeps_the_fresh_init_of_params_their_opt_state_and_ema(
         source, tmp_path, capfd):
     src, src_state = source
     fresh = make_state(2, ema=True)
-    state = start_from(tmp_path / "new", fresh, init_from=str(src), init_exclude=("^o/",),
-                       init_from_opt=True)
+    state = start_from(tmp_path / "new", fresh, path=str(src), exclude=("^o/",),
+                       opt=True)
     got, was, new = leaves(state.params), leaves(src_state.params), leaves(fresh.params)
     for path in got:
         want = new if path.startswith("o/") else was
@@ -110,8 +110,8 @@ def test_init_exclude_keeps_the_fresh_init_of_params_their_opt_state_and_ema(
 def test_a_pattern_with_the_old_params_prefix_is_read_without_it(source, tmp_path, capfd):
     src, src_state = source
     fresh = make_state(2)
-    got = leaves(start_from(tmp_path / "new", fresh, init_from=str(src),
-                            init_exclude=("^params/o/",)).params)
+    got = leaves(start_from(tmp_path / "new", fresh, path=str(src),
+                            exclude=("^params/o/",)).params)
     assert got["o/kernel"].tobytes() == leaves(fresh.params)["o/kernel"].tobytes()
     assert got["hidden/kernel"].tobytes() == leaves(src_state.params)["hidden/kernel"].tobytes()
     err = capfd.readouterr().err
@@ -122,8 +122,8 @@ def test_a_pattern_with_the_old_params_prefix_is_read_without_it(source, tmp_pat
 def test_init_map_renames_a_parameter_with_its_optimizer_state(source, tmp_path):
     src, src_state = source
     fresh = make_state(2, out_name="head")
-    state = start_from(tmp_path / "new", fresh, init_from=str(src), init_from_opt=True,
-                       init_map=((r"^o/(.*)", r"head/\1"),))
+    state = start_from(tmp_path / "new", fresh, path=str(src), opt=True,
+                       map=((r"^o/(.*)", r"head/\1"),))
     got, was = leaves(state.params), leaves(src_state.params)
     assert got["head/kernel"].tobytes() == was["o/kernel"].tobytes()
     opt, opt_src = leaves(state.opt_state), leaves(src_state.opt_state)
@@ -132,14 +132,14 @@ def test_init_map_renames_a_parameter_with_its_optimizer_state(source, tmp_path)
 
 
 @pytest.mark.parametrize("ckpt, key", [
-    ({"init_exclude": ("^out/",)}, "init.exclude"),
-    ({"init_exclude": ("^params/out/",)}, "init.exclude"),
-    ({"init_map": ((r"^head/(.*)", r"o/\1"),)}, "init.map"),
+    ({"exclude": ("^out/",)}, "init.exclude"),
+    ({"exclude": ("^params/out/",)}, "init.exclude"),
+    ({"map": ((r"^head/(.*)", r"o/\1"),)}, "init.map"),
 ])
 def test_a_pattern_that_matches_no_parameter_is_a_config_error(source, tmp_path, ckpt, key):
     src, _ = source
     with pytest.raises(ConfigError) as e:
-        start_from(tmp_path / "new", make_state(2), init_from=str(src), **ckpt)
+        start_from(tmp_path / "new", make_state(2), path=str(src), **ckpt)
     assert e.value.key == key
     assert "matches no parameter" in str(e.value) and "'hidden/bias'" in str(e.value)
 

@@ -35,7 +35,8 @@ def arrays(n=64, bad_nan=(), bad_inf=(), seed=0):
 
 def config(**over):
     cfg = {"total_steps": 16, "seed": 0,
-           "optim": {"name": "sgd", "lr": 0.05, "schedule": "constant", "momentum": 0.0},
+           "optim": {"name": "sgd", "lr": 0.05, "schedule": "constant",
+                     "kwargs": {"momentum": 0.0}},
            "data": {"batch_size": 8, "shuffle": False, "val_fraction": 0.25},
            "eval": {"every_steps": 4, "metrics": ("loss", "accuracy")},
            "log": {"every_steps": 1, "writers": ("jsonl",), "verbosity": 0},

@@ -162,7 +162,7 @@ def test_init_from_carries_the_running_statistics(tmp_path, sources, kind, sourc
     src_state, paths = sources[kind]
     ev = data(100, seed=1)
     cfg = config(total=1, optim={"lr": 0.0},
-                 checkpoint={"every_steps": 0, "init_from": paths[source]})
+                 checkpoint={"every_steps": 0}, init={"path": paths[source]})
     result = jtrain.train(cfg, str(tmp_path), model=MODELS[kind](), train_data=data(),
                           eval_data=ev)
     with open(tmp_path / "hashes.jsonl") as f:

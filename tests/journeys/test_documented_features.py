@@ -36,8 +36,7 @@ cfg = {"total_steps": 12, "data": {"batch_size": 16},
        "optim": {"name": "sgd", "lr": 0.1, "schedule": "constant"},
        "eval": {"every_steps": 6, "num_batches": 1},
        "log": {"every_steps": 3, "writers": ["jsonl", "mlflow", "wandb"]},
-       "checkpoint": {"every_steps": 2, "max_to_keep": 1, "keep_every_steps": 4,
-                      "writer_nice": 7}}
+       "checkpoint": {"every_steps": 2, "max_to_keep": 1, "keep_every_steps": 4}}
 result = jtrain.train(cfg, "runs/f", model=Net(), train_data={"inputs": x, "targets": y},
                       eval_data={"inputs": x[:32], "targets": y[:32]})
 nices = []  # tensorstore's write threads, which JTRAIN_WRITER_NICE lowers
@@ -54,7 +53,8 @@ def feature_run(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("features")
     copy_project(cwd, "linen_classifier")
     (cwd / "run.py").write_text(SCRIPT)
-    proc = run_python(cwd, "run.py", WANDB_MODE="offline", WANDB_SILENT="true")
+    proc = run_python(cwd, "run.py", WANDB_MODE="offline", WANDB_SILENT="true",
+                      JTRAIN_WRITER_NICE="7")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return cwd, json.loads(proc.stdout.strip().splitlines()[-1])
 
