@@ -67,17 +67,22 @@ def define_flags(fv) -> None:
     flags.DEFINE_string("out", None, "write the results as JSON to this file", flag_values=fv)
 
 
+def _env(side: str, a: dict) -> dict[str, str]:
+    """The child evaluator's nice value and CPUs, set as the training process's machine
+    settings (JTRAIN_EVAL_NICE, JTRAIN_EVAL_CPUS)."""
+    nice = 0 if side == "async_nice0" else a["nice"]
+    return {**os.environ, "JTRAIN_EVAL_NICE": str(nice), "JTRAIN_EVAL_CPUS": str(a["cpus"])}
+
+
 def _command(workdir: str, side: str, a: dict) -> list[str]:
     base = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "configs", "base.py")
     every = 0 if side == "none" else a["every"]
     mode = "async" if side.startswith("async") else "sync"
-    nice = 0 if side == "async_nice0" else a["nice"]
     return [sys.executable, "-m", "jtrain.main", f"--config={base}:debug",
             f"--workdir={workdir}", f"--config.total_steps={a['steps']}",
             f"--config.eval.every_steps={every}", f"--config.eval.num_batches={a['eval_batches']}",
             f"--config.eval.mode={mode}", f"--config.eval.async_lag={a['lag']}",
-            f"--config.JTRAIN_EVAL_NICE={nice}", f"--config.JTRAIN_EVAL_CPUS={a['cpus']}",
             f"--config.log.every_steps={a['every']}", "--config.checkpoint.every_steps=0",
             "--config.log.writers=jsonl"]
 
@@ -136,7 +141,7 @@ def _one(workdir: str, side: str, a: dict) -> dict:
     with machine.LoadWatch(thread=False) as watch:
         t0 = time.perf_counter()
         with open(os.path.join(os.path.dirname(workdir), side + ".log"), "w") as log:
-            proc = subprocess.Popen(_command(workdir, side, a), stdout=log,
+            proc = subprocess.Popen(_command(workdir, side, a), stdout=log, env=_env(side, a),
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             samples = _sampled(proc, workdir, watch)
         wall = time.perf_counter() - t0

@@ -11,7 +11,7 @@
     export      parameters as safetensors (`python -m jtrain.export`)
     tensorfile  the safetensors format: written, and read with every field checked
     hf          the built-in transformer's tensors in Hugging Face's layout and back;
-                `init_from=hf:DIR` reading, config checks, `init.map`
+                `init.path=hf:DIR` reading, config checks, `init.map`
     hf_export   `export --format=hf`: a directory transformers loads (needs the hf extra)
     verify      `--verify_resume`: kill/restart chaos run vs an uninterrupted one
     store       a run directory on object storage (s3://, gs://, through fsspec): the

@@ -31,7 +31,7 @@ built-in transformer through jtrain.checkpoint.hf's mapping, after a check of it
 config.json that names the first field the built-in model cannot represent. Into your own
 model, `init.map` renames the HF tensors to your parameter paths ((regex,
 replacement) pairs; a trailing `.T` transposes a torch Linear weight into a kernel);
-`init_map` renames the parameters of any other source the same way (its regexes see the
+`init.map` renames the parameters of any other source the same way (its regexes see the
 source's parameter paths; a parameter's optimizer state and average follow it).
 
 `init.into = NAME` loads the source into one sub-tree of the state (a step of

@@ -198,7 +198,7 @@ OPTIMIZERS = tuple(_OPTIMIZERS)
 def leaf_path(path) -> str:
     """A parameter's path in the params tree (`blocks_0/attn/qkv/kernel`, no `params/`):
     the one string every parameter pattern is matched against (optim.trainable / frozen /
-    lr_mults, init.exclude / init_map, finetune.lora.targets) and the tensor
+    lr_mults, init.exclude / init.map, finetune.lora.targets) and the tensor
     name of an export."""
     return jax.tree_util.keystr(path, simple=True, separator="/")
 
