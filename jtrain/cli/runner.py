@@ -210,7 +210,11 @@ def _describe_unknown_key(error: KeyError, argv) -> tuple[str, str]:
     schema = {**SCHEMA, "model": model}
     keys = [a.lstrip("-")[len("config."):].split("=", 1)[0] for a in argv
             if a.startswith(("--config.", "-config."))]
+    from jtrain.config import renamed
+
     for key in keys:
+        if renamed.new_name(key):  # an old name: the new one, in one line
+            return key, renamed.new_name(key)
         node, parts = schema, key.split(".")
         for i, part in enumerate(parts):
             if isinstance(node, Field):  # --config.optim.lr.x=1: below a plain value

@@ -20,6 +20,7 @@ partial dict; `resolve` fills in the defaults and returns a new validated Config
     sections one section alone, for the public pieces (`jtrain.make_optimizer({"lr":
              0.1}, 10)`): defaults filled in, the section's own rules checked
     rules    the rules of single sections (mesh, optim, early_stop, checkpoint)
+    renamed  old key names -> new ones (the note a run prints; an old run's config.json)
     named    `load_named("pkg.mod:fn", key)`: the object a config key names
     fields   `Field` and the choice tuples the schema draws from
     schema_control  the run-control sections of the schema (checkpoint ... tune, debug)

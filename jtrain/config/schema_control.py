@@ -48,7 +48,7 @@ CONTROL_SECTIONS: dict[str, Any] = {
         "save_on_best": F(bool, True, None, "an eval that enters the keep_top_k best saves "
                           "its step (when keep_top_k > 0)"),
     }),
-    # A new run's starting state (jtrain.init.path), read only when the
+    # A new run's starting state (jtrain/checkpoint/init_from.py), read only when the
     # workdir has no checkpoint yet.
     "init": _resume_safe({
         "path": F(str, "", None, "an export, a run (its workdir) or hf:DIR to start "
