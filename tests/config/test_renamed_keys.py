@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,26 @@ def _has(module: str, attrs: list[str]) -> bool:
             return False
         obj = getattr(obj, attr)
     return True
+
+
+def test_an_old_run_directory_resumes_with_its_saved_config(tmp_path, monkeypatch, capfd):
+    """The fixture run (config.json and the checkpoint's record with the old names:
+    optim.muon_beta, checkpoint.init_from, deterministic, population.data, ...) resumes
+    from its step 2 with none of the renamed keys taken for a change, and its config.json
+    is written back with the new names."""
+    shutil.copytree(OLD_RUN.parent, tmp_path / "run")
+    shutil.copy(REPO / "tests" / "projects" / "nnx_mlp.py", tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    saved = json.loads(OLD_RUN.read_text())
+    result = jtrain.train({**saved, "log": {**saved["log"], "verbosity": 1}}, "run")
+    assert [r["step"] for r in result.train_history] == [3, 4]
+    err = capfd.readouterr().err
+    changes = [ln for ln in err.splitlines() if "resuming with config changes" in ln]
+    moved = [*renamed.MOVED, *renamed.MOVED.values(), *renamed.OPTIM_ARGS, *renamed.GONE,
+             "optim.kwargs."]
+    assert changes and not [k for k in moved if f"{k} " in changes[0]], changes
+    assert "old key names, read as the new ones" in err
+    written = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert written["init"]["path"] == "" and "init_from" not in written["checkpoint"]
+    assert "muon_beta" not in written["optim"] and "deterministic" not in written
