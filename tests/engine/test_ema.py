@@ -118,9 +118,9 @@ def test_eval_weights_both_and_a_monitor_on_the_ema_then_init_from(tmp_path):
     source = _leaves(res.state.params)
     source_ema = _leaves(res.state.ema)
     for src, expect in ((str(tmp_path / "ex"), source), (run, source_ema)):
-        new = jtrain.resolve(_cfg(ema={"decay": 0.5}, init={"path": src}))
+        new = jtrain.resolve({**_cfg(ema={"decay": 0.5}), "init": {"path": src}})
         b = _build(new)
-        state, _ = init_from_lib.init_from(new.checkpoint, b.abstract_with_shardings(), b.init)
+        state, _ = init_from_lib.init_from(new.init, b.abstract_with_shardings(), b.init)
         got = _leaves(state.ema)
         assert sorted(got) == sorted(expect)
         for k in got:

@@ -241,7 +241,7 @@ def test_skip_ledger_survives_a_resume_once(tmp_path, monkeypatch):
     ({"plateau__monitor": "eval/f1"}, "plateau.monitor"),
     ({"checkpoint__keep_top_k": 1, "checkpoint__monitor": "eval/los"}, "checkpoint.monitor"),
     ({"early_stop__monitor": "eval/loss", "eval__every_steps": 0}, "early_stop.monitor"),
-    ({"optim__b1": 1.0, "optim__name": "adamw"}, "optim.b1"),
+    ({"optim__b1": 1.0, "optim__name": "adamw", "optim__kwargs": {}}, "optim.b1"),
     ({"spike__zscore": 4.0}, "spike.zscore"),  # no periodic checkpoint to roll back to
 ])
 def test_bad_run_control_config_fails_before_the_first_step(tmp_path, over, key):
