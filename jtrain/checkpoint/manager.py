@@ -259,9 +259,6 @@ class Checkpointer:
             return {k: info[k] for k in ("fingerprint", "num_examples") if k in info}
 
         old, _ = config_lib.renamed.apply(saved.config)  # an older release's key names
-        if "kwargs" in (old.get("optim") or {}):  # a built-in optimizer's arguments filled
-            old["optim"] = {**old["optim"]}
-            config_lib.optim_kwargs(old["optim"])
         changes = control_lib.config_changes(
             {**old, "data_info": data_identity(saved.data_info)},
             {**current.config, "data_info": data_identity(current.data_info)})

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from typing import Any
 
 import numpy as np
 
-from jtrain.errors import UsageError
+from jtrain.errors import env_int
 
 
 @dataclasses.dataclass
@@ -62,21 +61,9 @@ def best_logged_step(workdir: str, steps, monitor: str, mode: str) -> int | None
 WRITER_NICE_ENV = "JTRAIN_WRITER_NICE"  # the background writer's nice value (19)
 
 
-def env_int(name: str, default: int, lo: int, hi: int) -> int:
-    """The integer environment variable `name` (`default` when unset or empty): a
-    setting of the machine a process runs on, not of the run (a config travels between
-    machines and its hash must match across processes). A UsageError naming it when
-    it is not an integer in [lo, hi]."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    if not re.fullmatch("[0-9]+", raw) or not lo <= int(raw) <= hi:
-        raise UsageError(f"{name}={raw!r} in the environment: expected an integer in "
-                         f"[{lo}, {hi}]")
-    return int(raw)
-
-
 def writer_nice() -> int:
+    """JTRAIN_WRITER_NICE: not a config key (a config travels between machines, and its
+    hash must match across processes)."""
     return env_int(WRITER_NICE_ENV, 19, 0, 19)
 
 

@@ -42,7 +42,7 @@ import ml_collections
 
 from jtrain.config.schema import (ACTIVATIONS, DTYPES, INT_MAX, METRIC_NAMES,  # noqa: F401
                                   MODEL_FAMILIES, OPTIMIZERS, SCHEDULES, SCHEMA, WRITERS,
-                                  Field, describe, field_of, resume_safe, schema_for)
+                                  Field, describe, field_of, fields, resume_safe, schema_for)
 from jtrain.config import renamed, schema_population, space as space_lib
 from jtrain.config.fields import OpenChoices
 from jtrain.config.rules import (  # noqa: F401  (config.check_mesh, config.check_optim)
@@ -79,19 +79,11 @@ def defaults(model: str = "transformer") -> ml_collections.ConfigDict:
     tree = _build(schema_for(model))
     tree["model"]["name"] = model
     config = ml_collections.ConfigDict(tree)
-    for key, spec in _fields(schema_for(model)):  # None-able numbers: typed placeholders
+    for key, spec in fields(schema_for(model)):  # None-able numbers: typed placeholders
         if spec.type == "optfloat":
             section, name = key.rsplit(".", 1)
             config[section][name] = ml_collections.config_dict.placeholder(float)
     return config
-
-
-def _fields(schema: dict, prefix: str = ""):
-    for key, spec in schema.items():
-        if isinstance(spec, dict):
-            yield from _fields(spec, f"{prefix}{key}.")
-        else:
-            yield prefix + key, spec
 
 
 def _as_dict(config) -> dict:
@@ -384,10 +376,6 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
                           f"{eval_batch} is not divisible by the data-parallel size {dp}")
 
 
-
-
-
-
 def _check_family(model: dict) -> None:
     """The built-in families' rules beyond one key's type and range."""
     if "dropout" in model and not model["dropout"] < 1.0:
@@ -430,12 +418,6 @@ def _check_data(data: dict) -> None:
         if path and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", path):
             raise ConfigError(f"data.{key}",
                               f"expected 'package.module:function', got {path!r}")
-
-
-
-
-
-
 
 
 def config_hash(config) -> str:

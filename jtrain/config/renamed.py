@@ -1,87 +1,68 @@
-"""Keys renamed or taken out of the config, and what an old name becomes. An old name
-keeps working for two minor releases (docs/compatibility.md): `resolve` moves its value
-to the new key and the run prints one line naming both, so a run directory's config.json
-of an older release resumes, evaluates and exports; config.json records the new names.
-An override of an old name on the command line (`--config.optim.muon_beta=0.9`) is a
+"""Keys renamed or taken out of the config. An old name keeps working for two minor
+releases (docs/compatibility.md): `resolve` moves its value to the new key, the run prints
+one line naming both, config.json records the new name, and a run directory of an older
+release resumes, evaluates and exports. An old name as a command-line override is a
 config error naming the new key."""
 
 from __future__ import annotations
 
-# old dotted key -> new dotted key
-MOVED = {
+# old dotted key -> new dotted key; "optim.kwargs.<arg>" only with the optimizer named
+# after the arrow (another optimizer never read the old key: its value is dropped);
+# "$VAR": an environment variable now (the value is dropped); "": gone.
+NEW = {
     "deterministic": "determinism.gpu_ops",
-    "checkpoint.init_from": "init.path",
-    "checkpoint.init_from_step": "init.step",
-    "checkpoint.init_from_opt": "init.opt",
-    "checkpoint.init_into": "init.into",
-    "checkpoint.init_exclude": "init.exclude",
-    "checkpoint.init_map": "init.map",
-}
-# a built-in optimizer's old key -> (that optimizer, its argument in optim.kwargs); the
-# value of another optimizer's key was never read and is dropped.
-OPTIM_ARGS = {
-    "optim.muon_beta": ("muon", "beta"),
-    "optim.muon_ns_steps": ("muon", "ns_steps"),
-    "optim.prodigy_d0": ("prodigy", "estim_lr0"),
-    "optim.momentum": ("sgd", "momentum"),
-    "optim.nesterov": ("sgd", "nesterov"),
-}
-# keys that left the config -> where their setting is now
-GONE = {
-    "eval.async_nice": "the environment variable JTRAIN_EVAL_NICE",
-    "eval.async_cpus": "the environment variable JTRAIN_EVAL_CPUS",
-    "checkpoint.writer_nice": "the environment variable JTRAIN_WRITER_NICE",
-    "population.data": "nowhere: every member sees the same batches",
+    **{f"checkpoint.{old}": f"init.{new}" for old, new in (
+        ("init_from", "path"), ("init_from_step", "step"), ("init_from_opt", "opt"),
+        ("init_into", "into"), ("init_exclude", "exclude"), ("init_map", "map"))},
+    "optim.muon_beta": "optim.kwargs.beta muon",
+    "optim.muon_ns_steps": "optim.kwargs.ns_steps muon",
+    "optim.prodigy_d0": "optim.kwargs.estim_lr0 prodigy",
+    "optim.momentum": "optim.kwargs.momentum sgd",
+    "optim.nesterov": "optim.kwargs.nesterov sgd",
+    "eval.async_nice": "$JTRAIN_EVAL_NICE",
+    "eval.async_cpus": "$JTRAIN_EVAL_CPUS",
+    "checkpoint.writer_nice": "$JTRAIN_WRITER_NICE",
+    "population.data": "",  # its one value, shared, is what a population does
 }
 
 
 def new_name(key: str) -> str | None:
-    """Why an old dotted `key` is not a key any more (`renamed to init.path`), or None."""
-    if key in MOVED:
-        return f"renamed to {MOVED[key]}"
-    if key in OPTIM_ARGS:
-        name, arg = OPTIM_ARGS[key]
-        return f"renamed to optim.kwargs.{arg} (with optim.name={name!r})"
-    if key in GONE:
-        return f"no longer a config key; set {GONE[key]}"
-    return None
+    """Why the dotted `key` is not a key any more (`renamed to init.path`), or None."""
+    new = NEW.get(key)
+    if new is None:
+        return None
+    if new.startswith("$"):
+        return f"no longer a config key; set the environment variable {new[1:]}"
+    if not new:
+        return "no longer a config key (every member sees the same batches)"
+    new, _, optimizer = new.partition(" ")
+    return f"renamed to {new}" + (f" (with optim.name={optimizer!r})" if optimizer else "")
 
 
 def apply(user: dict) -> tuple[dict, str | None]:
-    """`user` (a nested dict) with every old key moved to its new place (a copy of each
-    section it changes), and one note line naming them, or None when there was none."""
-    out = dict(user)
-    done = []
-    for old in (*MOVED, *OPTIM_ARGS, *GONE):
+    """`user` (a nested dict, left as it was) with each old key moved to its new place,
+    and the note naming them (None when there was none)."""
+    out, done = dict(user), []
+    for old, new in NEW.items():
         section, _, leaf = old.rpartition(".")
         node = out.get(section) if section else out
         if not isinstance(node, dict) or leaf not in node:
             continue
-        node = dict(node)
-        value = node.pop(leaf)
         if section:
-            out[section] = node
-        else:
-            out = node
-        if old in MOVED:
-            _put(out, MOVED[old], value)
-            done.append(f"{old} -> {MOVED[old]}")
-        elif old in OPTIM_ARGS:
-            name, arg = OPTIM_ARGS[old]
-            if node.get("name", "adamw") == name:
-                node["kwargs"] = {arg: value, **dict(node.get("kwargs") or {})}
-            done.append(f"{old} -> optim.kwargs.{arg}")
-        else:
-            where = GONE[old]
-            done.append(f"{old} -> ${where.split()[-1]}" if "variable" in where else
-                        f"{old} dropped")
+            node = out[section] = dict(node)
+        value = node.pop(leaf)
+        new, _, optimizer = new.partition(" ")
+        done.append(f"{old} -> {new or 'dropped'}")
+        if new.startswith("optim.kwargs.") and node.get("name", "adamw") != optimizer:
+            continue
+        if new and not new.startswith("$"):
+            *parents, last = new.split(".")
+            target = out
+            for part in parents:  # copies: the caller's sections stay as they were
+                target[part] = dict(target.get(part) or {})
+                target = target[part]
+            target.setdefault(last, value)  # a new name given too wins
     if not done:
         return user, None
     return out, ("config: old key names, read as the new ones (write these; the old "
                  "names go in a later release): " + ", ".join(done))
-
-
-def _put(tree: dict, dotted: str, value) -> None:
-    """tree[a][b] = value for "a.b", copying section a (the user's dict is not changed)."""
-    section, leaf = dotted.split(".")
-    tree[section] = {**dict(tree.get(section) or {}), leaf: value}

@@ -240,22 +240,24 @@ MODEL_FAMILIES: dict[str, dict[str, Field]] = {
 }
 
 
+def fields(schema: dict, prefix: str = ""):
+    """(dotted key, Field) for every key of a (sub)schema, in declaration order."""
+    for key, spec in schema.items():
+        if isinstance(spec, dict):
+            yield from fields(spec, f"{prefix}{key}.")
+        else:
+            yield prefix + key, spec
+
+
 def schema_for(model_name: str) -> dict:
     return {**SCHEMA, "model": {**SCHEMA["model"], **MODEL_FAMILIES[model_name]}}
 
 
 def resume_safe(key: str) -> bool:
-    """May the dotted `key` differ on resume without `checkpoint.allow_changes`?"""
-    node: Any = SCHEMA
-    parts = key.split(".")
-    for i, part in enumerate(parts):
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif i == 1 and parts[0] == "model":
-            return False  # family fields change the model
-        else:
-            return False
-    return isinstance(node, Field) and node.resume
+    """May the dotted `key` differ on resume without `checkpoint.allow_changes`? (Not a
+    model family's key: it changes the model.)"""
+    field = field_of(key)
+    return field is not None and field.resume
 
 
 def field_of(key: str) -> Field | None:
@@ -271,18 +273,9 @@ def field_of(key: str) -> Field | None:
 def describe() -> list[tuple[str, Field]]:
     """(dotted key, field) for every key, model families as `model.<key> [family]`, a
     built-in optimizer's arguments as `optim.kwargs.<arg> [name]`."""
-    out = []
-
-    def walk(tree, prefix):
-        for k, v in tree.items():
-            if isinstance(v, dict):
-                walk(v, f"{prefix}{k}.")
-            else:
-                out.append((prefix + k, v))
-
-    walk(SCHEMA, "")
-    for family, fields in MODEL_FAMILIES.items():
-        out += [(f"model.{k} [{family}]", v) for k, v in fields.items()]
+    out = list(fields(SCHEMA))
+    for family, keys in MODEL_FAMILIES.items():
+        out += [(f"model.{k} [{family}]", v) for k, v in keys.items()]
     for name, args in OPTIMIZERS.items():
         out += [(f"optim.kwargs.{k} [{name}]", v) for k, v in args.items()]
     return out

@@ -29,12 +29,12 @@ from typing import Callable
 
 import jax
 
-from jtrain.errors import ConfigError, EvaluateError
+from jtrain.errors import ConfigError, EvaluateError, env_int
 from jtrain.observe import jsonl, layout, runfiles
 
 PARENT_ENV = "JTRAIN_EVAL_PARENT"  # the training process of a child evaluator
-# Settings of the machine, not of the run (jtrain.checkpoint.policy.env_int): the child
-# evaluator's nice value (0-19, default 19) and how many CPUs it is pinned to (0 = all).
+# Settings of the machine, not of the run (jtrain.errors.env_int): the child evaluator's
+# nice value (0-19, default 19) and how many CPUs it is pinned to (0 = all).
 NICE_ENV = "JTRAIN_EVAL_NICE"
 CPUS_ENV = "JTRAIN_EVAL_CPUS"
 CPU_IDS_ENV = "JTRAIN_EVAL_CPU_IDS"  # a child's CPUs, comma-separated ids
@@ -165,9 +165,7 @@ class AsyncEvals:
 def machine_settings() -> tuple[int, int]:
     """(nice, CPUs) of a child evaluator from this process's environment; a UsageError
     naming a bad one (checked at start-up, by `check`)."""
-    from jtrain.checkpoint import policy
-
-    return policy.env_int(NICE_ENV, 19, 0, 19), policy.env_int(CPUS_ENV, 0, 0, 1 << 16)
+    return env_int(NICE_ENV, 19, 0, 19), env_int(CPUS_ENV, 0, 0, 1 << 16)
 
 
 def child_env() -> dict[str, str]:

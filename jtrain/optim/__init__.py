@@ -316,22 +316,6 @@ def _is_sf_state(x) -> bool:
     return isinstance(x, optax.contrib.ScheduleFreeState)
 
 
-def _check_names(optim_cfg) -> None:
-    """optim.name / optim.schedule against what this module builds (before the schema's
-    checks, so the message lists the optimizers and schedules that exist here)."""
-    get = getattr(optim_cfg, "get", lambda key, default=None: default)
-    for key, known in (("name", _OPTIMIZERS), ("schedule", _SCHEDULES)):
-        value = get(key, None)
-        if key == "name" and isinstance(value, str) and named.is_optax_name(value):
-            continue
-        if value is not None and value not in known:
-            what = "optimizer" if key == "name" else "schedule"
-            raise ConfigError(f"optim.{key}", f"unknown {what} {value!r}; choose one of: "
-                                              f"{', '.join(known)}" + (
-                                                  ", or optax.<name> / optax.contrib.<name>"
-                                                  if key == "name" else ""))
-
-
 def make_optimizer(optim_cfg, total_steps, *, extra_trainable=(), decay_in_state=False):
     """Returns `(tx, schedule)`; `schedule` is the one inside `tx` (log `schedule(step)`).
 
@@ -351,7 +335,6 @@ def make_optimizer(optim_cfg, total_steps, *, extra_trainable=(), decay_in_state
         print(schedule(100))        # the peak learning rate
         ```
     """
-    _check_names(optim_cfg)
     optim_cfg = sections.section("optim", optim_cfg, total_steps=total_steps)
     name = optim_cfg["name"]
     schedule = make_schedule(optim_cfg, total_steps)
