@@ -55,7 +55,7 @@ from jtrain import control as control_lib
 from jtrain.checkpoint import init_from as init_from_lib
 from jtrain.checkpoint import integrity, policy
 from jtrain.control import faults
-from jtrain.errors import CheckpointError, RestoreError, first_line
+from jtrain.errors import CheckpointError, RestoreError, env_int, first_line
 from jtrain.observe import runfiles
 from jtrain.observe.console import say
 from jtrain.observe.redact import redact
@@ -122,7 +122,7 @@ class Checkpointer:
         self.directory = directory or os.path.join(os.path.abspath(workdir), "checkpoints")
         self.cfg = config.checkpoint
         self.init = config.init  # a new run's starting state (init.path)
-        self.writer_nice = policy.writer_nice()  # JTRAIN_WRITER_NICE
+        self.writer_nice = env_int(policy.WRITER_NICE_ENV, 19, 0, 19)  # not a config key
         self.mirror = mirror  # checkpoint.store.Mirror: a workdir on an object store
         self.held: set[int] = set()  # eval.mode=async: kept until their eval is applied
         resolved = redact(config.to_dict())

@@ -9,8 +9,6 @@ from typing import Any
 
 import numpy as np
 
-from jtrain.errors import env_int
-
 
 @dataclasses.dataclass
 class KeepPolicy:
@@ -59,12 +57,6 @@ def best_logged_step(workdir: str, steps, monitor: str, mode: str) -> int | None
 
 
 WRITER_NICE_ENV = "JTRAIN_WRITER_NICE"  # the background writer's nice value (19)
-
-
-def writer_nice() -> int:
-    """JTRAIN_WRITER_NICE: not a config key (a config travels between machines, and its
-    hash must match across processes)."""
-    return env_int(WRITER_NICE_ENV, 19, 0, 19)
 
 
 def lower_writer_priority(nice: int, tid: int | None = None) -> None:

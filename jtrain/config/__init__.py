@@ -97,11 +97,6 @@ def _as_dict(config) -> dict:
     raise ConfigError("config", f"expected a dict or ConfigDict, got {type(config).__name__}")
 
 
-# What older runs wrote into config.json beside the config (now in run.json): accepted
-# and ignored, so that a run's config.json of any version feeds back into `resolve`.
-RUN_RECORD_KEYS = ("model_source", "loss_source")
-
-
 def resolve(config=None, *, data_settings=None) -> ml_collections.ConfigDict:
     """Defaults overlaid with `config` (partial dicts allowed), validated.
 
@@ -122,8 +117,6 @@ def resolve(config=None, *, data_settings=None) -> ml_collections.ConfigDict:
     """
     user = schema_population.nest_vary(space_lib.nest_dotted(_as_dict(config)))
     user, _ = renamed.apply(user)  # resolve_for_run prints the note
-    for key in RUN_RECORD_KEYS:
-        user.pop(key, None)
     init_map = (user.get("init") or {}).get("map")
     if isinstance(init_map, dict):  # regexes hold dots, which a ConfigDict key may not
         user = {**user, "init": {**user["init"], "map": tuple(init_map.items())}}

@@ -23,6 +23,7 @@ NEW = {
     "eval.async_cpus": "$JTRAIN_EVAL_CPUS",
     "checkpoint.writer_nice": "$JTRAIN_WRITER_NICE",
     "population.data": "",  # its one value, shared, is what a population does
+    "model_source": "", "loss_source": "",  # older runs' config.json: now in run.json
 }
 
 
@@ -34,7 +35,7 @@ def new_name(key: str) -> str | None:
     if new.startswith("$"):
         return f"no longer a config key; set the environment variable {new[1:]}"
     if not new:
-        return "no longer a config key (every member sees the same batches)"
+        return "no longer a config key"
     new, _, optimizer = new.partition(" ")
     return f"renamed to {new}" + (f" (with optim.name={optimizer!r})" if optimizer else "")
 

@@ -81,11 +81,8 @@ def _check_schedule_free(optim: dict) -> None:
     eval and export use and no place for the plateau / spike factor: refused."""
     name = optim["name"]
     if name.startswith("optax.contrib.schedule_free"):
-        raise ConfigError("optim.name", f"{name} by name is not supported (eval, export "
-                          "and the lr factor would miss its average); use optim.name="
-                          f"'{name.removeprefix('optax.contrib.')}' (built in)"
-                          if name.removeprefix("optax.contrib.") in SCHEDULE_FREE else
-                          f"{name} by name is not supported; use optim.name="
+        raise ConfigError("optim.name", f"{name} by name is not supported (eval, export and "
+                          "the lr factor would miss its average); use optim.name="
                           "'schedule_free_adamw' or 'schedule_free_sgd' (built in)")
     if name not in SCHEDULE_FREE:
         return

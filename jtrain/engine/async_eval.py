@@ -51,7 +51,7 @@ def check(cfg, remote: str | None = None, mixture: bool = False,
     if cfg.eval.mode != "async":
         return
     if cfg.eval.async_evaluator == "child":
-        machine_settings()  # a bad JTRAIN_EVAL_NICE / _CPUS: one line before step 1
+        child_env()  # a bad JTRAIN_EVAL_NICE / _CPUS: one line before step 1
     if remote is not None:
         raise ConfigError("eval.mode", "async needs a local workdir (its evaluator follows "
                           f"the checkpoint folder); {remote} is on an object store")
@@ -162,18 +162,12 @@ class AsyncEvals:
             proc.wait()
 
 
-def machine_settings() -> tuple[int, int]:
-    """(nice, CPUs) of a child evaluator from this process's environment; a UsageError
-    naming a bad one (checked at start-up, by `check`)."""
-    return env_int(NICE_ENV, 19, 0, 19), env_int(CPUS_ENV, 0, 0, 1 << 16)
-
-
 def child_env() -> dict[str, str]:
     """What a child evaluator is told: its training process, its nice value, its CPUs
-    (`confine` applies them in the child before JAX starts its threads)."""
-    nice, count = machine_settings()
-    env = {PARENT_ENV: str(os.getpid()), NICE_ENV: str(nice)}
-    cpus = evaluator_cpus(count)
+    (`confine` applies them in the child before JAX starts its threads); a UsageError
+    naming a bad JTRAIN_EVAL_NICE / JTRAIN_EVAL_CPUS."""
+    env = {PARENT_ENV: str(os.getpid()), NICE_ENV: str(env_int(NICE_ENV, 19, 0, 19))}
+    cpus = evaluator_cpus(env_int(CPUS_ENV, 0, 0, 1 << 16))
     if cpus:
         env[CPU_IDS_ENV] = ",".join(map(str, cpus))
     return env

@@ -175,18 +175,15 @@ def _prodigy(cfg, schedule, wd, mask):
     return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
-def _schedule_free_adamw(cfg, schedule, wd, mask, tail=()):
-    base = optax.chain(
-        optax.scale_by_rms(decay=cfg["b2"], eps=cfg["eps"], eps_in_sqrt=False,
-                           bias_correction=True),
-        optax.add_decayed_weights(wd, mask), optax.scale_by_learning_rate(schedule), *tail)
-    return optax.contrib.schedule_free(base, learning_rate=schedule, b1=cfg["b1"])
-
-
-def _schedule_free_sgd(cfg, schedule, wd, mask, tail=()):
-    base = optax.chain(optax.add_decayed_weights(wd, mask),
+def _schedule_free_adamw(cfg, schedule, wd, mask, tail=(), rms=True):
+    rms = (optax.scale_by_rms(decay=cfg["b2"], eps=cfg["eps"], eps_in_sqrt=False,
+                              bias_correction=True),) if rms else ()
+    base = optax.chain(*rms, optax.add_decayed_weights(wd, mask),
                        optax.scale_by_learning_rate(schedule), *tail)
     return optax.contrib.schedule_free(base, learning_rate=schedule, b1=cfg["b1"])
+
+
+_schedule_free_sgd = functools.partial(_schedule_free_adamw, rms=False)
 
 
 # Each built-in name of the one list (jtrain.config.fields.OPTIMIZERS) is built by the

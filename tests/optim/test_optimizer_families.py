@@ -178,7 +178,7 @@ def test_muon_decays_its_fallback_leaves_by_the_mask():
      r"^optim\.muon_beta: renamed to optim\.kwargs\.beta \(with optim\.name='muon'\)$"),
     ({"name": "optax.contrib.schedule_free_adamw"},
      r"^optim\.name: optax\.contrib\.schedule_free_adamw by name is not supported .*"
-     r"use optim\.name='schedule_free_adamw'"),
+     r"use optim\.name='schedule_free_adamw' or 'schedule_free_sgd'"),
     ({"name": "optax.contrib.schedule_free"}, r"^optim\.name: optax\.contrib\.schedule_free "),
 ])
 def test_bad_combinations_are_one_line_config_errors(overrides, message):
