@@ -86,6 +86,15 @@ def defaults(model: str = "transformer") -> ml_collections.ConfigDict:
     return config
 
 
+def variant_of(path: str, variant, choices) -> str:
+    """A config file's `:variant` ('' for none); ValueError naming the file and the
+    choices for any other."""
+    if (variant or "") not in choices:
+        raise ValueError(f"{path}: unknown variant {variant!r}; choose one of: "
+                         + ", ".join(c for c in choices if c))
+    return variant or ""
+
+
 def _as_dict(config) -> dict:
     if config is None:
         return {}

@@ -14,16 +14,13 @@ RUN --out=DIR --subtree=student` writes the student as a plain export. The data,
 and schedule of the teacher's run; the `debug` variant matches configs/base.py:debug.
 """
 
-from jtrain.config import defaults
+from jtrain.config import defaults, variant_of
 
 VARIANTS = ("", "debug")
 
 
 def get_config(variant=None):
-    variant = variant or ""
-    if variant not in VARIANTS:
-        raise ValueError(f"configs/recipes/distill.py: unknown variant {variant!r}; choose "
-                         "one of: debug")
+    variant = variant_of("configs/recipes/distill.py", variant, VARIANTS)
     config = defaults()
     config.seed = 0
     config.step.factory = "jtrain.recipes.distill:make"
