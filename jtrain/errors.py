@@ -168,9 +168,8 @@ class UsageError(JtrainError, ValueError):
 
 
 def env_int(name: str, default: int, lo: int | None = None, hi: int | None = None) -> int:
-    """The integer environment variable `name` (`default` when unset or blank): a
-    setting of the machine a process runs on (launchers, nice values); a UsageError
-    naming it when it is not an integer in [lo, hi]."""
+    """The integer environment variable `name` (`default` when unset or blank); a
+    UsageError naming it when it is not an integer in [lo, hi]."""
     raw = os.environ.get(name, "")
     if not raw.strip():
         return default

@@ -198,8 +198,7 @@ def optim_kwargs(optim: dict) -> None:
     args = OPTIMIZERS.get(optim["name"])
     if args is None:
         return
-    given = _as_dict(optim["kwargs"]) if isinstance(
-        optim["kwargs"], (dict, ml_collections.ConfigDict)) else optim["kwargs"]
+    given = optim["kwargs"]  # a dict here: resolve and sections pass plain dicts
     _check_value("optim.kwargs", "dict", None, given)
     for key in given:
         if key not in args:

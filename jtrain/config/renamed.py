@@ -1,8 +1,6 @@
-"""Keys renamed or taken out of the config. An old name keeps working for two minor
-releases (docs/compatibility.md): `resolve` moves its value to the new key, the run prints
-one line naming both, config.json records the new name, and a run directory of an older
-release resumes, evaluates and exports. An old name as a command-line override is a
-config error naming the new key."""
+"""Keys renamed or taken out of the config (docs/compatibility.md): `resolve` moves an
+old name's value to the new key, the run prints one line naming both, config.json records
+the new name; an old name as a command-line override is a config error naming the new."""
 
 from __future__ import annotations
 
@@ -41,8 +39,8 @@ def new_name(key: str) -> str | None:
 
 
 def apply(user: dict) -> tuple[dict, str | None]:
-    """`user` (a nested dict, left as it was) with each old key moved to its new place,
-    and the note naming them (None when there was none)."""
+    """(`user` with each old key moved to its new place, the note or None); `user`, a
+    nested dict, is left as it was."""
     out, done = dict(user), []
     for old, new in NEW.items():
         section, _, leaf = old.rpartition(".")
