@@ -213,8 +213,9 @@ def _describe_unknown_key(error: KeyError, argv) -> tuple[str, str]:
     from jtrain.config import renamed
 
     for key in keys:
-        if renamed.new_name(key):  # an old name: the new one, in one line
-            return key, renamed.new_name(key)
+        why = renamed.new_name(key)
+        if why:  # an old name: the new one, in one line
+            return key, why
         node, parts = schema, key.split(".")
         for i, part in enumerate(parts):
             if isinstance(node, Field):  # --config.optim.lr.x=1: below a plain value

@@ -210,8 +210,9 @@ def optim_kwargs(optim: dict) -> None:
 
 
 def _unknown(dotted: str, key: str, schema: dict):
-    if renamed.new_name(dotted):
-        raise ConfigError(dotted, renamed.new_name(dotted))
+    why = renamed.new_name(dotted)
+    if why:
+        raise ConfigError(dotted, why)
     close = difflib.get_close_matches(key, list(schema), n=1, cutoff=0.6)
     hint = f'; did you mean "{close[0]}"?' if close else ""
     raise ConfigError(dotted, f"unknown key{hint}")
