@@ -67,13 +67,6 @@ def define_flags(fv) -> None:
     flags.DEFINE_string("out", None, "write the results as JSON to this file", flag_values=fv)
 
 
-def _env(side: str, a: dict) -> dict[str, str]:
-    """The child evaluator's nice value and CPUs, set as the training process's machine
-    settings (JTRAIN_EVAL_NICE, JTRAIN_EVAL_CPUS)."""
-    nice = 0 if side == "async_nice0" else a["nice"]
-    return {**os.environ, "JTRAIN_EVAL_NICE": str(nice), "JTRAIN_EVAL_CPUS": str(a["cpus"])}
-
-
 def _command(workdir: str, side: str, a: dict) -> list[str]:
     base = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "configs", "base.py")
@@ -141,7 +134,9 @@ def _one(workdir: str, side: str, a: dict) -> dict:
     with machine.LoadWatch(thread=False) as watch:
         t0 = time.perf_counter()
         with open(os.path.join(os.path.dirname(workdir), side + ".log"), "w") as log:
-            proc = subprocess.Popen(_command(workdir, side, a), stdout=log, env=_env(side, a),
+            nice = 0 if side == "async_nice0" else a["nice"]  # the child evaluator's
+            proc = subprocess.Popen(_command(workdir, side, a), stdout=log, env={
+                **os.environ, "JTRAIN_EVAL_NICE": str(nice), "JTRAIN_EVAL_CPUS": str(a["cpus"])},
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             samples = _sampled(proc, workdir, watch)
         wall = time.perf_counter() - t0
@@ -179,7 +174,8 @@ def run(a: dict) -> dict:
     med = {side: {k: statistics.median(x[k] for x in rows[side]) for k in KEYS}
            for side in rows}
     return {**a, "machine": info, "rounds_data": rows, "median": med,
-            "command": " ".join(_command("WORKDIR", "SIDE", a)[1:])}
+            "command": f"JTRAIN_EVAL_NICE={a['nice']} JTRAIN_EVAL_CPUS={a['cpus']} "
+                       + " ".join(_command("WORKDIR", "SIDE", a)[1:])}
 
 
 def _extra(res: dict, side: str) -> str:
