@@ -18,6 +18,8 @@ error that says what to change. Every rendered line passes through the redactor
 from __future__ import annotations
 
 import errno
+import os
+import re
 
 __all__ = ["CheckpointError", "ConfigError", "DataError", "DependencyError", "DiskFullError",
            "EvaluateError",
@@ -165,6 +167,19 @@ class UsageError(JtrainError, ValueError):
     """
 
     kind, exit_code = "usage", 2
+
+
+def env_int(name: str, default: int, lo: int | None = None, hi: int | None = None) -> int:
+    """The integer environment variable `name` (`default` when unset or blank); a
+    UsageError naming it when it is not an integer in [lo, hi]."""
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return default
+    value = int(raw) if re.fullmatch(r"\s*-?[0-9]+\s*", raw) else None
+    if value is None or (lo is not None and value < lo) or (hi is not None and value > hi):
+        span = "" if lo is None else f" in [{lo}, {hi}]"
+        raise UsageError(f"{name}={raw!r} in the environment: expected an integer{span}")
+    return value
 
 
 class EvaluateError(JtrainError, ValueError):

@@ -190,7 +190,7 @@ DETERMINISTIC_FLAGS = ("--xla_gpu_deterministic_ops=true",
 
 
 def set_deterministic(enabled: bool) -> str | None:
-    """`deterministic=True`: add the XLA flags for deterministic GPU ops to XLA_FLAGS
+    """`determinism.gpu_ops=True`: add the XLA flags for deterministic GPU ops to XLA_FLAGS
     before the backend starts. Returns the header's line (None when off). CPU runs are
     deterministic already; a backend started before train() (arrays created by the
     caller) keeps its flags, and the line says so."""

@@ -139,7 +139,7 @@ def _checkpoint_flags(fv) -> None:
     flags.DEFINE_float("params", 100e6, "model size (parameters)", flag_values=fv)
     flags.DEFINE_integer("rounds", 3, "rounds", flag_values=fv)
     flags.DEFINE_integer("steps", 8, "baseline train steps per round", flag_values=fv)
-    flags.DEFINE_integer("writer_nice", 19, "checkpoint.writer_nice for the background "
+    flags.DEFINE_integer("writer_nice", 19, "JTRAIN_WRITER_NICE for the background "
                          "write (0-19)", flag_values=fv)
     flags.DEFINE_string("workdir", None, "where to write (default: a temp dir)", flag_values=fv)
     flags.DEFINE_string("out", None, "write the results as JSON to this file", flag_values=fv)

@@ -55,7 +55,7 @@ FEATURES: tuple[Feature, ...] = (
        "head bias frozen, body at half the rate", "optimizers.md"),
     _f("LoRA", "lora", ["finetune.lora.rank"], {"finetune.lora.rank": 2}, "rank 2 on the "
        "Dense kernels", "optimizers.md"),
-    _f("init_from", "init_from", ["checkpoint.init_from"], {}, "from a 2-step run of the "
+    _f("init_from", "init_from", ["init.path"], {}, "from a 2-step run of the "
        "same config", "checkpoints.md"),
     _f("topology invariant", "invariant", ["determinism.topology_invariant"],
        {"determinism.topology_invariant": True, "determinism.chunks": 8}, "8 chunks",

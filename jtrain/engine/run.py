@@ -220,7 +220,7 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
     user_data = data_lib.UserData(given.train_data, given.eval_data, processes=_processes)
     with startup.phase("data"):
         cfg, notices = _resolve_once(config, allow_changes, user_data, resolved)
-    determinism = precision_lib.set_deterministic(cfg.deterministic)
+    determinism = precision_lib.set_deterministic(cfg.determinism.gpu_ops)
     # Before this run's first compile (JAX decides at a compile whether the cache is used).
     startup.cache_dir = compiles_lib.configure_cache(cfg.compile.cache_dir,
                                                      cfg.compile.cache_max_gb)

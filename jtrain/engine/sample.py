@@ -275,7 +275,7 @@ def open_run(workdir: str, *, step=None, model=None) -> tuple[Any, dict]:
                           "member (jtrain export RUN --member=i) to train or sample from"),
                          (cfg.finetune.lora.rank > 0, "holds LoRA adapters: merge them "
                           "into a run of its own (jtrain export --merge_lora, then "
-                          "checkpoint.init_from)"),
+                          "init.path)"),
                          (bool(cfg.step.factory), "trained a step of your own: its state "
                           "is not one model's params")):
         if refused:

@@ -14,7 +14,7 @@ the run adds to `optim.trainable` (build.py passes them to the optimizer explici
 the run records them in run.json; the config stays as resolved), so the base weights go
 through optim.py's freezing (multi_transform with set_to_zero: bitwise unchanged, no
 optimizer state) and the header shows the split.
-`checkpoint.init_from` of a plain run or export loads the base weights and keeps the
+`init.path` of a plain run or export loads the base weights and keeps the
 adapters' fresh init (`is_adapter`); `python -m jtrain.export --merge_lora` writes
 `W + alpha/r * A @ B` (`merge`), which the plain model loads.
 

@@ -116,8 +116,8 @@ CASES = [
     ("data_source", ["train", DEBUG, "--workdir=runs/a", "--config.data.source=nomod:fn"],
      {}, 2, "data error: data.source: cannot import 'nomod'"),
     ("init_from_missing", ["train", DEBUG, "--workdir=runs/a",
-                           "--config.checkpoint.init_from=exports/none"], {}, 2,
-     "config error: checkpoint.init_from: exports/none: no such file or directory"),
+                           "--config.init.path=exports/none"], {}, 2,
+     "config error: init.path: exports/none: no such file or directory"),
     ("workdir_is_file", ["train", DEBUG, "--workdir=afile"], {}, 2,
      "workdir error: "),
     ("workdir_under_file", ["train", DEBUG, "--workdir=afile/run"], {}, 2,
@@ -176,7 +176,7 @@ SECRET_RUNS = [
     ("secret_factory", ["train", "--config=user_data.py", "--workdir=runs/secret_fail",
                         *_PLANTED, "--config.data.kwargs.fail=true"]),
     ("secret_init_from", ["train", "--config=user_data.py", "--workdir=runs/secret_init",
-                          *_PLANTED, "--config.checkpoint.init_from="
+                          *_PLANTED, "--config.init.path="
                           f"https://bob:{SECRETS['uri']}@store.example/run"]),
     ("secret_print", ["train", "--config=user_data.py", *_PLANTED, "--print_config"]),
 ]

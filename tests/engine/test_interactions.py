@@ -218,7 +218,7 @@ def train_case(case, tmp_path, monkeypatch, workdir_root=None):
         source["checkpoint"].pop("keep_top_k", None)
         source["eval"] = {**source["eval"], "mode": "sync"}  # a source run, no evaluator
         jtrain.train(source, os.path.join(root, "source"), **s["kwargs"])
-        cfg = merge(cfg, {"checkpoint": {"init_from": os.path.join(root, "source")}})
+        cfg = merge(cfg, {"init": {"path": os.path.join(root, "source")}})
 
     def run(name):
         c = cfg
@@ -315,7 +315,7 @@ def test_a_refused_pair_is_one_line_before_step_1(pair, tmp_path):
     s = setup((*pair, "resume"), str(tmp_path), str(tmp_path))
     cfg = s["config"]
     if "init_from" in pair:  # refused before the source is read: it need not exist
-        cfg = merge(cfg, {"checkpoint": {"init_from": str(tmp_path / "source")}})
+        cfg = merge(cfg, {"init": {"path": str(tmp_path / "source")}})
     with contextlib.ExitStack() as stack:
         workdir = str(tmp_path / "run")
         if "s3:// workdir" in pair:
