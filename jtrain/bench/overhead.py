@@ -13,9 +13,9 @@ jtrain: `jtrain.train(config, workdir)` runs `log_every + steps` steps in a fres
   `time[last] - time[first]` over the `steps` steps in between, and the per-step time is
   that divided by `steps`. Setup, compilation, the final eval and the final checkpoint
   fall outside it; they are reported apart as the run's fixed cost (wall time of
-  `train()` minus the steady time). The loop's own `perf/steps_per_sec` is kept as
-  `rate_ms`, not used: jtrain.observe.perf stamps log steps when they are dispatched, so over
-  intervals shorter than `max_steps_in_flight` it reads far too fast.
+  `train()` minus the steady time). The loop's own `perf/steps_per_sec` is not used:
+  jtrain.observe.perf stamps log steps when they are dispatched, so over intervals shorter
+  than `max_steps_in_flight` it reads far too fast.
 
 hand: the same `make_model` / `make_optimizer` / `make_train_iterator` (same source, seed,
   shuffle), the same initial parameters (jtrain's init key), a textbook step
@@ -70,10 +70,11 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 BASE_CONFIG = CONFIGS / "base.py"
 
 # Defaults per preset: (steps timed per round, log interval = warm-up steps, rounds).
-# Base runs ~1 s/step on 2 shared CPU cores (+~25 s fixed cost per jtrain round), so its
-# rounds are short: the whole default run stays under ~3 min.
+# Base runs ~0.3-0.5 s/step on 2 quiet CPU cores (+~10-25 s fixed cost per jtrain round):
+# 16 steps a side (longer than the machine's load bursts of a few seconds), 4 rounds (each
+# side first twice, side_order); the whole default run stays under ~4 min.
 PRESETS = {
-    "base": dict(steps=8, log_every=4, rounds=3),
+    "base": dict(steps=16, log_every=4, rounds=4),
     "tiny": dict(steps=2000, log_every=100, rounds=5),
     # configs/gpt2_small.py: the GPU throughput run (124 M params, 32 x 1024 tokens per step)
     "gpt2": dict(steps=60, log_every=20, rounds=3),
@@ -134,7 +135,6 @@ class Sample:
     wall_s: float = float("nan")  # whole train() call (jtrain) / warm-up + timed (hand)
     fixed_s: float = float("nan")  # jtrain: wall - steady (setup, compile, eval, ckpt)
     intervals_ms: list = dataclasses.field(default_factory=list)
-    rate_ms: float = float("nan")  # jtrain: from its perf/steps_per_sec (dispatch-stamped)
     load: dict = dataclasses.field(default_factory=dict)  # machine.load_record of the run
 
 
@@ -166,11 +166,8 @@ def jtrain_sample(logs: list[dict], log_every: int, total: int, wall: float) -> 
     steps = total - log_every
     intervals = [1e3 * (b["time"] - a["time"]) / (b["step"] - a["step"])
                  for a, b in zip([first] + steady[:-1], steady, strict=True)]
-    rate_s = sum((b["step"] - a["step"]) / b["perf/steps_per_sec"]
-                 for a, b in zip([first] + steady[:-1], steady, strict=True))
     return Sample(ms_per_step=1e3 * steady_s / steps, final_loss=float(last["train/loss"]),
-                  wall_s=wall, fixed_s=wall - steady_s, intervals_ms=intervals,
-                  rate_ms=1e3 * rate_s / steps)
+                  wall_s=wall, fixed_s=wall - steady_s, intervals_ms=intervals)
 
 
 # ------------------------------------------------------------------------------ hand side
@@ -299,13 +296,20 @@ def side_summary(samples: list[Sample], cfg) -> dict:
            **throughput(cfg, med)}
     if samples and math.isfinite(samples[0].fixed_s):  # jtrain only
         out["fixed_s"] = [s.fixed_s for s in samples]
-        out["rate_ms"] = [s.rate_ms for s in samples]
     return out
+
+
+def side_order(round_index: int) -> tuple[str, str]:
+    """Which side runs first in a round: jtrain in even rounds, the hand loop in odd ones,
+    so that neither side always follows the other (a drift in the machine's load, or
+    what the previous side left behind, falls on both alike)."""
+    return ("jtrain", "hand") if round_index % 2 == 0 else ("hand", "jtrain")
 
 
 def run_overhead(model: str, *, rounds: int, steps: int, log_every: int, workdir: str | None,
                  progress=print) -> dict:
-    """Interleaved rounds (jtrain, hand, jtrain, hand, ...); returns the result dict."""
+    """Interleaved rounds (jtrain then hand, hand then jtrain, ...: `side_order`);
+    returns the result dict."""
     if rounds < 1 or steps < 1 or log_every < 1:
         raise BenchError("--rounds, --steps and --log_every must be >= 1")
     if jax.device_count() != 1:  # jtrain would use them all, the hand loop one
@@ -317,13 +321,14 @@ def run_overhead(model: str, *, rounds: int, steps: int, log_every: int, workdir
     try:
         hand = HandLoop(cfg)
         jt, hd = [], []
+        sides = {"jtrain": (jt, lambda r: run_jtrain(cfg, root, r, keep=workdir is not None)),
+                 "hand": (hd, lambda r: hand.run(steps, log_every))}
         for r in range(rounds):
-            with machine_lib.LoadWatch() as watch:
-                jt.append(run_jtrain(cfg, root, r, keep=workdir is not None))
-            jt[-1].load = watch.record
-            with machine_lib.LoadWatch() as watch:
-                hd.append(hand.run(steps, log_every))
-            hd[-1].load = watch.record
+            for name in side_order(r):
+                samples, run = sides[name]
+                with machine_lib.LoadWatch() as watch:
+                    samples.append(run(r))
+                samples[-1].load = watch.record
             progress(f"round {r + 1}/{rounds}: jtrain {jt[-1].ms_per_step:.3f} ms/step, "
                      f"hand {hd[-1].ms_per_step:.3f} ms/step")
     finally:
