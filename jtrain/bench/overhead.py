@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import inspect
 import json
 import math
 import os
@@ -172,15 +171,12 @@ def jtrain_sample(logs: list[dict], log_every: int, total: int, wall: float) -> 
 
 # ------------------------------------------------------------------------------ hand side
 def iterator_kwargs(cfg) -> dict:
-    """The arguments jtrain.train passes to make_train_iterator, one process: the base set
-    plus whichever pipeline knobs (prefetch, threads, ...) the data module takes now."""
-    kwargs = dict(local_batch=cfg.data.batch_size, seed=cfg.seed, shuffle=cfg.data.shuffle,
-                  process_index=0, process_count=1)
-    accepted = inspect.signature(data_lib.make_train_iterator).parameters
-    for key in ("num_workers", "drop_last", "prefetch", "num_threads"):
-        if key in accepted and key in cfg.data:
-            kwargs[key] = cfg.data[key]
-    return kwargs
+    """The arguments jtrain.train passes to make_train_iterator (RunData.train_iterator),
+    one process."""
+    d = cfg.data
+    return dict(local_batch=d.batch_size, seed=cfg.seed, shuffle=d.shuffle, process_index=0,
+                process_count=1, num_workers=d.num_workers, drop_last=d.drop_last,
+                prefetch=d.prefetch, num_threads=d.num_threads)
 
 
 class HandLoop:
