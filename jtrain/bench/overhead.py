@@ -141,13 +141,13 @@ def run_jtrain(cfg, workroot: str, round_index: int, keep: bool) -> Sample:
     workdir = os.path.join(workroot, f"jtrain_round{round_index}")
     shutil.rmtree(workdir, ignore_errors=True)  # a fresh start, never a resume
     os.makedirs(workdir)
-    console = os.path.join(workdir, "console.log")
-    with open(console, "w") as f, contextlib.redirect_stderr(f):  # the progress lines
+    with open(os.path.join(workdir, "console.log"), "w") as f, \
+            contextlib.redirect_stderr(f):  # the progress lines
         t0 = time.perf_counter()
         jtrain_train(cfg, workdir)
         wall = time.perf_counter() - t0
-    records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
-    logs = [r for r in records if "perf/steps_per_sec" in r]
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        logs = [r for r in map(json.loads, f) if "perf/steps_per_sec" in r]
     if not keep:
         shutil.rmtree(workdir, ignore_errors=True)
     return jtrain_sample(logs, cfg.log.every_steps, cfg.total_steps, wall)
@@ -222,12 +222,9 @@ class HandLoop:
     def run(self, steps: int, log_every: int) -> Sample:
         """Times `steps` steps after `log_every` warm-up steps. Like a loop that prints
         its loss every `log_every` steps, it stamps each interval (per-interval view)."""
-        warmup = log_every
-        it = self.iterator()
-        step = self.step
-        t0 = time.perf_counter()
+        it, step, t0 = self.iterator(), self.step, time.perf_counter()
         state = self.init_state()
-        for _ in range(warmup):
+        for _ in range(log_every):
             state, loss = step(state, jax.device_put(next(it)))
         jax.block_until_ready(state)
         t1 = time.perf_counter()

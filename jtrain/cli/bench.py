@@ -215,9 +215,9 @@ def format_report(res: dict) -> str:
     for label, key in (("median", "median_ms"), ("min", "min_ms"), ("max", "max_ms")):
         lines.append(f"{label:>6} {_fmt_ms(j[key]):>10} {_fmt_ms(h[key]):>10} "
                      f"{j[key] / h[key]:>7.3f}")
-    same = [a == b for a, b in zip(j["final_loss"], h["final_loss"], strict=True)]
-    lines.append("final loss: the same to the bit on both sides in every round" if all(same)
-                 else f"final loss: differs in {same.count(False)} of {len(same)} rounds")
+    differ = sum(a != b for a, b in zip(j["final_loss"], h["final_loss"], strict=True))
+    lines.append(f"final loss: differs in {differ} rounds" if differ else
+                 "final loss: the same to the bit on both sides in every round")
     paired = res["paired_ratios"]
     lines.append(f"per-round ratios: median {statistics.median(paired):.3f}, "
                  f"min {min(paired):.3f}, max {max(paired):.3f}")

@@ -6,6 +6,7 @@ import json
 import math
 import re
 
+import numpy as np
 import pytest
 
 from journey import run_python
@@ -82,6 +83,10 @@ def test_rounds_alternate_which_side_runs_first(monkeypatch):
                           progress=lambda line: None)
     assert calls == ["jtrain", "hand", "hand", "jtrain", "jtrain", "hand"]
     assert res["paired_ratios"] == pytest.approx([1.1, 1.2, 1.3])
+    assert "final loss: the same to the bit on both sides in every round" in \
+        bench.format_report(res).splitlines()
+    res["hand"]["final_loss"][1] = float(np.nextafter(np.float32(1.0), np.float32(2.0)))
+    assert "final loss: differs in 1 rounds" in bench.format_report(res).splitlines()
 
 
 def test_overhead_tiny_run(tmp_path):
