@@ -104,7 +104,8 @@ def _overhead_flags(fv) -> None:
                       "base: configs/base.py model; tiny: 1-layer d_model=32, batch 8; gpt2: "
                       "configs/gpt2_small.py (124 M, for a GPU); gpt2_debug: its debug "
                       "variant", flag_values=fv)
-    flags.DEFINE_integer("rounds", None, "rounds per side (>= 3 advised)", flag_values=fv)
+    flags.DEFINE_integer("rounds", None, "rounds, each timing both sides (an even number: "
+                         "each side runs first as often)", flag_values=fv)
     flags.DEFINE_integer("steps", None, "timed steps per round and side", flag_values=fv)
     flags.DEFINE_integer("log_every", None, "jtrain log interval = warm-up steps (compile) "
                          "on both sides", flag_values=fv)
@@ -220,6 +221,9 @@ def format_report(res: dict) -> str:
     for label, key in (("median", "median_ms"), ("min", "min_ms"), ("max", "max_ms")):
         lines.append(f"{label:>6} {_fmt_ms(j[key]):>10} {_fmt_ms(h[key]):>10} "
                      f"{j[key] / h[key]:>7.3f}")
+    differ = sum(a != b for a, b in zip(j["final_loss"], h["final_loss"], strict=True))
+    lines.append(f"final loss: differs in {differ} rounds" if differ else
+                 "final loss: the same to the bit on both sides in every round")
     paired = res["paired_ratios"]
     lines.append(f"per-round ratios: median {statistics.median(paired):.3f}, "
                  f"min {min(paired):.3f}, max {max(paired):.3f}")
