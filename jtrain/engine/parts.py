@@ -40,7 +40,7 @@ from jtrain.engine import population as population_lib
 from jtrain.errors import ConfigError, JtrainError
 from jtrain.losses import terms as loss_terms
 from jtrain.models import adapters
-from jtrain.models import lora as lora_lib
+from jtrain.models import lora as lora_lib, quant as quant_lib
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -167,14 +167,16 @@ def lora(cfg, module, sample, mesh):
 
 def model_functions(cfg, module, user, policy, sample, mesh, fns=None) -> Model:
     """The model's init / apply (models.adapters: Linen, NNX or pure; `fns` when LoRA made
-    them); yours computes in the policy's dtype (precision.cast_apply)."""
-    fns = fns if fns is not None else adapters.to_model_fns(module, mesh)
+    them), its matmuls quantised by model.quant (models.quant); yours computes in the
+    policy's dtype (precision.cast_apply)."""
+    fns = quant_lib.to_model_fns(module, cfg, sample, mesh, fns)
     name = cfg.model.name if user is None else f"user {_model_name(user, fns)}"
     if user is not None:
         fns = dataclasses.replace(fns, apply=precision_lib.cast_apply(
             fns.apply, policy, tuple(cfg.model.keep_fp32)))
     inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), sample)
+    quant_lib.check(cfg, fns, inputs, mesh, name)
     return Model(fns, name, inputs, model_flops_per_example(
         user, cfg.model, jax.tree.map(np.shape, sample)))
 
