@@ -41,15 +41,18 @@ class Policy:
     matmuls: tuple[tuple[str, int], ...] | None = None
 
     def describe(self) -> str:
-        """`params float32, compute bfloat16 (model: 12/12 matmuls bfloat16)`."""
+        """`params float32, compute bfloat16 (model: 12/12 matmuls bfloat16)`; with
+        model.quant, `compute float32 (model: 12/12 matmuls int8)`."""
         scale = ", dynamic loss scale" if self.dynamic_loss_scale else ""
         compute = jnp.dtype(self.compute_dtype).name
         measured = ""
         if self.matmuls:
             total = sum(n for _, n in self.matmuls)
-            same = dict(self.matmuls).get(compute, 0)
-            others = "".join(f"; {n} {name}" for name, n in self.matmuls if name != compute)
-            measured = f" (model: {same}/{total} matmuls {compute}{others})"
+            # model.quant's matmuls first: what the header must not hide
+            lead = next((name for name, _ in self.matmuls if name in QUANTISED), compute)
+            same = dict(self.matmuls).get(lead, 0)
+            others = "".join(f"; {n} {name}" for name, n in self.matmuls if name != lead)
+            measured = f" (model: {same}/{total} matmuls {lead}{others})"
         return (f"params {jnp.dtype(self.param_dtype).name}, compute {compute}{measured}"
                 f"{scale}")
 

@@ -3,7 +3,8 @@
 `int8`: every matmul qwix intercepts (jax.lax.dot_general, jnp.einsum, convolutions:
 flax's Dense / DenseGeneral / Einsum / Conv, nnx.Linear, the built-in transformer)
 quantises its weight to int8 per output channel and its activation to int8 per row
-(absmax scales over the contracted axes, round to nearest), multiplies in integers
+(scale = absmax over the contracted axes / 127.5, rounded half to even, clipped to
+[-128, 127]), multiplies in integers
 (int32 accumulation) and dequantises; the backward pass is straight-through, from the
 unquantised operands. `fp8`: the same with float8_e4m3fn operands and the gradients
 quantised to float8_e5m2 in the backward matmuls.
