@@ -176,7 +176,6 @@ def model_functions(cfg, module, user, policy, sample, mesh, fns=None) -> Model:
             fns.apply, policy, tuple(cfg.model.keep_fp32)))
     inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), sample)
-    quant_lib.check(cfg, fns, inputs, mesh, name)
     return Model(fns, name, inputs, model_flops_per_example(
         user, cfg.model, jax.tree.map(np.shape, sample)))
 
@@ -225,7 +224,7 @@ def member_state(cfg, model: Model, tx, policy, mesh):
     except Exception as e:  # noqa: BLE001 - the user's model: one line, no traceback
         raise model_checks.model_call_error(
             e, model.inputs, model=model.name.removeprefix("user ")) from e
-    policy = _measure_precision(policy, cfg, model.fns, abstract.params, model.inputs, mesh)
+    policy = _measure_precision(policy, cfg, model, abstract.params, mesh)
     return abstract, shardings, functools.partial(
         state_lib.init_state, model.fns, tx, policy, model.inputs, mesh, cfg.seed,
         shardings), policy
@@ -393,14 +392,16 @@ def model_flops_per_example(model, model_cfg, input_shape) -> float | None:
     return float(declared) if declared else None
 
 
-def _measure_precision(policy, cfg, model_fns, params, inputs, mesh):
+def _measure_precision(policy, cfg, model: Model, params, mesh):
     """The policy with what the traced forward computes in (precision.matmul_dtypes);
-    unchanged when the model cannot be traced here (model_checks reports that)."""
+    unchanged when the model cannot be traced here (model_checks reports that).
+    model.quant on a model with no quantised matmul is refused (models.quant.check)."""
     try:
         with mesh_lib.model_context(mesh):
-            matmuls = precision_lib.matmul_dtypes(model_fns.apply, params, inputs)
+            matmuls = precision_lib.matmul_dtypes(model.fns.apply, params, model.inputs)
     except Exception:  # noqa: BLE001 - check_run calls the model and says what is wrong
         return policy
+    quant_lib.check(cfg.model.quant, matmuls, model.name)
     return precision_lib.measured(policy, matmuls, cfg.model.loss_scale)
 
 

@@ -14,7 +14,7 @@ from flax import linen as nn
 
 import jtrain
 from jtrain import errors, precision
-from projects.mymodels import Net as Net3
+from test_lora import LinenNet, NnxNet, _data  # the same tiny Linen / NNX models
 
 pytest.importorskip("qwix")
 
@@ -25,17 +25,6 @@ class Dense(nn.Module):
         return nn.Dense(3, use_bias=False, name="head")(x)
 
 
-class LinenNet(nn.Module):
-    @nn.compact
-    def __call__(self, x, train=False):
-        return nn.Dense(3, name="head")(nn.relu(nn.Dense(16, name="body")(x)))
-
-
-class NnxNet(Net3):  # the user project's NNX classifier: 4 -> 16 -> 3 classes
-    def __init__(self, rngs):
-        super().__init__(16, rngs, classes=3)
-
-
 class NoMatmul(nn.Module):
     """Scales its inputs: no matmul for qwix to quantise."""
 
@@ -43,12 +32,6 @@ class NoMatmul(nn.Module):
     def __call__(self, x, train=False):
         w = self.param("w", nn.initializers.ones, (4,))
         return (x * w)[:, :3]
-
-
-def _data(n=64):
-    r = np.random.default_rng(0)
-    x = r.normal(size=(n, 4)).astype(np.float32)
-    return {"inputs": x, "targets": (x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0)}
 
 
 def _cfg(total_steps=6, quant="int8", **extra):
