@@ -77,6 +77,7 @@ def test_the_int8_forward_of_a_dense_is_the_hand_int8_computation():
     assert np.abs(out - plain).max() > 1e-4
 
 
+@pytest.mark.slow  # four short trainings (~2 CPU s each model)
 @pytest.mark.parametrize("model", [LinenNet(), NnxNet], ids=["linen", "nnx"])
 def test_a_quantised_run_trains_counts_its_int8_matmuls_and_resumes_bitwise(tmp_path,
                                                                           model):
