@@ -125,9 +125,10 @@ REFUSED: dict[tuple[str, str], str] = {
 # Commands that read a finished run instead of training one: no pairs (they change no
 # run); each row says which runs it reads and what it refuses in one line.
 AFTER_RUN: dict[str, tuple[str, str]] = {
-    "jtrain sample": ("any run the built-in transformer trained (any precision, device "
+    "jtrain sample": ("any run the built-in transformer trained (any float precision, device "
                       "set-up, resume, EMA, packing or mixture), or a model with the decode "
-                      "interface; refused: a population, LoRA adapters, a step of your own",
+                      "interface; refused: a population, LoRA adapters, a step of your own, "
+                      "model.quant",
                       "language-models.md"),
 }
 

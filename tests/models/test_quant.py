@@ -95,6 +95,9 @@ def test_a_quantised_run_trains_counts_its_int8_matmuls_and_resumes_bitwise(tmp_
     resumed = jtrain.train(_cfg(), two, model=model, train_data=data)
     assert resumed.summary["resumed_from"] == 3
     assert resumed.summary["state_sha256"] == one.summary["state_sha256"]
+    with pytest.raises(errors.UsageError, match="trained with model.quant=int8: the "
+                                                "decoder runs float matmuls"):
+        jtrain.sample(str(tmp_path / "one"), ["ab"], model=model)
     plain = jtrain.train(_cfg(quant="none"), str(tmp_path / "plain"), model=model,
                          train_data=data)  # quantisation changes the trained bits
     assert plain.summary["state_sha256"] != one.summary["state_sha256"]
