@@ -341,6 +341,35 @@ def qwix_lora() -> types.SimpleNamespace:
     return parts
 
 
+@contextlib.contextmanager
+def qwix_weight_finder(find):
+    """qwix's quantised training asks `qwix._src.utils.flax_util.find_param` whether a
+    matmul operand is a weight (no hook for it); under jax.grad its search falls back to
+    matching shapes, which raises for three same-shaped weights of one module (query /
+    key / value). Inside the block `find(x)` (a weight's name or None) answers for a
+    traced operand, qwix's own search for a concrete one. Moved: DependencyError."""
+    import jax
+
+    try:
+        from qwix._src.utils import flax_util
+
+        original = flax_util.find_param
+    except (ImportError, AttributeError):
+        raise moved("qwix", "qwix._src.utils.flax_util.find_param",
+                    "model.quant cannot run") from None
+
+    def find_param(x, *args, **kwargs):
+        if isinstance(x, jax.core.Tracer):
+            return find(x)
+        return original(x, *args, **kwargs)
+
+    flax_util.find_param = find_param
+    try:
+        yield
+    finally:
+        flax_util.find_param = original
+
+
 def qwix_rule(provider, op: str):
     """The rule matched for the current module and op (checked by `qwix_lora`)."""
     return provider._get_current_rule_and_op_id(op, only_rule=True)[0]

@@ -41,15 +41,18 @@ class Policy:
     matmuls: tuple[tuple[str, int], ...] | None = None
 
     def describe(self) -> str:
-        """`params float32, compute bfloat16 (model: 12/12 matmuls bfloat16)`."""
+        """`params float32, compute bfloat16 (model: 12/12 matmuls bfloat16)`; with
+        model.quant, `compute float32 (model: 12/12 matmuls int8)`."""
         scale = ", dynamic loss scale" if self.dynamic_loss_scale else ""
         compute = jnp.dtype(self.compute_dtype).name
         measured = ""
         if self.matmuls:
             total = sum(n for _, n in self.matmuls)
-            same = dict(self.matmuls).get(compute, 0)
-            others = "".join(f"; {n} {name}" for name, n in self.matmuls if name != compute)
-            measured = f" (model: {same}/{total} matmuls {compute}{others})"
+            # model.quant's matmuls first: what the header must not hide
+            lead = next((name for name, _ in self.matmuls if name in QUANTISED), compute)
+            same = dict(self.matmuls).get(lead, 0)
+            others = "".join(f"; {n} {name}" for name, n in self.matmuls if name != lead)
+            measured = f" (model: {same}/{total} matmuls {lead}{others})"
         return (f"params {jnp.dtype(self.param_dtype).name}, compute {compute}{measured}"
                 f"{scale}")
 
@@ -60,7 +63,8 @@ class Policy:
         if not self.matmuls or compute == "float32":
             return None
         total = sum(n for _, n in self.matmuls)
-        other = [(name, n) for name, n in self.matmuls if name != compute]
+        other = [(name, n) for name, n in self.matmuls
+                 if name != compute and name not in QUANTISED]  # model.quant's
         if not other:
             return None
         name, n = other[0]
@@ -128,7 +132,8 @@ def cast_apply(apply_fn, policy: Policy, keep_fp32=("norm",)):
 
 
 def matmul_dtypes(apply_fn, params, inputs) -> tuple[tuple[str, int], ...]:
-    """((dtype name, count), ...) of the floating matmuls (dot_general, convolutions) in
+    """((dtype name, count), ...) of the floating and int8 matmuls (dot_general,
+    convolutions; model.quant's run in int8 or float8_e4m3fn) in
     the traced forward `apply_fn(params, inputs)` (abstract arguments; nothing runs),
     sub-jaxprs included (jit, scan, cond, remat, custom derivatives); most frequent
     first. A matmul's dtype is its operands' (promoted)."""
@@ -139,13 +144,16 @@ def matmul_dtypes(apply_fn, params, inputs) -> tuple[tuple[str, int], ...]:
 
 
 _MATMULS = ("dot_general", "conv_general_dilated")
+# The operand dtypes of model.quant's matmuls (models/quant.py): int8, float8 e4m3.
+QUANTISED = ("int8", "float8_e4m3fn")
 
 
 def _count_matmuls(jaxpr, counts: dict) -> None:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in _MATMULS:
             dtypes = [v.aval.dtype for v in eqn.invars[:2]]
-            if all(jnp.issubdtype(d, jnp.floating) for d in dtypes):
+            if all(jnp.issubdtype(d, jnp.floating) or jnp.dtype(d).name in QUANTISED
+                   for d in dtypes):
                 name = jnp.dtype(jnp.promote_types(*dtypes)).name
                 counts[name] = counts.get(name, 0) + 1
         for value in eqn.params.values():

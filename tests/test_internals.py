@@ -358,6 +358,36 @@ def test_qwix_helpers_moved(monkeypatch):
         internals.qwix_rank(types.SimpleNamespace())
 
 
+def test_the_qwix_weight_finder_answers_for_traced_operands_inside_the_block_only():
+    pytest.importorskip("qwix")
+    from qwix._src.utils import flax_util
+
+    original = flax_util.find_param
+    seen = []
+
+    def find(x):
+        seen.append(x.shape)
+        return "kernel"
+
+    with internals.qwix_weight_finder(find):
+        assert flax_util.find_param is not original
+        names = []
+        jax.make_jaxpr(lambda x: names.append(flax_util.find_param(x)) or x)(
+            np.ones(3, np.float32))
+    assert flax_util.find_param is original and seen == [(3,)] and names == ["kernel"]
+
+
+def test_the_qwix_weight_finder_moved(monkeypatch):
+    pytest.importorskip("qwix")
+    from qwix._src.utils import flax_util
+
+    monkeypatch.delattr(flax_util, "find_param")
+    with pytest.raises(DependencyError) as e:
+        with internals.qwix_weight_finder(lambda x: None):
+            pass
+    assert "model.quant cannot run" in _line(e, "qwix", "qwix._src.utils.flax_util.find_param")
+
+
 # -- grain ---------------------------------------------------------------------------------
 
 

@@ -65,6 +65,8 @@ FEATURES: tuple[Feature, ...] = (
     _f("fp16", "precision", ["model.dtype"], {"model.dtype": "float16",
        "model.init_scale": 1.0}, "float16 compute, dynamic loss scale from 1",
        "precision.md"),
+    _f("int8", "quant", ["model.quant"], {"model.quant": "int8"}, "int8 weights and "
+       "activations in the Dense matmuls (qwix)", "precision.md"),
     _f("drop_last=False", "drop_last", ["data.drop_last"], {"data.drop_last": False},
        "a padded last batch", "data.md"),
     _f("val_fraction", "val_fraction", ["data.val_fraction"], {"data.val_fraction": 0.25},
@@ -106,11 +108,15 @@ REFUSED: dict[tuple[str, str], str] = {
     ("own step", "bf16"): "a step of your own casts its model itself",
     ("own step", "fp16"): "a step of your own casts and scales its loss itself",
     ("own step", "eval weights"): "the EMA weights are the built-in update's",
+    ("own step", "int8"): "a step of your own calls its model itself",
+    ("population", "int8"): "not implemented for a population",
     ("population", "init_from"): "an export holds one member",
     ("population", "topology invariant"): "not implemented for a population",
     ("population", "early stop / plateau / best-k"): "early stopping and the plateau "
                                                      "decide for one run",
     ("population", "async eval"): "the evaluator scores one run",
+    ("LoRA", "int8"): "adapters and quantised matmuls are two qwix interceptions of one "
+                      "matmul",
     ("mixture", "async eval"): "the evaluator does not score components",
     ("async eval", "s3:// workdir"): "the evaluator follows a local checkpoint folder",
 }
@@ -119,9 +125,10 @@ REFUSED: dict[tuple[str, str], str] = {
 # Commands that read a finished run instead of training one: no pairs (they change no
 # run); each row says which runs it reads and what it refuses in one line.
 AFTER_RUN: dict[str, tuple[str, str]] = {
-    "jtrain sample": ("any run the built-in transformer trained (any precision, device "
+    "jtrain sample": ("any run the built-in transformer trained (any float precision, device "
                       "set-up, resume, EMA, packing or mixture), or a model with the decode "
-                      "interface; refused: a population, LoRA adapters, a step of your own",
+                      "interface; refused: a population, LoRA adapters, a step of your own, "
+                      "model.quant",
                       "language-models.md"),
 }
 

@@ -30,6 +30,9 @@ SCHEMA: dict[str, Any] = {
         "init_scale": F(float, 2.0**15, (1.0, 2.0**24), "initial dynamic loss scale"),
         "keep_fp32": F("strs", ("norm",), None, "your model: regexes (case-insensitive) of "
                        "parameter paths not cast to the compute dtype"),
+        "quant": F(str, "none", ("none", "int8", "fp8"), "8-bit quantised training "
+                   "through qwix: int8 = int8 weights (per channel) and activations in the "
+                   "forward matmuls; fp8 = float8_e4m3fn forward, float8_e5m2 gradients"),
         # + the fields of MODEL_FAMILIES[model.name]
     },
     "optim": {

@@ -46,6 +46,8 @@ _BUILT_IN_ONLY = (
     # scaling) never reaches it, so a 16-bit model.dtype would be reported, not run.
     ("model.dtype", lambda c: c.model.dtype in ("auto", "float32"),
      "cast inside the step (e.g. the model's dtype=jnp.bfloat16)"),
+    ("model.quant", lambda c: c.model.quant == "none",
+     "quantise inside the step (qwix.quantize_model on the step's model)"),
     # Masks and factors of the built-in optax chain, which the step does not call.
     *((f"optim.{key}", lambda c, key=key: not c.optim[key],
        "freeze or scale parameters inside update") for key in ("trainable", "frozen",

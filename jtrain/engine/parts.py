@@ -40,7 +40,7 @@ from jtrain.engine import population as population_lib
 from jtrain.errors import ConfigError, JtrainError
 from jtrain.losses import terms as loss_terms
 from jtrain.models import adapters
-from jtrain.models import lora as lora_lib
+from jtrain.models import lora as lora_lib, quant as quant_lib
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -167,8 +167,9 @@ def lora(cfg, module, sample, mesh):
 
 def model_functions(cfg, module, user, policy, sample, mesh, fns=None) -> Model:
     """The model's init / apply (models.adapters: Linen, NNX or pure; `fns` when LoRA made
-    them); yours computes in the policy's dtype (precision.cast_apply)."""
-    fns = fns if fns is not None else adapters.to_model_fns(module, mesh)
+    them), its matmuls quantised by model.quant (models.quant); yours computes in the
+    policy's dtype (precision.cast_apply)."""
+    fns = quant_lib.to_model_fns(module, cfg, sample, mesh, fns)
     name = cfg.model.name if user is None else f"user {_model_name(user, fns)}"
     if user is not None:
         fns = dataclasses.replace(fns, apply=precision_lib.cast_apply(
@@ -223,7 +224,7 @@ def member_state(cfg, model: Model, tx, policy, mesh):
     except Exception as e:  # noqa: BLE001 - the user's model: one line, no traceback
         raise model_checks.model_call_error(
             e, model.inputs, model=model.name.removeprefix("user ")) from e
-    policy = _measure_precision(policy, cfg, model.fns, abstract.params, model.inputs, mesh)
+    policy = _measure_precision(policy, cfg, model, abstract.params, mesh)
     return abstract, shardings, functools.partial(
         state_lib.init_state, model.fns, tx, policy, model.inputs, mesh, cfg.seed,
         shardings), policy
@@ -391,14 +392,16 @@ def model_flops_per_example(model, model_cfg, input_shape) -> float | None:
     return float(declared) if declared else None
 
 
-def _measure_precision(policy, cfg, model_fns, params, inputs, mesh):
+def _measure_precision(policy, cfg, model: Model, params, mesh):
     """The policy with what the traced forward computes in (precision.matmul_dtypes);
-    unchanged when the model cannot be traced here (model_checks reports that)."""
+    unchanged when the model cannot be traced here (model_checks reports that).
+    model.quant on a model with no quantised matmul is refused (models.quant.check)."""
     try:
         with mesh_lib.model_context(mesh):
-            matmuls = precision_lib.matmul_dtypes(model_fns.apply, params, inputs)
+            matmuls = precision_lib.matmul_dtypes(model.fns.apply, params, model.inputs)
     except Exception:  # noqa: BLE001 - check_run calls the model and says what is wrong
         return policy
+    quant_lib.check(cfg.model.quant, matmuls, model.name)
     return precision_lib.measured(policy, matmuls, cfg.model.loss_scale)
 
 

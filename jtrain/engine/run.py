@@ -363,10 +363,11 @@ def _watchdog(cfg, workdir: str) -> control_lib.Watchdog:
 
 def _precompile(cfg, b: Build, data, startup) -> None:
     """compile.precompile: the step compiles beside the state's init; its first call
-    reuses the executable. Not with LoRA: qwix patches JAX functions process-wide for each
-    traced call, and the state's init and the step's compile tracing adapted models on two
-    threads at once raced on that patch (KeyError 'jax.numpy.asarray.__code__')."""
-    if cfg.compile.precompile and not cfg.finetune.lora.rank:
+    reuses the executable. Not with LoRA or model.quant: qwix patches JAX functions
+    process-wide for each traced call, and the state's init and the step's compile tracing
+    adapted models on two threads at once raced on that patch (KeyError
+    'jax.numpy.asarray.__code__')."""
+    if cfg.compile.precompile and not cfg.finetune.lora.rank and cfg.model.quant == "none":
         startup.precompile = compiles_lib.precompile(
             b.train_step, b.abstract_with_shardings(),
             compiles_lib.abstract_batch(data.train_example, cfg.data.batch_size,

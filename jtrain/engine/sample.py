@@ -277,7 +277,10 @@ def open_run(workdir: str, *, step=None, model=None) -> tuple[Any, dict]:
                           "into a run of its own (jtrain export --merge_lora, then "
                           "init.path)"),
                          (bool(cfg.step.factory), "trained a step of your own: its state "
-                          "is not one model's params")):
+                          "is not one model's params"),
+                         (cfg.model.quant != "none", f"trained with model.quant="
+                          f"{cfg.model.quant}: the decoder runs float matmuls, not the "
+                          "quantised ones it trained with")):
         if refused:
             raise UsageError("RUN", f"{shown} {why}")
     if model is None:

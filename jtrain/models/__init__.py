@@ -5,6 +5,7 @@
     user          your own model from `model.factory` ("package.module:function")
     adapters      Linen / NNX / pure (init, apply) -> ModelFns (init, apply)
     lora          finetune.lora: LoRA adapters through qwix (only they train), merging
+    quant         model.quant: int8 / fp8 quantised training through qwix (QtProvider)
 
 Built-in families are chosen by `config.model.name` from one plain dict, `MODELS`. Each
 family module has `build(model_cfg, *, dtype, param_dtype) -> nn.Module` and

@@ -86,43 +86,47 @@ def to_model_fns(module, cfg, sample, mesh):
     except ImportError as e:
         raise ConfigError("finetune.lora.rank", f"LoRA needs qwix ({e}): pip install "
                                                 "'jtrain[lora]'") from None
-    fns = adapters.to_model_fns(_wrap(module, provider, sample, cfg.seed), mesh)
+    fns = adapters.to_model_fns(wrap(module, provider, sample, cfg.seed,
+                                     "finetune.lora.rank", "LoRA adapts"), mesh)
     _check(provider, fns, sample, mesh, lora, cfg.data.batch_size)
     return fns, (ADAPTERS,)
 
 
-def _wrap(module, provider, sample, seed):
-    """The model with qwix's LoRA interception: a Linen module copy, an NNX instance
-    (its weights kept, fresh adapters), or an NNX factory whose models get adapters."""
-    import qwix
+def wrap(module, provider, sample, seed, key: str, what: str):
+    """The model with a qwix provider's interception (LoRA's, or model.quant's): a Linen
+    module copy, an NNX instance (its weights kept, the provider's variables fresh), or
+    an NNX factory whose models get it. `key` and `what` ("LoRA adapts") name the
+    setting in the error for a model without Flax modules."""
+    import qwix  # quantize_model: apply_lora_to_model is its alias
 
     if isinstance(module, nn.Module):
-        return qwix.apply_lora_to_model(module, provider)
+        return qwix.quantize_model(module, provider)
     if is_nnx(module):
-        return _nnx_lora(module, provider, sample, nnx.Rngs(seed))
+        return _nnx_wrap(module, provider, sample, nnx.Rngs(seed))
     if isinstance(module, (tuple, list)):
-        raise ConfigError("finetune.lora.rank", "LoRA adapts the matmul weights of Flax "
-                          "modules (Linen or NNX); an (init, apply) pair has none")
+        raise ConfigError(key, f"{what} the matmul weights of Flax modules (Linen or "
+                          "NNX); an (init, apply) pair has none")
     if is_nnx(module, cls=True):
         module = adapters.nnx_class_factory(module)
     elif isinstance(module, type) or not callable(module):
         return module  # not a model: adapters.to_model_fns says why
     factory = module  # a function rngs -> nnx.Module
 
-    def lora_factory(rngs):
-        return _nnx_lora(factory(rngs), provider, sample, rngs)
+    def wrapped_factory(rngs):
+        return _nnx_wrap(factory(rngs), provider, sample, rngs)
 
-    lora_factory.__name__ = lora_factory.__qualname__ = getattr(factory, "__name__", "model")
-    return lora_factory
+    wrapped_factory.__name__ = wrapped_factory.__qualname__ = getattr(factory, "__name__",
+                                                                      "model")
+    return wrapped_factory
 
 
-def _nnx_lora(model, provider, sample, rngs):
-    """qwix runs an NNX model once (one example) to create its adapters."""
+def _nnx_wrap(model, provider, sample, rngs):
+    """qwix runs an NNX model once (one example) to create its variables."""
     import qwix
 
     inputs = jax.tree.map(lambda x: jnp.asarray(x)[None], sample)
-    return qwix.apply_lora_to_model(model, provider, inputs, rngs=rngs,
-                                    **adapters._mode_kwargs(type(model).__call__, False))
+    return qwix.quantize_model(model, provider, inputs, rngs=rngs,
+                                   **adapters._mode_kwargs(type(model).__call__, False))
 
 
 def _check(provider, fns, sample, mesh, lora, batch_size):
@@ -189,6 +193,18 @@ def _find_weight(rhs, candidates: dict):
     return by_id[id(x)], as_stored
 
 
+def module_weight(x):
+    """(name, as_stored) of the current qwix module's weight that the traced matmul
+    operand `x` comes from (`_find_weight`); (None, None) for an activation."""
+    q = internals.qwix_lora()
+    module = q.module()
+    if isinstance(module, nn.Module):
+        stored = module.variables.get("params", {})
+    else:
+        stored = {k: v for k, v in vars(module).items() if isinstance(v, nnx.Param)}
+    return _find_weight(x, {k: q.unbox(v) for k, v in stored.items()})
+
+
 @functools.cache
 def _provider_class():
     """qwix's LoraProvider with its two matmul paths redone from qwix's own helpers
@@ -219,12 +235,7 @@ def _provider_class():
         def _adapt(self, op, rhs, inputs_first: bool):
             """(rule, weight name) when the matmul operand `rhs` is a weight to adapt,
             else None; notes the weight's layout."""
-            module = q.module()
-            if isinstance(module, nn.Module):
-                stored = module.variables.get("params", {})
-            else:
-                stored = {k: v for k, v in vars(module).items() if isinstance(v, nnx.Param)}
-            name, as_stored = _find_weight(rhs, {k: q.unbox(v) for k, v in stored.items()})
+            name, as_stored = module_weight(rhs)
             if name is None and not isinstance(rhs, jax.core.Tracer):
                 name = q.find_param(rhs, q.with_aux)  # eager: qwix's own search
             if name is None or is_adapter(name):
