@@ -28,6 +28,7 @@ from jtrain.data import device_prefetch, example_indices, load, torch_adapters
 from jtrain.data import mixture as mixture_lib
 from jtrain.data.dataset import Data
 from jtrain.data.items import DataError
+from jtrain.errors import ConfigError
 from jtrain.data.sources import dataset_indices
 from jtrain.data.prefetch import DevicePrefetch
 
@@ -79,8 +80,8 @@ class RunData:
 
     @property
     def byte_level(self) -> bool:
-        """The built-in byte corpus: its eval reports bits per byte."""
-        return self.info.get("name") == "pystdlib"
+        """The built-in byte corpus or byte tokens: its eval reports bits per byte."""
+        return self.info.get("name") == "pystdlib" or bool(self.info.get("byte_level"))
 
     def train_iterator(self, data_state: dict | None, put: Callable,
                        ) -> DevicePrefetch:
@@ -135,6 +136,11 @@ def prepare(data_cfg, user: UserData, *, seed: int, eval_batch_size: int = 0,
     train, ev, info = make_sources(data_cfg, user.train, user.eval, process_index=index,
                                    process_count=count, gather=gather)
     if model_cfg is not None:
+        tokenizer_vocab = info.get("vocab_size")
+        if tokenizer_vocab and (model_cfg.get("vocab_size") or 0) < tokenizer_vocab:
+            raise ConfigError("model.vocab_size", f"{model_cfg.get('vocab_size')} is below "
+                              f"the vocab size of data.path's tokenizer ({tokenizer_vocab}); "
+                              f"set model.vocab_size >= {tokenizer_vocab}")
         check_vocab(model_cfg, train)
     train_example = train[0]
     return RunData(train=train, eval=ev, info=info, train_example=train_example,
