@@ -24,6 +24,8 @@ one place (the background device prefetch in prefetch.py is handed that function
                      read in order by every process (mixture_streams.py)
     packing          token documents packed into data.seq_len windows with segment_ids
                      and positions (packing.py)
+    tokens           data.name=tokens: token shards written once by `jtrain tokenize`
+                     (tokens.py; the tokenizers, tokenizer.py) served as windows
 
 `Data` (dataset.py): one small class per input kind behind one protocol; `checks.check`
 returns a checked copy. Items become numpy in items.py; map-style sources and seeded
