@@ -42,22 +42,21 @@ def main(fv, args, argv=None) -> int:
     if os.path.exists(os.path.join(fv.out, tokens.INDEX)):
         raise UsageError(f"--out: {fv.out} holds token shards already (nothing "
                          "overwritten; choose another folder or remove it)")
-    os.makedirs(fv.out, exist_ok=True)
 
     def docs():
         for path in files:
             yield from tokens.documents(path, fv.text_field)
 
     trained = tokenizer_lib.parse_trained(fv.tokenizer)
-    if trained is not None:
+    tok = None if trained is not None else tokenizer_lib.load(fv.tokenizer)
+    os.makedirs(fv.out, exist_ok=True)  # after every check of the flags
+    if tok is None:
         tok = tokenizer_lib.train(*trained, docs(), os.path.join(fv.out, "tokenizer.json"))
-    else:
-        tok = tokenizer_lib.load(fv.tokenizer)
-        if tok.file is not None:
-            copy = os.path.join(fv.out, "tokenizer" + os.path.splitext(tok.file)[1])
-            if not os.path.exists(copy) or not os.path.samefile(copy, tok.file):
-                shutil.copyfile(tok.file, copy)
-            tok.file = copy
+    elif tok.file is not None:  # the folder carries its tokenizer
+        copy = os.path.join(fv.out, "tokenizer" + os.path.splitext(tok.file)[1])
+        if not os.path.exists(copy) or not os.path.samefile(copy, tok.file):
+            shutil.copyfile(tok.file, copy)
+        tok.file = copy
     index = tokens.write_shards(tok, docs(), fv.out, fv.shard_tokens)
     print(json.dumps({k: index[k] for k in ("num_tokens", "num_documents", "vocab_size",
                                             "dtype", "fingerprint")}
