@@ -12,11 +12,12 @@ when a tokenizer other than bytes is asked for.
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Iterable
 
 import numpy as np
 
-from jtrain.data.items import DataError
+from jtrain.errors import DataError, first_line
 
 BYTE = "byte"
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>")  # the document separator, if the vocab has one
@@ -58,8 +59,7 @@ class HFTokenizer:
         try:
             self._tok = tokenizers.Tokenizer.from_file(path)
         except Exception as e:  # the Rust parser's error: the first line of it
-            raise DataError(path, "not a Hugging Face tokenizer.json: "
-                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") \
+            raise DataError(path, f"not a Hugging Face tokenizer.json: {first_line(e)}") \
                 from None
         self.file, self.fingerprint = path, file_sha256(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -81,9 +81,7 @@ class SentencePieceTokenizer:
         try:
             self._sp.Load(path)
         except Exception as e:
-            raise DataError(path, "not a SentencePiece model: "
-                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") \
-                from None
+            raise DataError(path, f"not a SentencePiece model: {first_line(e)}") from None
         self.file, self.fingerprint = path, file_sha256(path)
         self.vocab_size = int(self._sp.GetPieceSize())
         self.eos = int(self._sp.eos_id()) if self._sp.eos_id() >= 0 else None
@@ -96,8 +94,6 @@ def load(spec: str):
     """"byte", a tokenizer.json or a .model file -> its tokenizer."""
     if spec == BYTE:
         return ByteTokenizer()
-    import os
-
     if not os.path.isfile(spec) or not spec.endswith((".json", ".model")):
         raise DataError(spec, "not a tokenizer file: give byte, a tokenizer.json, a "
                         "SentencePiece .model, or bpe:N / unigram:N to train one")

@@ -41,11 +41,6 @@ _GOLDEN = np.uint32(2654435761)  # Knuth's multiplicative hash constant
 PARTS = ("params", "opt_state", "ema")  # the rest (step, rng, loss scale, ...) is "rest"
 
 
-def leaf_paths(state) -> list[str]:
-    """The state's leaf paths, in tree order ("params/Dense_0/kernel", ...)."""
-    return [leaf_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-
-
 def _bits(x) -> jax.Array:
     """x's bit patterns as uint32 (smaller types widened, wider ones split)."""
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
