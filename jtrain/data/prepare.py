@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from jtrain.data import load_user_data, make_sources, check_vocab, make_train_iterator
 from jtrain.data import device_prefetch, example_indices, load, torch_adapters
-from jtrain.data import mixture as mixture_lib
+from jtrain.data import mixture as mixture_lib, tokens
 from jtrain.data.dataset import Data
 from jtrain.data.items import DataError
 from jtrain.errors import ConfigError
@@ -59,6 +59,13 @@ class UserData:
                 data_cfg, self.train, self.eval, process_index=index, process_count=count)
         self.decided = {f"data.{k}": {"value": v, "from": "DataLoader"}
                         for k, v in overrides.items()}
+        if self.train is None and data_cfg.name == "tokens" and not data_cfg.mixture:
+            named = tokens.tokenizer_name(data_cfg.path)  # None: make_tokens says why
+            if named is not None and data_cfg.tokenizer not in ("", named):
+                raise DataError("data.tokenizer", f"{data_cfg.tokenizer!r}, but the shards "
+                                f"in {data_cfg.path} were made with {named!r}")
+            if named is not None:
+                overrides = {**overrides, "tokenizer": named}
         return overrides
 
 

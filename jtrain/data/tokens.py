@@ -132,6 +132,18 @@ def fingerprint(index: dict) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
 
+def tokenizer_name(path: str) -> str | None:
+    """data.tokenizer's value for the shards in `path`: "byte" or "FILE (sha256 ...)";
+    None when the index cannot be read (opening the shards then says why)."""
+    try:
+        with open(os.path.join(path, INDEX)) as f:
+            tok = json.load(f)["tokenizer"]
+        return tok["kind"] if tok["file"] is None else \
+            f"{tok['file']} (sha256 {tok['fingerprint']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def read_index(path: str) -> dict:
     """DIR's index.json, checked against the files beside it (one DataError naming the
     first file that differs)."""

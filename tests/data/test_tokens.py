@@ -91,6 +91,22 @@ def test_a_byte_corpus_trains_with_bits_per_byte_and_a_changed_shard_is_one_line
                                "tokenize)")
 
 
+def test_the_config_names_the_tokenizer_and_a_pinned_other_one_is_one_line(tmp_path):
+    out = tokenize(tmp_path, tokenizer="bpe:300")
+    made = json.loads((out / "index.json").read_text())["tokenizer"]["fingerprint"]
+    user = data_lib.UserData()
+    cfg = config_lib.resolve({"data": {"name": "tokens", "path": str(out)}},
+                             data_settings=user.settings)
+    assert cfg.data.tokenizer == f"tokenizer.json (sha256 {made})"
+    again = config_lib.resolve(cfg.to_dict(), data_settings=data_lib.UserData().settings)
+    assert again.data.tokenizer == cfg.data.tokenizer  # a resume's config: the same
+    with pytest.raises(DataError) as e:
+        config_lib.resolve({"data": {"name": "tokens", "path": str(out), "tokenizer": "byte"}},
+                           data_settings=data_lib.UserData().settings)
+    assert render(e.value) == (f"jtrain: data error: data.tokenizer: 'byte', but the shards "
+                               f"in {out} were made with 'tokenizer.json (sha256 {made})'")
+
+
 def test_model_vocab_below_the_tokenizers_is_one_config_line(tmp_path):
     out = tokenize(tmp_path, tokenizer="bpe:300")
     vocab = json.loads((out / "index.json").read_text())["vocab_size"]

@@ -22,6 +22,10 @@ def page_commands() -> list[list[str]]:
     return [c[1:] for c in commands]
 
 
+def made_with(cwd) -> str:
+    return json.loads((cwd / "shards" / "index.json").read_text())["tokenizer"]["fingerprint"]
+
+
 def test_the_language_model_page_runs_as_written(tmp_path):
     (tmp_path / "notes.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 60)
     (tmp_path / "posts.jsonl").write_text("".join(
@@ -40,6 +44,7 @@ def test_the_language_model_page_runs_as_written(tmp_path):
                                                      "tokenizer.json").read_bytes()
     cfg = json.loads((run / "config.json").read_text())["data"]
     assert cfg["name"] == "tokens" and cfg["path"] == "shards"
+    assert cfg["tokenizer"] == f"tokenizer.json (sha256 {made_with(tmp_path)})"
     assert "token shards sha256" in (run / "train.log").read_text()
 
     proc = run_python(tmp_path, *verify)
