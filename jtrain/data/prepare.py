@@ -137,7 +137,8 @@ def prepare(data_cfg, user: UserData, *, seed: int, eval_batch_size: int = 0,
     `gather(n)`: n from every process (jtrain.mesh.process_values)."""
     index, count = user.processes()
     if not user._opened:  # noqa: SLF001 - the config was resolved without its settings
-        if user.settings(data_cfg):
+        user.settings(data_cfg)
+        if user.decided:  # a DataLoader's (data.tokenizer is checked, not decided)
             raise DataError("train_data: a torch DataLoader's settings must reach the "
                             "config: resolve it with data_settings=UserData.settings")
     train, ev, info = make_sources(data_cfg, user.train, user.eval, process_index=index,
