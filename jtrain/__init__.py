@@ -37,6 +37,7 @@ _EXPORTS = {
     "TrainState": "jtrain.state", "init_state": "jtrain.state",
     "make_abstract_state": "jtrain.state", "state_sha256": "jtrain.state",
     "make_eval_step": "jtrain.step", "make_train_step": "jtrain.step",
+    "Sample": "jtrain.engine.sample", "sample": "jtrain.engine.sample",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -18,8 +18,11 @@ error that says what to change. Every rendered line passes through the redactor
 from __future__ import annotations
 
 import errno
+import os
+import re
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "DiskFullError", "EvaluateError",
+__all__ = ["CheckpointError", "ConfigError", "DataError", "DependencyError", "DiskFullError",
+           "EvaluateError",
            "ExportError", "HangError", "JtrainError", "ModelError", "NonFiniteError",
            "PeerError", "RestoreError", "UsageError", "WorkdirError", "exit_code", "render"]
 
@@ -29,7 +32,8 @@ EXIT_CODES = {
        "with the current step saved (a signal during start-up: nothing new to save); "
        "`--stopped_exit_code=N` makes a signal's stop exit N (e.g. 75 for Kubernetes)",
     1: "a bug in jtrain or in user code: `jtrain: internal error: ...`, its traceback in "
-       "`WORKDIR/train.log`; `--verify_resume` exits 1 on FAIL",
+       "`WORKDIR/train.log`; an installed library whose private internals jtrain uses "
+       "moved (`jtrain: dependency error: ...`); `--verify_resume` exits 1 on FAIL",
     2: "a bad config, data, model, command line or workdir: one line naming the key, "
        "file, field or model, before any training",
     3: "a checkpoint that cannot be restored (a changed config, another model, damaged "
@@ -163,6 +167,19 @@ class UsageError(JtrainError, ValueError):
     """
 
     kind, exit_code = "usage", 2
+
+
+def env_int(name: str, default: int, lo: int | None = None, hi: int | None = None) -> int:
+    """The integer environment variable `name` (`default` when unset or blank); a
+    UsageError naming it when it is not an integer in [lo, hi]."""
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return default
+    value = int(raw) if re.fullmatch(r"\s*-?[0-9]+\s*", raw) else None
+    if value is None or (lo is not None and value < lo) or (hi is not None and value > hi):
+        span = "" if lo is None else f" in [{lo}, {hi}]"
+        raise UsageError(f"{name}={raw!r} in the environment: expected an integer{span}")
+    return value
 
 
 class EvaluateError(JtrainError, ValueError):
@@ -317,10 +334,27 @@ class DiskFullError(JtrainError):
     kind, exit_code = "disk", 6
 
 
+class DependencyError(JtrainError):
+    """An installed library moved a private part jtrain uses (jtrain.internals): the key
+    names the library and its version. Install the versions of constraints.txt.
+
+    Examples:
+        ```python
+        from jtrain.errors import DependencyError, render
+
+        e = DependencyError("grain 0.3.0", "a private attribute of grain.DataLoader moved")
+        print(render(e))      # jtrain: dependency error: grain 0.3.0: a private ...
+        print(e.exit_code)    # 1 (the exit status of the command)
+        ```
+    """
+
+    kind, exit_code = "dependency", 1
+
+
 # Every error class above, in the order docs/reference/exit_codes.md lists them.
 ERRORS = (ConfigError, DataError, ModelError, UsageError, EvaluateError, WorkdirError,
           RestoreError, ExportError, CheckpointError, NonFiniteError, HangError, PeerError,
-          DiskFullError)
+          DiskFullError, DependencyError)
 
 
 def first_line(e: BaseException) -> str:

@@ -39,7 +39,6 @@ the sum; the forward and backward stay data-parallel.
 
 from __future__ import annotations
 
-import io
 import types
 from typing import Callable
 
@@ -50,7 +49,7 @@ from flax import linen as nn
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from jtrain import metrics as metrics_lib
+from jtrain import internals, metrics as metrics_lib
 from jtrain.errors import ConfigError
 
 BATCH_AXES = ("data", "fsdp")
@@ -199,26 +198,7 @@ def _moved(compiled, device, jitted, args):
     deserialized with that device's assignment, as JAX's persistent compilation cache
     does for an entry compiled on another device; else compiled there."""
     try:
-        from jax._src import compiler
-        from jax._src.lib import xla_client as xc
-        from jax.experimental import serialize_executable as se
-
-        class Unpickler(se._JaxPjrtUnpickler):
-            def persistent_load(self, pid):
-                if pid[0] == "device":
-                    return device
-                if pid[0] == "exec":
-                    options = compiler.get_compile_options(
-                        1, 1, device_assignment=np.array([[device.id]]), backend=self.backend)
-                    return self.backend.deserialize_executable(
-                        pid[1], xc.DeviceList((device,)), options)
-                return super().persistent_load(pid)
-
-        blob, in_tree, out_tree = se.serialize(compiled)
-        unloaded, args_info, no_kwargs = Unpickler(io.BytesIO(blob), device.client,
-                                                   [device]).load()
-        return jax.stages.Compiled(unloaded.load(), [], in_tree.unflatten(args_info),
-                                   out_tree, no_kwargs=no_kwargs)
+        return internals.load_compiled_on(compiled, device)
     except Exception:  # noqa: BLE001 - the same program, compiled on that device
         return jitted.lower(*args).compile()
 

@@ -190,7 +190,7 @@ DETERMINISTIC_FLAGS = ("--xla_gpu_deterministic_ops=true",
 
 
 def set_deterministic(enabled: bool) -> str | None:
-    """`deterministic=True`: add the XLA flags for deterministic GPU ops to XLA_FLAGS
+    """`determinism.gpu_ops=True`: add the XLA flags for deterministic GPU ops to XLA_FLAGS
     before the backend starts. Returns the header's line (None when off). CPU runs are
     deterministic already; a backend started before train() (arrays created by the
     caller) keeps its flags, and the line says so."""
@@ -198,11 +198,11 @@ def set_deterministic(enabled: bool) -> str | None:
         return None
     import os
 
-    from jax._src import xla_bridge  # the one place that knows whether XLA started
+    from jtrain import internals
 
     current = os.environ.get("XLA_FLAGS", "")
     missing = [f for f in DETERMINISTIC_FLAGS if f.split("=")[0] not in current]
-    if xla_bridge.backends_are_initialized():
+    if internals.backends_started():
         if jax.default_backend() == "cpu":
             return "deterministic: on (CPU: already deterministic)"
         if missing:

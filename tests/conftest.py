@@ -21,11 +21,15 @@ Helpers for user-journey tests live in tests/journey.py; import them as a plain 
 (`from journey import run_python`): pytest puts tests/ on sys.path, no `tests.` package.
 """
 
+import ast
+import functools
 import gc
 import json
 import os
+import resource
 import subprocess
 import sys
+import time
 
 import jax
 import pytest
@@ -68,6 +72,10 @@ def pytest_sessionstart(session):
 
 def pytest_configure(config):
     _CONFIG.append(config)
+    if "quick" in (config.getoption("markexpr", "") or "") and not CHILD_REPORTS:
+        config.pluginmanager.register(_QuickGuard(), "jtrain-quick-guard")
+    if os.environ.get("JTRAIN_TEST_TIMES"):
+        config.pluginmanager.register(_Times(os.environ["JTRAIN_TEST_TIMES"]), "jtrain-times")
     from journey import trust_key_file
 
     trust_key_file()  # before xdist starts its workers: they and every subprocess share it
@@ -150,19 +158,60 @@ SLOW_GROUPS = (
 # commands of their own (ruff and mypy; the docs site's build).
 QUICK_LEAVES_OUT = (
     "tests/bench/test_bench.py", "tests/bench/test_profile_bench.py",
-    "tests/bench/test_data_bench.py", "tests/checkpoint/test_hf.py",
+    "tests/bench/test_data_bench.py", "tests/checkpoint/test_hf.py", "tests/engine/test_sample.py",
     "tests/checkpoint/test_best_step.py", "tests/test_lint.py", "tests/test_docs_site.py",
 )
 
 
 def _quick(item) -> bool:
     """In the quick selection (`-m quick`, CONTRIBUTING.md): every package's unit tests,
-    not the journeys, the bad-input tables, the 8-device or slow-marked tests, nor the
-    longest files (the full suite runs them all)."""
+    not the journeys, the bad-input tables, the 8-device or slow-marked tests, the tests
+    that start a process, nor the longest files (the full suite runs them all)."""
     path = item.nodeid.split("::", 1)[0]
     return not (path.startswith(("tests/journeys/", "tests/bad_input/")) or "journey" in path
                 or path in SLOW_GROUPS or path in QUICK_LEAVES_OUT or _marked(item)
-                or item.get_closest_marker("slow"))
+                or item.get_closest_marker("slow") or _starts_a_process(item))
+
+
+# What starting a process looks like in a test's source: `subprocess.*`, `sys.executable`
+# (jtrain's verify, a script's launch), and the helpers of tests/ that use them
+# (journey.run_python, ...), followed through the test module's own functions and
+# fixtures and the tests/ modules it imports from.
+_LAUNCH = frozenset({"subprocess", "Popen", "executable"})
+
+
+def _starts_a_process(item) -> bool:
+    names = {item.originalname, *item.fixturenames}
+    return bool(names & _launching(str(item.path)))
+
+
+@functools.cache
+def _test_modules() -> dict:
+    here = os.path.dirname(os.path.abspath(__file__))
+    return {os.path.splitext(f)[0]: os.path.join(d, f) for d, _, files in os.walk(here)
+            for f in files if f.endswith(".py")}
+
+
+@functools.cache
+def _launching(path: str) -> frozenset:
+    """The functions of the tests/ module at `path` that start a process, directly or
+    through another of them."""
+    tree = ast.parse(open(path).read())
+    refs: dict = {}
+    found = set(_LAUNCH)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            refs[node.name] = {n.id if isinstance(n, ast.Name) else n.attr
+                               for n in ast.walk(node) if isinstance(n, (ast.Name, ast.Attribute))}
+        elif isinstance(node, ast.ImportFrom) and node.module in _test_modules():
+            other = _test_modules()[node.module]
+            if other != path:
+                found |= {a.asname or a.name for a in node.names if a.name in _launching(other)}
+    while True:
+        more = {name for name, used in refs.items() if used & found} - found
+        if not more:
+            return frozenset(found)
+        found |= more
 
 
 def _group(item) -> str:
@@ -202,10 +251,56 @@ def pytest_collection_modifyitems(session, config, items):
                                                                          # in their order
 
 
+class _Times:
+    """JTRAIN_TEST_TIMES=FILE: one line per test as it ends, in the process that ran it:
+    wall seconds, CPU seconds of this process and of the subprocesses it waited for (every
+    launch of jtrain or of a script), the latter alone, node id. CPU, not wall: the suite
+    shares its cores. (The first 8-device test's line holds the whole child, whose own
+    lines follow it.)"""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        wall, own, kids = time.perf_counter(), _cpu(resource.RUSAGE_SELF), \
+            _cpu(resource.RUSAGE_CHILDREN)
+        yield
+        wall, own, kids = (time.perf_counter() - wall, _cpu(resource.RUSAGE_SELF) - own,
+                           _cpu(resource.RUSAGE_CHILDREN) - kids)
+        with open(self.path, "a") as f:
+            f.write(f"{wall:8.2f} {own + kids:8.2f} {kids:8.2f} "
+                    f"{getattr(item, '_jtrain_id', item.nodeid)}\n")
+
+
+class _QuickGuard:
+    """Under `-m quick`: a test whose processes (a Python launch, grain's workers, an
+    evaluator jtrain starts) used more than half a CPU second fails, saying why. The
+    source scan (_starts_a_process) leaves out the launches a test's own code makes; a
+    test that starts one another way takes `@pytest.mark.slow`."""
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        self.start = _cpu(resource.RUSAGE_CHILDREN)
+        yield
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        report = (yield).get_result()
+        used = _cpu(resource.RUSAGE_CHILDREN) - self.start
+        if call.when == "teardown" and used > 0.5 and item.get_closest_marker("quick"):
+            report.outcome = "failed"
+            report.longrepr = (f"{item.nodeid}: its processes used {used:.1f} CPU s; the "
+                               "quick selection starts none: mark the test "
+                               "@pytest.mark.slow (tests/conftest.py, _quick)")
+
+
+def _cpu(who) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
 def pytest_runtest_logreport(report):
-    if os.environ.get("JTRAIN_TEST_TIMES"):  # one line per phase as it ends: finding slow tests
-        with open(os.environ["JTRAIN_TEST_TIMES"], "a") as f:
-            f.write(f"{report.duration:8.2f} {report.when} {report.outcome} {report.nodeid}\n")
     if report.skipped and not hasattr(report, "wasxfail"):
         _SKIPPED.append(report.nodeid)
     if CHILD_REPORTS:

@@ -5,7 +5,7 @@ Every side runs the same command (`python -m jtrain.main`, configs/base.py:debug
 small byte-level LM, eval every `--every` steps over `--eval_batches` batches, no early
 stopping so all do the same steps; `none` sets eval.every_steps=0: one eval at the
 end) as a separate process, the sides in turn, `--rounds` times. `async` runs its child
-evaluator at `--nice` and on `--cpus` CPUs (eval.async_nice, eval.async_cpus);
+evaluator at `--nice` and on `--cpus` CPUs (JTRAIN_EVAL_NICE, JTRAIN_EVAL_CPUS);
 `async_nice0` is the same at nice 0 (the evaluator competing as an equal).
 
 What the claim "async evaluation does not slow the step" is about, per side (medians):
@@ -59,8 +59,8 @@ def define_flags(fv) -> None:
     flags.DEFINE_integer("every", 10, "eval.every_steps", flag_values=fv)
     flags.DEFINE_integer("eval_batches", 10, "eval.num_batches", flag_values=fv)
     flags.DEFINE_integer("lag", 1, "eval.async_lag", flag_values=fv)
-    flags.DEFINE_integer("nice", 19, "eval.async_nice of the async side", flag_values=fv)
-    flags.DEFINE_integer("cpus", 0, "eval.async_cpus of the async sides", flag_values=fv)
+    flags.DEFINE_integer("nice", 19, "JTRAIN_EVAL_NICE of the async side", flag_values=fv)
+    flags.DEFINE_integer("cpus", 0, "JTRAIN_EVAL_CPUS of the async sides", flag_values=fv)
     flags.DEFINE_list("sides", ["none", "sync", "async"], f"sides, of {', '.join(SIDES)}",
                       flag_values=fv)
     flags.DEFINE_integer("rounds", 2, "rounds (each runs every side once)", flag_values=fv)
@@ -72,12 +72,10 @@ def _command(workdir: str, side: str, a: dict) -> list[str]:
                         "configs", "base.py")
     every = 0 if side == "none" else a["every"]
     mode = "async" if side.startswith("async") else "sync"
-    nice = 0 if side == "async_nice0" else a["nice"]
     return [sys.executable, "-m", "jtrain.main", f"--config={base}:debug",
             f"--workdir={workdir}", f"--config.total_steps={a['steps']}",
             f"--config.eval.every_steps={every}", f"--config.eval.num_batches={a['eval_batches']}",
             f"--config.eval.mode={mode}", f"--config.eval.async_lag={a['lag']}",
-            f"--config.eval.async_nice={nice}", f"--config.eval.async_cpus={a['cpus']}",
             f"--config.log.every_steps={a['every']}", "--config.checkpoint.every_steps=0",
             "--config.log.writers=jsonl"]
 
@@ -136,7 +134,9 @@ def _one(workdir: str, side: str, a: dict) -> dict:
     with machine.LoadWatch(thread=False) as watch:
         t0 = time.perf_counter()
         with open(os.path.join(os.path.dirname(workdir), side + ".log"), "w") as log:
-            proc = subprocess.Popen(_command(workdir, side, a), stdout=log,
+            nice = 0 if side == "async_nice0" else a["nice"]  # the child evaluator's
+            proc = subprocess.Popen(_command(workdir, side, a), stdout=log, env={
+                **os.environ, "JTRAIN_EVAL_NICE": str(nice), "JTRAIN_EVAL_CPUS": str(a["cpus"])},
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             samples = _sampled(proc, workdir, watch)
         wall = time.perf_counter() - t0
@@ -174,7 +174,8 @@ def run(a: dict) -> dict:
     med = {side: {k: statistics.median(x[k] for x in rows[side]) for k in KEYS}
            for side in rows}
     return {**a, "machine": info, "rounds_data": rows, "median": med,
-            "command": " ".join(_command("WORKDIR", "SIDE", a)[1:])}
+            "command": f"JTRAIN_EVAL_NICE={a['nice']} JTRAIN_EVAL_CPUS={a['cpus']} "
+                       + " ".join(_command("WORKDIR", "SIDE", a)[1:])}
 
 
 def _extra(res: dict, side: str) -> str:

@@ -19,7 +19,7 @@ total save and restore seconds (goal <= 5 s each), and steps/s during a save / w
 state_sha256 is checked against the saved one once.
 
 On a CPU-only machine the train step and the background write compete for the same
-cores: `--writer_nice` (checkpoint.writer_nice, default 19) trades the two goals. At 19
+cores: `--writer_nice` (JTRAIN_WRITER_NICE, default 19) trades the two goals. At 19
 the write takes only cycles the step leaves idle (steps/s ~unchanged, the write takes
 longer); at 0 it finishes sooner and slows the steps. The sync time is what the write
 costs when nothing competes (after a stop, or with the work on a GPU).
@@ -27,6 +27,7 @@ costs when nothing competes (after a stop, or with the work on a GPU).
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import tempfile
@@ -40,13 +41,14 @@ from jtrain import checkpoint
 from jtrain import config as config_lib
 from jtrain import mesh as mesh_lib
 from jtrain import state as state_lib
+from jtrain.checkpoint import policy
 from jtrain.engine.run import build
 
 IN_FEATURES, WIDTH, OUTPUTS, BATCH = 1024, 4096, 16, 8
 GOALS = {"block_ratio": 0.25, "save_s": 5.0, "restore_s": 5.0, "steps_ratio": 0.95}
 
 
-def _config(params: float, writer_nice: int):
+def _config(params: float):
     width = WIDTH if params >= 20e6 else 256  # small sizes: smoke tests
     layers = max(1, round((params - IN_FEATURES * width) / (width * width)) + 1)
     return config_lib.resolve({
@@ -54,14 +56,14 @@ def _config(params: float, writer_nice: int):
         "model": {"name": "mlp", "hidden": (width,) * layers, "num_outputs": OUTPUTS,
                   "dtype": "float32"},
         "optim": {"name": "adamw", "lr": 1e-4, "weight_decay": 0.01, "warmup_steps": 0},
-        "checkpoint": {"every_steps": 0, "max_to_keep": 1, "keep_top_k": 0,
-                       "writer_nice": writer_nice}})
+        "checkpoint": {"every_steps": 0, "max_to_keep": 1, "keep_top_k": 0}})
 
 
 def run_checkpoint_bench(params: float = 100e6, rounds: int = 3, steps: int = 8,
                          writer_nice: int = 19, workdir: str | None = None,
                          progress=print) -> dict:
-    cfg = _config(params, writer_nice)
+    cfg = _config(params)
+    os.environ[policy.WRITER_NICE_ENV] = str(writer_nice)  # read by each Checkpointer
     # The very set-up training uses (jtrain.engine.run.build): model, state, jitted step.
     b = build(cfg, sample=np.zeros((IN_FEATURES,), np.float32),
               eval_example={"targets": np.int32(0)})

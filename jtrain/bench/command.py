@@ -69,6 +69,12 @@ value measured while the load exceeded the core count is marked `!` and "unrelia
 the JSON. `table` prints a --out JSON (peers, overhead, data) as docs/benchmarks.md's
 markdown tables, every round's value beside the median.
 
+    python -m jtrain.bench sample                               # ~1 min on 2 CPU cores
+
+`sample`: decode tokens/s of `jtrain sample` with its KV cache, without it (the window
+recomputed every token) and transformers' `generate` on the Hugging Face export of the
+same parameters; greedy, interleaved rounds (details in `jtrain.bench.sample`).
+
     python -m jtrain.bench console                              # a few seconds
     python -m jtrain.bench console --columns=80 --updates=5000
 
@@ -98,7 +104,8 @@ def _overhead_flags(fv) -> None:
                       "base: configs/base.py model; tiny: 1-layer d_model=32, batch 8; gpt2: "
                       "configs/gpt2_small.py (124 M, for a GPU); gpt2_debug: its debug "
                       "variant", flag_values=fv)
-    flags.DEFINE_integer("rounds", None, "rounds per side (>= 3 advised)", flag_values=fv)
+    flags.DEFINE_integer("rounds", None, "rounds, each timing both sides (an even number: "
+                         "each side runs first as often)", flag_values=fv)
     flags.DEFINE_integer("steps", None, "timed steps per round and side", flag_values=fv)
     flags.DEFINE_integer("log_every", None, "jtrain log interval = warm-up steps (compile) "
                          "on both sides", flag_values=fv)
@@ -133,7 +140,7 @@ def _checkpoint_flags(fv) -> None:
     flags.DEFINE_float("params", 100e6, "model size (parameters)", flag_values=fv)
     flags.DEFINE_integer("rounds", 3, "rounds", flag_values=fv)
     flags.DEFINE_integer("steps", 8, "baseline train steps per round", flag_values=fv)
-    flags.DEFINE_integer("writer_nice", 19, "checkpoint.writer_nice for the background "
+    flags.DEFINE_integer("writer_nice", 19, "JTRAIN_WRITER_NICE for the background "
                          "write (0-19)", flag_values=fv)
     flags.DEFINE_string("workdir", None, "where to write (default: a temp dir)", flag_values=fv)
     flags.DEFINE_string("out", None, "write the results as JSON to this file", flag_values=fv)
@@ -214,6 +221,9 @@ def format_report(res: dict) -> str:
     for label, key in (("median", "median_ms"), ("min", "min_ms"), ("max", "max_ms")):
         lines.append(f"{label:>6} {_fmt_ms(j[key]):>10} {_fmt_ms(h[key]):>10} "
                      f"{j[key] / h[key]:>7.3f}")
+    differ = sum(a != b for a, b in zip(j["final_loss"], h["final_loss"], strict=True))
+    lines.append(f"final loss: differs in {differ} rounds" if differ else
+                 "final loss: the same to the bit on both sides in every round")
     paired = res["paired_ratios"]
     lines.append(f"per-round ratios: median {statistics.median(paired):.3f}, "
                  f"min {min(paired):.3f}, max {max(paired):.3f}")
@@ -299,6 +309,8 @@ def commands() -> dict:
                        "waits, waits, saves, CPU seconds, wall time)"),
         "invariant": (*_module_bench("invariant"), "determinism.topology_invariant vs "
                       "default: step time and step memory on 1 and 8 devices"),
+        "sample": (*_module_bench("sample"), "decode tokens/s: jtrain sample with its KV "
+                   "cache, without it, and transformers' generate on the same export"),
         "table": (lambda fv: None, table, "a benchmark's --out JSON as a markdown table"),
     }
 

@@ -13,9 +13,9 @@ jtrain: `jtrain.train(config, workdir)` runs `log_every + steps` steps in a fres
   `time[last] - time[first]` over the `steps` steps in between, and the per-step time is
   that divided by `steps`. Setup, compilation, the final eval and the final checkpoint
   fall outside it; they are reported apart as the run's fixed cost (wall time of
-  `train()` minus the steady time). The loop's own `perf/steps_per_sec` is kept as
-  `rate_ms`, not used: jtrain.observe.perf stamps log steps when they are dispatched, so over
-  intervals shorter than `max_steps_in_flight` it reads far too fast.
+  `train()` minus the steady time). The loop's own `perf/steps_per_sec` is not used:
+  jtrain.observe.perf stamps log steps when they are dispatched, so over intervals shorter
+  than `max_steps_in_flight` it reads far too fast.
 
 hand: the same `make_model` / `make_optimizer` / `make_train_iterator` (same source, seed,
   shuffle), the same initial parameters (jtrain's init key), a textbook step
@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import inspect
 import json
 import math
 import os
@@ -70,10 +69,11 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 BASE_CONFIG = CONFIGS / "base.py"
 
 # Defaults per preset: (steps timed per round, log interval = warm-up steps, rounds).
-# Base runs ~1 s/step on 2 shared CPU cores (+~25 s fixed cost per jtrain round), so its
-# rounds are short: the whole default run stays under ~3 min.
+# Base runs ~0.3-0.5 s/step on 2 quiet CPU cores (+~10-25 s fixed cost per jtrain round):
+# 16 steps a side (longer than the machine's load bursts of a few seconds), 4 rounds (each
+# side first twice, side_order); the whole default run stays under ~4 min.
 PRESETS = {
-    "base": dict(steps=8, log_every=4, rounds=3),
+    "base": dict(steps=16, log_every=4, rounds=4),
     "tiny": dict(steps=2000, log_every=100, rounds=5),
     # configs/gpt2_small.py: the GPU throughput run (124 M params, 32 x 1024 tokens per step)
     "gpt2": dict(steps=60, log_every=20, rounds=3),
@@ -134,7 +134,6 @@ class Sample:
     wall_s: float = float("nan")  # whole train() call (jtrain) / warm-up + timed (hand)
     fixed_s: float = float("nan")  # jtrain: wall - steady (setup, compile, eval, ckpt)
     intervals_ms: list = dataclasses.field(default_factory=list)
-    rate_ms: float = float("nan")  # jtrain: from its perf/steps_per_sec (dispatch-stamped)
     load: dict = dataclasses.field(default_factory=dict)  # machine.load_record of the run
 
 
@@ -142,13 +141,13 @@ def run_jtrain(cfg, workroot: str, round_index: int, keep: bool) -> Sample:
     workdir = os.path.join(workroot, f"jtrain_round{round_index}")
     shutil.rmtree(workdir, ignore_errors=True)  # a fresh start, never a resume
     os.makedirs(workdir)
-    console = os.path.join(workdir, "console.log")
-    with open(console, "w") as f, contextlib.redirect_stderr(f):  # the progress lines
+    with open(os.path.join(workdir, "console.log"), "w") as f, \
+            contextlib.redirect_stderr(f):  # the progress lines
         t0 = time.perf_counter()
         jtrain_train(cfg, workdir)
         wall = time.perf_counter() - t0
-    records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
-    logs = [r for r in records if "perf/steps_per_sec" in r]
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        logs = [r for r in map(json.loads, f) if "perf/steps_per_sec" in r]
     if not keep:
         shutil.rmtree(workdir, ignore_errors=True)
     return jtrain_sample(logs, cfg.log.every_steps, cfg.total_steps, wall)
@@ -166,24 +165,18 @@ def jtrain_sample(logs: list[dict], log_every: int, total: int, wall: float) -> 
     steps = total - log_every
     intervals = [1e3 * (b["time"] - a["time"]) / (b["step"] - a["step"])
                  for a, b in zip([first] + steady[:-1], steady, strict=True)]
-    rate_s = sum((b["step"] - a["step"]) / b["perf/steps_per_sec"]
-                 for a, b in zip([first] + steady[:-1], steady, strict=True))
     return Sample(ms_per_step=1e3 * steady_s / steps, final_loss=float(last["train/loss"]),
-                  wall_s=wall, fixed_s=wall - steady_s, intervals_ms=intervals,
-                  rate_ms=1e3 * rate_s / steps)
+                  wall_s=wall, fixed_s=wall - steady_s, intervals_ms=intervals)
 
 
 # ------------------------------------------------------------------------------ hand side
 def iterator_kwargs(cfg) -> dict:
-    """The arguments jtrain.train passes to make_train_iterator, one process: the base set
-    plus whichever pipeline knobs (prefetch, threads, ...) the data module takes now."""
-    kwargs = dict(local_batch=cfg.data.batch_size, seed=cfg.seed, shuffle=cfg.data.shuffle,
-                  process_index=0, process_count=1)
-    accepted = inspect.signature(data_lib.make_train_iterator).parameters
-    for key in ("num_workers", "drop_last", "prefetch", "num_threads"):
-        if key in accepted and key in cfg.data:
-            kwargs[key] = cfg.data[key]
-    return kwargs
+    """The arguments jtrain.train passes to make_train_iterator (RunData.train_iterator),
+    one process."""
+    d = cfg.data
+    return dict(local_batch=d.batch_size, seed=cfg.seed, shuffle=d.shuffle, process_index=0,
+                process_count=1, num_workers=d.num_workers, drop_last=d.drop_last,
+                prefetch=d.prefetch, num_threads=d.num_threads)
 
 
 class HandLoop:
@@ -229,12 +222,9 @@ class HandLoop:
     def run(self, steps: int, log_every: int) -> Sample:
         """Times `steps` steps after `log_every` warm-up steps. Like a loop that prints
         its loss every `log_every` steps, it stamps each interval (per-interval view)."""
-        warmup = log_every
-        it = self.iterator()
-        step = self.step
-        t0 = time.perf_counter()
+        it, step, t0 = self.iterator(), self.step, time.perf_counter()
         state = self.init_state()
-        for _ in range(warmup):
+        for _ in range(log_every):
             state, loss = step(state, jax.device_put(next(it)))
         jax.block_until_ready(state)
         t1 = time.perf_counter()
@@ -299,13 +289,20 @@ def side_summary(samples: list[Sample], cfg) -> dict:
            **throughput(cfg, med)}
     if samples and math.isfinite(samples[0].fixed_s):  # jtrain only
         out["fixed_s"] = [s.fixed_s for s in samples]
-        out["rate_ms"] = [s.rate_ms for s in samples]
     return out
+
+
+def side_order(round_index: int) -> tuple[str, str]:
+    """Which side runs first in a round: jtrain in even rounds, the hand loop in odd ones,
+    so that neither side always follows the other (a drift in the machine's load, or
+    what the previous side left behind, falls on both alike)."""
+    return ("jtrain", "hand") if round_index % 2 == 0 else ("hand", "jtrain")
 
 
 def run_overhead(model: str, *, rounds: int, steps: int, log_every: int, workdir: str | None,
                  progress=print) -> dict:
-    """Interleaved rounds (jtrain, hand, jtrain, hand, ...); returns the result dict."""
+    """Interleaved rounds (jtrain then hand, hand then jtrain, ...: `side_order`);
+    returns the result dict."""
     if rounds < 1 or steps < 1 or log_every < 1:
         raise BenchError("--rounds, --steps and --log_every must be >= 1")
     if jax.device_count() != 1:  # jtrain would use them all, the hand loop one
@@ -317,13 +314,14 @@ def run_overhead(model: str, *, rounds: int, steps: int, log_every: int, workdir
     try:
         hand = HandLoop(cfg)
         jt, hd = [], []
+        sides = {"jtrain": (jt, lambda r: run_jtrain(cfg, root, r, keep=workdir is not None)),
+                 "hand": (hd, lambda r: hand.run(steps, log_every))}
         for r in range(rounds):
-            with machine_lib.LoadWatch() as watch:
-                jt.append(run_jtrain(cfg, root, r, keep=workdir is not None))
-            jt[-1].load = watch.record
-            with machine_lib.LoadWatch() as watch:
-                hd.append(hand.run(steps, log_every))
-            hd[-1].load = watch.record
+            for name in side_order(r):
+                samples, run = sides[name]
+                with machine_lib.LoadWatch() as watch:
+                    samples.append(run(r))
+                samples[-1].load = watch.record
             progress(f"round {r + 1}/{rounds}: jtrain {jt[-1].ms_per_step:.3f} ms/step, "
                      f"hand {hd[-1].ms_per_step:.3f} ms/step")
     finally:

@@ -66,8 +66,6 @@ CASES = {
     "lm_debug": Case("lm_debug", steps=150, log_every=10, variant="debug"),
     "lm_base": Case("lm_base", steps=40, log_every=5, eval_batches=5),
 }
-DEFAULT_CASES = ("mlp", "lm_debug", "lm_base")
-
 MLP_CONFIG = '''from jtrain.config import defaults
 
 

@@ -117,10 +117,10 @@ def trace_times(path: str, steps: int) -> dict:
 def run(model: str, steps: int) -> dict:
     import jax
 
-    from jax._src import xla_bridge
+    from jtrain import internals
 
     if TRACEME not in os.environ.get("XLA_FLAGS", ""):
-        if xla_bridge.backends_are_initialized():
+        if internals.backends_started():
             raise RuntimeError("JAX started before the profile could set " + TRACEME)
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + TRACEME).strip()
     from jtrain.bench import machine as machine_lib

@@ -6,12 +6,12 @@
     policy      which checkpoints are kept; priority of background writes
     tiers       the fast local tier beside the persistent one (checkpoint.local_dir):
                 which tier saves a step, which one a restart restores, lost_local
-    init_from   `checkpoint.init_from`: a new run from an export, another run, or
+    init_from   `init.path`: a new run from an export, another run, or
                 Hugging Face weights (hf:DIR)
     export      parameters as safetensors (`python -m jtrain.export`)
     tensorfile  the safetensors format: written, and read with every field checked
     hf          the built-in transformer's tensors in Hugging Face's layout and back;
-                `init_from=hf:DIR` reading, config checks, `checkpoint.init_map`
+                `init.path=hf:DIR` reading, config checks, `init.map`
     hf_export   `export --format=hf`: a directory transformers loads (needs the hf extra)
     store       a run directory on object storage (s3://, gs://, through fsspec): the
                 staging copy, steps committed by a marker after their upload

@@ -10,7 +10,7 @@ e.g. `blocks_0/attn/qkv/kernel`) and `DIR/export.json` (step, source, dtype, par
 count, the run's config). safetensors is a JSON header plus raw little-endian bytes:
 it loads without jtrain, without the run's state and without pickle (`safetensors`,
 `read_safetensors` of jtrain.checkpoint.tensorfile, or a few lines of numpy).
-`--dtype=bfloat16` casts floating parameters. `checkpoint.init_from=DIR` starts a new
+`--dtype=bfloat16` casts floating parameters. `init.path=DIR` starts a new
 run from an export.
 
     python -m jtrain.export --workdir=runs/ft --out=exports/ft --merge_lora   # LoRA

@@ -137,7 +137,7 @@ def from_hf(tensors: dict[str, np.ndarray], target: dict, where: str, skip=()
             a = a.reshape(want)  # the heads split out
         if tuple(a.shape) != want:
             raise ExportError(f"{where}: {name} {tuple(tensors[name].shape)} does not fit "
-                              f"{path} {want} (checkpoint.init_exclude keeps a "
+                              f"{path} {want} (init.exclude keeps a "
                               "leaf's fresh init)")
         out[f"params/{path}"] = np.ascontiguousarray(a)
     if dims["tie_embeddings"]:
@@ -180,7 +180,7 @@ def check_config(hf: dict, where: str, target: dict) -> None:
     if model_type not in ("llama", "arcee"):
         bad("model_type", "the built-in transformer loads llama (model.mlp=swiglu) or "
             "arcee (model.mlp=gelu) checkpoints; load others into your own model with "
-            "checkpoint.init_map")
+            "init.map")
     heads = hf.get("num_attention_heads")
     if hf.get("num_key_value_heads", heads) != heads:
         bad("num_key_value_heads", f"grouped key/value heads (num_attention_heads={heads}) "
@@ -273,7 +273,7 @@ def _read_json(path: str) -> dict:
 
 
 def parse_map(init_map, compiled: bool = True) -> list[tuple]:
-    """checkpoint.init_map (a dict {regex: replacement} or a list of pairs) -> pairs, the
+    """init.map (a dict {regex: replacement} or a list of pairs) -> pairs, the
     regexes compiled unless `compiled` is False."""
     items = init_map.items() if isinstance(init_map, dict) else init_map
     return [(re.compile(pattern) if compiled else pattern, replacement)
@@ -330,7 +330,7 @@ def rename(loaded: dict[str, np.ndarray], pairs) -> dict[str, np.ndarray]:
             new_key = (head or _PARAMS) + new
             arr = np.ascontiguousarray(arr.T) if transpose else arr
         if new_key in out:
-            raise ExportError(f"checkpoint.init_map: {_shown(origin[new_key])} and "
+            raise ExportError(f"init.map: {_shown(origin[new_key])} and "
                               f"{_shown(key)} both map to {_shown(new_key)}")
         out[new_key], origin[new_key] = arr, key
     return out

@@ -1,17 +1,17 @@
-"""`checkpoint.init_from`: start a new run (step 0) from another run's parameters.
+"""`init.path`: start a new run (step 0) from another run's parameters.
 
 The source is an export (`python -m jtrain.export`: a directory with params.safetensors,
 or the file) or another run's checkpoint (its workdir, its checkpoints/ directory, or a
-step directory; the newest intact step, or `checkpoint.init_from_step` = N or best;
+step directory; the newest intact step, or `init.step` = N or best;
 nothing there is modified). Parameters are taken by path; with
-`checkpoint.init_from_opt` the optimizer state is taken too (a checkpoint source only).
+`init.opt` the optimizer state is taken too (a checkpoint source only).
 The model's state (BatchNorm's running statistics) comes with the parameters: a run keeps
 it under model_state/, an export beside the parameters under the model's own names; a
 source without it leaves it fresh, said on the report line.
 Internally leaves are keyed `params/<path>`, `opt_state/...`, `ema/<path>`; what the user
 writes and reads is the parameter path alone (`blocks_0/attn/qkv/kernel`,
 jtrain.optim.leaf_path). A parameter whose path matches a regex in
-`checkpoint.init_exclude` (re.search) keeps its fresh init, with its optimizer state and
+`init.exclude` (re.search) keeps its fresh init, with its optimizer state and
 its average; so does everything else (step, rng, loss scale). A regex that matches no
 parameter is a ConfigError naming the key. One written for the old `params/...` paths
 (`^params/head/`) that matches nothing as written is read without the prefix
@@ -29,12 +29,12 @@ has none (an export, a run without EMA) or the parameter was excluded.
 shards): a llama (model.mlp=swiglu) or arcee (model.mlp=gelu) checkpoint loads into the
 built-in transformer through jtrain.checkpoint.hf's mapping, after a check of its
 config.json that names the first field the built-in model cannot represent. Into your own
-model, `checkpoint.init_map` renames the HF tensors to your parameter paths ((regex,
+model, `init.map` renames the HF tensors to your parameter paths ((regex,
 replacement) pairs; a trailing `.T` transposes a torch Linear weight into a kernel);
-`init_map` renames the parameters of any other source the same way (its regexes see the
+`init.map` renames the parameters of any other source the same way (its regexes see the
 source's parameter paths; a parameter's optimizer state and average follow it).
 
-`checkpoint.init_into = NAME` loads the source into one sub-tree of the state (a step of
+`init.into = NAME` loads the source into one sub-tree of the state (a step of
 your own: `teacher`), as if that sub-tree were the whole model: paths, excludes and the
 HF mapping are relative to it, and every leaf outside it keeps its fresh init.
 """
@@ -56,41 +56,41 @@ from jtrain.models import lora
 from jtrain.observe.console import say
 
 
-def init_from(ckpt_cfg, abstract_state, init_fn):
+def init_from(init_cfg, abstract_state, init_fn):
     """(state, origin): `origin` is the header's start-up line, `initialized from PATH
     (step S, K leaves, E excluded)`. A run or an export in a bucket (s3://, gs://) is read
     from a staging copy (its committed steps only)."""
-    uri = ckpt_cfg.init_from
+    uri = init_cfg.path
     if not store.is_remote(uri):
-        return _init_from(ckpt_cfg, uri, abstract_state, init_fn)
+        return _init_from(init_cfg, uri, abstract_state, init_fn)
     with store.local_copy(uri, say=say) as local:
-        state, origin = _init_from(ckpt_cfg, local, abstract_state, init_fn, shown=uri)
+        state, origin = _init_from(init_cfg, local, abstract_state, init_fn, shown=uri)
     return state, origin
 
 
-def _init_from(ckpt_cfg, path: str, abstract_state, init_fn, shown: str | None = None):
+def _init_from(init_cfg, path: str, abstract_state, init_fn, shown: str | None = None):
     from_hf = path.startswith(hf.HF_PREFIX)
     local = path[len(hf.HF_PREFIX):] if from_hf else path
     if not os.path.exists(local):
-        raise ConfigError("checkpoint.init_from", f"{local}: no such file or directory")
-    with_opt = ckpt_cfg.init_from_opt
-    into = (ckpt_cfg.get("init_into") or "").strip("/")
+        raise ConfigError("init.path", f"{local}: no such file or directory")
+    with_opt = init_cfg.opt
+    into = (init_cfg.get("into") or "").strip("/")
     target = _inside(integrity.tree_spec(abstract_state), into, with_opt)
     params = [p[len(_PARAMS):] for p in target if p.startswith(_PARAMS)]
     # Checked before anything is read: a pattern that excludes nothing is a config error.
     excludes = [re.compile(p) for p in _param_patterns(
-        "checkpoint.init_exclude", ckpt_cfg.init_exclude, params)]
+        "init.exclude", init_cfg.exclude, params)]
     try:
         if from_hf:
-            loaded, source, source_step = _load_hf(ckpt_cfg, local, target, excludes)
+            loaded, source, source_step = _load_hf(init_cfg, local, target, excludes)
         else:
-            loaded, source, source_step = _load(ckpt_cfg, path,
+            loaded, source, source_step = _load(init_cfg, path,
                                                 abstract_state.ema is not None,
                                                 {p[len(_MODEL_STATE):] for p in target
                                                  if p.startswith(_MODEL_STATE)})
             source = shown or source
     except ExportError as e:
-        raise RestoreError(f"checkpoint.init_from: {e}") from None
+        raise RestoreError(f"init.path: {e}") from None
 
     fresh = init_fn()
     wanted = [p for p in target if p.startswith((_PARAMS, _MODEL_STATE))
@@ -135,14 +135,14 @@ def _init_from(ckpt_cfg, path: str, abstract_state, init_fn, shown: str | None =
 
 
 def _inside(target: dict, into: str, with_opt: bool) -> dict:
-    """`target` (leaf path -> spec), or with checkpoint.init_into = NAME the parameters
+    """`target` (leaf path -> spec), or with init.into = NAME the parameters
     under NAME/ as if they were the whole model's (a step of your own: a teacher's
     sub-tree); everything else keeps its fresh init."""
     if not into:
         return target
     if with_opt:
-        raise ConfigError("checkpoint.init_from_opt", "loads an optimizer state for the "
-                          "whole model; with checkpoint.init_into the source goes into one "
+        raise ConfigError("init.opt", "loads an optimizer state for the "
+                          "whole model; with init.into the source goes into one "
                           "sub-tree (parameters only)")
     inside = f"{_PARAMS}{into}/"
     view = {_PARAMS + p[len(inside):]: spec for p, spec in target.items()
@@ -150,25 +150,25 @@ def _inside(target: dict, into: str, with_opt: bool) -> dict:
     if not view:
         tops = sorted({p[len(_PARAMS):].split("/", 1)[0] for p in target
                        if p.startswith(_PARAMS)})
-        raise ConfigError("checkpoint.init_into", f"{into!r} names no part of the state; "
+        raise ConfigError("init.into", f"{into!r} names no part of the state; "
                           f"its top-level names: {', '.join(tops[:12])}")
     return view
 
 
-def _load(ckpt_cfg, path: str, with_ema: bool, state_names: set):
+def _load(init_cfg, path: str, with_ema: bool, state_names: set):
     """(leaves as "params/<path>", "opt_state/...", "ema/<path>", "model_state/<name>",
     source, step) of the export or run at `path`, parameters renamed by
-    checkpoint.init_map. `state_names`: the model's state leaves (BatchNorm statistics)
+    init.map. `state_names`: the model's state leaves (BatchNorm statistics)
     by the names an export gives them (`bn/mean`, `batch_stats/bn/mean`): an export holds
     them beside the parameters, a run under model_state/."""
-    with_opt = ckpt_cfg.init_from_opt
+    with_opt = init_cfg.opt
     if export_lib.is_export(path):
         if with_opt:
-            raise RestoreError(f"checkpoint.init_from={path} is an export (parameters "
-                               "only); init_from_opt needs a checkpoint")
-        if ckpt_cfg.init_from_step not in ("", "latest"):
-            raise RestoreError(f"checkpoint.init_from={path} is an export (one step); "
-                               "checkpoint.init_from_step applies to a run")
+            raise RestoreError(f"init.path={path} is an export (parameters "
+                               "only); init.opt needs a checkpoint")
+        if init_cfg.step not in ("", "latest"):
+            raise RestoreError(f"init.path={path} is an export (one step); "
+                               "init.step applies to a run")
         file = (path if path.endswith(".safetensors")
                 else os.path.join(path, export_lib.PARAMS_FILE))
         tensors, metadata = export_lib.read_safetensors(file)
@@ -176,7 +176,7 @@ def _load(ckpt_cfg, path: str, with_ema: bool, state_names: set):
         loaded = {f"{_PARAMS}{k}": v for k, v in tensors.items() if k not in state_names}
         source, source_step = path, metadata.get("step", "?")
     else:
-        source = export_lib.find_step_dir(path, ckpt_cfg.init_from_step)
+        source = export_lib.find_step_dir(path, init_cfg.step)
         source_step = os.path.basename(os.path.normpath(source))
         prefixes = ("params", "opt_state") if with_opt else ("params",)
         if with_ema:
@@ -186,7 +186,7 @@ def _load(ckpt_cfg, path: str, with_ema: bool, state_names: set):
         loaded = export_lib.load_checkpoint_leaves(source, prefixes)
         state = {k: v for k, v in loaded.items() if k.startswith(_MODEL_STATE)}
         loaded = {k: v for k, v in loaded.items() if k not in state}
-    init_map = ckpt_cfg.get("init_map") or ()
+    init_map = init_cfg.get("map") or ()
     loaded = _renamed(loaded, init_map) if init_map else loaded
     return {**loaded, **state}, source, source_step
 
@@ -206,44 +206,44 @@ def _take(wanted, loaded: dict, target: dict, excludes, params: set, source: str
         if p not in loaded and p.startswith(_MODEL_STATE):
             continue  # fresh statistics, reported by the caller
         if p not in loaded:
-            raise RestoreError(f"checkpoint.init_from {source}: {_shown(p)} "
+            raise RestoreError(f"init.path {source}: {_shown(p)} "
                                f"({tuple(target[p][0])} {target[p][1]}) is not in the "
-                               "source; exclude it with checkpoint.init_exclude to keep "
+                               "source; exclude it with init.exclude to keep "
                                "its fresh init")
         arr = loaded[p]
         shape, dtype = target[p]
         if list(arr.shape) != list(shape):
-            raise RestoreError(f"checkpoint.init_from {source}: {_shown(p)}: source has "
+            raise RestoreError(f"init.path {source}: {_shown(p)}: source has "
                                f"{tuple(arr.shape)} {arr.dtype.name}, the model "
                                f"{tuple(shape)} {dtype}; exclude it with "
-                               "checkpoint.init_exclude")
+                               "init.exclude")
         if arr.dtype.name != dtype:
             floats = all(n.startswith(("float", "bfloat")) for n in (arr.dtype.name, dtype))
             if not floats:
-                raise RestoreError(f"checkpoint.init_from {source}: {_shown(p)}: source "
+                raise RestoreError(f"init.path {source}: {_shown(p)}: source "
                                    f"dtype {arr.dtype.name}, the model {dtype}")
             cast.add(f"{arr.dtype.name}->{dtype}")
         taken[p] = arr
     return taken, excluded, adapters, cast
 
 
-def _load_hf(ckpt_cfg, directory: str, target: dict, excludes):
+def _load_hf(init_cfg, directory: str, target: dict, excludes):
     """(leaves as "params/<path>", source, step "hf") of a Hugging Face checkpoint."""
     where = f"hf:{directory}"
-    if ckpt_cfg.init_from_opt:
-        raise RestoreError(f"checkpoint.init_from={where} holds parameters only; init_from_opt "
+    if init_cfg.opt:
+        raise RestoreError(f"init.path={where} holds parameters only; init.opt "
                            "needs a jtrain checkpoint")
-    if ckpt_cfg.init_from_step not in ("", "latest"):
-        raise RestoreError(f"checkpoint.init_from={where} is one set of weights; "
-                           "checkpoint.init_from_step applies to a run")
+    if init_cfg.step not in ("", "latest"):
+        raise RestoreError(f"init.path={where} is one set of weights; "
+                           "init.step applies to a run")
     config, tensors = hf.read_dir(directory)
-    init_map = ckpt_cfg.get("init_map") or ()
+    init_map = init_cfg.get("map") or ()
     if init_map:
         return _renamed(tensors, init_map), where, "hf"
     params = {p[len(_PARAMS):]: spec[0] for p, spec in target.items()
               if p.startswith(_PARAMS)}
     if hf.layout(params) is None:
-        raise ConfigError("checkpoint.init_map", f"required to load hf:{directory} into a "
+        raise ConfigError("init.map", f"required to load hf:{directory} into a "
                           "model other than the built-in transformer: (regex, "
                           "replacement) pairs from its tensor names to your leaf paths")
     hf.check_config(config, where, params)
@@ -312,10 +312,10 @@ def _param_patterns(key: str, patterns, names, what: str = "parameter path",
 
 
 def _renamed(loaded: dict, init_map) -> dict:
-    """checkpoint.init_map applied to the source's parameters (each regex must match one
+    """init.map applied to the source's parameters (each regex must match one
     of their names: a Hugging Face tensor name, or a run's parameter path)."""
     names = hf.source_params(loaded)
-    pairs = [(_param_patterns("checkpoint.init_map", [pattern], names,
+    pairs = [(_param_patterns("init.map", [pattern], names,
                               "parameter name in the source", "names")[0], replacement)
              for pattern, replacement in hf.parse_map(init_map, compiled=False)]
     return hf.rename(loaded, hf.parse_map(pairs))

@@ -14,8 +14,8 @@ Start-up precedence (`Checkpointer.restore_or_init`; also in WORKSPACE.md):
   1. the newest complete, intact checkpoint in WORKDIR/checkpoints (damaged ones are
      reported in one line and moved to WORKDIR/checkpoints.damaged/, or, with
      checkpoint.strict_restore / --strict_restore, end the run with exit code 3);
-  2. else `checkpoint.init_from` (an export or another run's checkpoint: params, and the
-     optimizer state with checkpoint.init_from_opt; checkpoint.init_exclude keeps
+  2. else `init.path` (an export or another run's checkpoint: params, and the
+     optimizer state with init.opt; init.exclude keeps
      matching leaves freshly initialized); the run starts at step 0;
   3. else a fresh init.
 (With checkpoint.local_dir, `jtrain.checkpoint.tiers` runs a second Checkpointer on
@@ -56,7 +56,7 @@ from jtrain.checkpoint import init_from as init_from_lib
 from jtrain.checkpoint import integrity, policy
 from jtrain.config import changes as changes_lib
 from jtrain.control import faults
-from jtrain.errors import CheckpointError, RestoreError, first_line
+from jtrain.errors import CheckpointError, RestoreError, env_int, first_line
 from jtrain.observe import runfiles
 from jtrain.observe.console import say
 from jtrain.redact import redact
@@ -122,6 +122,8 @@ class Checkpointer:
                             "WORKDIR/checkpoints; for read-only access use CheckpointReader")
         self.directory = directory or os.path.join(os.path.abspath(workdir), "checkpoints")
         self.cfg = config.checkpoint
+        self.init = config.init  # a new run's starting state (init.path)
+        self.writer_nice = env_int(policy.WRITER_NICE_ENV, 19, 0, 19)  # not a config key
         self.mirror = mirror  # checkpoint.store.Mirror: a workdir on an object store
         self.held: set[int] = set()  # eval.mode=async: kept until their eval is applied
         resolved = redact(config.to_dict())
@@ -203,8 +205,8 @@ class Checkpointer:
         start = self.resume_newest(abstract_state)
         if start is not None:
             return start
-        if self.cfg.init_from:
-            state, origin = init_from_lib.init_from(self.cfg, abstract_state, init_fn)
+        if self.init.path:
+            state, origin = init_from_lib.init_from(self.init, abstract_state, init_fn)
             return Start(state, None, None, "init_from", self.control, origin)
         return Start(init_fn(), None, None, "fresh", self.control)
 
@@ -257,8 +259,9 @@ class Checkpointer:
         def data_identity(info):  # what would change the batches (names may vary)
             return {k: info[k] for k in ("fingerprint", "num_examples") if k in info}
 
+        old, _ = config_lib.renamed.apply(saved.config)  # an older release's key names
         changes = changes_lib.config_changes(
-            {**saved.config, "data_info": data_identity(saved.data_info)},
+            {**old, "data_info": data_identity(saved.data_info)},
             {**current.config, "data_info": data_identity(current.data_info)})
         bad = changes_lib.unallowed_changes(changes, tuple(self.cfg.allow_changes),
                                             current.config)
@@ -332,7 +335,7 @@ class Checkpointer:
             data=ocp.args.JsonSave(data_state),
             control=ocp.args.JsonSave(self.control.to_json())), force=True))
         self._last_save = time.monotonic()
-        policy.lower_writer_priority(self.cfg.writer_nice)
+        policy.lower_writer_priority(self.writer_nice)
         faults.fault_point("save", delay=0.02)
         if not self.cfg.async_save:
             self.wait()
@@ -341,7 +344,7 @@ class Checkpointer:
     def _seal(self) -> None:
         """orbax's post-finalization callback (background thread, process 0): all files
         are written, the directory is not yet renamed into place: add the manifest."""
-        policy.lower_writer_priority(self.cfg.writer_nice, threading.get_native_id())
+        policy.lower_writer_priority(self.writer_nice, threading.get_native_id())
         step, spec = self._inflight
         tmp = glob.glob(os.path.join(glob.escape(self.directory),
                                      f"{step}{integrity.TMP_MARK}*"))
@@ -374,7 +377,7 @@ class Checkpointer:
         """Block until the last save is finished (every pool thread it started reniced);
         raise CheckpointError if it failed."""
         self._raise_background_error(self._mngr.wait_until_finished)
-        policy.lower_writer_priority(self.cfg.writer_nice)
+        policy.lower_writer_priority(self.writer_nice)
 
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()

@@ -45,7 +45,7 @@ def best_steps(registry: dict, steps, k: int, mode: str) -> list[int]:
 def best_logged_step(workdir: str, steps, monitor: str, mode: str) -> int | None:
     """The best of `steps` by `monitor` as logged in WORKDIR/metrics.jsonl (`mode` min or
     max, ties to the newer step: the rule retention uses); None when none is logged.
-    `--step=best` of evaluate and export, `checkpoint.init_from_step=best`."""
+    `--step=best` of evaluate and export, `init.step=best`."""
     from jtrain.observe import jsonl
 
     registry = {}
@@ -56,10 +56,13 @@ def best_logged_step(workdir: str, steps, monitor: str, mode: str) -> int | None
     return best[0] if best else None
 
 
+WRITER_NICE_ENV = "JTRAIN_WRITER_NICE"  # the background writer's nice value (19)
+
+
 def lower_writer_priority(nice: int, tid: int | None = None) -> None:
     """Renice tensorstore's I/O pool threads (or thread `tid`) to `nice` (Linux).
 
-    checkpoint.writer_nice: with the CPU busy training, a background write takes cycles
+    JTRAIN_WRITER_NICE: with the CPU busy training, a background write takes cycles
     from the step; a higher nice value spreads the write over the cycles the step leaves
     idle (steps/s stays up, the write takes longer). A save after the loop stopped
     (final, preemption) or one the loop waits for competes with nothing."""

@@ -210,7 +210,12 @@ def _describe_unknown_key(error: KeyError, argv) -> tuple[str, str]:
     schema = {**SCHEMA, "model": model}
     keys = [a.lstrip("-")[len("config."):].split("=", 1)[0] for a in argv
             if a.startswith(("--config.", "-config."))]
+    from jtrain.config import renamed
+
     for key in keys:
+        why = renamed.new_name(key)
+        if why:  # an old name: the new one, in one line
+            return key, why
         node, parts = schema, key.split(".")
         for i, part in enumerate(parts):
             if isinstance(node, Field):  # --config.optim.lr.x=1: below a plain value
@@ -329,7 +334,7 @@ def _plain_why(why: str) -> str:
 
 
 # -- free-form dicts on the command line -----------------------------------------------
-# data.kwargs and model.kwargs are free-form: `--config.data.kwargs.NAME=value` may name a
+# data/model/step/optim.kwargs are free-form: `--config.data.kwargs.NAME=value` may name a
 # key the config file does not have. config_flags only overrides existing keys, so these
 # are taken out of argv before it parses and set on the loaded config after.
 
@@ -338,7 +343,8 @@ def split_free_form(argv) -> tuple[list[str], list[tuple[str, str]]]:
     """(argv without the free-form overrides, [(dotted key, raw value), ...])."""
     kept, free = [], []
     for a in argv:
-        m = re.match(r"--?config\.((?:data|model|step)\.kwargs\.[\w.]+)=(.*)", a, re.DOTALL)
+        m = re.match(r"--?config\.((?:data|model|step|optim)\.kwargs\.[\w.]+)=(.*)", a,
+                     re.DOTALL)
         if m:
             free.append((m.group(1), m.group(2)))
         else:
@@ -359,7 +365,7 @@ def parse_value(raw: str):
 
 def apply_free_form(config, overrides) -> None:
     """Sets each (dotted key, raw value) on the loaded `config` (a locked ConfigDict or a
-    dict), creating names below data.kwargs / model.kwargs as needed."""
+    dict), creating names below data/model/step/optim.kwargs as needed."""
     for key, raw in overrides:
         parts = key.split(".")
         node = config

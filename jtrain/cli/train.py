@@ -55,9 +55,9 @@ def define_flags(fv: flags.FlagValues, sys_argv=None) -> None:
                         flag_values=fv)
     flags.DEFINE_string("coordinator_address", os.environ.get("JTRAIN_COORDINATOR"),
                         "host:port of process 0, for multi-process runs.", flag_values=fv)
-    flags.DEFINE_integer("num_processes", _env_int("JTRAIN_NUM_PROCESSES", 1),
+    flags.DEFINE_integer("num_processes", errors.env_int("JTRAIN_NUM_PROCESSES", 1),
                          "Number of processes in a multi-process run.", flag_values=fv)
-    flags.DEFINE_integer("process_id", _env_int("JTRAIN_PROCESS_ID", 0),
+    flags.DEFINE_integer("process_id", errors.env_int("JTRAIN_PROCESS_ID", 0),
                          "This process's index in a multi-process run.", flag_values=fv)
     flags.DEFINE_enum("distributed", "off", ["off", "auto"],
                       "auto: jax.distributed.initialize() with cluster auto-detection.",
@@ -111,16 +111,6 @@ def define_flags(fv: flags.FlagValues, sys_argv=None) -> None:
     flags.DEFINE_bool("print_config", False, "Print every key of the resolved config (value,"
                       " type, default, range or choices, description) and exit 0; "
                       "--workdir not needed.", flag_values=fv)
-
-
-def _env_int(name: str, default: int) -> int:
-    """An integer from the environment (launch/local.sh sets these); one line if not."""
-    raw = os.environ.get(name, "")
-    try:
-        return int(raw) if raw.strip() else default
-    except ValueError:
-        raise errors.UsageError(f"{name}={raw!r} in the environment: expected an "
-                                "integer") from None
 
 
 def parse_flags(argv, fv: flags.FlagValues) -> list[str]:
@@ -192,11 +182,12 @@ def main(fv: flags.FlagValues, args: list[str], argv: list[str]) -> int:
     if fv.dry_run:
         _dry_run(fv)
         return 0
-    if getattr(fv.config, "deterministic", False):  # XLA_FLAGS before the backend starts
-        from jtrain import precision
+    config = _config_dict(fv)
+    if ((config.get("determinism") or {}).get("gpu_ops") is True
+            or config.get("deterministic") is True):  # (its old name) XLA_FLAGS before
+        from jtrain import precision                 # the backend starts
 
         precision.set_deterministic(True)
-    config = _config_dict(fv)
     resolved = _start(fv, config)
     from jtrain.engine.run import train_and_evaluate
 

@@ -20,6 +20,7 @@ partial dict; `resolve` fills in the defaults and returns a new validated Config
     sections one section alone, for the public pieces (`jtrain.make_optimizer({"lr":
              0.1}, 10)`): defaults filled in, the section's own rules checked
     rules    the rules of single sections (mesh, optim, early_stop, checkpoint)
+    renamed  old key names -> new ones (the note a run prints; an old run's config.json)
     named    `load_named("pkg.mod:fn", key)`: the object a config key names
     changes  a resumed run's config against its checkpoint's: the diff, and which
              changed keys need `checkpoint.allow_changes`
@@ -43,12 +44,12 @@ import ml_collections
 
 from jtrain.config.schema import (ACTIVATIONS, DTYPES, INT_MAX, METRIC_NAMES,  # noqa: F401
                                   MODEL_FAMILIES, OPTIMIZERS, SCHEDULES, SCHEMA, WRITERS,
-                                  Field, describe, field_of, resume_safe, schema_for)
-from jtrain.config import schema_population, space as space_lib
+                                  Field, describe, field_of, fields, resume_safe, schema_for)
+from jtrain.config import renamed, schema_population, space as space_lib
 from jtrain.config.fields import OpenChoices
 from jtrain.config.rules import (  # noqa: F401  (config.check_mesh, config.check_optim)
-    _check_checkpoint, _check_early_stop, _check_regexes, check_mesh, check_optim,
-    check_train_metrics, parse_faults, resolve_axis_sizes)
+    _check_checkpoint, _check_early_stop, _check_init, _check_regexes, check_mesh,
+    check_optim, check_train_metrics, parse_faults, resolve_axis_sizes)
 from jtrain.errors import ConfigError  # noqa: F401  (jtrain.config.ConfigError)
 
 
@@ -80,19 +81,20 @@ def defaults(model: str = "transformer") -> ml_collections.ConfigDict:
     tree = _build(schema_for(model))
     tree["model"]["name"] = model
     config = ml_collections.ConfigDict(tree)
-    for key, spec in _fields(schema_for(model)):  # None-able numbers: typed placeholders
+    for key, spec in fields(schema_for(model)):  # None-able numbers: typed placeholders
         if spec.type == "optfloat":
             section, name = key.rsplit(".", 1)
             config[section][name] = ml_collections.config_dict.placeholder(float)
     return config
 
 
-def _fields(schema: dict, prefix: str = ""):
-    for key, spec in schema.items():
-        if isinstance(spec, dict):
-            yield from _fields(spec, f"{prefix}{key}.")
-        else:
-            yield prefix + key, spec
+def variant_of(path: str, variant, choices) -> str:
+    """A config file's `:variant` ('' for none); ValueError naming the file and the
+    choices for any other."""
+    if (variant or "") not in choices:
+        raise ValueError(f"{path}: unknown variant {variant!r}; choose one of: "
+                         + ", ".join(c for c in choices if c))
+    return variant or ""
 
 
 def _as_dict(config) -> dict:
@@ -104,11 +106,6 @@ def _as_dict(config) -> dict:
         return {k: _as_dict(v) if isinstance(v, (dict, ml_collections.ConfigDict)) else v
                 for k, v in config.items()}
     raise ConfigError("config", f"expected a dict or ConfigDict, got {type(config).__name__}")
-
-
-# What older runs wrote into config.json beside the config (now in run.json): accepted
-# and ignored, so that a run's config.json of any version feeds back into `resolve`.
-RUN_RECORD_KEYS = ("model_source", "loss_source")
 
 
 def resolve(config=None, *, data_settings=None) -> ml_collections.ConfigDict:
@@ -130,17 +127,16 @@ def resolve(config=None, *, data_settings=None) -> ml_collections.ConfigDict:
         ```
     """
     user = schema_population.nest_vary(space_lib.nest_dotted(_as_dict(config)))
-    for key in RUN_RECORD_KEYS:
-        user.pop(key, None)
-    init_map = (user.get("checkpoint") or {}).get("init_map")
+    user, _ = renamed.apply(user)  # resolve_for_run prints the note
+    init_map = (user.get("init") or {}).get("map")
     if isinstance(init_map, dict):  # regexes hold dots, which a ConfigDict key may not
-        user = {**user, "checkpoint": {**user["checkpoint"],
-                                       "init_map": tuple(init_map.items())}}
+        user = {**user, "init": {**user["init"], "map": tuple(init_map.items())}}
     model_name = (user.get("model") or {}).get("name", "transformer")
     _check_value("model.name", str, tuple(MODEL_FAMILIES), model_name)
     schema = schema_for(model_name)
     merged = defaults(model_name).to_dict()
     _overlay(merged, user, schema, prefix="")
+    optim_kwargs(merged["optim"])
     data = merged["data"]
     if data["packing"] != "none" and model_name == "transformer" and not data["model_inputs"]:
         data["model_inputs"] = ("inputs", "segment_ids", "positions")  # masks by segment
@@ -161,7 +157,7 @@ def resolve_for_run(config=None, allow_changes=(), *, data_settings=None
     becomes a tenth of the run. `allow_changes` (jtrain.train's argument) is added to
     checkpoint.allow_changes; `data_settings` as in `resolve`. Returns the new config and
     one notice line per change made; `config` itself is left as it was."""
-    user = _as_dict(config)  # a copy: nested dicts are new
+    user, note = renamed.apply(space_lib.nest_dotted(_as_dict(config)))  # a copy
     if allow_changes:
         if isinstance(allow_changes, str):
             allow_changes = [allow_changes]
@@ -173,7 +169,7 @@ def resolve_for_run(config=None, allow_changes=(), *, data_settings=None
     total = user.get("total_steps", SCHEMA["total_steps"].default)
     optim = user.get("optim") or {}
     warmup = optim.get("warmup_steps", 0) if isinstance(optim, dict) else 0
-    notices = []
+    notices = [note] if note else []
     if (all(isinstance(v, int) and not isinstance(v, bool) for v in (total, warmup))
             and 0 < total <= warmup):
         user["optim"] = {**optim, "warmup_steps": total // 10}
@@ -197,7 +193,28 @@ def _overlay(base: dict, user: dict, schema: dict, prefix: str) -> None:
             base[key] = value
 
 
+def optim_kwargs(optim: dict) -> None:
+    """A built-in optim.name's arguments in `optim` (a dict, changed in place): each
+    given one checked, the rest at their defaults. An optax.* name's are its own
+    (jtrain.optim.named checks them against the function)."""
+    args = OPTIMIZERS.get(optim["name"])
+    if args is None:
+        return
+    given = optim["kwargs"]  # a dict here: resolve and sections pass plain dicts
+    _check_value("optim.kwargs", "dict", None, given)
+    for key in given:
+        if key not in args:
+            raise ConfigError(f"optim.kwargs.{key}", f"{optim['name']} takes no argument "
+                              f"{key!r}; it takes: {', '.join(args) or 'none'}")
+    optim["kwargs"] = {k: given.get(k, f.default) for k, f in args.items()}
+    for key, f in args.items():
+        _check_value(f"optim.kwargs.{key}", f.type, f.check, optim["kwargs"][key])
+
+
 def _unknown(dotted: str, key: str, schema: dict):
+    why = renamed.new_name(dotted)
+    if why:
+        raise ConfigError(dotted, why)
     close = difflib.get_close_matches(key, list(schema), n=1, cutoff=0.6)
     hint = f'; did you mean "{close[0]}"?' if close else ""
     raise ConfigError(dotted, f"unknown key{hint}")
@@ -299,10 +316,12 @@ def _check_value(key: str, typ, check, value) -> None:
 def _check_cross(tree: dict, num_devices: int | None) -> None:
     """Rules that involve more than one key."""
     _check_checkpoint(tree["checkpoint"])
+    _check_init(tree["init"])
     _check_data(tree["data"])
     mesh = tree["mesh"]
     check_mesh(mesh)
     optim = tree["optim"]
+    optim_kwargs(dict(optim))  # checked, not filled: a resolved config has them all
     check_optim(optim, tree["total_steps"])
     if not 0.0 < tree["plateau"]["factor"] < 1.0:
         raise ConfigError("plateau.factor", f"must be in (0, 1), got "
@@ -359,10 +378,6 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
                           f"{eval_batch} is not divisible by the data-parallel size {dp}")
 
 
-
-
-
-
 def _check_family(model: dict) -> None:
     """The built-in families' rules beyond one key's type and range."""
     if "dropout" in model and not model["dropout"] < 1.0:
@@ -405,12 +420,6 @@ def _check_data(data: dict) -> None:
         if path and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", path):
             raise ConfigError(f"data.{key}",
                               f"expected 'package.module:function', got {path!r}")
-
-
-
-
-
-
 
 
 def config_hash(config) -> str:

@@ -25,8 +25,23 @@ INT_MAX = 2**31 - 1
 
 # Choices, declared here; their consumers keep a dict per name (tests check they agree).
 DTYPES = ("float32", "bfloat16", "float16", "auto")
-OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adafactor", "muon", "schedule_free_adamw",
-              "schedule_free_sgd", "prodigy")
+# The built-in optimizers (the one list of their names), each with the arguments
+# optim.kwargs may give it: optax's names, the defaults filled in by resolve.
+OPTIMIZERS: dict[str, dict[str, Field]] = {
+    "adamw": {}, "adam": {},
+    "sgd": {"momentum": Field(float, 0.9, (0.0, 1.0), "momentum; 0 = plain sgd"),
+            "nesterov": Field(bool, False, None, "Nesterov momentum")},
+    "lion": {}, "adafactor": {},
+    "muon": {"beta": Field(float, 0.95, (0.0, 1.0), "momentum of the 2-D leaves, in [0, 1)"),
+             "ns_steps": Field(int, 5, (1, 100), "Newton-Schulz iterations")},
+    "schedule_free_adamw": {}, "schedule_free_sgd": {},
+    "prodigy": {"estim_lr0": Field(float, 1e-6, (1e-12, 1.0), "initial step-size "
+                                   "estimate D0")},
+}
+# Schedule-free: constant schedule, b1 > 0, evaluated and exported at the average, the
+# plateau / spike factor inside the base step (jtrain.optim). optax's own schedule_free*
+# functions by name are refused (jtrain.config.rules): they have none of that.
+SCHEDULE_FREE = ("schedule_free_adamw", "schedule_free_sgd")
 
 
 class OpenChoices(tuple):

@@ -55,7 +55,7 @@ FEATURES: tuple[Feature, ...] = (
        "head bias frozen, body at half the rate", "optimizers.md"),
     _f("LoRA", "lora", ["finetune.lora.rank"], {"finetune.lora.rank": 2}, "rank 2 on the "
        "Dense kernels", "optimizers.md"),
-    _f("init_from", "init_from", ["checkpoint.init_from"], {}, "from a 2-step run of the "
+    _f("init_from", "init_from", ["init.path"], {}, "from a 2-step run of the "
        "same config", "checkpoints.md"),
     _f("topology invariant", "invariant", ["determinism.topology_invariant"],
        {"determinism.topology_invariant": True, "determinism.chunks": 8}, "8 chunks",
@@ -117,6 +117,16 @@ REFUSED: dict[tuple[str, str], str] = {
     ("population", "async eval"): "the evaluator scores one run",
     ("mixture", "async eval"): "the evaluator does not score components",
     ("async eval", "s3:// workdir"): "the evaluator follows a local checkpoint folder",
+}
+
+
+# Commands that read a finished run instead of training one: no pairs (they change no
+# run); each row says which runs it reads and what it refuses in one line.
+AFTER_RUN: dict[str, tuple[str, str]] = {
+    "jtrain sample": ("any run the built-in transformer trained (any precision, device "
+                      "set-up, resume, EMA, packing or mixture), or a model with the decode "
+                      "interface; refused: a population, LoRA adapters, a step of your own",
+                      "language-models.md"),
 }
 
 
@@ -217,6 +227,10 @@ def markdown() -> str:
     lines += ["", "## Refused pairs", "", "| feature | feature | why |", "|---|---|---|"]
     for (a, b), why in REFUSED.items():
         lines.append(f"| {a} | {b} | {why} |")
+    lines += ["", "## Commands on a finished run", "", "| command | reads | guide |",
+              "|---|---|---|"]
+    for command, (reads, page) in AFTER_RUN.items():
+        lines.append(f"| `{command}` | {reads} | [{page}]({page}) |")
     return "\n".join(lines) + "\n"
 
 

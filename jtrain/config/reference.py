@@ -12,7 +12,8 @@
 from __future__ import annotations
 
 from jtrain.config.fields import OpenChoices
-from jtrain.config.schema import INT_MAX, MODEL_FAMILIES, SCHEMA, Field, schema_for
+from jtrain.config.schema import (INT_MAX, MODEL_FAMILIES, OPTIMIZERS, SCHEMA, Field, fields,
+                                  schema_for)
 
 _TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str", "strs": "list[str]",
                "ints": "list[int]", "dict": "dict",
@@ -51,15 +52,6 @@ def show(value) -> str:
     if value is None:
         return "None"
     return repr(value)
-
-
-def fields(schema: dict, prefix: str = ""):
-    """(dotted key, Field) for every key of a (sub)schema, in declaration order."""
-    for key, spec in schema.items():
-        if isinstance(spec, dict):
-            yield from fields(spec, f"{prefix}{key}.")
-        else:
-            yield prefix + key, spec
 
 
 def _get(tree: dict, dotted: str):
@@ -112,8 +104,9 @@ def markdown() -> str:
              "`python -m jtrain.main --config=FILE --print_config` prints a config's "
              "resolved values. *resume*: may differ when a run resumes without "
              "`checkpoint.allow_changes`. New names below the free-form dicts "
-             "`data.kwargs` and `model.kwargs` are accepted from the command line "
-             "(`--config.data.kwargs.log_dir=logs`).\n"]
+             "`data.kwargs`, `model.kwargs`, `step.kwargs` and `optim.kwargs` are accepted "
+             "from the command line (`--config.data.kwargs.log_dir=logs`, "
+             "`--config.optim.kwargs.beta=0.9`).\n"]
     top = [(k, f) for k, f in SCHEMA.items() if isinstance(f, Field)]
     parts += ["## Top level\n", _table(top)]
     for section, spec in SCHEMA.items():
@@ -122,4 +115,8 @@ def markdown() -> str:
     for family, spec in MODEL_FAMILIES.items():
         parts += [f"## model.* of the `{family}` family (model.name={family!r})\n",
                   _table(list(fields(spec, "model.")))]
+    for name, args in OPTIMIZERS.items():
+        if args:
+            parts += [f"## optim.kwargs of `{name}` (optim.name={name!r})\n",
+                      _table(list(fields(args, "optim.kwargs.")))]
     return "\n".join(parts)

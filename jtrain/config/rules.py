@@ -9,7 +9,7 @@ import math
 import re
 from typing import NamedTuple
 
-from jtrain.config.fields import OPTIMIZERS
+from jtrain.config.fields import OPTIMIZERS, SCHEDULE_FREE
 from jtrain.errors import ConfigError
 
 
@@ -86,16 +86,15 @@ def check_optim(optim: dict, total_steps: int) -> None:
                           f"schedule {optim['schedule']!r} decays until step {decay_end} "
                           f"(0 means total_steps={total_steps}), which must be > "
                           f"optim.warmup_steps={optim['warmup_steps']}")
-    _check_name(optim)
     for beta in ("b1", "b2"):  # (0, 1) inclusive in the schema; 1.0 never forgets
         if optim["name"] in OPTIMIZERS and optim["name"] not in ("sgd", "adafactor") \
                 and optim[beta] >= 1.0:
             raise ConfigError(f"optim.{beta}", f"must be < 1 for {optim['name']}, got "
                               f"{optim[beta]!r} (the moment estimate would never update)")
-    if optim["muon_beta"] >= 1.0 and optim["name"] == "muon":
-        raise ConfigError("optim.muon_beta", f"must be < 1, got {optim['muon_beta']!r}")
-    if optim["name"].startswith("schedule_free"):
-        _check_schedule_free(optim)
+    if optim["name"] == "muon" and optim["kwargs"].get("beta", 0.0) >= 1.0:
+        raise ConfigError("optim.kwargs.beta", f"must be < 1, got "
+                          f"{optim['kwargs']['beta']!r}")
+    _check_schedule_free(optim)
     if optim["ema"]["decay"] >= 1.0:
         raise ConfigError("optim.ema.decay", f"must be < 1, got {optim['ema']['decay']!r} "
                           "(the average would never move; 0 turns it off)")
@@ -110,17 +109,16 @@ def check_optim(optim: dict, total_steps: int) -> None:
                                                 f"{optim['weight_decay']!r}); use adamw")
 
 
-def _check_name(optim: dict) -> None:
-    """optim.kwargs only with an optax.* name (jtrain.optim.named looks that name up
-    when the optimizer is built)."""
-    name = optim["name"]
-    if name in OPTIMIZERS and optim["kwargs"]:
-        raise ConfigError("optim.kwargs", f"the built-in {name!r} takes its arguments "
-                          "from optim.* keys; optim.kwargs is for an optax.* optim.name "
-                          f"(e.g. 'optax.{name}')")
-
-
 def _check_schedule_free(optim: dict) -> None:
+    """Schedule-free's rules; optax's own schedule_free* by name has no average that
+    eval and export use and no place for the plateau / spike factor: refused."""
+    name = optim["name"]
+    if name.startswith("optax.contrib.schedule_free"):
+        raise ConfigError("optim.name", f"{name} by name is not supported (eval, export and "
+                          "the lr factor would miss its average); use optim.name="
+                          "'schedule_free_adamw' or 'schedule_free_sgd' (built in)")
+    if name not in SCHEDULE_FREE:
+        return
     if optim["schedule"] != "constant":
         raise ConfigError("optim.schedule", f"{optim['name']} takes a constant learning "
                           f"rate (the average replaces the decay), got "
@@ -151,15 +149,17 @@ def _check_regexes(key: str, patterns) -> None:
             raise ConfigError(key, f"bad regex {pattern!r}: {e}") from None
 
 
+def _check_init(init: dict) -> None:
+    _check_regexes("init.exclude", init["exclude"])
+    _check_regexes("init.map", [p for p, _ in (
+        init["map"].items() if isinstance(init["map"], dict) else init["map"])])
+    if init["opt"] and not init["path"]:
+        raise ConfigError("init.opt", "set init.path too")
+
+
 def _check_checkpoint(ckpt: dict) -> None:
-    _check_regexes("checkpoint.init_exclude", ckpt["init_exclude"])
-    init_map = ckpt.get("init_map") or ()
-    _check_regexes("checkpoint.init_map", [p for p, _ in (
-        init_map.items() if isinstance(init_map, dict) else init_map)])
     if ckpt["keep_top_k"] and not ckpt["monitor"]:
         raise ConfigError("checkpoint.monitor", "required when checkpoint.keep_top_k > 0")
-    if ckpt["init_from_opt"] and not ckpt["init_from"]:
-        raise ConfigError("checkpoint.init_from_opt", "set checkpoint.init_from too")
     if bool(ckpt["local_dir"]) != bool(ckpt["local_every_steps"]):
         key = "checkpoint.local_every_steps" if ckpt["local_dir"] else "checkpoint.local_dir"
         raise ConfigError(key, "the local checkpoint tier needs both checkpoint.local_dir "

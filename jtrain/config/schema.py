@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from jtrain.config.fields import (ACTIVATIONS, DTYPES, INF, INT_MAX, METRIC_NAMES,  # noqa: F401
-                                  OPTIMIZER_CHOICES, OPTIMIZERS, SCHEDULES, SPACE_KINDS,
-                                  WRITERS, F, Field, _resume_safe)
+                                  OPTIMIZER_CHOICES, OPTIMIZERS, SCHEDULE_FREE, SCHEDULES,
+                                  SPACE_KINDS, WRITERS, F, Field, _resume_safe)
 from jtrain.config.schema_control import CONTROL_SECTIONS
 from jtrain.config.schema_population import POPULATION_SECTIONS
 
@@ -18,8 +18,6 @@ SCHEMA: dict[str, Any] = {
     "total_steps": F(int, 1000, (1, INF), "optimizer updates in the run"),
     "max_steps_in_flight": F(int, 8, (1, 16), "steps dispatched ahead of the host "
                              "(CPU collectives deadlock past ~32)", resume=True),
-    "deterministic": F(bool, False, None, "deterministic GPU ops (XLA flags set before the "
-                       "backend starts); CPU is deterministic already", resume=True),
     "model": {
         "name": F(str, "transformer", None, "built-in family (MODEL_FAMILIES); a model "
                   "passed to jtrain.train replaces it"),
@@ -38,9 +36,10 @@ SCHEMA: dict[str, Any] = {
         "name": F(str, "adamw", OPTIMIZER_CHOICES, "optimizer: a built-in name, or any "
                   "optax / optax.contrib function ('optax.lion', 'optax.contrib.ademamix') "
                   "with optim.kwargs"),
-        "kwargs": F("dict", {}, None, "an optax.* optim.name's arguments (learning_rate "
-                    "comes from optim.lr / optim.schedule, weight_decay from "
-                    "optim.weight_decay)"),
+        "kwargs": F("dict", {}, None, "the optimizer's own arguments: a built-in name's "
+                    "(below, their defaults filled in) or an optax.* function's "
+                    "(learning_rate comes from optim.lr / optim.schedule, weight_decay "
+                    "from optim.weight_decay)"),
         "lr": F(float, 1e-3, (0.0, 10.0), "peak learning rate"),
         "schedule": F(str, "warmup_cosine", SCHEDULES, "learning-rate schedule after a "
                       "linear warmup"),
@@ -58,11 +57,6 @@ SCHEMA: dict[str, Any] = {
                 "schedule_free_adamw beta2 and muon's adam fallback, in [0, 1)"),
         "eps": F(float, 1e-8, (0.0, 1.0), "adam-family epsilon (muon, prodigy, "
                  "schedule_free_adamw too)"),
-        "muon_beta": F(float, 0.95, (0.0, 1.0), "muon: momentum of the 2-D leaves, in [0, 1)"),
-        "muon_ns_steps": F(int, 5, (1, 100), "muon: Newton-Schulz iterations"),
-        "prodigy_d0": F(float, 1e-6, (1e-12, 1.0), "prodigy: initial step-size estimate D0"),
-        "momentum": F(float, 0.9, (0.0, 1.0), "sgd momentum; 0 = plain sgd"),
-        "nesterov": F(bool, False, None, "sgd: Nesterov momentum"),
         "trainable": F("strs", (), None, "regexes of parameter paths that train; () = all "
                        "(the rest are frozen: no update, no optimizer state)"),
         "frozen": F("strs", (), None, "regexes of parameter paths that never train"),
@@ -111,7 +105,7 @@ SCHEMA: dict[str, Any] = {
                           "segment_ids, positions)"),
         "mixture": F("dict", {}, None, "{name: {'source': 'pkg.mod:fn' or a built-in "
                      "name, 'kwargs': {...}, 'weight': w}}: components sampled by weight "
-                     "(jtrain/data/mixture.py); {} = one dataset"),
+                     "(jtrain.data.mixture); {} = one dataset"),
         "mixture_schedule": F("dict", {}, None, "{step: {name: weight}}: the mixture's "
                               "weights from that step on (names left out weigh 0)"),
         "packing": F(str, "none", ("none", "pad", "concat", "first_fit"), "token documents "
@@ -138,7 +132,7 @@ SCHEMA: dict[str, Any] = {
         "num_batches": F(int, 0, (0, INF), "eval batches; 0 = the whole eval set"),
         "batch_size": F(int, 0, (0, INF), "eval global batch; 0 = data.batch_size"),
         "metrics": F("strs", (), METRIC_NAMES, "metrics to compute; () = the task's "
-                     "defaults (jtrain/metrics/tasks.py)"),
+                     "defaults (jtrain.metrics.tasks)"),
         "top_k": F(int, 5, (1, INF), "k of top_k_accuracy"),
         "max_gathered": F(int, 1_000_000, (1, INF), "AUROC / Spearman keep this many "
                           "examples, exactly"),
@@ -162,16 +156,8 @@ SCHEMA: dict[str, Any] = {
                              "--follow WORKDIR` beside itself and ends it; external = you "
                              "run that command (e.g. on another host that reads the workdir)",
                              resume=True),
-        "async_nice": F(int, 19, (0, 19), "eval.mode=async, child evaluator: its Linux "
-                        "nice value; 19 = it gets the CPU only when the training process "
-                        "leaves it idle (the step is not slowed; the loop may wait at the "
-                        "lag instead), 0 = it competes as an equal", resume=True),
-        "async_cpus": F(int, 0, (0, INF), "eval.mode=async, child evaluator: N > 0 = "
-                        "pinned to the last N of the CPUs the training process may use "
-                        "(XLA sizes its thread pool to them); 0 = all of them",
-                        resume=True),
     },
-    "loss": {  # jtrain/loss_terms.py; a loss_fn passed to jtrain.train replaces fn / terms
+    "loss": {  # jtrain/losses/terms.py; a loss_fn passed to jtrain.train replaces fn / terms
         "fn": F(str, "", None, "'package.module:fn', fn(outputs, batch) -> loss, (sum, "
                 "weight), or either with a dict of named terms; '' = the default loss"),
         "terms": F("dict", {}, None, "weighted multi-loss: {name: {fn, output, target, "
@@ -184,13 +170,13 @@ SCHEMA: dict[str, Any] = {
                         "correlation); auto = batch for loss.terms, else example",
                         resume=True),
     },
-    "step": {  # jtrain/engine/own_step.py; replaces the built-in update: not resume-safe
+    "step": {  # jtrain.engine.own_step; replaces the built-in update: not resume-safe
         "factory": F(str, "", None, "'package.module:function' returning a step of your "
                      "own (jtrain.step.Step: init, update, evaluate) that replaces the "
                      "built-in update; '' = the built-in update of the model and optimizer"),
         "kwargs": F("dict", {}, None, "keyword arguments of step.factory"),
     },
-    "finetune": {  # jtrain/models/lora.py; changes the model and what trains: not resume-safe
+    "finetune": {  # jtrain.models.lora; changes the model and what trains: not resume-safe
         "lora": {
             "rank": F(int, 0, (0, 4096), "LoRA rank r: adapters A [in, r] and B [r, out] "
                       "beside each targeted matmul weight, which freezes; only adapters "
@@ -224,11 +210,11 @@ SCHEMA: dict[str, Any] = {
     **POPULATION_SECTIONS,
 }
 
-# Built-in model families: their keys under `model.` (jtrain/models/<name>.py builds them).
+# Built-in model families: their keys under `model.` (jtrain.models.<name> builds them).
 MODEL_FAMILIES: dict[str, dict[str, Field]] = {
     "user": {
         "factory": F(str, "", None, "'package.module:function' returning your model "
-                     "(Linen, NNX or (init, apply)); jtrain/models/user.py"),
+                     "(Linen, NNX or (init, apply)); jtrain.models.user"),
         "kwargs": F("dict", {}, None, "keyword arguments of model.factory"),
     },
     "transformer": {
@@ -260,22 +246,24 @@ MODEL_FAMILIES: dict[str, dict[str, Field]] = {
 }
 
 
+def fields(schema: dict, prefix: str = ""):
+    """(dotted key, Field) for every key of a (sub)schema, in declaration order."""
+    for key, spec in schema.items():
+        if isinstance(spec, dict):
+            yield from fields(spec, f"{prefix}{key}.")
+        else:
+            yield prefix + key, spec
+
+
 def schema_for(model_name: str) -> dict:
     return {**SCHEMA, "model": {**SCHEMA["model"], **MODEL_FAMILIES[model_name]}}
 
 
 def resume_safe(key: str) -> bool:
-    """May the dotted `key` differ on resume without `checkpoint.allow_changes`?"""
-    node: Any = SCHEMA
-    parts = key.split(".")
-    for i, part in enumerate(parts):
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif i == 1 and parts[0] == "model":
-            return False  # family fields change the model
-        else:
-            return False
-    return isinstance(node, Field) and node.resume
+    """May the dotted `key` differ on resume without `checkpoint.allow_changes`? (Not a
+    model family's key: it changes the model.)"""
+    field = field_of(key)
+    return field is not None and field.resume
 
 
 def field_of(key: str) -> Field | None:
@@ -289,17 +277,11 @@ def field_of(key: str) -> Field | None:
 
 
 def describe() -> list[tuple[str, Field]]:
-    """(dotted key, field) for every key, model families as `model.<key> [family]`."""
-    out = []
-
-    def walk(tree, prefix):
-        for k, v in tree.items():
-            if isinstance(v, dict):
-                walk(v, f"{prefix}{k}.")
-            else:
-                out.append((prefix + k, v))
-
-    walk(SCHEMA, "")
-    for family, fields in MODEL_FAMILIES.items():
-        out += [(f"model.{k} [{family}]", v) for k, v in fields.items()]
+    """(dotted key, field) for every key, model families as `model.<key> [family]`, a
+    built-in optimizer's arguments as `optim.kwargs.<arg> [name]`."""
+    out = list(fields(SCHEMA))
+    for family, keys in MODEL_FAMILIES.items():
+        out += [(f"model.{k} [{family}]", v) for k, v in keys.items()]
+    for name, args in OPTIMIZERS.items():
+        out += [(f"optim.kwargs.{k} [{name}]", v) for k, v in args.items()]
     return out

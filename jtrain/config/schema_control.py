@@ -41,26 +41,29 @@ CONTROL_SECTIONS: dict[str, Any] = {
                             "instead of falling back"),
         "allow_changes": F("strs", (), None, "config keys (fnmatch) that may change on "
                            "resume"),
-        "init_from": F(str, "", None, "an export or a checkpoint to start from when the "
-                       "workdir has none"),
-        "init_from_step": F(str, "", None, "init_from a run: its step N, latest (\"\" = "
-                            "the newest intact) or best (by its checkpoint.monitor)"),
-        "init_from_opt": F(bool, False, None, "also take the optimizer state"),
-        "init_into": F(str, "", None, "a sub-tree of the state (a step of your own's "
-                       "teacher) that init_from fills, as if it were the whole model; "
-                       "'' = the model's parameters"),
-        "init_exclude": F("strs", (), None, "regexes of parameter paths (o/kernel, no "
-                          "params/) that keep a fresh init"),
-        "init_map": F("pairs", (), None, "(regex, replacement) pairs renaming the source's "
-                      "parameter paths (or HF tensor names) to the model's (re.sub, first "
-                      "match; a trailing .T transposes): hf:DIR into your own model"),
         "local_dir": F(str, "", None, "a folder on this machine's disk for the fast local "
                        "tier (its newest step only); '' = off"),
         "local_every_steps": F(int, 0, (0, INF), "save to the local tier every N steps "
                                "(steps the persistent tier saves excepted)"),
-        "writer_nice": F(int, 19, (0, 19), "Linux nice of background-write threads"),
         "save_on_best": F(bool, True, None, "an eval that enters the keep_top_k best saves "
                           "its step (when keep_top_k > 0)"),
+    }),
+    # A new run's starting state (jtrain/checkpoint/init_from.py), read only when the
+    # workdir has no checkpoint yet.
+    "init": _resume_safe({
+        "path": F(str, "", None, "an export, a run (its workdir) or hf:DIR to start "
+                   "from when the workdir has no checkpoint; '' = a fresh init"),
+        "step": F(str, "", None, "init.path a run: its step N, latest (\"\" = the "
+                   "newest intact) or best (by its checkpoint.monitor)"),
+        "opt": F(bool, False, None, "also take the optimizer state"),
+        "into": F(str, "", None, "a sub-tree of the state (a step of your own's "
+                   "teacher) that init.path fills, as if it were the whole model; "
+                   "'' = the model's parameters"),
+        "exclude": F("strs", (), None, "regexes of parameter paths (o/kernel, no "
+                     "params/) that keep a fresh init"),
+        "map": F("pairs", (), None, "(regex, replacement) pairs renaming the source's "
+                 "parameter paths (or HF tensor names) to the model's (re.sub, first "
+                 "match; a trailing .T transposes): hf:DIR into your own model"),
     }),
     # Run control (jtrain/control): decisions from globally reduced values, state in
     # the checkpoint.
@@ -178,6 +181,8 @@ CONTROL_SECTIONS: dict[str, Any] = {
     }),
     # The same bits on any number of devices (jtrain.invariant, docs/guide/determinism.md).
     "determinism": {
+        "gpu_ops": F(bool, False, None, "deterministic GPU ops (XLA flags set before the "
+                     "backend starts); CPU is deterministic already", resume=True),
         "topology_invariant": F(bool, False, None, "train and evaluate with every sum "
                                 "across devices in a fixed order: the same state, hashes, "
                                 "metrics and evals on 1, 2, 4 or 8 devices (data and fsdp "

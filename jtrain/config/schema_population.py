@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from jtrain.config.fields import F, INT_MAX
+from jtrain.config.fields import F, INT_MAX, SCHEDULE_FREE
 from jtrain.errors import ConfigError
 
 POPULATION_SECTIONS: dict[str, Any] = {
-    "population": {  # jtrain/population.py; changes what is trained: not resume-safe
+    "population": {  # jtrain/engine/population.py; changes what is trained: not resume-safe
         "size": F(int, 1, (1, 1024), "members trained together in one compiled step "
                   "(vmap over the state); 1 = off, a plain run"),
         "seeds": F("ints", (), (0, INT_MAX), "each member's init and dropout seed; () = "
@@ -19,8 +19,6 @@ POPULATION_SECTIONS: dict[str, Any] = {
         "vary": F("dict", {}, None, "{key: [one value per member]}; supported keys: "
                   + ", ".join(("optim.lr", "optim.weight_decay")) + "; e.g. {'optim.lr': [1e-3, "
                   "3e-3]}"),
-        "data": F(str, "shared", ("shared", "per_member"), "shared = every member sees the "
-                  "same batches (per_member is not implemented)"),
     },
 }
 
@@ -72,9 +70,6 @@ def check(tree: dict) -> None:
                           "the same seed and hyperparameters would be identical")
     if size == 1:
         return
-    if pop["data"] != "shared":
-        raise ConfigError("population.data", "'per_member' is not implemented: every "
-                          "member sees the same batches (population.data='shared')")
     for key, why in _REFUSED.items():
         section, name = key.split(".")
         if tree[section][name]:
@@ -83,15 +78,15 @@ def check(tree: dict) -> None:
     if tree["spike"]["zscore"] > 0:
         raise ConfigError("spike.zscore", f"not supported with population.size={size} (a "
                           "rollback restores one run's state); set it to 0")
-    if tree["optim"]["name"].startswith(("schedule_free", "optax.")):
+    if tree["optim"]["name"] in SCHEDULE_FREE or tree["optim"]["name"].startswith("optax."):
         raise ConfigError("population.size", f"optim.name={tree['optim']['name']} is not "
                           "supported in a population; use population.size=1 or a built-in "
                           "optim.name")
     if tree["log"]["train_metrics"]:
         raise ConfigError("log.train_metrics", f"not supported with population.size={size}: "
                           "the members' train/loss/m<i> are logged; set it to ()")
-    if tree["checkpoint"]["init_from"]:
-        raise ConfigError("checkpoint.init_from", "not supported with population.size > 1 "
+    if tree["init"]["path"]:
+        raise ConfigError("init.path", "not supported with population.size > 1 "
                           "(an export holds one member); train a single run from it")
 
 

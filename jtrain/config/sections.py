@@ -34,6 +34,8 @@ def section(name: str, partial=None, **context) -> ml_collections.ConfigDict:
                                 f"{', '.join(k for k, v in SCHEMA.items() if isinstance(v, dict))}")
     merged = config_lib._build(schema)
     config_lib._overlay(merged, _as_dict(name, partial), schema, prefix=f"{name}.")
+    if name == "optim":
+        config_lib.optim_kwargs(merged)
     config_lib._validate_tree(merged, schema, prefix=f"{name}.")
     for key, value in context.items():  # top-level keys of their own (total_steps)
         field = SCHEMA[key]

@@ -8,15 +8,13 @@ No download: the corpus is a fixed list of stdlib modules (fingerprinted in summ
 Variants: `debug` (tiny, well under a minute on 2 CPU cores).
 """
 
-from jtrain.config import defaults
+from jtrain.config import defaults, variant_of
 
 VARIANTS = ("", "debug")
 
 
 def get_config(variant=None):
-    variant = variant or ""
-    if variant not in VARIANTS:
-        raise ValueError(f"configs/base.py: unknown variant {variant!r}; choose one of: debug")
+    variant = variant_of("configs/base.py", variant, VARIANTS)
     config = defaults(model="transformer")
     config.seed = 0
     config.total_steps = 1500

@@ -13,16 +13,13 @@ optimizer state, cuDNN fused attention (model.attention=auto on a GPU).
 Variants: `debug` (2 layers, d_model 64, sequence 128: a few CPU seconds per step).
 """
 
-from jtrain.config import defaults
+from jtrain.config import defaults, variant_of
 
 VARIANTS = ("", "debug")
 
 
 def get_config(variant=None):
-    variant = variant or ""
-    if variant not in VARIANTS:
-        raise ValueError(f"configs/gpt2_small.py: unknown variant {variant!r}; choose one of: "
-                         "debug")
+    variant = variant_of("configs/gpt2_small.py", variant, VARIANTS)
     config = defaults(model="transformer")
     config.seed = 0
     config.total_steps = 2000

@@ -12,15 +12,13 @@ password in $JTRAIN_TUNE_DB_PASSWORD.
 Variants: `quick` (4 trials of 40 steps).
 """
 
-from jtrain.config import defaults
+from jtrain.config import defaults, variant_of
 
 VARIANTS = ("", "quick")
 
 
 def get_config(variant=None):
-    variant = variant or ""
-    if variant not in VARIANTS:
-        raise ValueError(f"configs/tune.py: unknown variant {variant!r}; choose one of: quick")
+    variant = variant_of("configs/tune.py", variant, VARIANTS)
     config = defaults(model="transformer")
     config.total_steps = 120
     config.model.d_model = 64

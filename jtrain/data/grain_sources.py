@@ -14,6 +14,7 @@ from __future__ import annotations
 import grain
 import numpy as np
 
+from jtrain import internals
 from jtrain.data import items as items_lib, pipeline
 from jtrain.data.items import DataError, first_line
 from jtrain.data.streams import EpochEnd, _jsonable
@@ -72,17 +73,12 @@ def is_grain_loader(obj) -> bool:
 
 
 def check_loader_sharding(loader, name: str, process_index: int, process_count: int) -> None:
-    opts = getattr(loader, "_shard_options", None)
-    got = (getattr(opts, "shard_index", None), getattr(opts, "shard_count", None))
+    got = internals.grain_loader_shard(loader)
     if got != (process_index, process_count):
         raise DataError(
             f"{name}: the grain DataLoader reads shard {got[0]} of {got[1]}, but this is "
             f"process {process_index} of {process_count}; give it "
             "shard_options=grain.sharding.ShardByJaxProcess()")
-
-
-def loader_epochs(loader):
-    return getattr(getattr(loader, "_sampler", None), "_num_epochs", "unknown")
 
 
 class LoaderIterator:
@@ -106,9 +102,10 @@ class LoaderIterator:
         try:
             raw = next(self._it)
         except StopIteration:
+            epochs = internals.grain_loader_epochs(self.loader)
             raise DataError(f"{self.name}: the grain DataLoader ended after {self._count} "
-                            f"batches (its sampler has num_epochs={loader_epochs(self.loader)}"
-                            "); for training give it num_epochs=None") from None
+                            f"batches (its sampler has num_epochs={epochs}); for training "
+                            "give it num_epochs=None") from None
         where = f"{self.name}[batch {self._count}]"
         batch = items_lib.to_numpy_item(raw, where, self.keep_64bit)
         if self._ref is None:
@@ -137,7 +134,7 @@ class LoaderIterator:
 
 def loader_items(loader, name: str) -> list:
     """Every row of a finite grain DataLoader (for evaluation), as numpy items."""
-    if loader_epochs(loader) is None:
+    if internals.grain_loader_epochs(loader) is None:
         raise DataError(f"{name}: the grain DataLoader repeats forever (num_epochs=None); "
                         "for evaluation give it num_epochs=1")
     rows = []

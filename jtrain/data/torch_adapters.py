@@ -11,6 +11,7 @@ import dataclasses
 import sys
 from typing import Any, Callable
 
+from jtrain import internals
 from jtrain.errors import DataError
 
 
@@ -33,9 +34,7 @@ def is_default_collate(fn) -> bool:
     torch = _torch()
     if torch is None or fn is None:
         return fn is None
-    from torch.utils.data import _utils
-
-    return fn in (torch.utils.data.default_collate, _utils.collate.default_collate)
+    return fn is torch.utils.data.default_collate
 
 
 @dataclasses.dataclass
@@ -66,7 +65,7 @@ def read_dataloader(loader, name: str, process_index: int, process_count: int) -
     elif type(sampler) is tud.SequentialSampler:
         shuffle = False
     elif type(sampler) is tud.RandomSampler:
-        if sampler.replacement or sampler._num_samples not in (None, len(loader.dataset)):
+        if sampler.replacement or sampler.num_samples != len(loader.dataset):
             raise DataError(f"{name}: a RandomSampler with replacement or num_samples cannot be "
                             "honoured: jtrain reads each example once per epoch")
         shuffle = True
@@ -100,13 +99,10 @@ class _WorkerInfo:
     that records whether the dataset looked at it (then it splits itself)."""
 
     def __init__(self, dataset, shard: int, num_shards: int, seed: int):
-        from torch.utils.data._utils import worker
-
-        self._module = worker
         self._seen = [False]
         seen = self._seen
 
-        class Watched(worker.WorkerInfo):
+        class Watched(internals.torch_worker_info_class()):
             def __getattribute__(self, attr):
                 if attr in ("id", "num_workers"):
                     seen[0] = True
@@ -118,12 +114,7 @@ class _WorkerInfo:
         return self._seen[0]
 
     def call(self, fn: Callable):
-        previous = self._module._worker_info
-        self._module._worker_info = self.info
-        try:
-            return fn()
-        finally:
-            self._module._worker_info = previous
+        return internals.torch_with_worker_info(self.info, fn)
 
 
 def worker_info(dataset, shard: int, num_shards: int, seed: int) -> _WorkerInfo:

@@ -19,5 +19,6 @@ commands that read a run.
                         held points and the evals it applies at a fixed lag
     diff.py             diff_runs(): where two runs part
     replay.py           replay(): a recorded step re-run, its state hash compared
+    sample.py           sample(): a language model's continuations of prompts (KV cache)
     dry_run.py          --dry_run: the steps compiled for a topology, memory reported
 """

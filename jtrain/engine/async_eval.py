@@ -29,12 +29,15 @@ from typing import Callable
 
 import jax
 
-from jtrain.errors import ConfigError, EvaluateError
+from jtrain.errors import ConfigError, EvaluateError, env_int
 from jtrain.observe import jsonl, layout, runfiles
 
 PARENT_ENV = "JTRAIN_EVAL_PARENT"  # the training process of a child evaluator
-NICE_ENV = "JTRAIN_EVAL_NICE"  # a child evaluator's eval.async_nice
-CPUS_ENV = "JTRAIN_EVAL_CPUS"  # its CPUs (eval.async_cpus), comma-separated ids
+# Settings of the machine, not of the run (jtrain.errors.env_int): the child evaluator's
+# nice value (0-19, default 19) and how many CPUs it is pinned to (0 = all).
+NICE_ENV = "JTRAIN_EVAL_NICE"
+CPUS_ENV = "JTRAIN_EVAL_CPUS"
+CPU_IDS_ENV = "JTRAIN_EVAL_CPU_IDS"  # a child's CPUs, comma-separated ids
 LOG = "evaluator.log"  # in WORKDIR/evals: the child evaluator's output
 
 
@@ -47,6 +50,8 @@ def check(cfg, remote: str | None = None, mixture: bool = False,
     train_data, ...), which config.json does not name."""
     if cfg.eval.mode != "async":
         return
+    if cfg.eval.async_evaluator == "child":
+        child_env()  # a bad JTRAIN_EVAL_NICE / _CPUS: one line before step 1
     if remote is not None:
         raise ConfigError("eval.mode", "async needs a local workdir (its evaluator follows "
                           f"the checkpoint folder); {remote} is on an object store")
@@ -98,7 +103,7 @@ class AsyncEvals:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "jtrain.evaluate", "--follow", self.workdir],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, **child_env(self.cfg)})
+                env={**os.environ, **child_env()})
 
     def due(self, step: int) -> int | None:
         """The eval step applied at `step`: step - async_lag * every_steps, at a multiple
@@ -157,18 +162,19 @@ class AsyncEvals:
             proc.wait()
 
 
-def child_env(cfg) -> dict[str, str]:
+def child_env() -> dict[str, str]:
     """What a child evaluator is told: its training process, its nice value, its CPUs
-    (`confine` applies them in the child before JAX starts its threads)."""
-    env = {PARENT_ENV: str(os.getpid()), NICE_ENV: str(cfg.eval.async_nice)}
-    cpus = evaluator_cpus(cfg.eval.async_cpus)
+    (`confine` applies them in the child before JAX starts its threads); a UsageError
+    naming a bad JTRAIN_EVAL_NICE / JTRAIN_EVAL_CPUS."""
+    env = {PARENT_ENV: str(os.getpid()), NICE_ENV: str(env_int(NICE_ENV, 19, 0, 19))}
+    cpus = evaluator_cpus(env_int(CPUS_ENV, 0, 0, 1 << 16))
     if cpus:
-        env[CPUS_ENV] = ",".join(map(str, cpus))
+        env[CPU_IDS_ENV] = ",".join(map(str, cpus))
     return env
 
 
 def evaluator_cpus(count: int) -> list[int] | None:
-    """eval.async_cpus: the last `count` of the CPUs this process may use; None (no
+    """JTRAIN_EVAL_CPUS=count: the last `count` of the CPUs this process may use; None (no
     pinning) for 0, for `count` >= all of them, or where affinity is not supported."""
     if not count or not hasattr(os, "sched_getaffinity"):
         return None
@@ -178,7 +184,7 @@ def evaluator_cpus(count: int) -> list[int] | None:
 
 def confine() -> str:
     """A child evaluator, before JAX starts: every thread of this process gets the nice
-    value and the CPUs its training process chose (NICE_ENV, CPUS_ENV; the threads
+    value and the CPUs its training process chose (NICE_ENV, CPU_IDS_ENV; the threads
     started later inherit them, XLA:CPU sizes its thread pool to the CPUs). Returns
     what it applied, in words ("" where nothing: no such variables, not Linux).
 
@@ -188,9 +194,9 @@ def confine() -> str:
     refuses it), while under a one-CPU affinity the same work ran on one thread."""
     from jtrain.checkpoint import policy
 
-    nice, cpus = os.environ.get(NICE_ENV), os.environ.get(CPUS_ENV)
-    if not (nice or cpus):  # not a child evaluator (the training process itself)
+    if not os.environ.get(PARENT_ENV):  # not a child evaluator (a training process)
         return ""
+    nice, cpus = os.environ.get(NICE_ENV), os.environ.get(CPU_IDS_ENV)
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:  # not Linux

@@ -88,7 +88,7 @@ def replay(workdir: str, step: int, *, model=None, train_data=None, eval_data=No
     cfg = config_lib.resolve(recorded_cfg)
     config_lib.validate(cfg, num_devices=jax.device_count())
     compiles_lib.configure_cache_for_reader(cfg.compile.cache_dir)
-    precision_lib.set_deterministic(cfg.deterministic)
+    precision_lib.set_deterministic(cfg.determinism.gpu_ops)
     user = data_lib.UserData(train_data, eval_data, processes=lambda: (0, 1))
     user.settings(cfg.data)
     data = data_lib.prepare(cfg.data, user, seed=cfg.seed, gather=mesh_lib.process_values)
@@ -103,9 +103,9 @@ def replay(workdir: str, step: int, *, model=None, train_data=None, eval_data=No
         start = before[-1]
         state, data_state, control = reader.restore(start, target)
         _check_data(data.info, control.get("data_info", {}), workdir)
-    elif cfg.checkpoint.init_from:
+    elif cfg.init.path:
         raise UsageError("--step", f"no checkpoint at or before step {step} in {workdir}, "
-                         "and the run started from checkpoint.init_from: nothing to "
+                         "and the run started from init.path: nothing to "
                          "replay from")
     else:
         start, state, data_state = 0, b.init(), None

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import jax
 from flax import linen as nn
 
-from jtrain import checkpoint, multihost
+from jtrain import checkpoint, internals, multihost
 from jtrain import config as config_lib
 from jtrain import control as control_lib
 from jtrain import data as data_lib
@@ -220,13 +220,15 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
     user_data = data_lib.UserData(given.train_data, given.eval_data, processes=_processes)
     with startup.phase("data"):
         cfg, notices = _resolve_once(config, allow_changes, user_data, resolved)
-    determinism = precision_lib.set_deterministic(cfg.deterministic)
+    determinism = precision_lib.set_deterministic(cfg.determinism.gpu_ops)
     # Before this run's first compile (JAX decides at a compile whether the cache is used).
     startup.cache_dir = compiles_lib.configure_cache(cfg.compile.cache_dir,
                                                      cfg.compile.cache_max_gb)
     # From here on SIGTERM / SIGINT mean: save the current step (if any), stop, return
     # (jtrain.control.signals); one that came during the CLI's imports is taken over.
-    with control_lib.Stopper(cfg.checkpoint.grace_seconds) as stopper, startup.recorder:
+    # JAX's cache writer and eviction are jtrain's until the run returns.
+    with control_lib.Stopper(cfg.checkpoint.grace_seconds) as stopper, startup.recorder, \
+            internals.compile_cache_patches():
         config_lib.validate(cfg, num_devices=jax.device_count())
         async_eval.check(cfg, remote=mirror.uri if mirror is not None else None,
                          mixture=isinstance(user_data.train, data_lib.Mixture),

@@ -14,7 +14,7 @@ the run adds to `optim.trainable` (build.py passes them to the optimizer explici
 the run records them in run.json; the config stays as resolved), so the base weights go
 through optim.py's freezing (multi_transform with set_to_zero: bitwise unchanged, no
 optimizer state) and the header shows the split.
-`checkpoint.init_from` of a plain run or export loads the base weights and keeps the
+`init.path` of a plain run or export loads the base weights and keeps the
 adapters' fresh init (`is_adapter`); `python -m jtrain.export --merge_lora` writes
 `W + alpha/r * A @ B` (`merge`), which the plain model loads.
 
@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from jtrain import optim
+from jtrain import internals, optim
 from jtrain.errors import ConfigError
 from jtrain.models import adapters
 from jtrain.models.adapters import is_nnx, nnx  # flax.nnx imported at first NNX use
@@ -173,28 +173,19 @@ def _check(provider, fns, sample, mesh, lora, batch_size):
                           f"{shapes[path]}); use a rank <= {dims}")
 
 
-def _primal(x):
-    """A traced value under jax.grad (a JVPTracer) as the jit trace holds it, where its
-    producing operation can be looked up (`.parent`)."""
-    while isinstance(x, jax.core.Tracer) and not hasattr(x, "parent") \
-            and hasattr(x, "primal"):
-        x = x.primal
-    return x
-
-
 def _find_weight(rhs, candidates: dict):
     """(name, as_stored) of the weight in `candidates` ({name: value}) that the traced
     matmul operand `rhs` comes from through one-input operations; `as_stored`: only
     layout-keeping ones (dtype casts, sharding constraints). (None, None) when `rhs`
     cannot be traced back (a concrete array, an inner jit)."""
-    by_id = {id(_primal(v)): name for name, v in candidates.items()}
-    x, as_stored = _primal(rhs), True
+    by_id = {id(internals.trace_primal(v)): name for name, v in candidates.items()}
+    x, as_stored = internals.trace_primal(rhs), True
     while id(x) not in by_id:
-        eqn = getattr(x, "parent", None)
-        if eqn is None or len(eqn.in_tracers) != 1:
+        made = internals.trace_producer(x)
+        if made is None or len(made[1]) != 1:
             return None, None
-        as_stored &= eqn.primitive.name in _SAME_LAYOUT
-        x = eqn.in_tracers[0]
+        as_stored &= made[0] in _SAME_LAYOUT
+        x = made[1][0]
     return by_id[id(x)], as_stored
 
 
@@ -207,10 +198,9 @@ def _provider_class():
     for same-shaped weights such as query / key / value), and each adapted weight's
     layout is recorded for merging."""
     import qwix
-    from qwix._src.core import einsum_info
-    from qwix._src.providers import lora as qlora
-    from qwix._src.providers import ptq
-    from qwix._src.utils import flax_util
+
+    q = internals.qwix_lora()
+    internals.check_trace_walk()
 
     class Provider(qwix.LoraProvider):
         def __init__(self, targets: str, **rule):
@@ -223,27 +213,26 @@ def _provider_class():
         def _targeted(self, name: str) -> str | None:
             """The parameter path of the current module's weight `name`, when the
             targets match it."""
-            path = "/".join((*map(str, flax_util.get_current_module_path()), name))
+            path = "/".join((*map(str, q.module_path()), name))
             return path if self.targets.search(path) else None
 
         def _adapt(self, op, rhs, inputs_first: bool):
             """(rule, weight name) when the matmul operand `rhs` is a weight to adapt,
             else None; notes the weight's layout."""
-            module = flax_util.get_current_module()
+            module = q.module()
             if isinstance(module, nn.Module):
-                stored = module.scope._collection("params")  # noqa: SLF001 (as qwix does)
+                stored = module.variables.get("params", {})
             else:
                 stored = {k: v for k, v in vars(module).items() if isinstance(v, nnx.Param)}
-            name, as_stored = _find_weight(rhs, {k: flax_util.unbox(v)
-                                                 for k, v in stored.items()})
+            name, as_stored = _find_weight(rhs, {k: q.unbox(v) for k, v in stored.items()})
             if name is None and not isinstance(rhs, jax.core.Tracer):
-                name = flax_util.find_param(rhs, ptq.WithAux)  # eager: qwix's own search
+                name = q.find_param(rhs, q.with_aux)  # eager: qwix's own search
             if name is None or is_adapter(name):
                 return None
-            self.seen.add("/".join((*map(str, flax_util.get_current_module_path()), name)))
-            rule = self._get_current_rule_and_op_id(op, only_rule=True)[0]
+            self.seen.add("/".join((*map(str, q.module_path()), name)))
+            rule = internals.qwix_rule(self, op)
             path = self._targeted(name)
-            if not isinstance(rule, qlora.LoraRule) or path is None:
+            if not isinstance(rule, qwix.LoraRule) or path is None:
                 return None
             self.adapted.add(path)
             if isinstance(rhs, jax.core.Tracer) and not self.layouts.get(path):
@@ -255,16 +244,15 @@ def _provider_class():
             # `x @ w` and jnp.matmul are jitted functions: a dot_general inside them is
             # in an inner trace, where adapters cannot be created. A matrix `w` goes
             # through dot_general here, in the model's own trace.
-            return super().get_intercept_map() | {
-                "jax.numpy.matmul": self.matmul,
-                "jax._src.numpy.tensor_contractions.matmul": self.matmul}
+            return super().get_intercept_map() | dict.fromkeys(internals.matmul_paths(),
+                                                               self.matmul)
 
         def conv_general_dilated(self, lhs, rhs, *args, **kwargs):
             # qwix's own conv path adapts whatever its rule takes (every module here):
             # only a targeted weight gets adapters, as in _adapt.
-            name = flax_util.find_param(rhs, ptq.WithAux)
+            name = q.find_param(rhs, q.with_aux)
             if name is None or is_adapter(name) or self._targeted(name) is None:
-                return ptq.PtqProvider.conv_general_dilated(self, lhs, rhs, *args, **kwargs)
+                return qwix.PtqProvider.conv_general_dilated(self, lhs, rhs, *args, **kwargs)
             return super().conv_general_dilated(lhs, rhs, *args, **kwargs)
 
         def matmul(self, a, b, **kwargs):
@@ -276,7 +264,7 @@ def _provider_class():
 
         def dot_general(self, lhs, rhs, dimension_numbers, precision=None,
                         preferred_element_type=None, out_sharding=None):
-            res = ptq.PtqProvider.dot_general(self, lhs, rhs, dimension_numbers, precision,
+            res = qwix.PtqProvider.dot_general(self, lhs, rhs, dimension_numbers, precision,
                                               preferred_element_type,
                                               out_sharding=out_sharding)
             (lhs_ca, rhs_ca), (lhs_ba, rhs_ba) = dimension_numbers
@@ -288,31 +276,31 @@ def _provider_class():
             rhs_ra = tuple(i for i in range(rhs.ndim) if i not in (*rhs_ca, *rhs_ba))
             contract, batch, remain = (tuple(rhs.shape[i] for i in axes)
                                        for axes in (rhs_ca, rhs_ba, rhs_ra))
-            a_shape, a_axes, b_shape, b_axes = qlora._create_lora_layer_shapes(
+            a_shape, a_axes, b_shape, b_axes = q.layer_shapes(
                 rhs_ca, rhs_ba, rhs_ra, contract, batch, remain, rule.rank)
-            lora_a, lora_b = qlora._get_or_create_lora_params(
+            lora_a, lora_b = q.params(
                 name=name, rule=rule, a_shape=a_shape, b_shape=b_shape,
                 a_sharding_transpose=a_axes, b_sharding_transpose=b_axes)
-            delta = qlora._compute_lora_delta(lhs, lora_a, lora_b, lhs_ca, lhs_ba, contract,
-                                              batch, remain, rule.rank, precision=precision)
+            delta = q.delta(lhs, lora_a, lora_b, lhs_ca, lhs_ba, contract, batch, remain,
+                            rule.rank, precision=precision)
             return res + delta * (rule.alpha / rule.rank)
 
         def einsum(self, einsum_str, *operands, **kwargs):
             # Not LoraProvider.einsum: it sets an attribute on the module, which a Linen
             # module refuses outside setup() (SetAttributeFrozenModuleError).
-            res = ptq.PtqProvider.einsum(self, einsum_str, *operands, **kwargs)
+            res = qwix.PtqProvider.einsum(self, einsum_str, *operands, **kwargs)
             if len(operands) != 2:
                 return res
             lhs, rhs = operands
-            info = einsum_info.EinsumInfo.parse(einsum_str, ndims=(lhs.ndim, rhs.ndim))
-            a_shape, b_shape, lora_str, a_axes, b_axes = qlora._parse_einsum_str_for_lora(
-                lhs.shape, rhs.shape, einsum_str, self._rules[0].rank)
+            info = q.parse_einsum(einsum_str, ndims=(lhs.ndim, rhs.ndim))
+            a_shape, b_shape, lora_str, a_axes, b_axes = q.einsum_shapes(
+                lhs.shape, rhs.shape, einsum_str, internals.qwix_rank(self))
             a_str, b_str = lora_str.split("->")[0].split(",")[1:]
             found = self._adapt("einsum", rhs, a_str[:-1] + b_str[1:] == info.rhs)
             if found is None:
                 return res
             rule, name = found
-            lora_a, lora_b = qlora._get_or_create_lora_params(
+            lora_a, lora_b = q.params(
                 name=name, rule=rule, a_shape=a_shape, b_shape=b_shape,
                 a_sharding_transpose=a_axes, b_sharding_transpose=b_axes)
             return res + jnp.einsum(lora_str, lhs, lora_a, lora_b, **kwargs) * (

@@ -9,6 +9,11 @@ that is the embedding table when `tie_embeddings` is on.
 Precision: parameters are stored in `param_dtype`; every matmul runs in `dtype`; norms,
 the softmax and the returned logits are float32.
 
+Decoding (jtrain.engine.sample): `init_cache(batch, length)` is an empty key/value cache
+and `__call__(tokens, cache=cache, pad=pad)` runs `tokens` [B, T] at the cache's index,
+rows left-padded by `pad` [B] tokens, returning the logits and the cache written at
+those T slots: the prompt in one call (prefill), then one token per call.
+
 Memory: `model.remat` rematerialises each block (REMAT_POLICIES): the backward pass
 recomputes what the policy did not keep, trading compute for activation memory.
 
@@ -91,7 +96,10 @@ class CausalSelfAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:  # x [B, T, D]
+                 positions: jax.Array | None = None, cache=None):  # x [B, T, D]
+        """[B, T, D]; with `cache` = (this layer's {"key", "value"} [B, S, H, Dh], the
+        slot of x's first token, the mask [B, 1, T, S]): ([B, T, D], the layer's cache
+        with x's keys and values written)."""
         d = x.shape[-1]
         h, dh = self.num_heads, d // self.num_heads
         in_init = nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2))
@@ -101,7 +109,13 @@ class CausalSelfAttention(nn.Module):
                                      in_init).astype(self.dtype))  # [B, T, H, Dh]
                    for name in ("query", "key", "value"))
         q, k = _rope(q, positions), _rope(k, positions)
-        if segment_ids is not None:  # packed: no attention across documents
+        if cache is not None:
+            kv, index, allowed = cache
+            kv = {name: jax.lax.dynamic_update_slice(kv[name], new.astype(kv[name].dtype),
+                                                     (0, index, 0, 0))  # [B, S, H, Dh]
+                  for name, new in (("key", k), ("value", v))}
+            ctx = _attend(q, kv["key"], kv["value"], allowed=allowed)
+        elif segment_ids is not None:  # packed: no attention across documents
             ctx = _attend(q, k, v, segment_ids)
         elif self.attention == "cudnn":
             # cuDNN's fused causal attention: the [B, H, T, T] scores never reach memory.
@@ -110,20 +124,23 @@ class CausalSelfAttention(nn.Module):
         else:
             ctx = _attend(q, k, v)
         w_out = _param(self, "out", (h, dh, d), ("heads", "kv", "embed"), out_init)
-        return _matmul(ctx, w_out.astype(self.dtype), n_in=2)  # [B, T, D]
+        out = _matmul(ctx, w_out.astype(self.dtype), n_in=2)  # [B, T, D]
+        return out if cache is None else (out, kv)
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array,
-            segment_ids: jax.Array | None = None) -> jax.Array:
-    """Causal softmax attention written out; q, k, v [B, T, H, Dh] -> [B, T, H, Dh].
-    Scores and the softmax in float32. With `segment_ids` [B, T] a query sees only keys
-    of its own segment."""
+            segment_ids: jax.Array | None = None, allowed=None) -> jax.Array:
+    """Causal softmax attention written out; q [B, T, H, Dh], k, v [B, S, H, Dh] ->
+    [B, T, H, Dh]. Scores and the softmax in float32. With `segment_ids` [B, T] a query
+    sees only keys of its own segment; `allowed` [B, 1, T, S] (decoding from a cache):
+    which keys each query sees, in place of the causal mask."""
     dh, dtype = q.shape[-1], q.dtype
-    scores = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32)  # [B, H, T, T]
+    scores = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32)  # [B, H, T, S]
     scores = scores / jnp.sqrt(jnp.float32(dh))
-    t = q.shape[1]
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # [T, T]: query q sees keys s <= q
-    allowed = causal[None, None]  # [1, 1, T, T]
+    if allowed is None:
+        t = q.shape[1]
+        causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # [T, T]: query q sees keys s <= q
+        allowed = causal[None, None]  # [1, 1, T, T]
     if segment_ids is not None:
         same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, T]
         allowed = allowed & same[:, None]  # [B, 1, T, T]
@@ -169,14 +186,18 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool, segment_ids=None,
-                 positions=None) -> jax.Array:  # x [B, T, D]
+                 positions=None, cache=None):  # x [B, T, D]
         h = _norm(self.param_dtype, "attn_norm")(x)  # float32 [B, T, D]
         h = CausalSelfAttention(self.num_heads, self.dtype, self.param_dtype,
-                                self.attention, name="attn")(h, segment_ids, positions)
+                                self.attention, name="attn")(h, segment_ids, positions,
+                                                             cache)
+        if cache is not None:  # (out, this layer's cache)
+            h, cache = h
         x = x + _dropout(h, self.dropout, train)
         h = _norm(self.param_dtype, "mlp_norm")(x)
         h = MlpBlock(self.d_ff, self.dtype, self.param_dtype, self.mlp, name="mlp")(h)
-        return x + _dropout(h, self.dropout, train)  # [B, T, D]
+        x = x + _dropout(h, self.dropout, train)  # [B, T, D]
+        return x if cache is None else (x, cache)
 
 
 # model.remat: what a block keeps from the forward pass for the backward pass. "full"
@@ -219,15 +240,37 @@ class Transformer(nn.Module):
     remat: str = "none"  # REMAT_POLICIES
     mlp: str = "gelu"  # MLP_KINDS
 
+    def init_cache(self, batch: int, length: int) -> dict:
+        """An empty decoding cache of `length` <= max_len slots for `batch` rows: the
+        next slot ("index") and each layer's keys and values [B, S, H, Dh] in dtype."""
+        if length > self.max_len:
+            raise ValueError(f"model.max_len: a cache of {length} tokens, the model's "
+                             f"context is {self.max_len}")
+        kv = jnp.zeros((batch, length, self.num_heads, self.d_model // self.num_heads),
+                       self.dtype)
+        return {"index": jnp.zeros((), jnp.int32),
+                "layers": [{"key": kv, "value": kv} for _ in range(self.num_layers)]}
+
     @nn.compact
-    def __call__(self, tokens, *, train: bool = False) -> jax.Array:
+    def __call__(self, tokens, *, train: bool = False, cache=None, pad=None):
         """tokens int [B, T] with T <= max_len -> logits float32 [B, T, vocab_size].
         Packed sequences: tokens = {"inputs": [B, T], "segment_ids": [B, T] (attention
-        stays within a segment), "positions": [B, T] (rotary positions per segment)}."""
-        segment_ids = positions = None
+        stays within a segment), "positions": [B, T] (rotary positions per segment)}.
+        Decoding: `cache` (init_cache) and `pad` int [B], the left padding of each row
+        -> (logits, the cache with these T tokens written at its index)."""
+        segment_ids = positions = decode = None
         if isinstance(tokens, dict):
             segment_ids, positions = tokens.get("segment_ids"), tokens.get("positions")
             tokens = tokens["inputs"]
+        if cache is not None:
+            index, slots = cache["index"], cache["layers"][0]["key"].shape[1]
+            pad = jnp.zeros(tokens.shape[:1], jnp.int32) if pad is None else pad
+            here = index + jnp.arange(tokens.shape[1])  # [T]: the tokens' slots
+            positions = jnp.maximum(here[None, :] - pad[:, None], 0)  # [B, T]
+            keys = jnp.arange(slots)  # [S]
+            allowed = ((keys[None, :] <= here[:, None])[None]  # [1, T, S]: causal
+                       & (keys[None, None, :] >= pad[:, None, None]))  # no padding
+            decode = (index, allowed[:, None])  # [B, 1, T, S]
         if tokens.ndim != 2 or tokens.shape[1] > self.max_len:
             raise ValueError(f"model.max_len: expected tokens [batch, length<={self.max_len}], "
                              f"got shape {tokens.shape}")
@@ -239,6 +282,7 @@ class Transformer(nn.Module):
         x = embed(tokens)  # [B, T, D] in dtype
         x = _dropout(x, self.dropout, train)
         block = block_class(self.remat)
+        layers = []
         for i in range(self.num_layers):
             # Keep the residual stream split by batch only: with params sharded on
             # "embed" (FSDP), XLA would otherwise reshard activations along D instead of
@@ -246,7 +290,11 @@ class Transformer(nn.Module):
             x = nn.with_logical_constraint(x, ("batch", "length", None))
             x = block(self.num_heads, self.d_ff, self.dropout, self.dtype, self.param_dtype,
                       self.attention, mlp=self.mlp, name=f"layer_{i}")(
-                x, train, segment_ids, positions)
+                x, train, segment_ids, positions,
+                None if decode is None else (cache["layers"][i], *decode))
+            if decode is not None:
+                x, kv = x
+                layers.append(kv)
         x = nn.with_logical_constraint(x, ("batch", "length", None))
         x = _norm(self.param_dtype, "final_norm")(x)  # float32 [B, T, D]
         if self.tie_embeddings:
@@ -256,7 +304,10 @@ class Transformer(nn.Module):
             w = _param(self, "logits", (self.d_model, self.vocab_size), ("embed", "vocab"),
                        nn.initializers.lecun_normal())
             logits = _matmul(x.astype(self.dtype), w.astype(self.dtype))
-        return logits.astype(jnp.float32)  # [B, T, V]
+        logits = logits.astype(jnp.float32)  # [B, T, V]
+        if decode is None:
+            return logits
+        return logits, {"index": decode[0] + tokens.shape[1], "layers": layers}
 
 
 def build(model_cfg, *, dtype, param_dtype) -> Transformer:

@@ -6,7 +6,7 @@ an NNX module (or a class / function rngs -> NNX module), or an `(init, apply)` 
 A factory that takes `dtype` / `param_dtype` keyword arguments (and was not given them
 in `model.kwargs`) receives the precision policy's. Because the config names the
 factory, every command rebuilds the same model from `config.json`: the CLI with
-`--config.model.kwargs...` overrides, `python -m jtrain.evaluate`, `checkpoint.init_from`.
+`--config.model.kwargs...` overrides, `python -m jtrain.evaluate`, `init.path`.
 """
 
 from __future__ import annotations

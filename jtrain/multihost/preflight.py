@@ -17,16 +17,11 @@ import ipaddress
 import json
 import socket
 
+from jtrain import internals
 from jtrain.errors import PeerError
 
 PREFLIGHT = "jtrain/preflight/"
 STEP = "jtrain/step/"
-
-
-def _client():
-    from jax._src import distributed  # the client jax.distributed.initialize made
-
-    return distributed.global_state.client
 
 
 def _exchange(client, key: str, me: int, n: int, value: str, timeout_s: float,
@@ -64,8 +59,8 @@ def _version() -> str:
 def run(cfg, config_hash: str) -> None:
     import jax
 
-    client = _client()
-    if jax.process_count() <= 1 or client is None:
+    client = internals.distributed_client() if jax.process_count() > 1 else None
+    if client is None:
         return
     me, n = jax.process_index(), jax.process_count()
     mine = {"config_hash": config_hash, "local_devices": jax.local_device_count(),
@@ -80,9 +75,7 @@ def run(cfg, config_hash: str) -> None:
                                 f"{reports[pid][field]}, process 0 has {reports[0][field]}; "
                                 "every process must run the same config and jtrain on the "
                                 "same number of devices")
-    from jax._src import distributed
-
-    address = distributed.global_state.coordinator_address or ""
+    address = internals.coordinator_address()
     hosts = {r["host"] for r in reports.values()}
     if len(hosts) > 1 and _is_loopback(address.rpartition(":")[0].strip("[]")):
         raise PeerError(f"preflight: the coordinator address {address} is a loopback "
@@ -94,8 +87,8 @@ def check_step(step: int, cfg, config_hash: str) -> None:
     """--debug_multihost: all processes at `step` with the same config hash."""
     import jax
 
-    client = _client()
-    if client is None or jax.process_count() <= 1:
+    client = internals.distributed_client() if jax.process_count() > 1 else None
+    if client is None:
         return
     me, n = jax.process_index(), jax.process_count()
     reports = _exchange(client, f"{STEP}{step}/", me, n, config_hash,
@@ -111,8 +104,8 @@ def forget() -> None:
     once the run is over on every process (each has read the others' reports)."""
     import jax
 
-    client = _client()
-    if client is None or jax.process_count() <= 1:
+    client = internals.distributed_client() if jax.process_count() > 1 else None
+    if client is None:
         return
     me = jax.process_index()
     mine = [f"{PREFLIGHT}{me}"] + [key for key, _ in client.key_value_dir_get(STEP)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 
+from jtrain import internals
 from jtrain.config.schema import SCHEMA
 from jtrain.errors import ConfigError, UsageError
 from jtrain.multihost import heartbeat, rollcall
@@ -46,11 +47,9 @@ def timeouts(raw_config) -> tuple[float, float]:
 
 def _detect(init_timeout: float):
     """(coordinator, num_processes, process_id) from the cluster JAX detects."""
-    from jax._src import clusters
-
+    detect = internals.cluster_detector()
     try:
-        address, n, pid, _ = clusters.ClusterEnv.auto_detect_unset_distributed_params(
-            None, None, None, None, None, int(init_timeout))
+        address, n, pid = detect(init_timeout)
     except Exception as e:  # noqa: BLE001 - a detector that fails part-way
         raise UsageError(f"--distributed=auto: cluster detection failed: {e}") from None
     if address is None or n is None or pid is None:
@@ -86,7 +85,5 @@ def start(raw_config, coordinator_address, num_processes: int, process_id: int,
         process_id=process_id, initialization_timeout=int(init_timeout) + 1,
         heartbeat_timeout_seconds=int(2 * silent_after) + JAX_HEARTBEAT_MARGIN_S,
         coordinator_bind_address=bind)
-    from jax._src import distributed
-
-    heartbeat.PeerMonitor(distributed.global_state.client, process_id, num_processes,
+    heartbeat.PeerMonitor(internals.distributed_client(), process_id, num_processes,
                           silent_after).start()

@@ -10,15 +10,11 @@ under a key. JAX decides once per process, at its first compile,
 whether the cache is used, and by default skips compiles under 1 s and small entries:
 `configure_cache` sets the directory, caches every compile (thresholds 0) and resets
 JAX's decision, so it works even after arrays exist. Several runs and processes may
-share the directory. JAX writes entries from process 0 only, so that processes do not
-contend for one file; on XLA:CPU, though, each process's cache key is its own (the key
-hashes the topology of the process's devices), so the other processes never found an
-entry and compiled every program at every start while process 0 waited for them in the
-first collective. There `write_from_every_process` lets each process write its own
-entries (different keys: different files). With the size limit `compile.cache_max_gb`
-JAX takes a file lock around every read and write and evicts the least-recently used
-entries past it (`list_once_per_process`: the directory is listed at a process's first
-write and when its own writes would pass the limit, not at every write).
+share the directory. With the size limit `compile.cache_max_gb` JAX takes a file lock
+around every read and write and evicts the least-recently used entries past it. For
+the length of a run (engine/run.py), `internals.compile_cache_patches` lets every
+process of an XLA:CPU run write its own entries and lists the directory once per
+process instead of at every write.
 
 `Recorder` listens to JAX's monitoring events (one backend compile each, a cache hit or
 miss each) and to the "Compiling <fn> with global shapes ..." record of JAX's lowering
@@ -36,12 +32,12 @@ import threading
 import jax
 from jax import monitoring
 
+from jtrain import internals
 from jtrain.errors import ConfigError
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _MISS_EVENT = "/jax/compilation_cache/cache_misses"
-_LOWERING_LOGGER = "jax._src.interpreters.pxla"
 _CONFIGURED: tuple | None = None  # (directory, max_gb) of configure_cache's last call
 
 
@@ -88,11 +84,8 @@ def configure_cache(cache_dir: str, max_gb: float = 0.0) -> str | None:
         # A size limit makes JAX lock the directory (filelock) around every read and
         # write: what lets several runs and processes share it safely.
         jax.config.update("jax_compilation_cache_max_size",
-                          int(max_gb * 2**30) if max_gb > 0 and _has_filelock() else -1)
+                          int(max_gb * 2**30) if max_gb > 0 else -1)
     cc.reset_cache()  # JAX checks "is the cache used" once, at the first compile
-    if path is not None:
-        write_from_every_process()
-        list_once_per_process()
     return path
 
 
@@ -135,138 +128,6 @@ def configure_cache_for_reader(cache_dir: str) -> str | None:
                            compile_cfg["cache_max_gb"].default)
 
 
-def write_from_every_process() -> bool:
-    """On XLA:CPU, let processes other than 0 write their persistent-cache entries too
-    (see the module docstring); returns whether the writer is in place. Their keys differ
-    from process 0's, so no two processes write one file. Other platforms keep JAX's
-    rule: their keys are the same on every process, and process 0's entry serves all.
-    Needs JAX's private cache writer (`jax._src.compiler._cache_write`); where it is
-    missing or looks different, nothing changes (the others compile, as before)."""
-    try:
-        import inspect
-
-        from jax._src import compilation_cache as jcc
-        from jax._src import compiler, distributed
-    except ImportError:
-        return False
-    write = getattr(compiler, "_cache_write", None)
-    if write is None or getattr(write, "_jtrain_every_process", False):
-        return write is not None
-    try:
-        params = list(inspect.signature(write).parameters)
-    except (TypeError, ValueError):
-        return False
-    if params != ["cache_key", "compile_time_secs", "module_name", "backend", "executable",
-                  "host_callbacks"] or not hasattr(jcc, "put_executable_and_time"):
-        return False
-
-    def every_process(cache_key, compile_time_secs, module_name, backend, executable,
-                      host_callbacks):
-        if (distributed.global_state.process_id == 0 or host_callbacks
-                or getattr(backend, "platform", None) != "cpu"
-                or compile_time_secs < jax.config.jax_persistent_cache_min_compile_time_secs):
-            return write(cache_key, compile_time_secs, module_name, backend, executable,
-                         host_callbacks)
-        try:
-            jcc.put_executable_and_time(cache_key, module_name, executable, backend,
-                                        int(compile_time_secs))
-        except Exception as e:  # noqa: BLE001 - a cache entry not written costs a compile
-            logging.warning("jtrain: compile cache: entry %s not written (%s: %s)",
-                            module_name, type(e).__name__, e)
-
-    every_process._jtrain_every_process = True  # type: ignore[attr-defined]
-    compiler._cache_write = every_process
-    return True
-
-
-def list_once_per_process() -> bool:
-    """With the size limit, list the cache directory at a process's first write and
-    again only when that process's writes since would pass the limit, not at every
-    write; returns whether this is in place.
-
-    JAX's eviction (`LRUCache._evict_if_needed`) lists the directory, stats every entry
-    and reads its access-time file at every write, holding the lock that every read
-    waits for: 0.35 CPU s a compile with 6,400 entries, and a run that fills a fresh
-    cache pays it over a growing directory at each of its compiles. Here the first write
-    of a process does the same (the least-recently used entries go until the new one
-    fits) and remembers the size left; later writes add their own sizes to it and list
-    again once the sum would pass the limit. What other processes wrote meanwhile is
-    counted at their own writes, so the directory can pass the limit by what several
-    processes add at once, until the next listing. Needs JAX's private
-    `jax._src.lru_cache`; where it is missing or looks different, JAX's eviction stays."""
-    try:
-        import inspect
-
-        from jax._src import lru_cache
-    except ImportError:
-        return False
-    cls = getattr(lru_cache, "LRUCache", None)
-    evict = getattr(cls, "_evict_if_needed", None)
-    if evict is None or getattr(evict, "_jtrain_listing", False):
-        return evict is not None
-    try:
-        params = inspect.signature(evict).parameters
-    except (TypeError, ValueError):
-        return False
-    suffixes = (getattr(lru_cache, "_CACHE_SUFFIX", None),
-                getattr(lru_cache, "_ATIME_SUFFIX", None))
-    if list(params) != ["self", "additional_size"] or None in suffixes:
-        return False
-
-    def evict_if_needed(self, *, additional_size: int = 0) -> None:
-        if not self.eviction_enabled:
-            return
-        known = getattr(self, "_jtrain_size", None)
-        if known is None or known + additional_size > self.max_size:
-            known = _evict_least_recent(self.path, self.max_size - additional_size,
-                                        *suffixes)
-        self._jtrain_size = known + additional_size
-
-    evict_if_needed._jtrain_listing = True  # type: ignore[attr-defined]
-    cls._evict_if_needed = evict_if_needed
-    return True
-
-
-def _evict_least_recent(path, target_size: int, cache_suffix: str, atime_suffix: str) -> int:
-    """Deletes the entries of the cache directory `path` (a pathlib / epath Path) with the
-    oldest access times until their sizes sum to at most `target_size`; returns the sum
-    left. An entry another process deleted meanwhile, or without its access time (being
-    written), is skipped or counts as the oldest."""
-    import heapq
-
-    entries, size = [], 0
-    for cache_file in path.glob(f"*{cache_suffix}"):
-        key = cache_file.name[:-len(cache_suffix)]
-        try:
-            st = cache_file.stat()
-            length = st.st_size if hasattr(st, "st_size") else st.length
-        except OSError:
-            continue
-        try:
-            atime = int.from_bytes((path / f"{key}{atime_suffix}").read_bytes(), "little")
-        except OSError:
-            atime = 0
-        size += length
-        heapq.heappush(entries, (atime, key, length))
-    while size > target_size and entries:
-        _, key, length = heapq.heappop(entries)
-        for name in (key + cache_suffix, key + atime_suffix):
-            try:
-                (path / name).unlink()
-            except OSError:
-                pass
-        size -= length
-    return size
-
-
-def _has_filelock() -> bool:
-    try:
-        import filelock  # noqa: F401 - a dependency of jtrain; JAX needs it for the limit
-    except ImportError:
-        return False
-    return True
-
-
 class Recorder:
     """Counts the compiles of this process while active; after `first_step_done()`
     every compile is a recompile, recorded with its cause."""
@@ -289,7 +150,7 @@ class Recorder:
     def __enter__(self) -> "Recorder":
         _install()
         Recorder._active = self
-        self._logger = logging.getLogger(_LOWERING_LOGGER)
+        self._logger = internals.lowering_logger()
         self._old_level = self._logger.level
         # Its "Compiling ..." record is DEBUG unless jax_log_compiles: enable DEBUG on
         # that logger and drop its DEBUG records after reading them, unless the user had

@@ -36,7 +36,6 @@ LOG_FILE = "train.log"
 # Fields of the progress line, most important first: when the line is wider than the
 # terminal, fields are dropped from the end of this order (step/total, loss, lr, rate and
 # ETA are never dropped; the line is cut only if they alone do not fit).
-_KEEP = ("step", "loss", "lr", "rate", "eta")
 _DROP_ORDER = ("other", "mfu", "ema", "epoch", "bar", "counter")
 
 

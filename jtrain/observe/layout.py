@@ -255,9 +255,9 @@ PRECEDENCE = """\
    `LOCAL_DIR/<id>.damaged/`) and the newer of the two tiers' newest intact steps is
    restored (a tie: the persistent one); an empty or missing local tier means
    `WORKDIR/checkpoints`.
-2. **Else `checkpoint.init_from`** (an export or another run's workdir/step, read only):
-   params, plus optimizer state with `checkpoint.init_from_opt`, minus
-   `checkpoint.init_exclude` regexes; the run starts at step 0 with a fresh data order.
+2. **Else `init.path`** (an export or another run's workdir/step, read only):
+   params, plus optimizer state with `init.opt`, minus
+   `init.exclude` regexes; the run starts at step 0 with a fresh data order.
 3. **Else a fresh init** from `seed`.
 """
 

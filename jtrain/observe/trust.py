@@ -4,9 +4,9 @@ A config names code by import path ("package.module:function": model.factory,
 step.factory, data.source, data.transform, data.valid_fn, loss.fn, loss.terms.*.fn,
 eval.predict_fn, data.mixture.*.source, control.callbacks), and the commands that
 rebuild a run from its config.json (jtrain evaluate, jtrain replay, python -m
-jtrain.recipes.report) import those modules and call them with kwargs from the same
-file. A run directory is data, so (as Jupyter trusts notebooks) the user's own tools
-sign what they write:
+jtrain.recipes.report; jtrain sample, its model.factory only) import those modules and
+call them with kwargs from the same file. A run directory is data, so (as Jupyter
+trusts notebooks) the user's own tools sign what they write:
 
 - when jtrain writes a run's config.json it writes config.json.sig beside it: the
   HMAC-SHA256 of the file's bytes under a per-user key (`key_file()`: $JTRAIN_TRUST_KEY_FILE,

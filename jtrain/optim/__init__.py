@@ -29,10 +29,10 @@ Choices worth knowing:
   Adam's (b2=0.999); the Lion paper (and optax) use b1=0.9, b2=0.99, and a learning
   rate 3-10x smaller than AdamW's: set them explicitly.
 - "adafactor" uses optax's defaults (factored second moments, update clipping,
-  parameter-scale multiplication); `b1`, `b2`, `eps` and `momentum` are not used.
+  parameter-scale multiplication); `b1`, `b2` and `eps` are not used.
 - `grad_accum_steps` is read by the step builder (token-weighted accumulation inside the
   train step, one step = one update), not here.
-- "muon" (optax.contrib.muon): orthogonalised momentum (`muon_beta`, `muon_ns_steps`)
+- "muon" (optax.contrib.muon): orthogonalised momentum (`optim.kwargs` beta, ns_steps)
   on 2-D leaves; every other leaf gets muon's own fallback, Nesterov adamw (`b1`, `b2`),
   both with the masked weight decay. The header counts the leaves of each.
 - "schedule_free_adamw" / "_sgd" (optax.contrib.schedule_free): `b1` in (0, 1) is the
@@ -40,7 +40,7 @@ Choices worth knowing:
   y; evaluation uses the average x (`schedule_free_eval_params`), and so does the
   export. lr_mults and the plateau / spike factor scale the base step (z), so the average
   stays consistent.
-- "prodigy": estimates the step size D from `prodigy_d0`; `lr` (usually 1.0) multiplies
+- "prodigy": estimates the step size D from `optim.kwargs.estim_lr0`; `lr` (usually 1.0) multiplies
   it; masked weight decay as prodigy's own. lr_mults and the factor scale the step.
 - Freezing (`optim.trainable`, `optim.frozen`: regexes searched in parameter paths such
   as `encoder/Dense_0/kernel`, `leaf_path`): the whole chain above runs inside
@@ -51,6 +51,9 @@ Choices worth knowing:
   leaves, which for these optimizers is multiplying their learning rate (weight decay
   included, as it is scaled by the learning rate).
 
+- A built-in name's own arguments are `optim.kwargs` (sgd: momentum, nesterov; muon:
+  beta, ns_steps; prodigy: estim_lr0; jtrain.config.fields.OPTIMIZERS, the one list of
+  the names, with their defaults).
 - Any other optax / optax.contrib function by name ("optax.lion", with `optim.kwargs`)
   takes the place of the optimizer in the chain above (named.py says what jtrain passes
   it); `jtrain.train(tx=...)` replaces the whole chain but the freezing and lr_mults
@@ -71,6 +74,7 @@ import jax.numpy as jnp
 import optax
 
 from jtrain.config import sections
+from jtrain.config.fields import OPTIMIZERS as FIELD_OPTIMIZERS, SCHEDULE_FREE  # noqa: F401
 from jtrain.errors import ConfigError
 from jtrain.optim import decay as optim_decay
 from jtrain.optim import named
@@ -118,8 +122,8 @@ def _adam(cfg, schedule, wd, mask):
 
 
 def _sgd(cfg, schedule, wd, mask):
-    momentum = float(cfg["momentum"]) or None  # 0 = plain sgd, no momentum state
-    sgd = optax.sgd(schedule, momentum=momentum, nesterov=bool(cfg["nesterov"]))
+    sgd = optax.sgd(schedule, momentum=float(cfg["kwargs"]["momentum"]) or None,  # 0: none
+                    nesterov=bool(cfg["kwargs"]["nesterov"]))
     if wd <= 0:
         return sgd
     return optax.chain(optax.add_decayed_weights(wd, mask=mask), sgd)
@@ -139,8 +143,8 @@ def _adafactor(cfg, schedule, wd, mask):
 
 def _muon(cfg, schedule, wd, mask):
     # optax's own 2-D rule, split out here so the adam half takes the decay mask too.
-    muon = optax.contrib.muon(schedule, ns_steps=int(cfg["muon_ns_steps"]),
-                              beta=cfg["muon_beta"], eps=cfg["eps"], weight_decay=wd,
+    muon = optax.contrib.muon(schedule, ns_steps=int(cfg["kwargs"]["ns_steps"]),
+                              beta=cfg["kwargs"]["beta"], eps=cfg["eps"], weight_decay=wd,
                               weight_decay_mask=mask)
     adam = optax.adamw(schedule, b1=cfg["b1"], b2=cfg["b2"], eps=cfg["eps"],
                        weight_decay=wd, mask=mask, nesterov=True)
@@ -154,7 +158,7 @@ def muon_labels(params):
 
 def _prodigy(cfg, schedule, wd, mask):
     tx = optax.contrib.prodigy(schedule, betas=(cfg["b1"], cfg["b2"]), eps=cfg["eps"],
-                               estim_lr0=cfg["prodigy_d0"])
+                               estim_lr0=cfg["kwargs"]["estim_lr0"])
     if wd <= 0:
         return tx
     b1, b2 = cfg["b1"], cfg["b2"]
@@ -171,39 +175,27 @@ def _prodigy(cfg, schedule, wd, mask):
     return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
-def _schedule_free_adamw(cfg, schedule, wd, mask, tail=()):
-    base = optax.chain(
-        optax.scale_by_rms(decay=cfg["b2"], eps=cfg["eps"], eps_in_sqrt=False,
-                           bias_correction=True),
-        optax.add_decayed_weights(wd, mask), optax.scale_by_learning_rate(schedule), *tail)
-    return optax.contrib.schedule_free(base, learning_rate=schedule, b1=cfg["b1"])
-
-
-def _schedule_free_sgd(cfg, schedule, wd, mask, tail=()):
-    base = optax.chain(optax.add_decayed_weights(wd, mask),
+def _schedule_free_adamw(cfg, schedule, wd, mask, tail=(), rms=True):
+    rms = (optax.scale_by_rms(decay=cfg["b2"], eps=cfg["eps"], eps_in_sqrt=False,
+                              bias_correction=True),) if rms else ()
+    base = optax.chain(*rms, optax.add_decayed_weights(wd, mask),
                        optax.scale_by_learning_rate(schedule), *tail)
     return optax.contrib.schedule_free(base, learning_rate=schedule, b1=cfg["b1"])
 
 
-_OPTIMIZERS = {
-    "adamw": _adamw,
-    "adam": _adam,
-    "sgd": _sgd,
-    "lion": _lion,
-    "adafactor": _adafactor,
-    "muon": _muon,
-    "schedule_free_adamw": _schedule_free_adamw,
-    "schedule_free_sgd": _schedule_free_sgd,
-    "prodigy": _prodigy,
-}
-SCHEDULE_FREE = ("schedule_free_adamw", "schedule_free_sgd")
+_schedule_free_sgd = functools.partial(_schedule_free_adamw, rms=False)
+
+
+# Each built-in name of the one list (jtrain.config.fields.OPTIMIZERS) is built by the
+# function of that name above, with a leading underscore.
+_OPTIMIZERS = {name: globals()[f"_{name}"] for name in FIELD_OPTIMIZERS}
 OPTIMIZERS = tuple(_OPTIMIZERS)
 
 
 def leaf_path(path) -> str:
     """A parameter's path in the params tree (`blocks_0/attn/qkv/kernel`, no `params/`):
     the one string every parameter pattern is matched against (optim.trainable / frozen /
-    lr_mults, checkpoint.init_exclude / init_map, finetune.lora.targets) and the tensor
+    lr_mults, init.exclude / init.map, finetune.lora.targets) and the tensor
     name of an export."""
     return jax.tree_util.keystr(path, simple=True, separator="/")
 
@@ -321,22 +313,6 @@ def _is_sf_state(x) -> bool:
     return isinstance(x, optax.contrib.ScheduleFreeState)
 
 
-def _check_names(optim_cfg) -> None:
-    """optim.name / optim.schedule against what this module builds (before the schema's
-    checks, so the message lists the optimizers and schedules that exist here)."""
-    get = getattr(optim_cfg, "get", lambda key, default=None: default)
-    for key, known in (("name", _OPTIMIZERS), ("schedule", _SCHEDULES)):
-        value = get(key, None)
-        if key == "name" and isinstance(value, str) and named.is_optax_name(value):
-            continue
-        if value is not None and value not in known:
-            what = "optimizer" if key == "name" else "schedule"
-            raise ConfigError(f"optim.{key}", f"unknown {what} {value!r}; choose one of: "
-                                              f"{', '.join(known)}" + (
-                                                  ", or optax.<name> / optax.contrib.<name>"
-                                                  if key == "name" else ""))
-
-
 def make_optimizer(optim_cfg, total_steps, *, extra_trainable=(), decay_in_state=False):
     """Returns `(tx, schedule)`; `schedule` is the one inside `tx` (log `schedule(step)`).
 
@@ -356,7 +332,6 @@ def make_optimizer(optim_cfg, total_steps, *, extra_trainable=(), decay_in_state
         print(schedule(100))        # the peak learning rate
         ```
     """
-    _check_names(optim_cfg)
     optim_cfg = sections.section("optim", optim_cfg, total_steps=total_steps)
     name = optim_cfg["name"]
     schedule = make_schedule(optim_cfg, total_steps)
@@ -411,7 +386,7 @@ def given_optimizer(tx, optim_cfg, total_steps, *, extra_trainable=()):
                                 f"{type(tx).__name__}")
     optim_cfg = sections.section("optim", optim_cfg, total_steps=total_steps)
     defaults = sections.section("optim", {}, total_steps=total_steps)
-    for key in optim_cfg:
+    for key in sorted(optim_cfg, key=lambda k: k != "name"):  # the name before its kwargs
         if key not in _WITH_TX and optim_cfg[key] != defaults[key]:
             raise ConfigError(f"optim.{key}", f"{optim_cfg[key]!r} would be ignored: "
                               "jtrain.train(tx=...) is the whole optimizer; leave "

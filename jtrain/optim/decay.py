@@ -52,9 +52,9 @@ def optimizer(name: str, cfg, schedule, wd: float, mask) -> optax.GradientTransf
         return optax.chain(optax.scale_by_lion(b1=cfg["b1"], b2=cfg["b2"]), decay,
                            optax.scale_by_learning_rate(schedule))
     if name == "sgd":
-        momentum = float(cfg["momentum"]) or None
-        return optax.chain(decay, optax.sgd(schedule, momentum=momentum,
-                                            nesterov=bool(cfg["nesterov"])))
+        return optax.chain(decay, optax.sgd(
+            schedule, momentum=float(cfg["kwargs"]["momentum"]) or None,
+            nesterov=bool(cfg["kwargs"]["nesterov"])))
     raise ValueError(f"no per-member weight decay for optimizer {name!r}")
 
 

@@ -2,7 +2,7 @@
 (configs/recipes/distill.py; jtrain.step.Step).
 
 The state holds the teacher's parameters (frozen: no gradient, no optimizer state; filled
-by `checkpoint.init_from` = a run of configs/base.py with `checkpoint.init_into =
+by `init.path` = a run of configs/base.py with `init.into =
 "teacher"`), the student's and the student's AdamW state. The loss is the usual mix
 (Hinton et al. 2015): `alpha` x the cross-entropy against the next byte plus
 `(1 - alpha) x T^2` x the KL divergence from the teacher's softened distribution to the

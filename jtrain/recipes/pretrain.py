@@ -10,7 +10,7 @@ entropy on the picked members only. Eval picks with a fixed key folded with each
 
 Fine-tuning (`make_finetune_data`): `labelled` labelled sets (seed 3) and 1,024 eval
 sets (seed 4); `Classifier` is the same `encoder` plus a new `cls_head`, started from
-the pretrained run's best checkpoint (checkpoint.init_from, init_exclude the head).
+the pretrained run's best checkpoint (init.path, init.exclude the head).
 """
 
 from __future__ import annotations

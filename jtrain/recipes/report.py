@@ -3,7 +3,7 @@
 For one run whose model comes from a recipe module with a `report(params, config)`
 (imputation), that report on the run's best checkpoint (by its checkpoint.monitor).
 For every run, one line: its best and final value of checkpoint.monitor, the final eval
-accuracy when there is one, and where it started from (init_from), so fine-tunes and
+accuracy when there is one, and where it started from (init.path), so fine-tunes and
 their from-scratch baseline read side by side.
 """
 
@@ -53,7 +53,8 @@ def summary_line(workdir: str) -> str:
     for key in ("eval/accuracy", "eval/f1_macro", "eval/loss"):
         if summary.get(key) is not None:
             parts.append(f"final {key} {summary[key]:.4f}")
-    start = config["checkpoint"].get("init_from") or "scratch"
+    start = ((config.get("init") or {}).get("path")  # older runs: checkpoint.init_from
+             or (config.get("checkpoint") or {}).get("init_from") or "scratch")
     parts.append(f"from {start}")
     if summary.get("stopped_by"):
         parts.append(f"stopped by {summary['stopped_by']}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from optuna.trial import Trial, TrialState
 
+from jtrain import internals
 from jtrain.config import space as space_lib
 from jtrain.errors import ConfigError
 from jtrain.tune import study as study_lib
@@ -105,7 +106,8 @@ def next_batch(study, tune_cfg, space: dict, workdir: str):
         if t is None:
             break
         if study_lib.CONTINUES in t.user_attrs:  # queued since: the next batch takes it
-            study._storage.set_trial_state_values(t._trial_id, TrialState.WAITING)
+            internals.optuna_storage(study).set_trial_state_values(
+                internals.optuna_trial_id(study, t), TrialState.WAITING)
             break
         trials.append(t)
         params.append(trial_lib.suggest(t, space))
@@ -130,16 +132,16 @@ def next_batch(study, tune_cfg, space: dict, workdir: str):
 
 def _continuation(study, first, space: dict, workdir: str):
     """The killed batch of `first` (a queued continuation), rebuilt whole."""
-    storage = study._storage
+    storage = internals.optuna_storage(study)
     attrs = first.user_attrs
     rel = attrs[study_lib.WORKDIR]
     batch = attrs.get(study_lib.BATCH) or [attrs[study_lib.CONTINUES]]
     claimed = {attrs.get(study_lib.SLOT, 0): first}
     for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
-        slot = t.user_attrs.get(study_lib.SLOT, 0)
+        slot, tid = t.user_attrs.get(study_lib.SLOT, 0), internals.optuna_trial_id(study, t)
         if t.user_attrs.get(study_lib.WORKDIR) == rel and slot not in claimed and \
-                storage.set_trial_state_values(t._trial_id, TrialState.RUNNING):
-            claimed[slot] = Trial(study, t._trial_id)
+                storage.set_trial_state_values(tid, TrialState.RUNNING):
+            claimed[slot] = Trial(study, tid)
             study_lib.mark(claimed[slot])
     resumed = trial_lib.last_checkpoint(trial_lib.trial_dir(workdir, rel))
     trials, members = [], []
@@ -147,7 +149,7 @@ def _continuation(study, first, space: dict, workdir: str):
         t = claimed.get(slot)
         if t is None:  # told already: trains along, untold
             old = storage.get_trial(storage.get_trial_id_from_study_id_trial_number(
-                study._study_id, number))
+                internals.optuna_study_id(study), number))
             params = trial_lib.checked_params(space, trial_lib.decode(space, old.params),
                                               f"trial {number}")
             members.append({"number": None, "params": params, "continues": None})

@@ -21,6 +21,7 @@ import time
 import optuna
 from optuna.trial import TrialState
 
+from jtrain import internals
 from jtrain.errors import ConfigError, first_line
 from jtrain.redact import redact_text
 
@@ -173,13 +174,12 @@ def interrupt(study: optuna.Study, t, why: str) -> bool:
     """Fails running trial `t` as interrupted and queues its continuation (same params,
     same workdir). False when another worker did it first."""
     first = t.user_attrs.get(WORKDIR, f"trials/{t.number}")
-    storage = study._storage
+    storage, tid = internals.optuna_storage(study), internals.optuna_trial_id(study, t)
     try:
-        storage.set_trial_user_attr(t._trial_id, INTERRUPTED, True)
-        storage.set_trial_user_attr(t._trial_id, REASON, f"interrupted ({why}); continued "
-                                    f"in {first}")
+        storage.set_trial_user_attr(tid, INTERRUPTED, True)
+        storage.set_trial_user_attr(tid, REASON, f"interrupted ({why}); continued in {first}")
         # The atomic step (a row lock in the RDB): only one worker fails a running trial.
-        if not storage.set_trial_state_values(t._trial_id, TrialState.FAIL):
+        if not storage.set_trial_state_values(tid, TrialState.FAIL):
             return False
     except optuna.exceptions.UpdateFinishedTrialError:
         return False
@@ -224,9 +224,9 @@ def copy_reports(study: optuna.Study, trial, upto: int | None) -> None:
     """The interrupted trial's evals up to the restored step, for the pruner."""
     if upto is None:
         return
-    first = study._storage.get_trial(
-        study._storage.get_trial_id_from_study_id_trial_number(
-            study._study_id, trial.user_attrs[CONTINUES]))
+    storage = internals.optuna_storage(study)
+    first = storage.get_trial(storage.get_trial_id_from_study_id_trial_number(
+        internals.optuna_study_id(study), trial.user_attrs[CONTINUES]))
     for step, value in sorted(first.intermediate_values.items()):
         if step <= upto:
             trial.report(value, step)
@@ -237,7 +237,9 @@ class Heartbeat:
 
     def __init__(self, study: optuna.Study, trial, every: float):
         self._stop = threading.Event()
-        self._storage, self._id, self._every = study._storage, trial._trial_id, every
+        self._storage, self._id = internals.optuna_storage(study), internals.optuna_trial_id(
+            study, trial)
+        self._every = every
         self._thread = threading.Thread(target=self._run, daemon=True, name="tune-heartbeat")
 
     def _run(self):

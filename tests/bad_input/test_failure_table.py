@@ -116,8 +116,8 @@ CASES = [
     ("data_source", ["train", DEBUG, "--workdir=runs/a", "--config.data.source=nomod:fn"],
      {}, 2, "data error: data.source: cannot import 'nomod'"),
     ("init_from_missing", ["train", DEBUG, "--workdir=runs/a",
-                           "--config.checkpoint.init_from=exports/none"], {}, 2,
-     "config error: checkpoint.init_from: exports/none: no such file or directory"),
+                           "--config.init.path=exports/none"], {}, 2,
+     "config error: init.path: exports/none: no such file or directory"),
     ("workdir_is_file", ["train", DEBUG, "--workdir=afile"], {}, 2,
      "workdir error: "),
     ("workdir_under_file", ["train", DEBUG, "--workdir=afile/run"], {}, 2,
@@ -151,8 +151,8 @@ CASES = [
     ("bench_unknown", ["bench", "nosuch"], {}, 2,
      "usage error: unknown benchmark 'nosuch'"),
     ("command_typo", ["trian"], {}, 2, "usage error: jtrain trian: unknown command; choose "
-     'from train, evaluate, export, tune, bench, diff, replay, trust, tokenize (did you mean '
-     '"train"?)'),
+     'from train, evaluate, export, tune, bench, diff, replay, trust, sample, tokenize (did '
+     'you mean "train"?)'),
     # Writers that cannot start: found before the data, the build or any step; an
     # existing run's files are left as they were (test_writer_failures_keep_the_run).
     ("writer_mlflow_file_store", ["train", DEBUG, "--workdir=runs/mlf",
@@ -176,7 +176,7 @@ SECRET_RUNS = [
     ("secret_factory", ["train", "--config=user_data.py", "--workdir=runs/secret_fail",
                         *_PLANTED, "--config.data.kwargs.fail=true"]),
     ("secret_init_from", ["train", "--config=user_data.py", "--workdir=runs/secret_init",
-                          *_PLANTED, "--config.checkpoint.init_from="
+                          *_PLANTED, "--config.init.path="
                           f"https://bob:{SECRETS['uri']}@store.example/run"]),
     ("secret_print", ["train", "--config=user_data.py", *_PLANTED, "--print_config"]),
 ]

@@ -6,6 +6,7 @@ import json
 import math
 import re
 
+import numpy as np
 import pytest
 
 from journey import run_python
@@ -46,12 +47,46 @@ def test_steady_state_drops_the_first_interval():
     ]
     s = bo.jtrain_sample(logs, log_every=10, total=30, wall=107.0)
     assert s.ms_per_step == pytest.approx(10.0)
-    assert s.rate_ms == pytest.approx(10.0)
     assert s.intervals_ms == pytest.approx([10.0, 10.0])
     assert s.final_loss == 2.0
     assert s.fixed_s == pytest.approx(106.8)
     with pytest.raises(RuntimeError, match="lacks the log records"):
         bo.jtrain_sample(logs[:1], log_every=10, total=30, wall=1.0)
+
+
+def test_rounds_alternate_which_side_runs_first(monkeypatch):
+    """Each side runs first in every other round, and each round's ratio pairs that
+    round's two samples."""
+    from jtrain.bench import overhead as bo
+
+    calls = []
+
+    def sample(ms):
+        return bo.Sample(ms_per_step=ms, final_loss=1.0, fixed_s=1.0, intervals_ms=[ms])
+
+    class Hand:
+        def __init__(self, cfg):
+            pass
+
+        def run(self, steps, log_every):
+            calls.append("hand")
+            return sample(10.0)
+
+    def run_jtrain(cfg, root, r, keep):
+        calls.append("jtrain")
+        return sample(11.0 + r)
+
+    monkeypatch.setattr(bo, "HandLoop", Hand)
+    monkeypatch.setattr(bo, "run_jtrain", run_jtrain)
+    monkeypatch.setattr(bo.jax, "device_count", lambda: 1)
+    res = bo.run_overhead("tiny", rounds=3, steps=2, log_every=1, workdir=None,
+                          progress=lambda line: None)
+    assert calls == ["jtrain", "hand", "hand", "jtrain", "jtrain", "hand"]
+    assert res["paired_ratios"] == pytest.approx([1.1, 1.2, 1.3])
+    assert "final loss: the same to the bit on both sides in every round" in \
+        bench.format_report(res).splitlines()
+    res["hand"]["final_loss"][1] = float(np.nextafter(np.float32(1.0), np.float32(2.0)))
+    assert "final loss: differs in 1 rounds" in bench.format_report(res).splitlines()
 
 
 def test_overhead_tiny_run(tmp_path):

@@ -1,5 +1,5 @@
 """`best` wherever a step is chosen: `python -m jtrain.export RUN --step=best` and
-`checkpoint.init_from_step=best` pick the same checkpoint as `jtrain.evaluate --step=best`
+`init.step=best` pick the same checkpoint as `jtrain.evaluate --step=best`
 (the run's checkpoint.monitor as logged in metrics.jsonl), from relative paths; the rule
 itself against known values: the lowest (mode min) or highest (mode max) logged value,
 ties to the newer step, a step without a finite logged value never chosen."""
@@ -80,8 +80,8 @@ def test_export_and_init_from_best(home, monkeypatch):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.load(open("exports/best/export.json"))["step"] == best
     assert proc.stdout.startswith(f"jtrain: exported step {best}:")
-    res = jtrain.train({**CFG, "total_steps": 1, "checkpoint": {
-        "init_from": "runs/a", "init_from_step": "best"}}, "runs/ft", model=Net(),
+    res = jtrain.train({**CFG, "total_steps": 1, "init": {
+        "path": "runs/a", "step": "best"}}, "runs/ft", model=Net(),
         train_data=_data())
     assert res.summary["step"] == 1
     bad = export_command.main(["runs/a/checkpoints/2", "--step=best", "--out=exports/x"])

@@ -19,9 +19,11 @@ from jtrain.state import TrainState
 
 
 def make_config(**ckpt):
+    """checkpoint.* and init.* (path, step, opt, exclude, map, into) by their names."""
     cfg = config_lib.defaults("mlp")
     cfg.total_steps = 90
-    cfg.checkpoint.update(**ckpt)
+    for key, value in ckpt.items():
+        (cfg.init if key in cfg.init else cfg.checkpoint)[key] = value
     return cfg
 
 

@@ -1,4 +1,4 @@
-"""`python -m jtrain.export` (safetensors, no pickle) and `checkpoint.init_from`."""
+"""`python -m jtrain.export` (safetensors, no pickle) and `init.path`."""
 
 import json
 import os
@@ -65,7 +65,7 @@ def test_export_cli_params_only_and_bf16(run_dir, tmp_path, capsys):
 def test_init_from_export_casts_and_excludes(run_dir, tmp_path, capfd):
     out = tmp_path / "exp"
     export_command.main([str(run_dir), f"--out={out}", "--dtype=bfloat16"])
-    cfg = make_config(init_from=str(out), init_exclude=("bias$",))
+    cfg = make_config(path=str(out), exclude=("bias$",))
     ck, start = open_run(tmp_path / "new", cfg)
     ck.close()
     assert start.source == "init_from" and start.step is None and start.data_state is None
@@ -79,7 +79,7 @@ def test_init_from_export_casts_and_excludes(run_dir, tmp_path, capfd):
 
 
 def test_init_from_checkpoint_with_optimizer_state(run_dir, tmp_path):
-    cfg = make_config(init_from=str(run_dir), init_from_opt=True)
+    cfg = make_config(path=str(run_dir), opt=True)
     ck, start = open_run(tmp_path / "new", cfg)
     ck.close()
     want = make_state(7, 7.0)
@@ -88,14 +88,14 @@ def test_init_from_checkpoint_with_optimizer_state(run_dir, tmp_path):
 
 
 def test_workdir_checkpoint_wins_over_init_from(run_dir, tmp_path):
-    cfg = make_config(init_from=str(tmp_path / "does-not-matter"))
+    cfg = make_config(path=str(tmp_path / "does-not-matter"))
     ck, start = open_run(run_dir, cfg)  # run_dir has checkpoints: precedence (1)
     ck.close()
     assert start.source == "checkpoint" and start.step == 7
 
 
 def test_init_from_mismatch_and_missing_path(run_dir, tmp_path):
-    cfg = make_config(init_from=str(run_dir))
+    cfg = make_config(path=str(run_dir))
     with pytest.raises(checkpoint.RestoreError,
                        match=re.escape(": dense/bias: source has (16,) float32, the "
                                        "model (32,) float32")):
@@ -104,8 +104,8 @@ def test_init_from_mismatch_and_missing_path(run_dir, tmp_path):
         open_run(tmp_path / "b", cfg, state=make_state(extra=True))
     from jtrain.config import ConfigError
 
-    with pytest.raises(ConfigError, match="checkpoint.init_from: .*no such file"):
-        open_run(tmp_path / "c", make_config(init_from=str(tmp_path / "nope")))
+    with pytest.raises(ConfigError, match="init.path: .*no such file"):
+        open_run(tmp_path / "c", make_config(path=str(tmp_path / "nope")))
 
 
 def test_reader_is_read_only(run_dir):

@@ -1,6 +1,6 @@
 """Hugging Face in and out: the layout mapping (bitwise both ways), config checks naming
-the field, `--format=hf` logits equal to transformers', `checkpoint.init_from=hf:DIR` into
-the built-in transformer and (with checkpoint.init_map) into another model, and an FSDP
+the field, `--format=hf` logits equal to transformers', `init.path=hf:DIR` into
+the built-in transformer and (with init.map) into another model, and an FSDP
 run on 8 devices importing and exporting the same bytes. Tiny random configs, offline."""
 
 import json
@@ -98,12 +98,12 @@ def test_config_the_builtin_model_cannot_represent_names_the_field(field, value)
 
 
 def test_init_map_config_and_rename():
-    cfg = config_lib.resolve({"model": {"name": "mlp"}, "checkpoint": {"init_map": {
+    cfg = config_lib.resolve({"model": {"name": "mlp"}, "init": {"map": {
         r"^proj\.weight$": "dense/kernel.T"}}})
-    assert [tuple(p) for p in cfg.checkpoint.init_map] == [(r"^proj\.weight$", "dense/kernel.T")]
+    assert [tuple(p) for p in cfg.init.map] == [(r"^proj\.weight$", "dense/kernel.T")]
     for bad in ("x", [("a",)], [("(", "b")]):
-        with pytest.raises(ConfigError, match="checkpoint.init_map"):
-            config_lib.resolve({"checkpoint": {"init_map": bad}})
+        with pytest.raises(ConfigError, match="init.map"):
+            config_lib.resolve({"init": {"map": bad}})
     w = np.arange(6, dtype=np.float32).reshape(2, 3)
     out = hf.rename({"proj.weight": w, "other": w}, hf.parse_map([(r"^proj\.weight$",
                                                                    "dense/kernel.T")]))
@@ -145,9 +145,9 @@ def test_export_loads_in_transformers_with_equal_logits(tf, tmp_path, mlp, tie):
 
 
 def start_from(workdir, source, leaves):
-    """The Start of a run of the built-in model with `leaves`' shapes, init_from=source."""
+    """The Start of a run of the built-in model with `leaves`' shapes, path=source."""
     fresh = make_state().replace(params=nested(leaves), opt_state=())
-    return open_run(workdir, make_config(init_from=source), fresh, lambda: fresh)
+    return open_run(workdir, make_config(path=source), fresh, lambda: fresh)
 
 
 def test_hf_llama_into_the_builtin_model(tf, tmp_path, capfd):
@@ -190,10 +190,10 @@ def test_hf_into_a_user_model_by_init_map(tmp_path, capfd):
     export.write_safetensors(str(hf_dir / "model.safetensors"),
                              {"proj.weight": w, "proj.bias": np.ones(16, np.float32),
                               "extra": np.zeros(2, np.float32)}, {"format": "pt"})
-    with pytest.raises(ConfigError, match="checkpoint.init_map: required"):
-        open_run(tmp_path / "a", make_config(init_from=f"hf:{hf_dir}"))
+    with pytest.raises(ConfigError, match="init.map: required"):
+        open_run(tmp_path / "a", make_config(path=f"hf:{hf_dir}"))
     pairs = [(r"^proj\.weight$", "dense/kernel.T"), (r"^proj\.(bias)$", r"dense/\1")]
-    ck, start = open_run(tmp_path / "b", make_config(init_from=f"hf:{hf_dir}", init_map=pairs))
+    ck, start = open_run(tmp_path / "b", make_config(path=f"hf:{hf_dir}", map=pairs))
     ck.close()
     np.testing.assert_array_equal(start.state.params["dense"]["kernel"], w.T)
     np.testing.assert_array_equal(start.state.params["dense"]["bias"], np.ones(16))
@@ -219,8 +219,7 @@ def test_fsdp_run_imports_and_exports_the_same_bytes(tmp_path):
     os.makedirs(src)
     export.write_safetensors(str(src / "model.safetensors"), hf.to_hf(leaves), {"format": "pt"})
     json.dump(llama_config(), open(src / "config.json", "w"))
-    cfg = {**FSDP_CONFIG, "checkpoint": {**FSDP_CONFIG["checkpoint"],
-                                         "init_from": f"hf:{src}"}}
+    cfg = {**FSDP_CONFIG, "init": {"path": f"hf:{src}"}}
     result = jtrain.train(cfg, str(tmp_path / "run"))
     kernel = result.state.params["layer_0"]["attn"]["query"]
     assert len(kernel.sharding.device_set) == 8

@@ -1,5 +1,5 @@
 """One path convention for every parameter pattern: `optim.frozen` / `trainable` /
-`lr_mults`, `checkpoint.init_exclude` / `init_map` and `finetune.lora.targets` all search
+`lr_mults`, `init.exclude` / `init_map` and `finetune.lora.targets` all search
 the parameter's path in the params tree (`o/kernel`, no `params/`), and a pattern that
 matches nothing is a config error naming its key, before the first step."""
 
@@ -75,8 +75,8 @@ def test_one_pattern_selects_the_same_leaves_for_freezing_and_init_exclude(sourc
     frozen = {path for path, label in labels.items() if label == "frozen"}
     assert frozen == {"o/bias", "o/kernel"} and split["frozen"][0] == 2
 
-    got = leaves(start_from(tmp_path / "new", fresh, init_from=str(src),
-                            init_exclude=("^o/",)).params)
+    got = leaves(start_from(tmp_path / "new", fresh, path=str(src),
+                            exclude=("^o/",)).params)
     kept_fresh = {p for p, v in got.items() if np.array_equal(v, leaves(fresh.params)[p])
                   and not np.array_equal(v, leaves(src_state.params)[p])}
     assert kept_fresh == frozen
@@ -86,8 +86,8 @@ def test_init_exclude_keeps_the_fresh_init_of_params_their_opt_state_and_ema(
         source, tmp_path, capfd):
     src, src_state = source
     fresh = make_state(2, ema=True)
-    state = start_from(tmp_path / "new", fresh, init_from=str(src), init_exclude=("^o/",),
-                       init_from_opt=True)
+    state = start_from(tmp_path / "new", fresh, path=str(src), exclude=("^o/",),
+                       opt=True)
     got, was, new = leaves(state.params), leaves(src_state.params), leaves(fresh.params)
     for path in got:
         want = new if path.startswith("o/") else was
@@ -110,20 +110,20 @@ def test_init_exclude_keeps_the_fresh_init_of_params_their_opt_state_and_ema(
 def test_a_pattern_with_the_old_params_prefix_is_read_without_it(source, tmp_path, capfd):
     src, src_state = source
     fresh = make_state(2)
-    got = leaves(start_from(tmp_path / "new", fresh, init_from=str(src),
-                            init_exclude=("^params/o/",)).params)
+    got = leaves(start_from(tmp_path / "new", fresh, path=str(src),
+                            exclude=("^params/o/",)).params)
     assert got["o/kernel"].tobytes() == leaves(fresh.params)["o/kernel"].tobytes()
     assert got["hidden/kernel"].tobytes() == leaves(src_state.params)["hidden/kernel"].tobytes()
     err = capfd.readouterr().err
-    assert "jtrain: note: checkpoint.init_exclude: '^params/o/' is read as '^o/'" in err
+    assert "jtrain: note: init.exclude: '^params/o/' is read as '^o/'" in err
     assert "2 excluded (fresh init: o/bias, o/kernel)" in err
 
 
 def test_init_map_renames_a_parameter_with_its_optimizer_state(source, tmp_path):
     src, src_state = source
     fresh = make_state(2, out_name="head")
-    state = start_from(tmp_path / "new", fresh, init_from=str(src), init_from_opt=True,
-                       init_map=((r"^o/(.*)", r"head/\1"),))
+    state = start_from(tmp_path / "new", fresh, path=str(src), opt=True,
+                       map=((r"^o/(.*)", r"head/\1"),))
     got, was = leaves(state.params), leaves(src_state.params)
     assert got["head/kernel"].tobytes() == was["o/kernel"].tobytes()
     opt, opt_src = leaves(state.opt_state), leaves(src_state.opt_state)
@@ -132,14 +132,14 @@ def test_init_map_renames_a_parameter_with_its_optimizer_state(source, tmp_path)
 
 
 @pytest.mark.parametrize("ckpt, key", [
-    ({"init_exclude": ("^out/",)}, "checkpoint.init_exclude"),
-    ({"init_exclude": ("^params/out/",)}, "checkpoint.init_exclude"),
-    ({"init_map": ((r"^head/(.*)", r"o/\1"),)}, "checkpoint.init_map"),
+    ({"exclude": ("^out/",)}, "init.exclude"),
+    ({"exclude": ("^params/out/",)}, "init.exclude"),
+    ({"map": ((r"^head/(.*)", r"o/\1"),)}, "init.map"),
 ])
 def test_a_pattern_that_matches_no_parameter_is_a_config_error(source, tmp_path, ckpt, key):
     src, _ = source
     with pytest.raises(ConfigError) as e:
-        start_from(tmp_path / "new", make_state(2), init_from=str(src), **ckpt)
+        start_from(tmp_path / "new", make_state(2), path=str(src), **ckpt)
     assert e.value.key == key
     assert "matches no parameter" in str(e.value) and "'hidden/bias'" in str(e.value)
 
@@ -204,8 +204,8 @@ def test_user_starts_a_new_head_from_a_run(tmp_path):
     proc = run_python(tmp_path, "-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/src")
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run_python(tmp_path, "-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/ft",
-                      "--config.checkpoint.init_from=runs/src",
-                      "--config.checkpoint.init_exclude=('^o/',)",
+                      "--config.init.path=runs/src",
+                      "--config.init.exclude=('^o/',)",
                       "--config.optim.frozen=('^hidden/',)")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "jtrain: trainable 18 params in 2 leaves; frozen 40 in 2 leaves" in proc.stderr
@@ -213,11 +213,11 @@ def test_user_starts_a_new_head_from_a_run(tmp_path):
     assert "; initialized from runs/src (step 3, 2 leaves, 2 excluded)" in proc.stderr
 
     proc = run_python(tmp_path, "-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/bad",
-                      "--config.checkpoint.init_from=runs/src",
-                      "--config.checkpoint.init_exclude=('^out/',)")
+                      "--config.init.path=runs/src",
+                      "--config.init.exclude=('^out/',)")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     errors = [ln for ln in proc.stderr.splitlines() if " error: " in ln]
-    assert errors == ["jtrain: config error: checkpoint.init_exclude: '^out/' matches no "
+    assert errors == ["jtrain: config error: init.exclude: '^out/' matches no "
                       "parameter path; paths look like 'hidden/bias', 'hidden/kernel', "
                       "'o/bias'"], proc.stderr[-3000:]

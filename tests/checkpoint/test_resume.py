@@ -60,6 +60,7 @@ def fault(monkeypatch):
     yield set_fault
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 def test_signals_save_current_step_and_resume_is_bitwise(reference, fault, tmp_path,
                                                          monkeypatch):
     """SIGTERM mid-save, SIGTERM mid-eval, SIGINT after a step (each the first of its

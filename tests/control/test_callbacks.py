@@ -35,7 +35,7 @@ def arrays(n=96):
 
 
 CONFIG = {"total_steps": 16, "seed": 0,
-          "optim": {"name": "sgd", "lr": LR, "schedule": "constant", "momentum": 0.0},
+          "optim": {"name": "sgd", "lr": LR, "schedule": "constant", "kwargs": {"momentum": 0.0}},
           "data": {"batch_size": 8, "shuffle": False, "val_fraction": 0.25},
           "eval": {"every_steps": 4, "metrics": ("loss",)},
           "log": {"every_steps": 1, "writers": ("jsonl",), "verbosity": 0},

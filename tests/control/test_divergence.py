@@ -72,7 +72,7 @@ SCRIPT = textwrap.dedent('''
                                                           "divergence_warning": factor}
         config = {"total_steps": 6, "seed": 0, "log": log,
                   "optim": {"name": "sgd", "lr": 10.0, "schedule": "constant",
-                            "momentum": 0.0},
+                            "kwargs": {"momentum": 0.0}},
                   "data": {"batch_size": 32}, "eval": {"every_steps": 0},
                   "checkpoint": {"every_steps": 0}}
         result = jtrain.train(config, f"runs/{factor}", model=Linear,

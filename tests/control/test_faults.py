@@ -123,6 +123,7 @@ def _train(workdir, policy: str):
                         eval_data=(x[160:], y[160:]))
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 def test_nan_halts_or_is_skipped_a_writer_fails_and_each_fires_once(tmp_path):
     """nan@3 under nonfinite.policy=halt: exit 4 at step 3. The same workdir with
     policy=skip (resume-safe): nan@3 is spent, nan@5 is skipped (skip ledger), the writer

@@ -68,7 +68,8 @@ def _cfg(**memory_over):
             # SGD: the update is linear in the gradient, so the summation order of the
             # microbatches shows as float rounding only (Adam divides a near-zero
             # gradient by its own magnitude and can amplify that rounding to ~1e-5).
-            "optim": {"name": "sgd", "lr": 0.05, "schedule": "constant", "momentum": 0.9},
+            "optim": {"name": "sgd", "lr": 0.05, "schedule": "constant",
+                      "kwargs": {"momentum": 0.9}},
             "data": {"batch_size": 256, "shuffle": False},
             "eval": {"every_steps": 0}, "log": {"writers": ("jsonl",), "verbosity": 0},
             "checkpoint": {"every_steps": 0}, "memory": memory_over}

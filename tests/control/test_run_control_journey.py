@@ -139,7 +139,7 @@ def test_cli_loss_spike_rolls_back(tmp_path):
                 "--config.data.kwargs={'n': 192, 'spike': (104, 112)}",  # step 14
                 "--config.eval.every_steps=0", "--config.checkpoint.every_steps=5",
                 "--config.spike.zscore=6", "--config.spike.window=5",
-                "--config.deterministic=true")
+                "--config.determinism.gpu_ops=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "jtrain: deterministic: on (CPU: already deterministic)" in proc.stderr
     line = [ln for ln in proc.stderr.splitlines() if "train loss spike" in ln]

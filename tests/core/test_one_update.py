@@ -57,6 +57,7 @@ def test_invariant_path_equals_the_built_in_update(k, chunks):
         np.testing.assert_allclose(m1[name], m2[name], rtol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 def test_every_path_calls_the_one_update(monkeypatch):
     """A constant added inside `update_from_sums` moves the plain, the accumulated and
     the topology-invariant step's params by exactly that constant."""

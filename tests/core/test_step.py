@@ -176,6 +176,7 @@ def test_invalid_rows_do_not_move_the_params(how):
         assert int(with_bad.step) == 3 and int(without.step) == 2
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 def test_loss_terms_are_summed_exactly_across_microbatches():
     """train/<term> of a multi-term loss with grad_accum_steps=2 equals the full batch's
     weighted value when the microbatches weigh differently (not the mean of the

@@ -44,6 +44,7 @@ def _data():
     return {"inputs": x, "targets": (x[:, 0] > 0).astype(np.int32)}
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("make", [Linen, lambda: Nnx(nnx.Rngs(0))], ids=["linen", "nnx"])
 def test_user_model_computes_in_the_policy_dtype(tmp_path, make, dtype):

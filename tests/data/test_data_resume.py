@@ -110,6 +110,7 @@ def test_restore_at_every_step_gives_the_same_stream(kind):
         resumed.close()
 
 
+@pytest.mark.slow  # two grain worker processes
 def test_two_workers_map_style_position_does_not_depend_on_worker_count():
     """One 2-worker pipeline (worker start-up costs seconds): restored from a 0-worker
     position at step 9, and its own position at step 17 restored without workers."""
@@ -148,6 +149,7 @@ def _two_worker_stream(n):
     return batches, states
 
 
+@pytest.mark.slow  # two grain worker processes
 def test_two_workers_stream_restores_exactly():
     ref, states = _two_worker_stream(20)
     two = iterator("torch_stream", workers=2)  # worker processes, from step 9's position

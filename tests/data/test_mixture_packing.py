@@ -181,6 +181,7 @@ def test_packing_rejects_what_is_not_token_documents():
         packing.Packed(iter([]), 8, "concat", name="d")
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 def test_transformer_masks_across_segments_and_resets_positions():
     import jax
     import jax.numpy as jnp

@@ -9,8 +9,11 @@ import os
 import shutil
 import types
 
+import pytest
+
 import jtrain
 from jtrain import config as config_lib
+from jtrain import errors
 from jtrain.checkpoint import policy
 from jtrain.engine import async_eval
 from jtrain.observe import jsonl, layout
@@ -59,6 +62,7 @@ def test_a_resume_drops_the_eval_records_it_applies_again(tmp_path):
     assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:3]
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 def test_a_resumed_run_writes_each_eval_once(tmp_path):
     """Every 2 steps, lag 2: the eval of step 4 is applied (written) at step 8, that of
     step 6 at step 10. A session killed after step 10 and resumed from checkpoint 6 has
@@ -120,12 +124,27 @@ def test_the_child_evaluator_gets_the_last_cpus_and_the_nice_value(monkeypatch):
     monkeypatch.setattr(async_eval.os, "sched_getaffinity", lambda pid: {3, 0, 2, 1})
     assert [async_eval.evaluator_cpus(n) for n in (0, 1, 2, 4, 9)] == \
         [None, [3], [2, 3], None, None]  # all of them or more: no pinning
+    monkeypatch.setenv(async_eval.NICE_ENV, "5")
+    monkeypatch.setenv(async_eval.CPUS_ENV, "1")
+    env = async_eval.child_env()
+    assert (env[async_eval.NICE_ENV], env[async_eval.CPU_IDS_ENV]) == ("5", "3")
+    monkeypatch.setenv(async_eval.CPUS_ENV, "0")
+    assert async_eval.CPU_IDS_ENV not in async_eval.child_env()
+    monkeypatch.delenv(async_eval.NICE_ENV)
+    assert async_eval.child_env()[async_eval.NICE_ENV] == "19"  # the default
+
+
+@pytest.mark.parametrize("name, value", [("JTRAIN_EVAL_NICE", "20"),
+                                         ("JTRAIN_EVAL_NICE", "low"),
+                                         ("JTRAIN_EVAL_CPUS", "-1")])
+def test_a_bad_evaluator_setting_is_one_line_before_the_first_step(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
     cfg = _cfg()
-    cfg.eval.async_nice, cfg.eval.async_cpus = 5, 1
-    env = async_eval.child_env(cfg)
-    assert (env[async_eval.NICE_ENV], env[async_eval.CPUS_ENV]) == ("5", "3")
-    cfg.eval.async_cpus = 0
-    assert async_eval.CPUS_ENV not in async_eval.child_env(cfg)
+    cfg.eval.mode = "async"
+    with pytest.raises(errors.UsageError) as e:
+        async_eval.check(cfg)
+    assert str(e.value).startswith(f"{name}={value!r} in the environment: expected an "
+                                   "integer in [0, "), str(e.value)
 
 
 def test_confine_reaches_the_threads_xla_starts_afterwards():
@@ -146,7 +165,8 @@ def test_confine_reaches_the_threads_xla_starts_afterwards():
             "tids = [int(t) for t in os.listdir('/proc/self/task')]\n"
             "print(json.dumps([said, len(tids), sorted({os.getpriority(os.PRIO_PROCESS, t)"
             " for t in tids}), sorted({c for t in tids for c in os.sched_getaffinity(t)})]))")
-    env = {**os.environ, async_eval.NICE_ENV: "7", async_eval.CPUS_ENV: str(cpu),
+    env = {**os.environ, async_eval.NICE_ENV: "7", async_eval.CPU_IDS_ENV: str(cpu),
+           async_eval.PARENT_ENV: str(os.getpid()),
            "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=300)

@@ -1,7 +1,7 @@
 """The weight EMA (optim.ema): it equals the numpy recurrence over the params the step
 produced, a skipped update leaves it untouched, frozen leaves keep an average equal to
 themselves; eval.weights=both writes eval/... and eval/ema/... and a monitor may name
-either; checkpoint.init_from starts it at the loaded params (an export) or takes the
+either; init.path starts it at the loaded params (an export) or takes the
 source's average (a checkpoint); bad settings are one config error each."""
 
 import json
@@ -118,9 +118,9 @@ def test_eval_weights_both_and_a_monitor_on_the_ema_then_init_from(tmp_path):
     source = _leaves(res.state.params)
     source_ema = _leaves(res.state.ema)
     for src, expect in ((str(tmp_path / "ex"), source), (run, source_ema)):
-        new = jtrain.resolve(_cfg(ema={"decay": 0.5}, checkpoint={"init_from": src}))
+        new = jtrain.resolve({**_cfg(ema={"decay": 0.5}), "init": {"path": src}})
         b = _build(new)
-        state, _ = init_from_lib.init_from(new.checkpoint, b.abstract_with_shardings(), b.init)
+        state, _ = init_from_lib.init_from(new.init, b.abstract_with_shardings(), b.init)
         got = _leaves(state.ema)
         assert sorted(got) == sorted(expect)
         for k in got:

@@ -244,7 +244,7 @@ def train_case(case, tmp_path, monkeypatch, workdir_root=None):
         source["checkpoint"].pop("keep_top_k", None)
         source["eval"] = {**source["eval"], "mode": "sync"}  # a source run, no evaluator
         jtrain.train(source, os.path.join(root, "source"), **s["kwargs"])
-        cfg = merge(cfg, {"checkpoint": {"init_from": os.path.join(root, "source")}})
+        cfg = merge(cfg, {"init": {"path": os.path.join(root, "source")}})
 
     def run(name):
         c = cfg
@@ -316,6 +316,7 @@ def test_the_page_is_what_the_table_generates():
         "stale: python -m jtrain.config.interactions > docs/guide/feature-interactions.md")
 
 
+@pytest.mark.slow  # three to four trainings of many features each (~10 CPU s a case)
 @pytest.mark.parametrize("case", ONE_DEVICE, ids=[f"case{i}" for i in range(len(ONE_DEVICE))])
 def test_a_generated_case_resumes_bitwise_and_evaluates_its_state(case, tmp_path,
                                                                   monkeypatch):
@@ -340,7 +341,7 @@ def test_a_refused_pair_is_one_line_before_step_1(pair, tmp_path):
     s = setup((*pair, "resume"), str(tmp_path), str(tmp_path))
     cfg = s["config"]
     if "init_from" in pair:  # refused before the source is read: it need not exist
-        cfg = merge(cfg, {"checkpoint": {"init_from": str(tmp_path / "source")}})
+        cfg = merge(cfg, {"init": {"path": str(tmp_path / "source")}})
     with contextlib.ExitStack() as stack:
         workdir = str(tmp_path / "run")
         if "s3:// workdir" in pair:

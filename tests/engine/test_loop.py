@@ -35,7 +35,8 @@ def arrays(n=64, bad_nan=(), bad_inf=(), seed=0):
 
 def config(**over):
     cfg = {"total_steps": 16, "seed": 0,
-           "optim": {"name": "sgd", "lr": 0.05, "schedule": "constant", "momentum": 0.0},
+           "optim": {"name": "sgd", "lr": 0.05, "schedule": "constant",
+                     "kwargs": {"momentum": 0.0}},
            "data": {"batch_size": 8, "shuffle": False, "val_fraction": 0.25},
            "eval": {"every_steps": 4, "metrics": ("loss", "accuracy")},
            "log": {"every_steps": 1, "writers": ("jsonl",), "verbosity": 0},
@@ -240,7 +241,7 @@ def test_skip_ledger_survives_a_resume_once(tmp_path, monkeypatch):
     ({"plateau__monitor": "eval/f1"}, "plateau.monitor"),
     ({"checkpoint__keep_top_k": 1, "checkpoint__monitor": "eval/los"}, "checkpoint.monitor"),
     ({"early_stop__monitor": "eval/loss", "eval__every_steps": 0}, "early_stop.monitor"),
-    ({"optim__b1": 1.0, "optim__name": "adamw"}, "optim.b1"),
+    ({"optim__b1": 1.0, "optim__name": "adamw", "optim__kwargs": {}}, "optim.b1"),
     ({"spike__zscore": 4.0}, "spike.zscore"),  # no periodic checkpoint to roll back to
 ])
 def test_bad_run_control_config_fails_before_the_first_step(tmp_path, over, key):

@@ -3,7 +3,7 @@ statistics (NNX `nnx.BatchStat`, Linen's `batch_stats`) move with every applied 
 equal a numpy recomputation of the momentum average over the global batches the run
 consumed, are what evaluation uses (its metrics equal the model evaluated by hand with
 them), resume bitwise from a checkpoint, are exported beside the parameters and carried
-by checkpoint.init_from; a skipped step leaves them, accumulation moves them once per
+by init.path; a skipped step leaves them, accumulation moves them once per
 strided microbatch; under determinism.topology_invariant every eval row is scored and an
 eval batch the chunks do not divide is refused before step 1."""
 
@@ -153,6 +153,7 @@ def sources(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 @pytest.mark.parametrize("kind", ["nnx", "linen"])
 @pytest.mark.parametrize("source", ["run", "export"])
 def test_init_from_carries_the_running_statistics(tmp_path, sources, kind, source):
@@ -162,7 +163,7 @@ def test_init_from_carries_the_running_statistics(tmp_path, sources, kind, sourc
     src_state, paths = sources[kind]
     ev = data(100, seed=1)
     cfg = config(total=1, optim={"lr": 0.0},
-                 checkpoint={"every_steps": 0, "init_from": paths[source]})
+                 checkpoint={"every_steps": 0}, init={"path": paths[source]})
     result = jtrain.train(cfg, str(tmp_path), model=MODELS[kind](), train_data=data(),
                           eval_data=ev)
     with open(tmp_path / "hashes.jsonl") as f:

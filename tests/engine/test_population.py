@@ -81,6 +81,7 @@ def test_member_i_equals_the_single_run_with_its_seed_lr_and_weight_decay(model,
     assert not np.allclose(np.asarray(other)[0], np.asarray(other)[1])
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 def test_a_population_run_writes_member_metrics_summary_and_exports_a_member(tmp_path):
     data = _data()
     work = str(tmp_path / "run")
@@ -132,7 +133,6 @@ def test_a_population_run_writes_member_metrics_summary_and_exports_a_member(tmp
         "size": 2, "vary": {"optim.weight_decay": [0.1, 0.2]}}},
      "population.vary.optim.weight_decay"),
     ({"population": {"size": 2, "seeds": [3, 3]}}, "population.seeds"),
-    ({"population": {"size": 2, "data": "per_member"}}, "population.data"),
     ({"population": {"size": 2}, "early_stop": {"monitor": "eval/loss"}},
      "early_stop.monitor"),
     ({"population": {"size": 2}, "plateau": {"monitor": "eval/loss"}}, "plateau.monitor"),

@@ -66,6 +66,7 @@ def _cfg(**over):
             "optim": {"name": "sgd", "lr": 0.01, "schedule": "constant"}, **over}
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 def test_whole_batch_model_with_predict_fn_metrics(tmp_path, monkeypatch):
     import types
 
@@ -171,6 +172,7 @@ class TwoHeads(nn.Module):
         return {"a": nn.Dense(F)(h), "b": nn.Dense(F)(h)}
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 def test_loss_terms_from_config_logged_and_exact(tmp_path):
     ev = tracks(n=13, seed=3)
     res = jtrain.train(_cfg(data={"batch_size": 8, "model_inputs": ("x_data",)},

@@ -117,7 +117,7 @@ def test_async_eval_decides_the_same_on_a_resume(child_run):
     applied = [(v, -s) for s, v in evals.items() if s <= a["step"] - LAG * EVERY]
     for run in "ac":
         assert (tmp_path / f"runs/{run}/checkpoints/{-min(applied)[1]}").is_dir()
-    # the child evaluator ran at eval.async_nice's default, on every CPU (async_cpus 0)
+    # the child evaluator ran at JTRAIN_EVAL_NICE's default, on every CPU (JTRAIN_EVAL_CPUS unset)
     log = (tmp_path / "runs/a/evals/evaluator.log").read_text().splitlines()
     assert log[0] == "jtrain: evaluator: nice 19", log[:3]
 

@@ -69,8 +69,8 @@ try:
     run({**config, "optim": {"lr": 0.1, "warmup_steps": 2}}, "runs/a")
 except RestoreError as e:
     print("CHANGED", e, flush=True)
-fine = run({**config, "total_steps": 3, "checkpoint": {"init_from": "runs/a",
-                                                        "init_exclude": ["head"]}}, "runs/b")
+fine = run({**config, "total_steps": 3, "init": {"path": "runs/a",
+                                                  "exclude": ["head"]}}, "runs/b")
 print("INIT", fine.summary["step"], flush=True)
 '''
 

@@ -1,7 +1,7 @@
 """Documented features that had no test, each checked where a user meets it.
 
 One plain-script run (`python run.py` in an empty directory, jtrain as installed) with
-`checkpoint.keep_every_steps`, `checkpoint.writer_nice` and the MLflow and W&B writers
+`checkpoint.keep_every_steps`, `JTRAIN_WRITER_NICE` and the MLflow and W&B writers
 (offline W&B, MLflow's local sqlite store) is shared by the tests that read it. Then:
 `checkpoint.grace_seconds` from a config, the precision policy's `auto` choices (the
 platform is an argument of make_policy, so the GPU/TPU branches run here as logic),
@@ -36,11 +36,10 @@ cfg = {"total_steps": 12, "data": {"batch_size": 16},
        "optim": {"name": "sgd", "lr": 0.1, "schedule": "constant"},
        "eval": {"every_steps": 6, "num_batches": 1},
        "log": {"every_steps": 3, "writers": ["jsonl", "mlflow", "wandb"]},
-       "checkpoint": {"every_steps": 2, "max_to_keep": 1, "keep_every_steps": 4,
-                      "writer_nice": 7}}
+       "checkpoint": {"every_steps": 2, "max_to_keep": 1, "keep_every_steps": 4}}
 result = jtrain.train(cfg, "runs/f", model=Net(), train_data={"inputs": x, "targets": y},
                       eval_data={"inputs": x[:32], "targets": y[:32]})
-nices = []  # tensorstore's write threads, which checkpoint.writer_nice lowers
+nices = []  # tensorstore's write threads, which JTRAIN_WRITER_NICE lowers
 for tid in os.listdir("/proc/self/task"):
     with open(f"/proc/self/task/{tid}/comm") as f:
         if f.read().startswith("ts_pool"):
@@ -54,7 +53,8 @@ def feature_run(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("features")
     copy_project(cwd, "linen_classifier")
     (cwd / "run.py").write_text(SCRIPT)
-    proc = run_python(cwd, "run.py", WANDB_MODE="offline", WANDB_SILENT="true")
+    proc = run_python(cwd, "run.py", WANDB_MODE="offline", WANDB_SILENT="true",
+                      JTRAIN_WRITER_NICE="7")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return cwd, json.loads(proc.stdout.strip().splitlines()[-1])
 

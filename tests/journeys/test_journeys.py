@@ -77,7 +77,7 @@ def test_main_trains_from_an_empty_directory_with_relative_paths(user_run):
 
 
 def test_evaluate_export_and_init_from_read_a_relative_run(user_run, monkeypatch, capfd):
-    """`jtrain.export runs/x` and `checkpoint.init_from=runs/x` crashed on a relative
+    """`jtrain.export runs/x` and `init.path=runs/x` crashed on a relative
     path; they run side by side here (three processes, one read-only source), then a
     fine-tune starts from the relative export."""
     cwd, _ = user_run
@@ -86,7 +86,7 @@ def test_evaluate_export_and_init_from_read_a_relative_run(user_run, monkeypatch
                      "--num_batches=2"),
         "export": ("-m", "jtrain.export", "runs/x", "--out=exports/x", "--dtype=bfloat16"),
         "init_from": ("-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/ft",
-                      "--config.total_steps=2", "--config.checkpoint.init_from=runs/x"),
+                      "--config.total_steps=2", "--config.init.path=runs/x"),
     }
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         procs = {k: pool.submit(run_python, cwd, *a) for k, a in commands.items()}
@@ -113,7 +113,7 @@ def test_evaluate_export_and_init_from_read_a_relative_run(user_run, monkeypatch
     monkeypatch.chdir(cwd)
     config = runpy.run_path("cfg.py")["get_config"]()
     config.total_steps = 2
-    config.checkpoint.init_from = "exports/x"
+    config.init.path = "exports/x"
     result = jtrain.train(config, "runs/ft2")
     assert result.summary["step"] == 2
     assert "jtrain: initialized from exports/x: " in capfd.readouterr().err

@@ -169,11 +169,11 @@ def test_distilled_student_beats_the_student_alone_and_exports_as_a_plain_run(tm
     # against the same config trained straight through here. Saves every 4 steps: two
     # before the earliest kill the verifier places (step 9).
     student = runpy.run_path("distill.py")["get_config"]("debug")
-    student.checkpoint.update(init_from="runs/teacher", every_steps=4)
+    student.init.path, student.checkpoint.every_steps = "runs/teacher", 4
     student.total_steps = student.eval.every_steps = STEPS
     run = killed_and_restarted(
         tmp_path, student, ["-m", "jtrain.main", "--config=distill.py:debug",
-                            "--config.checkpoint.init_from=runs/teacher",
+                            "--config.init.path=runs/teacher",
                             "--config.checkpoint.every_steps=4", f"--config.total_steps={STEPS}",
                             f"--config.eval.every_steps={STEPS}"], "runs/student")
     loss["student"] = json.loads((run / "summary.json").read_text())["eval/loss"]
@@ -185,12 +185,12 @@ def test_distilled_student_beats_the_student_alone_and_exports_as_a_plain_run(tm
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = json.loads((tmp_path / "student" / "export.json").read_text())
     assert record["subtree"] == "student" and record["num_params"] < 60_000
-    # A misspelt init_into, through jtrain.train here (the CLI's one-line form: above).
+    # A misspelt init.into, through jtrain.train here (the CLI's one-line form: above).
     config = runpy.run_path("distill.py")["get_config"]("debug")
-    config.checkpoint.update(init_from="runs/teacher", init_into="techer")
+    config.init.update(path="runs/teacher", into="techer")
     config.total_steps = STEPS
     with pytest.raises(errors.JtrainError) as e:
         jtrain.train(config, "runs/bad")
     assert errors.render(e.value) == (
-        "jtrain: config error: checkpoint.init_into: 'techer' names no part of the state; "
+        "jtrain: config error: init.into: 'techer' names no part of the state; "
         "its top-level names: opt, student, teacher")

@@ -44,6 +44,7 @@ def _cfg(**over):
             "optim": {"name": "sgd", "lr": 0.05, "schedule": "constant"}, **over}
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 def test_loss_terms_logged_and_exact_at_eval(tmp_path):
     eval_data = _data(n=13, seed=1)  # 13 rows: the last eval batch is padded
     res = jtrain.train(_cfg(early_stop={"monitor": "eval/recon", "patience": 5}),

@@ -93,6 +93,7 @@ def test_state_is_found_by_type_before_anything_is_traced():
             "norm/mean", "norm/var"]
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 def test_constant_and_rng_state_are_carried_as_they_are(tmp_path):
     result = jtrain.train(CONFIG, tmp_path / "run", model=Scaled(nnx.Rngs(0)),
                           train_data=_data())

@@ -2,7 +2,7 @@
 adapters train (base weights bitwise unchanged, optimizer state for adapters only) for a
 Linen and an NNX model; the merged weights (`W + alpha/rank * A @ B`) make the plain model
 compute what the adapted one does (Linen, NNX, the built-in transformer, multi-axis and
-einsum kernels), and every adapter gets a gradient; `checkpoint.init_from` of a plain run
+einsum kernels), and every adapter gets a gradient; `init.path` of a plain run
 keeps the adapters fresh; bad settings are one-line config errors; a user's journey: a
 script pretrains and LoRA fine-tunes their model, the CLI exports it with --merge_lora
 (the CLI's one lines for a run without LoRA and a config that adapts nothing, in-process)."""
@@ -187,7 +187,7 @@ def test_lora_finetune_of_a_pretrained_run_and_merged_export(tmp_path, capfd):
     base = jtrain.train(_cfg(), str(tmp_path / "base"), model=LinenNet(), train_data=_data())
     capfd.readouterr()
     cfg = _cfg(lora_cfg={"rank": 2, "alpha": 4.0},
-               checkpoint={"init_from": str(tmp_path / "base")})
+               init={"path": str(tmp_path / "base")})
     ft = jtrain.train(cfg, str(tmp_path / "ft"), model=LinenNet(), train_data=_data())
     err = capfd.readouterr().err
     assert "4 leaves (params), 4 LoRA adapter leaves not in the source (fresh init: " \
@@ -282,7 +282,7 @@ config = {"model": {"name": "user", "factory": "nnx_mlp:make"},
           "total_steps": 6, "eval": {"every_steps": 0}, "optim": {"lr": 0.05}}
 jtrain.train(config, "runs/base")
 config["finetune"] = {"lora": {"rank": 2, "alpha": 4.0}}
-config["checkpoint"] = {"init_from": "runs/base"}
+config["init"] = {"path": "runs/base"}
 result = jtrain.train(config, "runs/ft")
 print("ft step", result.summary["step"])
 '''
@@ -307,6 +307,7 @@ def _error_lines(stderr: str) -> list[str]:
     return [ln for ln in stderr.splitlines() if " error: " in ln]
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 def test_user_pretrains_lora_finetunes_and_exports_merged(tmp_path, monkeypatch, capfd):
     user_dir(tmp_path, ["nnx_mlp"], {"finetune.py": SCRIPT, "myconfig.py": CONFIG})
     proc = _run(tmp_path, "finetune.py")

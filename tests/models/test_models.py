@@ -64,6 +64,7 @@ def test_transformer_shapes_and_param_dtypes(param_dtype, tie):
     assert logits.shape == (2, 8, 32) and logits.dtype == jnp.float32
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_transformer_forward_is_finite(small_params, dtype):
     # Real numbers through the whole net, in full precision and all-bf16 (params too).
@@ -195,6 +196,7 @@ def test_dropout(cfg, request):
     assert not np.allclose(run(True, 1), evaluated)
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 def test_transformer_overfits_repeating_bytes(small_params):
     model = _build(SMALL)
     # Bytes mod 32 to reuse SMALL's vocab of 32 (and its compiled init): the 9 distinct

@@ -31,15 +31,21 @@ def _loss_and_grads(remat):
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits),
                                              tokens[..., None], -1))
 
-    step = jax.jit(jax.value_and_grad(loss))
-    temp = step.lower(params).compile().memory_analysis().temp_size_in_bytes
+    step = jax.jit(jax.value_and_grad(loss)).lower(params).compile()  # compiled once
+    temp = step.memory_analysis().temp_size_in_bytes
     print(f"model.remat={remat}: compiled temp memory {temp:,} bytes")
     return params, *step(params)
 
 
+@pytest.fixture(scope="module")
+def without_remat():
+    return _loss_and_grads("none")
+
+
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 @pytest.mark.parametrize("remat", ["full", "dots_saveable", "dots_with_no_batch_dims_saveable"])
-def test_remat_gives_the_same_loss_and_gradients(remat):
-    params0, loss0, grads0 = _loss_and_grads("none")
+def test_remat_gives_the_same_loss_and_gradients(remat, without_remat):
+    params0, loss0, grads0 = without_remat
     params, loss, grads = _loss_and_grads(remat)
     assert jax.tree.structure(params) == jax.tree.structure(params0)  # same names
     np.testing.assert_allclose(loss, loss0, rtol=1e-6)

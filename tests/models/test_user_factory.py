@@ -67,11 +67,12 @@ def test_cli_trains_evaluates_and_finetunes_a_factory_model(user_dir):
     assert abs(report["eval/loss"] - summary["eval/loss"]) < 1e-6
     # fine-tune from it (a relative path), fresh step 0
     proc = _run(user_dir, "jtrain.main", "--config=myconfig.py", "--workdir=runs/ft",
-                "--config.checkpoint.init_from=runs/a", "--config.total_steps=2")
+                "--config.init.path=runs/a", "--config.total_steps=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.load(open(user_dir / "runs/ft/summary.json"))["step"] == 2
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 def test_factory_gets_the_policy_dtype_and_bad_factories_are_config_errors(user_dir,
                                                                             monkeypatch):
     monkeypatch.syspath_prepend(str(user_dir))

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from jtrain import internals
 from jtrain.errors import ConfigError, PeerError
 from jtrain.multihost import heartbeat as monitor, preflight, start
 
@@ -53,7 +54,7 @@ def two_processes(monkeypatch):
     import jax
 
     store = Store()
-    monkeypatch.setattr(preflight, "_client", lambda: store)
+    monkeypatch.setattr(internals, "distributed_client", lambda: store)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(jax, "process_index", lambda: 0)
     return store
@@ -83,9 +84,7 @@ def test_preflight_passes_when_all_agree_and_names_the_first_difference(two_proc
 
 
 def test_preflight_refuses_loopback_coordinator_across_hosts(two_processes, monkeypatch):
-    from jax._src import distributed
-
-    monkeypatch.setattr(distributed.global_state, "coordinator_address", "127.0.0.1:1234")
+    monkeypatch.setattr(internals, "coordinator_address", lambda: "127.0.0.1:1234")
     _peer_report(two_processes, host="another-host")
     with pytest.raises(PeerError, match=r"coordinator address 127.0.0.1:1234 is a loopback "
                                         r"address but the processes run on 2 hosts"):

@@ -6,25 +6,33 @@ stats every entry and reads every access time at each write: 0.35 CPU s a compil
 
 import json
 
+import pytest
 from jax._src import lru_cache
 
 from journey import copy_project, run_python
-from jtrain.observe import compiles
+from jtrain import internals
 
 KB = 1024
 
 
-def _cache(tmp_path, max_size, monkeypatch):
+@pytest.fixture
+def patched():
+    """jtrain's listing in place, as during a run."""
+    with internals.compile_cache_patches() as names:
+        yield names
+
+
+def _cache(tmp_path, max_size, monkeypatch, patched):
     """A JAX LRUCache over tmp_path with jtrain's listing, and the list of its listings."""
-    assert compiles.list_once_per_process()
+    assert "list_once_per_process" in patched
     listings = []
-    real = compiles._evict_least_recent
+    real = internals.evict_least_recent
 
     def counted(*args):
         listings.append(args[1])
         return real(*args)
 
-    monkeypatch.setattr(compiles, "_evict_least_recent", counted)
+    monkeypatch.setattr(internals, "evict_least_recent", counted)
     return lru_cache.LRUCache(str(tmp_path), max_size=max_size), listings
 
 
@@ -33,8 +41,8 @@ def _entries(path):
 
 
 def test_the_least_recently_read_entries_go_and_the_directory_is_listed_rarely(
-        tmp_path, monkeypatch):
-    cache, listings = _cache(tmp_path, 10 * KB, monkeypatch)
+        tmp_path, monkeypatch, patched):
+    cache, listings = _cache(tmp_path, 10 * KB, monkeypatch, patched)
     for key in "abcd":
         cache.put(key, bytes(2 * KB))
     assert _entries(tmp_path) == ["a", "b", "c", "d"] and len(listings) == 1  # 8 KB
@@ -50,8 +58,9 @@ def test_the_least_recently_read_entries_go_and_the_directory_is_listed_rarely(
     assert not (tmp_path / "c-atime").exists()
 
 
-def test_another_process_s_entries_count_at_the_next_listing(tmp_path, monkeypatch):
-    cache, listings = _cache(tmp_path, 6 * KB, monkeypatch)
+def test_another_process_s_entries_count_at_the_next_listing(tmp_path, monkeypatch,
+                                                             patched):
+    cache, listings = _cache(tmp_path, 6 * KB, monkeypatch, patched)
     cache.put("mine", bytes(2 * KB))
     other = lru_cache.LRUCache(str(tmp_path), max_size=6 * KB)  # another process's
     other.put("theirs", bytes(3 * KB))

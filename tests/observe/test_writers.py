@@ -258,6 +258,7 @@ def _available_extras():
     return names
 
 
+@pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)
 def test_secrets_never_written(tmp_path, monkeypatch, capsys):
     import io
     monkeypatch.setenv("WANDB_API_KEY", "sk-test-123abc")

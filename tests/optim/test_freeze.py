@@ -72,7 +72,7 @@ def test_frozen_leaves_are_bitwise_unchanged_and_have_no_optimizer_state(tmp_pat
 
 
 def test_lr_mults_scale_the_learning_rate_of_matching_leaves(tmp_path):
-    sgd = {"name": "sgd", "momentum": 0.0, "weight_decay": 0.0}
+    sgd = {"name": "sgd", "kwargs": {"momentum": 0.0}, "weight_decay": 0.0}
     doubled = jtrain.train(_cfg(**sgd, lr=0.05, lr_mults={"body": 2.0, "head": 0.0}),
                            str(tmp_path / "a"), model=Net(), train_data=_data())
     plain = jtrain.train(_cfg(**sgd, lr=0.1, total_steps=1), str(tmp_path / "b"),

@@ -139,7 +139,7 @@ def test_a_tx_run_is_evaluated_with_its_tx_and_refused_without(runs):
     ({"name": "optax.lion", "kwargs": {"learning_rate": 0.1}}, "optim.kwargs.learning_rate"),
     ({"name": "optax.lion", "kwargs": {"b1": "high"}}, "optim.kwargs"),
     ({"name": "optax.adabelief", "weight_decay": 0.1}, "optim.weight_decay"),
-    ({"name": "adamw", "kwargs": {"b1": 0.5}}, "optim.kwargs"),
+    ({"name": "adamw", "kwargs": {"b1": 0.5}}, "optim.kwargs.b1"),  # adamw takes none
     ({"name": "lionn"}, "optim.name"),
 ])
 def test_bad_names_and_arguments_are_one_line(optim_cfg, key):

@@ -168,10 +168,18 @@ def test_muon_decays_its_fallback_leaves_by_the_mask():
      r"^optim\.schedule: schedule_free_sgd takes a constant"),
     ({"name": "schedule_free_adamw", "schedule": "constant", "b1": 0.0},
      r"^optim\.b1: must be > 0 for schedule_free_adamw"),
-    ({"name": "muon", "muon_beta": 1.0}, r"^optim\.muon_beta: must be < 1"),
+    ({"name": "muon", "kwargs": {"beta": 1.0}}, r"^optim\.kwargs\.beta: must be < 1"),
     ({"name": "prodigy", "b2": 1.0}, r"^optim\.b2: must be < 1 for prodigy"),
-    ({"name": "muon", "muon_ns_steps": 0}, r"^optim\.muon_ns_steps: "),
-    ({"name": "prodigy", "prodigy_d0": 0.0}, r"^optim\.prodigy_d0: "),
+    ({"name": "muon", "kwargs": {"ns_steps": 0}}, r"^optim\.kwargs\.ns_steps: must be >= 1"),
+    ({"name": "prodigy", "kwargs": {"estim_lr0": 0.0}}, r"^optim\.kwargs\.estim_lr0: "),
+    ({"name": "sgd", "kwargs": {"beta": 0.9}},
+     r"^optim\.kwargs\.beta: sgd takes no argument 'beta'; it takes: momentum, nesterov"),
+    ({"name": "muon", "muon_beta": 0.9},
+     r"^optim\.muon_beta: renamed to optim\.kwargs\.beta \(with optim\.name='muon'\)$"),
+    ({"name": "optax.contrib.schedule_free_adamw"},
+     r"^optim\.name: optax\.contrib\.schedule_free_adamw by name is not supported .*"
+     r"use optim\.name='schedule_free_adamw' or 'schedule_free_sgd'"),
+    ({"name": "optax.contrib.schedule_free"}, r"^optim\.name: optax\.contrib\.schedule_free "),
 ])
 def test_bad_combinations_are_one_line_config_errors(overrides, message):
     with pytest.raises(jtrain.ConfigError, match=message) as info:

@@ -14,16 +14,13 @@ its variance within clusters (eval/loss). The quality contract is a linear probe
 Variants: `debug` (fewer steps).
 """
 
-from jtrain.config import defaults
+from jtrain.config import defaults, variant_of
 
 VARIANTS = ("", "debug")
 
 
 def get_config(variant=None):
-    variant = variant or ""
-    if variant not in VARIANTS:
-        raise ValueError(f"configs/recipes/byol.py: unknown variant {variant!r}; choose one "
-                         "of: debug")
+    variant = variant_of("configs/recipes/byol.py", variant, VARIANTS)
     config = defaults()
     config.step.factory = "jtrain.recipes.byol:make"
     config.step.kwargs = {"width": 64, "rep": 8, "proj": 16, "lr": 3e-3, "tau": 0.99,

@@ -12,16 +12,13 @@ F1, precision, recall, AUROC, the confusion matrix and the classification report
 Variants: `debug` (fewer steps, evals more often).
 """
 
-from jtrain.config import defaults
+from jtrain.config import defaults, variant_of
 
 VARIANTS = ("", "debug")
 
 
 def get_config(variant=None):
-    variant = variant or ""
-    if variant not in VARIANTS:
-        raise ValueError(f"configs/recipes/classify.py: unknown variant {variant!r}; "
-                         "choose one of: debug")
+    variant = variant_of("configs/recipes/classify.py", variant, VARIANTS)
     config = defaults(model="mlp")
     config.model.hidden = (32, 32)
     config.model.num_outputs = 2

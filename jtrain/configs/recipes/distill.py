@@ -3,27 +3,24 @@ step of your own.
 
     python -m jtrain.main --config=configs/base.py:debug --workdir=runs/teacher
     python -m jtrain.main --config=configs/recipes/distill.py:debug --workdir=runs/student \
-        --config.checkpoint.init_from=runs/teacher
+        --config.init.path=runs/teacher
 
 Demonstrates: `step.factory` (jtrain/recipes/distill.py) with a frozen teacher (no
 optimizer state) and a student in one state; the teacher loaded from a jtrain run (or an
-export, or `hf:DIR`) into its sub-tree by `checkpoint.init_from` + `checkpoint.init_into
+export, or `hf:DIR`) into its sub-tree by `init.path` + `init.into
 = "teacher"`; train/ce and train/kd logged beside train/loss; eval/loss is the student's
 cross-entropy on the same held-out bytes as the teacher's run; `python -m jtrain.export
 RUN --out=DIR --subtree=student` writes the student as a plain export. The data, sizes
 and schedule of the teacher's run; the `debug` variant matches configs/base.py:debug.
 """
 
-from jtrain.config import defaults
+from jtrain.config import defaults, variant_of
 
 VARIANTS = ("", "debug")
 
 
 def get_config(variant=None):
-    variant = variant or ""
-    if variant not in VARIANTS:
-        raise ValueError(f"configs/recipes/distill.py: unknown variant {variant!r}; choose "
-                         "one of: debug")
+    variant = variant_of("configs/recipes/distill.py", variant, VARIANTS)
     config = defaults()
     config.seed = 0
     config.step.factory = "jtrain.recipes.distill:make"
@@ -33,7 +30,7 @@ def get_config(variant=None):
         "student": {"d_model": 64, "num_layers": 2, "num_heads": 4, "d_ff": 256,
                     "max_len": 128},
         "alpha": 0.5, "temperature": 2.0, "lr": 3e-3}
-    config.checkpoint.init_into = "teacher"
+    config.init.into = "teacher"
     config.data.name = "pystdlib"
     config.data.seq_len = 128
     config.data.batch_size = 32

@@ -7,13 +7,13 @@
     python -m jtrain.main --config=configs/recipes/finetune.py:scratch --workdir=runs/ft_scratch
     python -m jtrain.recipes.report runs/ft_scratch runs/ft_full runs/ft_frozen runs/ft_lora
 
-Demonstrates: checkpoint.init_from the pretraining run's best checkpoint
-(checkpoint.init_from_step=best) with a new head (checkpoint.init_exclude), in three
+Demonstrates: init.path the pretraining run's best checkpoint
+(init.step=best) with a new head (init.exclude), in three
 variants: `full` (everything trains), `frozen` (optim.frozen = the encoder: only the head
 trains), `lora` (finetune.lora: rank-4 adapters in the encoder, plus the head); `scratch`
 is the same classifier from a fresh init, the baseline. Add `,debug` (`:full,debug`) for
 the short pretraining run's settings. The pretrained run is read from runs/pretrain
-(`--config.checkpoint.init_from=DIR` for another).
+(`--config.init.path=DIR` for another).
 """
 
 from jtrain.config import defaults
@@ -43,9 +43,9 @@ def get_config(variant=None):
     config.checkpoint.monitor = "eval/accuracy"
     config.checkpoint.mode = "max"
     if kind != "scratch":
-        config.checkpoint.init_from = "runs/pretrain"
-        config.checkpoint.init_from_step = "best"
-        config.checkpoint.init_exclude = ("cls_head",)
+        config.init.path = "runs/pretrain"
+        config.init.step = "best"
+        config.init.exclude = ("cls_head",)
     if kind == "frozen":
         config.optim.frozen = ("encoder",)
         config.optim.lr = 1e-2

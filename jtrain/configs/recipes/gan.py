@@ -11,16 +11,13 @@ real points, batch-level), checkpoints and bitwise resume of the whole state.
 Variants: `debug` (fewer steps).
 """
 
-from jtrain.config import defaults
+from jtrain.config import defaults, variant_of
 
 VARIANTS = ("", "debug")
 
 
 def get_config(variant=None):
-    variant = variant or ""
-    if variant not in VARIANTS:
-        raise ValueError(f"configs/recipes/gan.py: unknown variant {variant!r}; choose one "
-                         "of: debug")
+    variant = variant_of("configs/recipes/gan.py", variant, VARIANTS)
     config = defaults()
     config.step.factory = "jtrain.recipes.gan:make"
     config.step.kwargs = {"hidden": 64, "lr": 1e-3}

@@ -12,16 +12,13 @@ prints them per feature (median), observed vs imputed, against mean imputation.
 Variants: `debug` (fewer regions and steps, well under a minute on 2 CPU cores).
 """
 
-from jtrain.config import defaults
+from jtrain.config import defaults, variant_of
 
 VARIANTS = ("", "debug")
 
 
 def get_config(variant=None):
-    variant = variant or ""
-    if variant not in VARIANTS:
-        raise ValueError(f"configs/recipes/imputation.py: unknown variant {variant!r}; "
-                         "choose one of: debug")
+    variant = variant_of("configs/recipes/imputation.py", variant, VARIANTS)
     config = defaults(model="user")
     config.model.factory = "jtrain.recipes.imputation:make_model"
     config.model.kwargs = {"width": 64, "layers": 2}

@@ -10,16 +10,13 @@ accuracy of the picked members (fixed picks per set). The data process is in
 jtrain/recipes/tokensets.py. Variants: `debug` (fewer sets and steps).
 """
 
-from jtrain.config import defaults
+from jtrain.config import defaults, variant_of
 
 VARIANTS = ("", "debug")
 
 
 def get_config(variant=None):
-    variant = variant or ""
-    if variant not in VARIANTS:
-        raise ValueError(f"configs/recipes/masked_pretrain.py: unknown variant {variant!r}; "
-                         "choose one of: debug")
+    variant = variant_of("configs/recipes/masked_pretrain.py", variant, VARIANTS)
     config = defaults(model="user")
     config.model.factory = "jtrain.recipes.pretrain:make_pretrain_model"
     config.model.kwargs = {"width": 64, "layers": 2, "heads": 4}

@@ -13,16 +13,13 @@ Python, `jtrain.train(config, workdir).history` is the per-eval record (README, 
 Variants: `debug` (fewer examples and steps).
 """
 
-from jtrain.config import defaults
+from jtrain.config import defaults, variant_of
 
 VARIANTS = ("", "debug")
 
 
 def get_config(variant=None):
-    variant = variant or ""
-    if variant not in VARIANTS:
-        raise ValueError(f"configs/recipes/multiloss_autoencoder.py: unknown variant "
-                         f"{variant!r}; choose one of: debug")
+    variant = variant_of("configs/recipes/multiloss_autoencoder.py", variant, VARIANTS)
     config = defaults(model="user")
     config.model.factory = "jtrain.recipes.autoencoder:make_model"
     config.model.kwargs = {"hidden": 64}

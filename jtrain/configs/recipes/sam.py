@@ -13,16 +13,13 @@ jtrain's classification metrics; checkpoints and bitwise resume of params + Adam
 Variants: `debug` (fewer steps).
 """
 
-from jtrain.config import defaults
+from jtrain.config import defaults, variant_of
 
 VARIANTS = ("", "debug")
 
 
 def get_config(variant=None):
-    variant = variant or ""
-    if variant not in VARIANTS:
-        raise ValueError(f"configs/recipes/sam.py: unknown variant {variant!r}; choose one "
-                         "of: debug")
+    variant = variant_of("configs/recipes/sam.py", variant, VARIANTS)
     config = defaults()
     config.step.factory = "jtrain.recipes.sam:make"
     config.step.kwargs = {"hidden": [32, 32], "num_outputs": 2, "lr": 1e-3,

@@ -12,16 +12,13 @@ processes (each reads half of every global batch). Result: eval recall_at_10 aga
 popularity baseline printed at start-up. Variants: `debug` (fewer sets and steps).
 """
 
-from jtrain.config import defaults
+from jtrain.config import defaults, variant_of
 
 VARIANTS = ("", "debug")
 
 
 def get_config(variant=None):
-    variant = variant or ""
-    if variant not in VARIANTS:
-        raise ValueError(f"configs/recipes/set_completion.py: unknown variant {variant!r}; "
-                         "choose one of: debug")
+    variant = variant_of("configs/recipes/set_completion.py", variant, VARIANTS)
     config = defaults(model="user")
     config.model.factory = "jtrain.recipes.set_completion:make_model"
     config.model.kwargs = {"width": 64, "layers": 2, "heads": 4}
