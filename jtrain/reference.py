@@ -31,7 +31,7 @@ def _commands() -> list[tuple[str, str, object]]:
     from jtrain.cli import COMMANDS
 
     out = []
-    for name in ("train", "evaluate", "export", "diff", "replay", "trust", "tune"):
+    for name in ("train", "evaluate", "export", "diff", "replay", "trust", "tokenize", "tune"):
         command = COMMANDS[name]
         module = importlib.import_module(command.module)
         define = (lambda m: lambda fv: m.define_flags(fv, ["jtrain"]))(module)

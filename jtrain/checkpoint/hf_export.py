@@ -1,16 +1,19 @@
 """`jtrain export --format=hf`: a directory that `transformers` loads with
 `AutoModelForCausalLM.from_pretrained(DIR)`: config.json (LlamaForCausalLM for
 model.mlp=swiglu, ArceeForCausalLM for model.mlp=gelu; jtrain.checkpoint.hf has the
-mapping), model.safetensors, and for a byte model (vocab_size 256) a byte-level tokenizer
-whose token ids are the bytes themselves, so `AutoTokenizer.from_pretrained(DIR)` encodes
-text as the model was trained on it.
+mapping), model.safetensors, and the tokenizer: the run's tokenizer.json (a run on token
+shards keeps a copy in its workdir) or, for a byte model (vocab_size 256), a byte-level
+tokenizer whose token ids are the bytes themselves, so `AutoTokenizer.from_pretrained(DIR)`
+encodes text as the model was trained on it.
 
 transformers is needed (the `hf` extra) and imported only here, when the export is asked.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
 
 import numpy as np
 
@@ -19,6 +22,7 @@ from jtrain.checkpoint import hf
 from jtrain.errors import ExportError
 
 WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # a run's copy (data.name=tokens)
 _DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
@@ -51,12 +55,18 @@ def export(workdir: str, out: str, **kwargs) -> dict:
     """jtrain.checkpoint.export.export (same arguments) writing a Hugging Face directory;
     the record's "hf" entry says the architecture and the tokenizer."""
     _transformers()  # before anything is read: the one-line install hint
-    return export_lib.export(workdir, out, writer=write, **kwargs)
+    tokenizer = next((p for p in (os.path.join(workdir, n) for n in TOKENIZER_FILES)
+                      if os.path.isfile(p)), None)
+    return export_lib.export(workdir, out, writer=functools.partial(
+        write, tokenizer=tokenizer), **kwargs)
 
 
-def write(out: str, leaves: dict[str, np.ndarray], config: dict) -> dict:
+def write(out: str, leaves: dict[str, np.ndarray], config: dict,
+          tokenizer: str | None = None) -> dict:
     """Writes the HF directory `out` from the parameter leaves (paths without "params/")
-    and the run's config; returns {"architecture", "tokenizer"} for the record."""
+    and the run's config; returns {"architecture", "tokenizer"} for the record.
+    `tokenizer`: the run's copy of its tokenizer (data.name=tokens), carried instead of
+    the byte tokenizer."""
     model_cfg = config.get("model") or {}
     if model_cfg.get("name", "transformer") != "transformer":
         raise ExportError(f"--format=hf: model.name={model_cfg.get('name')}: the Hugging "
@@ -73,11 +83,30 @@ def write(out: str, leaves: dict[str, np.ndarray], config: dict) -> dict:
     cfg.save_pretrained(out)
     # transformers reads safetensors whose metadata says format "pt".
     export_lib.write_safetensors(os.path.join(out, WEIGHTS_FILE), tensors, {"format": "pt"})
-    tokenizer = dims["vocab_size"] == 256
-    if tokenizer:
+    return {"architecture": cfg.architectures[0],
+            "tokenizer": _write_tokenizer(out, tokenizer, dims["vocab_size"])}
+
+
+def _write_tokenizer(out: str, tokenizer: str | None, vocab_size: int) -> str | None:
+    """The run's tokenizer into `out`: a tokenizer.json as a fast tokenizer, a
+    SentencePiece model copied as it is; without one, bytes for a byte model."""
+    if tokenizer is not None and tokenizer.endswith(".json"):
+        from jtrain.data.tokenizer import EOS_NAMES
+
+        fast = _transformers().PreTrainedTokenizerFast(tokenizer_file=tokenizer,
+                                                       clean_up_tokenization_spaces=False)
+        eos = next((n for n in EOS_NAMES if n in fast.get_vocab()), None)
+        if eos is not None:
+            fast.eos_token = eos
+        fast.save_pretrained(out)
+        return "tokenizer.json"
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, os.path.join(out, os.path.basename(tokenizer)))
+        return "sentencepiece (tokenizer.model copied, not converted)"
+    if vocab_size == 256:
         byte_tokenizer().save_pretrained(out)
-    return {"architecture": cfg.architectures[0], "tokenizer": "bytes" if tokenizer
-            else None}
+        return "bytes"
+    return None
 
 
 def _bytes_to_unicode() -> dict[int, str]:

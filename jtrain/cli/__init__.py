@@ -7,6 +7,7 @@
     jtrain replay   RUN --step=S                                    (= python -m jtrain.replay)
     jtrain trust    RUN                       (the code a run's config names, signed as trusted)
     jtrain sample   RUN --prompt TEXT                               (text from a trained LM)
+    jtrain tokenize --input=FILES --out=DIR   (token shards for data.name=tokens)
     jtrain tune     --config=... --workdir=...                      (= python -m jtrain.tune)
     jtrain bench    overhead | data | checkpoint | ...              (= python -m jtrain.bench)
 
@@ -16,7 +17,7 @@
     runner.py     the one command-line framework (absl flags, config files) and the one
                   error path: parse, run
     exits.py      how a command ends: the line, the code, peers told, the fast exit
-    train.py, evaluate.py, export.py, diff.py, replay.py, trust.py, sample.py
+    train.py, evaluate.py, export.py, diff.py, replay.py, trust.py, sample.py, tokenize.py
                   the commands; tune's and bench's live in their packages
                   (jtrain/tune/command.py, jtrain/bench/command.py), a floor above
     exit_codes.py the exit-code table (docs/reference/exit_codes.md)
@@ -67,6 +68,8 @@ COMMANDS = {
                      "sign a run from elsewhere so its named code may run: RUN"),
     "sample": Command("jtrain.cli.sample", "python -m jtrain sample",
                       "continue prompts with a trained language model: RUN --prompt TEXT"),
+    "tokenize": Command("jtrain.cli.tokenize", "python -m jtrain tokenize",
+                        "text files -> token shards for data.name=tokens: --input --out"),
 }
 
 

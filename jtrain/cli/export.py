@@ -87,5 +87,6 @@ def main(fv, args, argv=None) -> int:
 
 def _hf_line(info: dict, out: str) -> str:
     return (f"{out} as {info['architecture']} (Hugging Face"
-            + ("; byte-level tokenizer" if info["tokenizer"] else "; no tokenizer: "
-               "vocab_size is not 256 bytes") + ")")
+            + ("; byte-level tokenizer" if info["tokenizer"] == "bytes" else
+               f"; tokenizer: {info['tokenizer']}" if info["tokenizer"] else "; no "
+               "tokenizer: vocab_size is not 256 bytes and the run kept none") + ")")

@@ -77,6 +77,10 @@ FEATURES: tuple[Feature, ...] = (
        "a loss of your own, masked rows weighted 0", "evaluation.md"),
     _f("packing", "packing", ["data.packing"], {"data.packing": "concat", "data.seq_len": 8},
        "token documents, the model's embedding", "mixtures.md"),
+    _f("token shards", "packing", ["data.name", "data.path"], {"data.name": "tokens",
+       "data.seq_len": 8, "data.val_fraction": 0.25}, "token documents written as shards "
+       "(jtrain tokenize's format), windows of 8, a quarter held out",
+       "language-models.md"),
     _f("mixture", "mixture", ["data.mixture"], {}, "two components (jtrain.data.Mixture)",
        "mixtures.md"),
     _f("early stop / plateau / best-k", "control", ["early_stop.monitor", "plateau.monitor",

@@ -13,7 +13,8 @@ one place (the background device prefetch in prefetch.py is handed that function
     load_user_data   data.source factories; a torch DataLoader's settings -> data.*
                      (load.py, torch_adapters.py)
     make_sources     -> (train Data, eval Data or None, info), checked: bad input is a
-                     DataError before any step (load.py, checks.py, text.py)
+                     DataError before any step (load.py, checks.py; the built-in
+                     text.py and token shards, tokens.py)
     make_train_iterator  endless batches with get_state()/set_state(): map-style
                      (pipeline.py), streams (streams.py), grain DataLoaders (grain_sources.py)
     device_prefetch  the next batches on the devices, position kept exact (prefetch.py)
@@ -23,6 +24,8 @@ one place (the background device prefetch in prefetch.py is handed that function
                      read in order by every process (mixture_streams.py)
     packing          token documents packed into data.seq_len windows with segment_ids
                      and positions (packing.py)
+    tokens           data.name=tokens: token shards written once by `jtrain tokenize`
+                     (tokens.py; the tokenizers, tokenizer.py) served as windows
 
 `Data` (dataset.py): one small class per input kind behind one protocol; `checks.check`
 returns a checked copy. Items become numpy in items.py; map-style sources and seeded
@@ -40,7 +43,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from jtrain.data import checks, evalsets, items as items_lib, load, mixture, packing
-from jtrain.data import pipeline, sources as sources_lib, text, torch_adapters
+from jtrain.data import pipeline, sources as sources_lib, text, tokens, torch_adapters
 from jtrain.data.items import DataError
 from jtrain.data.dataset import Data, MapData, StreamData
 from jtrain.data.mixture import Mixture
@@ -51,7 +54,9 @@ from jtrain.data.sources import MapSource, item_rng, with_transform
 # the engine's hand-off (prepare, RunData, make_sources, ...), reached as attributes.
 __all__ = ["DataError", "Mixture", "item_rng", "with_transform"]
 
-BUILTIN = {"pystdlib": text.make_pystdlib}
+# name -> make(seq_len, val_fraction, path) -> (train, eval or None, info)
+BUILTIN = {"pystdlib": lambda seq_len, val_fraction, path: text.make_pystdlib(
+    seq_len, val_fraction), "tokens": tokens.make_tokens}
 VOCAB_SCAN = 1024  # examples check_vocab reads (all of them for smaller datasets)
 example_indices = pipeline.example_indices
 load_named = load.load_named
@@ -170,7 +175,8 @@ def _component(source: str, kwargs: dict, name: str):
         if source not in BUILTIN:
             raise DataError(f"data.mixture.{name}.source", f"{source!r} is neither "
                             f"'package.module:function' nor a built-in ({', '.join(BUILTIN)})")
-        train, val, _ = BUILTIN[source](kwargs.get("seq_len", 128), 0.05)
+        train, val, _ = BUILTIN[source](kwargs.get("seq_len", 128), 0.05,
+                                        kwargs.get("path", ""))
         return train, val
     return load.from_factory(_Factory(source, kwargs))
 
@@ -237,7 +243,8 @@ def _builtin(data_cfg):
         raise DataError(f"data.name: unknown dataset {data_cfg.name!r}; built-in: "
                         f"{', '.join(BUILTIN)} (or name your own with data.source)")
     try:
-        train, val, info = BUILTIN[data_cfg.name](data_cfg.seq_len, data_cfg.val_fraction)
+        train, val, info = BUILTIN[data_cfg.name](data_cfg.seq_len, data_cfg.val_fraction,
+                                                  data_cfg.path)
     except text.CorpusError as e:
         raise DataError(str(e)) from None
     ev = MapData("eval_data", MapSource(val, "eval_data"), data_cfg.name) if val is not None \

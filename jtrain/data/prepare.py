@@ -25,9 +25,10 @@ from typing import Any, Callable
 
 from jtrain.data import load_user_data, make_sources, check_vocab, make_train_iterator
 from jtrain.data import device_prefetch, example_indices, load, torch_adapters
-from jtrain.data import mixture as mixture_lib
+from jtrain.data import mixture as mixture_lib, tokens
 from jtrain.data.dataset import Data
 from jtrain.data.items import DataError
+from jtrain.errors import ConfigError
 from jtrain.data.sources import dataset_indices
 from jtrain.data.prefetch import DevicePrefetch
 
@@ -58,6 +59,13 @@ class UserData:
                 data_cfg, self.train, self.eval, process_index=index, process_count=count)
         self.decided = {f"data.{k}": {"value": v, "from": "DataLoader"}
                         for k, v in overrides.items()}
+        if self.train is None and data_cfg.name == "tokens" and not data_cfg.mixture:
+            named = tokens.tokenizer_name(data_cfg.path)  # None: make_tokens says why
+            if named is not None and data_cfg.tokenizer not in ("", named):
+                raise DataError("data.tokenizer", f"{data_cfg.tokenizer!r}, but the shards "
+                                f"in {data_cfg.path} were made with {named!r}")
+            if named is not None:
+                overrides = {**overrides, "tokenizer": named}
         return overrides
 
 
@@ -79,8 +87,8 @@ class RunData:
 
     @property
     def byte_level(self) -> bool:
-        """The built-in byte corpus: its eval reports bits per byte."""
-        return self.info.get("name") == "pystdlib"
+        """The built-in byte corpus or byte tokens: its eval reports bits per byte."""
+        return self.info.get("name") == "pystdlib" or bool(self.info.get("byte_level"))
 
     def train_iterator(self, data_state: dict | None, put: Callable,
                        ) -> DevicePrefetch:
@@ -129,12 +137,18 @@ def prepare(data_cfg, user: UserData, *, seed: int, eval_batch_size: int = 0,
     `gather(n)`: n from every process (jtrain.mesh.process_values)."""
     index, count = user.processes()
     if not user._opened:  # noqa: SLF001 - the config was resolved without its settings
-        if user.settings(data_cfg):
+        user.settings(data_cfg)
+        if user.decided:  # a DataLoader's (data.tokenizer is checked, not decided)
             raise DataError("train_data: a torch DataLoader's settings must reach the "
                             "config: resolve it with data_settings=UserData.settings")
     train, ev, info = make_sources(data_cfg, user.train, user.eval, process_index=index,
                                    process_count=count, gather=gather)
     if model_cfg is not None:
+        tokenizer_vocab = info.get("vocab_size")
+        if tokenizer_vocab and (model_cfg.get("vocab_size") or 0) < tokenizer_vocab:
+            raise ConfigError("model.vocab_size", f"{model_cfg.get('vocab_size')} is below "
+                              f"the vocab size of data.path's tokenizer ({tokenizer_vocab}); "
+                              f"set model.vocab_size >= {tokenizer_vocab}")
         check_vocab(model_cfg, train)
     train_example = train[0]
     return RunData(train=train, eval=ev, info=info, train_example=train_example,

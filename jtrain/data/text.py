@@ -75,16 +75,11 @@ class ByteChunks:
 
 
 def make_pystdlib(seq_len: int, val_fraction: float):
-    """(train source, eval source, info) for the byte-level LM corpus.
-
-    The split is by window with a fixed permutation (seed 0, independent of the run's
-    seed), so every run sees the same held-out set."""
+    """(train source, eval source, info) for the byte-level LM corpus; the held-out
+    windows are split_windows'."""
     corpus, fingerprint, used = load_corpus()
-    n_windows = (corpus.size - 1) // seq_len
-    starts = np.arange(n_windows) * seq_len
-    order = np.random.default_rng(0).permutation(n_windows)
-    n_val = max(1, int(round(n_windows * val_fraction))) if val_fraction > 0 else 0
-    val_starts, train_starts = np.sort(starts[order[:n_val]]), np.sort(starts[order[n_val:]])
+    train_starts, val_starts = split_windows(
+        np.arange((corpus.size - 1) // seq_len) * seq_len, val_fraction)
     info = {
         "name": "pystdlib",
         "fingerprint": fingerprint,
@@ -93,7 +88,16 @@ def make_pystdlib(seq_len: int, val_fraction: float):
         "unigram_baseline": unigram_cross_entropy(corpus, train_starts, val_starts, seq_len),
     }
     return (ByteChunks(corpus, train_starts, seq_len, "train"),
-            ByteChunks(corpus, val_starts, seq_len, "val") if n_val else None, info)
+            ByteChunks(corpus, val_starts, seq_len, "val") if len(val_starts) else None,
+            info)
+
+
+def split_windows(starts: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train starts, held-out starts), each sorted: a fixed permutation (seed 0,
+    independent of the run's seed), so every run holds out the same windows."""
+    order = np.random.default_rng(0).permutation(len(starts))
+    n_val = max(1, int(round(len(starts) * val_fraction))) if val_fraction > 0 else 0
+    return np.sort(starts[order[n_val:]]), np.sort(starts[order[:n_val]])
 
 
 def unigram_cross_entropy(corpus, train_starts, val_starts, seq_len) -> float:

@@ -162,7 +162,8 @@ def open_run(workdir: str, *, model=None, loss_fn=None, weights: str | None = No
     source, data_name, data_info = _pick_data(data, cfg.data)
     b = build(cfg, sample=model_sample(cfg, source[0]), eval_example=source[0], model=model,
               loss_fn=loss_fn,
-              byte_level=data_info.get("name") == "pystdlib", eval_defaults=eval_defaults,
+              byte_level=data_info.get("name") == "pystdlib"
+              or bool(data_info.get("byte_level")), eval_defaults=eval_defaults,
               tx=tx)
     return Opened(workdir=workdir, cfg=cfg, build=b, reader=reader, source=source,
                   data_name=data_name, weights=weights)

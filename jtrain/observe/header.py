@@ -15,7 +15,11 @@ def describe_run(cfg, build, data, *, workdir: str, origin: str, peak: float | N
 
     info, flops = data.info, build.flops_per_example
     extra = []
-    if "fingerprint" in info:
+    if "num_tokens" in info:  # data.name=tokens
+        extra.append(f"jtrain: token shards sha256 {info['fingerprint'][:16]}..., "
+                     f"{info['num_tokens']:,} tokens, tokenizer {info['tokenizer']['kind']} "
+                     f"(vocab {info['vocab_size']:,})")
+    elif "fingerprint" in info:
         extra.append(f"jtrain: corpus sha256 {info['fingerprint'][:16]}..., "
                      f"{info['num_bytes']:,} bytes from {info['num_files']} files")
     extra += [f"jtrain: data: {note}" for note in info.get("notes", ())]

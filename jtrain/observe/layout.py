@@ -144,6 +144,9 @@ RUN = (
      'the config, e.g. {"optim.grad_accum_steps": {"value": 2, "from": "memory plan", ...}, '
      '"data.batch_size": {"value": 32, "from": "DataLoader"}} (also in summary.json); older runs '
      'kept model_source in config.json'),
+    ('tokenizer.json | tokenizer.model', 'tokenizer.*',
+     'with data.name=tokens and a tokenizer other than bytes: a copy of the shards\' '
+     'tokenizer (written at start; `jtrain export --format=hf` carries a tokenizer.json)'),
     ('metrics.jsonl', 'metrics.jsonl',
      'one JSON object per log step / eval: {"step", "time", "train/loss", ...}; train/loss is '
      'the log step\'s own batch, train/loss_window the mean over the log window\'s applied steps '

@@ -113,6 +113,10 @@ def open_outputs(cfg, workdir: str, *, build, data, start, record: dict,
             layout.write_file(os.path.join(workdir, name), json.dumps(
                 redact(content), indent=2, sort_keys=True, default=str))
         trust.sign(workdir, required=False)  # the user's own run (observe/trust.py)
+        tokenizer = data.info.get("tokenizer_path")  # data.name=tokens: the run keeps it
+        if tokenizer:
+            with open(tokenizer, "rb") as f:
+                layout.write_file(os.path.join(workdir, os.path.basename(tokenizer)), f.read())
     writer = writers_lib.MetricWriter(workdir, cfg.log, is_primary=primary, run_ids=run_ids,
                                       resumed_step=start.step)
     if start.step is None:

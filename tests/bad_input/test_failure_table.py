@@ -151,8 +151,8 @@ CASES = [
     ("bench_unknown", ["bench", "nosuch"], {}, 2,
      "usage error: unknown benchmark 'nosuch'"),
     ("command_typo", ["trian"], {}, 2, "usage error: jtrain trian: unknown command; choose "
-     'from train, evaluate, export, tune, bench, diff, replay, trust, sample (did you mean '
-     '"train"?)'),
+     'from train, evaluate, export, tune, bench, diff, replay, trust, sample, tokenize (did '
+     'you mean "train"?)'),
     # Writers that cannot start: found before the data, the build or any step; an
     # existing run's files are left as they were (test_writer_failures_keep_the_run).
     ("writer_mlflow_file_store", ["train", DEBUG, "--workdir=runs/mlf",

@@ -23,7 +23,7 @@ import jtrain
 from jtrain import errors, losses
 from jtrain.config import interactions as table
 from jtrain.control import faults
-from jtrain.data import Mixture
+from jtrain.data import Mixture, tokens as tokens_lib
 from jtrain.observe import plots
 from jtrain.step import Step
 from jtrain.tune.trial import trial_config
@@ -102,6 +102,22 @@ def documents(n, seed):
     return docs
 
 
+class _Ids:  # the documents are token ids already: shards written as jtrain tokenize does
+    kind, vocab_size, eos, file, fingerprint = "ids", VOCAB, None, None, "ids"
+
+    @staticmethod
+    def encode(doc):
+        return np.asarray(doc, np.uint32)
+
+
+def token_shards(root: str, name: str, n: int, seed: int) -> str:
+    """A folder of token shards (data.name=tokens) holding documents(n, seed)."""
+    out = os.path.join(root, name)
+    os.makedirs(out, exist_ok=True)
+    tokens_lib.write_shards(_Ids(), documents(n, seed), out, shard_tokens=256)
+    return out
+
+
 def make_net(batchnorm: bool = False) -> Net:
     """model.factory for the cases a child evaluator rebuilds from config.json."""
     return Net(batchnorm)
@@ -142,11 +158,21 @@ def setup(case, root: str, workdir_root: str) -> dict:
         settings.update(table.feature(name).settings)
     if "two-tier checkpoints" in on:
         settings["checkpoint.local_dir"] = os.path.join(root, "local")
-    tokens = "packing" in on
+    shards = "token shards" in on
+    tokens = "packing" in on or shards
     make = documents if tokens else rows
     n = 40 if tokens else 88 if "drop_last=False" in on else 96
     train, ev = make(n, 0), make(12 if tokens else 24, 1)
-    if "mixture" in on:
+    if shards:  # data.name=tokens: the data is the config's, a quarter held out
+        train = ev = None
+        settings["data.path"] = token_shards(root, "shards", 160, 0)
+        if "mixture" in on:
+            settings.pop("data.path")
+            settings["data.mixture"] = {
+                c: {"source": "tokens", "weight": w,
+                    "kwargs": {"path": token_shards(root, f"shards_{c}", k, s), "seq_len": 8}}
+                for c, w, k, s in (("a", 0.7, 160, 0), ("b", 0.3, 80, 2))}
+    elif "mixture" in on:
         train = Mixture({"a": train, "b": make(n // 2, 2)}, weights={"a": 0.7, "b": 0.3},
                         eval=None if "val_fraction" in on else {"a": ev, "b": make(10, 3)})
         ev = None
@@ -166,9 +192,9 @@ def by_path(given: dict, tokens: bool, n: int, batchnorm: bool) -> dict:
     """The settings naming setup()'s Python objects by import path (this module, on the
     child evaluator's PYTHONPATH): the same model, step, loss and data."""
     assert not isinstance(given["train_data"], Mixture)  # refused with async eval
-    out: dict = {"data.source": f"{__name__}:case_data",
-                 "data.kwargs": {"tokens": tokens, "n": n,
-                                 "held_out": given["eval_data"] is not None}}
+    out: dict = {} if given["train_data"] is None else {  # None: token shards, by path
+        "data.source": f"{__name__}:case_data",
+        "data.kwargs": {"tokens": tokens, "n": n, "held_out": given["eval_data"] is not None}}
     if "step" in given:
         out.update({"step.factory": f"{__name__}:own_step",
                     "step.kwargs": {"batchnorm": batchnorm}})

@@ -65,7 +65,7 @@ def test_jtrain_console_script(tmp_path):
     proc = script("--help")
     assert proc.returncode == 0 and proc.stdout.startswith("usage: jtrain {train,evaluate,"
                                                            "export,tune,bench,diff,replay,"
-                                                           "trust,sample}"), proc
+                                                           "trust,sample,tokenize}"), proc
     proc = script("train", "--help")
     assert proc.returncode == 0 and "--print_config" in proc.stdout and "--verbosity" in \
         proc.stdout, proc.stderr
