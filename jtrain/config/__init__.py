@@ -376,6 +376,13 @@ def _check_family(model: dict) -> None:
         if (d // h) % 2:
             raise ConfigError("model.num_heads", f"head size d_model/num_heads={d // h} must "
                                                  "be even for rotary positions")
+        moe = model.get("moe") or {}
+        if moe.get("experts") and not moe["k"] <= moe["experts"]:
+            raise ConfigError("model.moe.k", f"expected at most model.moe.experts="
+                                             f"{moe['experts']}, got {moe['k']}")
+        if moe.get("experts") and not moe["capacity_factor"] > 0:
+            raise ConfigError("model.moe.capacity_factor", "expected a number > 0, got "
+                                                           f"{moe['capacity_factor']!r}")
     if model["name"] == "user" and ":" not in model["factory"]:
         raise ConfigError("model.factory", "required with model.name='user': "
                           f"'package.module:function', got {model['factory']!r}")
