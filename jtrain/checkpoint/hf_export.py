@@ -16,7 +16,7 @@ import numpy as np
 
 from jtrain.checkpoint import export as export_lib
 from jtrain.checkpoint import hf
-from jtrain.errors import ExportError
+from jtrain.errors import ConfigError, ExportError
 
 WEIGHTS_FILE = "model.safetensors"
 _DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -51,17 +51,28 @@ def export(workdir: str, out: str, **kwargs) -> dict:
     """jtrain.checkpoint.export.export (same arguments) writing a Hugging Face directory;
     the record's "hf" entry says the architecture and the tokenizer."""
     _transformers()  # before anything is read: the one-line install hint
-    return export_lib.export(workdir, out, writer=write, **kwargs)
+    return export_lib.export(workdir, out, writer=write, check=exportable, **kwargs)
 
 
-def write(out: str, leaves: dict[str, np.ndarray], config: dict) -> dict:
-    """Writes the HF directory `out` from the parameter leaves (paths without "params/")
-    and the run's config; returns {"architecture", "tokenizer"} for the record."""
+def exportable(config: dict) -> None:
+    """One line for a run the Hugging Face export cannot map (before anything is
+    written): a model other than the built-in transformer, or its mixture of experts."""
     model_cfg = config.get("model") or {}
     if model_cfg.get("name", "transformer") != "transformer":
         raise ExportError(f"--format=hf: model.name={model_cfg.get('name')}: the Hugging "
                           "Face export maps the built-in transformer (model.name="
                           "transformer); export your own model with the default format")
+    experts = (model_cfg.get("moe") or {}).get("experts", 0)
+    if experts:
+        raise ConfigError("model.moe.experts", f"{experts}: a mixture-of-experts model is "
+                          "not exportable to Hugging Face (export it with the default format)")
+
+
+def write(out: str, leaves: dict[str, np.ndarray], config: dict) -> dict:
+    """Writes the HF directory `out` from the parameter leaves (paths without "params/")
+    and the run's config; returns {"architecture", "tokenizer"} for the record."""
+    exportable(config)
+    model_cfg = config.get("model") or {}
     dims = hf.layout(leaves)
     if dims is None:
         raise ExportError("--format=hf: the parameters are not the built-in transformer's")

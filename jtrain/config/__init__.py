@@ -341,6 +341,9 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
     if model["name"] == "transformer" and tree["data"]["seq_len"] > model.get("max_len", 0):
         raise ConfigError("data.seq_len",
                           f"{tree['data']['seq_len']} exceeds model.max_len={model['max_len']}")
+    if (model.get("moe") or {}).get("experts") and tree["finetune"]["lora"]["rank"]:
+        raise ConfigError("finetune.lora.rank", "LoRA adapters do not wrap the experts of "
+                          "model.moe.experts > 0; train the mixture of experts without LoRA")
     if num_devices is None:
         return
     data, fsdp, tensor = resolve_axis_sizes(mesh, num_devices)  # ConfigError
