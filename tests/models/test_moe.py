@@ -3,7 +3,8 @@ loop over tokens (each token's top-k experts weighted by renormalised gates, cap
 drops applied in priority order) and counts its drops exactly; experts=0 is the dense
 model; the FLOPs count k active experts; a short run's loss decreases and resumes
 bitwise; a mixture-of-experts run samples and refuses the Hugging Face export; on 8 fake
-devices (experts split over fsdp) the loss and gradients are one device's."""
+devices (experts split over fsdp) the loss and gradients are one device's. MODEL and
+MOE are the example of docs/guide/scaling-out.md."""
 
 import math
 
