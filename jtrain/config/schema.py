@@ -308,5 +308,7 @@ def describe() -> list[tuple[str, Field]]:
 
     walk(SCHEMA, "")
     for family, fields in MODEL_FAMILIES.items():
-        out += [(f"model.{k} [{family}]", v) for k, v in fields.items()]
+        start = len(out)
+        walk(fields, "model.")  # a family's sections too (model.moe.*)
+        out[start:] = [(f"{key} [{family}]", v) for key, v in out[start:]]
     return out
