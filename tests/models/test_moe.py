@@ -131,6 +131,7 @@ def runs(tmp_path_factory):
     return straight, resumed, base
 
 
+@pytest.mark.slow  # trains three short runs: the full suite runs it
 def test_training_reports_the_terms_lowers_the_loss_and_resumes_bitwise(runs):
     straight, resumed, _ = runs
     losses = [h["train/loss"] for h in straight.train_history]
@@ -142,6 +143,7 @@ def test_training_reports_the_terms_lowers_the_loss_and_resumes_bitwise(runs):
             == state_lib.state_sha256(straight.state))
 
 
+@pytest.mark.slow  # trains three short runs: the full suite runs it
 def test_a_moe_run_samples_and_refuses_the_hf_export(runs):
     pytest.importorskip("transformers")
     _, _, base = runs
