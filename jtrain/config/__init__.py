@@ -44,6 +44,7 @@ import ml_collections
 from jtrain.config.schema import (ACTIVATIONS, DTYPES, INT_MAX, METRIC_NAMES,  # noqa: F401
                                   MODEL_FAMILIES, OPTIMIZERS, SCHEDULES, SCHEMA, WRITERS,
                                   Field, describe, field_of, resume_safe, schema_for)
+from jtrain.config.schema import fields as schema_fields
 from jtrain.config import schema_population, space as space_lib
 from jtrain.config.fields import OpenChoices
 from jtrain.config.rules import (  # noqa: F401  (config.check_mesh, config.check_optim)
@@ -80,19 +81,11 @@ def defaults(model: str = "transformer") -> ml_collections.ConfigDict:
     tree = _build(schema_for(model))
     tree["model"]["name"] = model
     config = ml_collections.ConfigDict(tree)
-    for key, spec in _fields(schema_for(model)):  # None-able numbers: typed placeholders
+    for key, spec in schema_fields(schema_for(model)):  # None-able numbers: typed placeholders
         if spec.type == "optfloat":
             section, name = key.rsplit(".", 1)
             config[section][name] = ml_collections.config_dict.placeholder(float)
     return config
-
-
-def _fields(schema: dict, prefix: str = ""):
-    for key, spec in schema.items():
-        if isinstance(spec, dict):
-            yield from _fields(spec, f"{prefix}{key}.")
-        else:
-            yield prefix + key, spec
 
 
 def _as_dict(config) -> dict:

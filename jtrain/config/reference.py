@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from jtrain.config.fields import OpenChoices
-from jtrain.config.schema import INT_MAX, MODEL_FAMILIES, SCHEMA, Field, schema_for
+from jtrain.config.schema import INT_MAX, MODEL_FAMILIES, SCHEMA, Field, fields, schema_for
 
 _TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str", "strs": "list[str]",
                "ints": "list[int]", "dict": "dict",
@@ -51,15 +51,6 @@ def show(value) -> str:
     if value is None:
         return "None"
     return repr(value)
-
-
-def fields(schema: dict, prefix: str = ""):
-    """(dotted key, Field) for every key of a (sub)schema, in declaration order."""
-    for key, spec in schema.items():
-        if isinstance(spec, dict):
-            yield from fields(spec, f"{prefix}{key}.")
-        else:
-            yield prefix + key, spec
 
 
 def _get(tree: dict, dotted: str):

@@ -295,20 +295,16 @@ def field_of(key: str) -> Field | None:
     return node if isinstance(node, Field) else None
 
 
+def fields(schema: dict, prefix: str = ""):
+    """(dotted key, Field) for every key of a (sub)schema, in declaration order."""
+    for key, spec in schema.items():
+        if isinstance(spec, dict):
+            yield from fields(spec, f"{prefix}{key}.")
+        else:
+            yield prefix + key, spec
+
+
 def describe() -> list[tuple[str, Field]]:
     """(dotted key, field) for every key, model families as `model.<key> [family]`."""
-    out = []
-
-    def walk(tree, prefix):
-        for k, v in tree.items():
-            if isinstance(v, dict):
-                walk(v, f"{prefix}{k}.")
-            else:
-                out.append((prefix + k, v))
-
-    walk(SCHEMA, "")
-    for family, fields in MODEL_FAMILIES.items():
-        start = len(out)
-        walk(fields, "model.")  # a family's sections too (model.moe.*)
-        out[start:] = [(f"{key} [{family}]", v) for key, v in out[start:]]
-    return out
+    return [*fields(SCHEMA), *((f"{key} [{family}]", v) for family, keys
+                               in MODEL_FAMILIES.items() for key, v in fields(keys, "model."))]
