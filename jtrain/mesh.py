@@ -33,6 +33,10 @@ LOGICAL_RULES = (
     ("embed", "fsdp"),
     ("mlp", "tensor"),
     ("heads", "tensor"),
+    # MoE experts split over fsdp: tokens are split by batch over (data, fsdp), so each
+    # fsdp group holds a share of the experts and dispatch is an all-to-all within it,
+    # while "mlp" inside each expert stays on tensor (docs/guide/scaling-out.md).
+    ("expert", "fsdp"),
     ("kv", None),
     ("length", None),
     ("layers", None),

@@ -154,7 +154,7 @@ def load_checkpoint_leaves(step_dir: str, prefixes=("params",)) -> dict[str, np.
 def export(workdir: str, out: str, *, step: int | str | None = None,
            dtype: str | None = None, merge_lora: bool = False,
            weights: str = "params", member: int | None = None, writer=None,
-           subtree: str | None = None) -> dict:
+           subtree: str | None = None, check=None) -> dict:
     """Write the export; returns the export.json record. `merge_lora`: adapters folded
     into their weights (a UsageError for a run without LoRA). `weights="ema"`: the
     weight EMA is written as the params (a UsageError for a run without one). `member`:
@@ -162,7 +162,8 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
     (its config records that member's seed and values, population off).
     `writer(out, tensors, config) -> dict`: writes the tensors instead of
     params.safetensors (jtrain.checkpoint.hf_export.export: a Hugging Face directory);
-    what it returns is the record's "hf" entry. `subtree`: one named part of the state
+    what it returns is the record's "hf" entry; `check(config)` refuses a run's config
+    before anything is written. `subtree`: one named part of the state
     (a step of your own keeps several models in it: "g" for the generator, "student"),
     written under names relative to it, as a plain run's export."""
     if weights not in ("params", "ema"):
@@ -180,6 +181,8 @@ def export(workdir: str, out: str, *, step: int | str | None = None,
                                     ("params", "model_state", "opt_state") if averaged
                                     else ("params", "model_state"))
     config, loaded = _member_of(control.get("config") or {}, loaded, member, workdir)
+    if check is not None:
+        check(config)
     leaves = {name.split("/", 1)[1]: arr  # "params/body/kernel" -> "body/kernel"
               for name, arr in loaded.items() if name.startswith("params/")}
     if weights == "ema":

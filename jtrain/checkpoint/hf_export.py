@@ -19,7 +19,7 @@ import numpy as np
 
 from jtrain.checkpoint import export as export_lib
 from jtrain.checkpoint import hf
-from jtrain.errors import ExportError
+from jtrain.errors import ConfigError, ExportError
 
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # a run's copy (data.name=tokens)
@@ -58,7 +58,21 @@ def export(workdir: str, out: str, **kwargs) -> dict:
     tokenizer = next((p for p in (os.path.join(workdir, n) for n in TOKENIZER_FILES)
                       if os.path.isfile(p)), None)
     return export_lib.export(workdir, out, writer=functools.partial(
-        write, tokenizer=tokenizer), **kwargs)
+        write, tokenizer=tokenizer), check=exportable, **kwargs)
+
+
+def exportable(config: dict) -> None:
+    """One line for a run the Hugging Face export cannot map (before anything is
+    written): a model other than the built-in transformer, or its mixture of experts."""
+    model_cfg = config.get("model") or {}
+    if model_cfg.get("name", "transformer") != "transformer":
+        raise ExportError(f"--format=hf: model.name={model_cfg.get('name')}: the Hugging "
+                          "Face export maps the built-in transformer (model.name="
+                          "transformer); export your own model with the default format")
+    experts = (model_cfg.get("moe") or {}).get("experts", 0)
+    if experts:
+        raise ConfigError("model.moe.experts", f"{experts}: a mixture-of-experts model is "
+                          "not exportable to Hugging Face (export it with the default format)")
 
 
 def write(out: str, leaves: dict[str, np.ndarray], config: dict,
@@ -67,11 +81,8 @@ def write(out: str, leaves: dict[str, np.ndarray], config: dict,
     and the run's config; returns {"architecture", "tokenizer"} for the record.
     `tokenizer`: the run's copy of its tokenizer (data.name=tokens), carried instead of
     the byte tokenizer."""
+    exportable(config)
     model_cfg = config.get("model") or {}
-    if model_cfg.get("name", "transformer") != "transformer":
-        raise ExportError(f"--format=hf: model.name={model_cfg.get('name')}: the Hugging "
-                          "Face export maps the built-in transformer (model.name="
-                          "transformer); export your own model with the default format")
     dims = hf.layout(leaves)
     if dims is None:
         raise ExportError("--format=hf: the parameters are not the built-in transformer's")

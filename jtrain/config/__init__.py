@@ -360,6 +360,13 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
     if model["name"] == "transformer" and tree["data"]["seq_len"] > model.get("max_len", 0):
         raise ConfigError("data.seq_len",
                           f"{tree['data']['seq_len']} exceeds model.max_len={model['max_len']}")
+    if (model.get("moe") or {}).get("experts") and tree["finetune"]["lora"]["rank"]:
+        raise ConfigError("finetune.lora.rank", "LoRA adapters do not wrap the experts of "
+                          "model.moe.experts > 0; train the mixture of experts without LoRA")
+    if (model.get("moe") or {}).get("experts") and model.get("quant", "none") != "none":
+        raise ConfigError("model.quant", f"{model['quant']} is not implemented for "
+                          "model.moe.experts > 0 (the experts' matmuls would run unquantised); "
+                          "set model.quant='none' or model.moe.experts=0")
     if num_devices is None:
         return
     data, fsdp, tensor = resolve_axis_sizes(mesh, num_devices)  # ConfigError
@@ -391,6 +398,13 @@ def _check_family(model: dict) -> None:
         if (d // h) % 2:
             raise ConfigError("model.num_heads", f"head size d_model/num_heads={d // h} must "
                                                  "be even for rotary positions")
+        moe = model.get("moe") or {}
+        if moe.get("experts") and not moe["k"] <= moe["experts"]:
+            raise ConfigError("model.moe.k", f"expected at most model.moe.experts="
+                                             f"{moe['experts']}, got {moe['k']}")
+        if moe.get("experts") and not moe["capacity_factor"] > 0:
+            raise ConfigError("model.moe.capacity_factor", "expected a number > 0, got "
+                                                           f"{moe['capacity_factor']!r}")
     if model["name"] == "user" and ":" not in model["factory"]:
         raise ConfigError("model.factory", "required with model.name='user': "
                           f"'package.module:function', got {model['factory']!r}")

@@ -137,6 +137,17 @@ AFTER_RUN: dict[str, tuple[str, str]] = {
 }
 
 
+# Options of the built-in transformer: the generated cases train a small model of their
+# own, so these are not crossed pairwise; each row says what it composes with, what it
+# refuses in one line, and the test that checks it.
+MODEL_OPTIONS: dict[str, tuple[str, str, str]] = {
+    "mixture of experts": ("`model.moe.experts`", "checked with resume (bitwise), an "
+                           "8-device mesh (experts split over `fsdp`) and `jtrain sample`; "
+                           "refused: LoRA (`finetune.lora.rank`), `model.quant`, `jtrain "
+                           "export --format=hf`; tests/models/test_moe.py", "scaling-out.md"),
+}
+
+
 def feature(name: str) -> Feature:
     return next(f for f in FEATURES if f.name == name)
 
@@ -238,6 +249,10 @@ def markdown() -> str:
               "|---|---|---|"]
     for command, (reads, page) in AFTER_RUN.items():
         lines.append(f"| `{command}` | {reads} | [{page}]({page}) |")
+    lines += ["", "## Options of the built-in transformer", "",
+              "| option | keys | composes | guide |", "|---|---|---|---|"]
+    for option, (keys, composes, page) in MODEL_OPTIONS.items():
+        lines.append(f"| {option} | {keys} | {composes} | [{page}]({page}) |")
     return "\n".join(lines) + "\n"
 
 

@@ -239,6 +239,19 @@ MODEL_FAMILIES: dict[str, dict[str, Field]] = {
                    "for activation memory, same results"),
         "mlp": F(str, "gelu", ("gelu", "swiglu"), "MLP: gelu = up, GELU (tanh), down; "
                  "swiglu = down(silu(gate) * up), Llama's (docs/guide/huggingface.md)"),
+        "moe": {  # jtrain/models/moe.py; docs/guide/scaling-out.md
+            "experts": F(int, 0, (0, 4096), "mixture of experts: routed MLPs per MoE "
+                         "block; 0 = the dense MLP"),
+            "k": F(int, 2, (1, 4096), "experts each token runs through (top-k of the "
+                   "router), at most experts"),
+            "capacity_factor": F(float, 1.25, (0.0, 1024.0), "an expert takes at most "
+                                 "ceil(capacity_factor * tokens * k / experts) tokens; "
+                                 "the rest are dropped (the residual passes)"),
+            "every": F(int, 1, (1, INF), "every n-th block (counted from the last) is a "
+                       "MoE block"),
+            "aux_weight": F(float, 0.01, (0.0, 100.0), "weight of the load-balancing "
+                            "loss added to the training loss"),
+        },
     },
     "mlp": {
         "hidden": F("ints", (64, 64), None, "hidden layer widths"),
@@ -284,7 +297,7 @@ def describe() -> list[tuple[str, Field]]:
     built-in optimizer's arguments as `optim.kwargs.<arg> [name]`."""
     out = list(fields(SCHEMA))
     for family, keys in MODEL_FAMILIES.items():
-        out += [(f"model.{k} [{family}]", v) for k, v in keys.items()]
+        out += [(f"{k} [{family}]", v) for k, v in fields(keys, "model.")]
     for name, args in OPTIMIZERS.items():
         out += [(f"optim.kwargs.{k} [{name}]", v) for k, v in args.items()]
     return out

@@ -40,7 +40,7 @@ from jtrain.engine import population as population_lib
 from jtrain.errors import ConfigError, JtrainError
 from jtrain.losses import terms as loss_terms
 from jtrain.models import adapters
-from jtrain.models import lora as lora_lib, quant as quant_lib
+from jtrain.models import lora as lora_lib, moe as moe_lib, quant as quant_lib
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -310,15 +310,16 @@ def train_step_of(cfg, mesh, model: Model, loss: Loss, tx, schedule, policy, sha
     jitted with the whole state's `shardings` and the state donated;
     determinism.topology_invariant's programs for one device otherwise."""
     ema = cfg.optim.ema
+    apply, loss_fn, predict_fn = moe_train_parts(cfg, model, loss, policy)
     step = step_lib.make_train_step(
-        model.fns.apply, loss.fn or losses.default_loss, tx, schedule,
+        apply, loss_fn, tx, schedule,
         grad_accum_steps=grad_accum_steps, dynamic_loss_scale=policy.dynamic_loss_scale,
         halt_on_nonfinite=cfg.nonfinite.policy == "halt",
         max_consecutive=cfg.nonfinite.max_consecutive, valid_fn=loss.valid_fn,
         model_inputs=loss.model_inputs, invariant=invariant_of(cfg, mesh, shardings),
         **({"ema_decay": float(ema.decay), "ema_warmup": str(ema.warmup)}
            if ema.decay > 0 else {}),
-        **({"train_metrics": metrics_spec, "predict_fn": loss.predict_fn}
+        **({"train_metrics": metrics_spec, "predict_fn": predict_fn}
            if metrics_spec is not None else {}))
     if isinstance(step, invariant.SplitStep):  # several programs: nothing to jit or donate
         return step
@@ -326,6 +327,18 @@ def train_step_of(cfg, mesh, model: Model, loss: Loss, tx, schedule, policy, sha
         step = population_lib.train_step(pop, step)
     return jax.jit(step, in_shardings=(shardings, mesh_lib.batch_sharding(mesh)),
                    out_shardings=(shardings, mesh_lib.replicated(mesh)), donate_argnums=0)
+
+
+def moe_train_parts(cfg, model: Model, loss: Loss, policy):
+    """(apply, loss fn, predict_fn) of the training step: the model's, or with the built-in
+    transformer's MoE blocks (model.moe.experts > 0) the forward that returns their
+    sown totals and the loss with model.moe.aux_weight's term (models.moe)."""
+    fn = loss.fn or losses.default_loss
+    if model.name != "transformer" or not cfg.model.moe.experts:
+        return model.fns.apply, fn, loss.predict_fn
+    module = models_lib.make_model(cfg.model, dtype=policy.compute_dtype,
+                                   param_dtype=policy.param_dtype)
+    return moe_lib.with_moe_terms(module, fn, loss.predict_fn, cfg.model.moe.aux_weight)
 
 
 def eval_steps(cfg, mesh, apply, loss: Loss, spec, params_shardings, *, forward=None):

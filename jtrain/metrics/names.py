@@ -29,6 +29,12 @@ METRICS: dict[str, tuple[str, str]] = {
                             "gradient, invalid rows): skipped.jsonl lists them"),
     "train/loss_scale": ("log steps", "fp16 dynamic loss scale (precision float16 only)"),
     "train/<term>": ("log steps", "a named loss term's token-weighted mean"),
+    "train/moe_aux_loss": ("log steps (model.moe.experts > 0)", "the MoE blocks' mean "
+                           "load-balancing loss, E * sum(routed fraction * mean router "
+                           "probability): 1 when balanced; train/loss includes "
+                           "model.moe.aux_weight times it"),
+    "train/moe_dropped_fraction": ("log steps (model.moe.experts > 0)", "token-expert "
+                                   "assignments over their expert's capacity, dropped"),
     "train/<metric>/m<m>": ("log steps (population.size > 1)", "member m's train/<metric>; "
                             "the plain name is the mean over the members"),
     **{f"train/{what}": ("log steps (log.train_metrics)", f"the log step's batch: {doc}")

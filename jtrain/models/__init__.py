@@ -1,6 +1,7 @@
 """Models: the built-in families and the adapters that turn any model into one interface.
 
     transformer   decoder-only LM over bytes or tokens (RoPE, RMSNorm, logical axes)
+    moe           model.moe: the transformer's top-k routed experts, their training terms
     mlp           MLP classifier / regressor
     user          your own model from `model.factory` ("package.module:function")
     adapters      Linen / NNX / pure (init, apply) -> ModelFns (init, apply)

@@ -25,6 +25,12 @@ Every parameter carries logical axis names from `jtrain.mesh.LOGICAL_RULES`:
   mlp out              [F, D]      ("mlp", "embed")
   untied logits        [D, V]      ("embed", "vocab")
   norm scales          [D]         ("norm",)
+  router (model.moe)   [D, E]      ("embed", None)
+  expert in (and gate) [E, D, F]   ("expert", None, "mlp")
+  expert out           [E, F, D]   ("expert", "mlp", None)
+
+`model.moe.experts` > 0 replaces the MLP of every `model.moe.every`-th block (counted
+from the last) by MoeBlock: top-k routed experts (jtrain.models.moe).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+
+from jtrain.models import moe as moe_lib
 
 
 Dtype = Any
@@ -175,6 +183,43 @@ class MlpBlock(nn.Module):
         return _matmul(h, w_out.astype(self.dtype))  # [B, T, D]
 
 
+class MoeBlock(nn.Module):
+    """`experts` MLPs of MLP_KINDS `kind`; each token runs through its top `k`
+    (jtrain.models.moe.route), their outputs weighted by the renormalised gates."""
+    experts: int
+    k: int
+    capacity_factor: float
+    d_ff: int
+    dtype: Dtype
+    param_dtype: Dtype
+    kind: str = "gelu"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # x [B, T, D]
+        d, e, f = x.shape[-1], self.experts, self.d_ff
+        init = nn.initializers.lecun_normal(batch_axis=(0,))
+        router = _param(self, "router", (d, e), ("embed", None), nn.initializers.lecun_normal())
+        w_in = _param(self, "wi", (e, d, f), ("expert", None, "mlp"), init)
+        w_out = _param(self, "wo", (e, f, d), ("expert", "mlp", None), init)
+        tokens = x.reshape(-1, d)  # [N, D] float32
+        dispatch, combine, aux, dropped = moe_lib.route(
+            _matmul(tokens, router.astype(jnp.float32)), self.k, self.capacity_factor)
+        self.sow("intermediates", "moe_aux", aux)
+        self.sow("intermediates", "moe_dropped", dropped)
+        self.sow("intermediates", "moe_assigned", jnp.float32(tokens.shape[0] * self.k))
+        xs = jnp.einsum("nec,nd->ecd", dispatch.astype(self.dtype), tokens.astype(self.dtype))
+        xs = nn.with_logical_constraint(xs, ("expert", None, None))  # [E, C, D]
+        h = jnp.einsum("ecd,edf->ecf", xs, w_in.astype(self.dtype))
+        if self.kind == "swiglu":
+            w_gate = _param(self, "wi_gate", (e, d, f), ("expert", None, "mlp"), init)
+            h = nn.silu(jnp.einsum("ecd,edf->ecf", xs, w_gate.astype(self.dtype))) * h
+        else:
+            h = nn.gelu(h)
+        ys = jnp.einsum("ecf,efd->ecd", h, w_out.astype(self.dtype))  # [E, C, D]
+        y = jnp.einsum("nec,ecd->nd", combine.astype(self.dtype), ys)
+        return y.reshape(x.shape)  # [B, T, D]
+
+
 class Block(nn.Module):
     num_heads: int
     d_ff: int
@@ -183,6 +228,7 @@ class Block(nn.Module):
     param_dtype: Dtype
     attention: str = "xla"
     mlp: str = "gelu"  # MLP_KINDS
+    moe: tuple = ()  # (experts, k, capacity_factor) for a MoeBlock; () = dense
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool, segment_ids=None,
@@ -195,7 +241,11 @@ class Block(nn.Module):
             h, cache = h
         x = x + _dropout(h, self.dropout, train)
         h = _norm(self.param_dtype, "mlp_norm")(x)
-        h = MlpBlock(self.d_ff, self.dtype, self.param_dtype, self.mlp, name="mlp")(h)
+        if self.moe:
+            h = MoeBlock(*self.moe, self.d_ff, self.dtype, self.param_dtype, self.mlp,
+                         name="moe")(h)
+        else:
+            h = MlpBlock(self.d_ff, self.dtype, self.param_dtype, self.mlp, name="mlp")(h)
         x = x + _dropout(h, self.dropout, train)  # [B, T, D]
         return x if cache is None else (x, cache)
 
@@ -239,6 +289,7 @@ class Transformer(nn.Module):
     attention: str = "xla"
     remat: str = "none"  # REMAT_POLICIES
     mlp: str = "gelu"  # MLP_KINDS
+    moe: tuple = ()  # (experts, k, capacity_factor, every); () = dense MLPs
 
     def init_cache(self, batch: int, length: int) -> dict:
         """An empty decoding cache of `length` <= max_len slots for `batch` rows: the
@@ -289,7 +340,8 @@ class Transformer(nn.Module):
             # gathering the weights. A no-op unless the engine sets logical-axis rules.
             x = nn.with_logical_constraint(x, ("batch", "length", None))
             x = block(self.num_heads, self.d_ff, self.dropout, self.dtype, self.param_dtype,
-                      self.attention, mlp=self.mlp, name=f"layer_{i}")(
+                      self.attention, mlp=self.mlp, moe=_moe_of(self.moe, i, self.num_layers),
+                      name=f"layer_{i}")(
                 x, train, segment_ids, positions,
                 None if decode is None else (cache["layers"][i], *decode))
             if decode is not None:
@@ -310,6 +362,20 @@ class Transformer(nn.Module):
         return logits, {"index": decode[0] + tokens.shape[1], "layers": layers}
 
 
+def _moe_of(moe: tuple, layer: int, layers: int) -> tuple:
+    """Block `layer`'s (experts, k, capacity_factor): every `every`-th block counted
+    from the last is a MoeBlock; () for a dense one."""
+    if not moe or (layers - 1 - layer) % moe[3]:
+        return ()
+    return moe[:3]
+
+
+def moe_layers(model_cfg) -> int:
+    """How many blocks are MoeBlocks (0: model.moe.experts = 0)."""
+    m, layers = model_cfg["moe"], int(model_cfg["num_layers"])
+    return 0 if not m["experts"] else len(range(layers - 1, -1, -int(m["every"])))
+
+
 def build(model_cfg, *, dtype, param_dtype) -> Transformer:
     """A Transformer from a validated `model` section (jtrain.config.resolve_model)."""
     c = model_cfg
@@ -319,7 +385,14 @@ def build(model_cfg, *, dtype, param_dtype) -> Transformer:
         max_len=int(c["max_len"]), dropout=float(c["dropout"]),
         tie_embeddings=c["tie_embeddings"], dtype=dtype, param_dtype=param_dtype,
         attention=attention_impl(c.get("attention", "auto"), dtype),
-        remat=c.get("remat", "none"), mlp=c.get("mlp", "gelu"))
+        remat=c.get("remat", "none"), mlp=c.get("mlp", "gelu"), moe=_moe_config(c))
+
+
+def _moe_config(c) -> tuple:
+    m = c.get("moe") or {}
+    if not m.get("experts"):
+        return ()
+    return (int(m["experts"]), int(m["k"]), float(m["capacity_factor"]), int(m["every"]))
 
 
 def attention_impl(choice: str, dtype, platform: str | None = None) -> str:
@@ -338,12 +411,18 @@ def matmul_params(model_cfg) -> int:
     = L * (4*D^2 + 2*D*F)  (q, k, v, out; mlp in, mlp out; 3*D*F with the swiglu gate)
       + D*V                (the output projection; tied or not, the logits matmul is real
                             work, while the embedding lookup itself costs nothing)
-    Norm scales (a few D-vectors) are left out.
+    Norm scales (a few D-vectors) are left out. A MoE block (model.moe) counts its k
+    active experts' MLPs and its router (D*E) in place of the dense MLP.
     """
     c = model_cfg
     d, f, v, layers = c["d_model"], c["d_ff"], c["vocab_size"], c["num_layers"]
     mlp_mats = 3 if c.get("mlp", "gelu") == "swiglu" else 2
-    return int(layers * (4 * d * d + mlp_mats * d * f) + d * v)
+    dense = int(layers * (4 * d * d + mlp_mats * d * f) + d * v)
+    moe = c.get("moe") or {}
+    if not moe.get("experts"):
+        return dense
+    routed = moe_layers(c) * ((int(moe["k"]) - 1) * mlp_mats * d * f + d * moe["experts"])
+    return dense + routed
 
 
 def flops_per_example(model_cfg, input_shape) -> float:
