@@ -97,6 +97,11 @@ def test_a_resolved_section_works_unchanged():
 
 
 def test_the_optimizer_fills_the_schemas_defaults():
+    """A partial section resolves as the whole config would: the schema's defaults and
+    the named optimizer's own arguments (optim.kwargs) filled in."""
     partial = sections.section("optim", {"name": "sgd"}, total_steps=10)
     defaults = config_lib.defaults().optim.to_dict()
-    assert partial.to_dict() == {**defaults, "name": "sgd"}
+    assert partial.to_dict() == {**defaults, "name": "sgd",
+                                 "kwargs": {"momentum": 0.9, "nesterov": False}}
+    assert partial.to_dict() == jtrain.resolve(
+        {"optim": {"name": "sgd"}, "total_steps": 10}).optim.to_dict()
