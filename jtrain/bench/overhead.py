@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import io
 import json
 import math
 import os
@@ -63,6 +64,7 @@ from jtrain.bench import machine as machine_lib
 from jtrain import models as models_lib
 from jtrain import optim as optim_lib
 from jtrain import precision as precision_lib
+from jtrain.observe import layout
 from jtrain.engine.run import train as jtrain_train  # `jtrain.train` itself is this function
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -141,11 +143,12 @@ def run_jtrain(cfg, workroot: str, round_index: int, keep: bool) -> Sample:
     workdir = os.path.join(workroot, f"jtrain_round{round_index}")
     shutil.rmtree(workdir, ignore_errors=True)  # a fresh start, never a resume
     os.makedirs(workdir)
-    with open(os.path.join(workdir, "console.log"), "w") as f, \
-            contextlib.redirect_stderr(f):  # the progress lines
+    console = io.StringIO()
+    with contextlib.redirect_stderr(console):  # the progress lines
         t0 = time.perf_counter()
         jtrain_train(cfg, workdir)
         wall = time.perf_counter() - t0
+    layout.write_file(os.path.join(workdir, "console.log"), console.getvalue())
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         logs = [r for r in map(json.loads, f) if "perf/steps_per_sec" in r]
     if not keep:

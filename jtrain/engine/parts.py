@@ -131,11 +131,13 @@ class Loss(NamedTuple):
 
 class Model(NamedTuple):
     """The model as build uses it: its functions, its name ("user <Class>" for yours),
-    ShapeDtypeStructs of one global batch of inputs, training FLOPs of one example."""
+    ShapeDtypeStructs of one global batch of inputs, training FLOPs of one example, and
+    the model object the functions come from."""
     fns: adapters.ModelFns
     name: str
     inputs: Any
     flops: float | None
+    module: Any = None
 
 
 def model_object(cfg, given, policy):
@@ -177,7 +179,7 @@ def model_functions(cfg, module, user, policy, sample, mesh, fns=None) -> Model:
     inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), sample)
     return Model(fns, name, inputs, model_flops_per_example(
-        user, cfg.model, jax.tree.map(np.shape, sample)))
+        user, cfg.model, jax.tree.map(np.shape, sample)), module)
 
 
 def loss_of(cfg, loss_fn) -> Loss:
@@ -310,7 +312,7 @@ def train_step_of(cfg, mesh, model: Model, loss: Loss, tx, schedule, policy, sha
     jitted with the whole state's `shardings` and the state donated;
     determinism.topology_invariant's programs for one device otherwise."""
     ema = cfg.optim.ema
-    apply, loss_fn, predict_fn = moe_train_parts(cfg, model, loss, policy)
+    apply, loss_fn, predict_fn = moe_train_parts(cfg, model, loss)
     step = step_lib.make_train_step(
         apply, loss_fn, tx, schedule,
         grad_accum_steps=grad_accum_steps, dynamic_loss_scale=policy.dynamic_loss_scale,
@@ -329,16 +331,14 @@ def train_step_of(cfg, mesh, model: Model, loss: Loss, tx, schedule, policy, sha
                    out_shardings=(shardings, mesh_lib.replicated(mesh)), donate_argnums=0)
 
 
-def moe_train_parts(cfg, model: Model, loss: Loss, policy):
+def moe_train_parts(cfg, model: Model, loss: Loss):
     """(apply, loss fn, predict_fn) of the training step: the model's, or with the built-in
     transformer's MoE blocks (model.moe.experts > 0) the forward that returns their
     sown totals and the loss with model.moe.aux_weight's term (models.moe)."""
     fn = loss.fn or losses.default_loss
     if model.name != "transformer" or not cfg.model.moe.experts:
         return model.fns.apply, fn, loss.predict_fn
-    module = models_lib.make_model(cfg.model, dtype=policy.compute_dtype,
-                                   param_dtype=policy.param_dtype)
-    return moe_lib.with_moe_terms(module, fn, loss.predict_fn, cfg.model.moe.aux_weight)
+    return moe_lib.with_moe_terms(model.module, fn, loss.predict_fn, cfg.model.moe.aux_weight)
 
 
 def eval_steps(cfg, mesh, apply, loss: Loss, spec, params_shardings, *, forward=None):
