@@ -303,8 +303,11 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
                     summary_lib.record_halt(run, e)
                     raise
                 summary = summary_lib.summarize(cfg, run, state, session)
-                history = (list(ckpt.control.eval_history) if session.stored is not None
-                           else session.history)  # finished before: the stored result
+                history = session.history
+                if session.stored is not None:  # finished before: the stored result, and
+                    stored = list(ckpt.control.eval_history)  # async evals recorded after
+                    history = stored + [e for e in history  # its last save
+                                        if not stored or e["step"] > stored[-1]["step"]]
             if mirror is not None:  # summary.json, the last lines of train.log
                 mirror.push()
             return TrainResult(state=state, history=history, summary=summary,
