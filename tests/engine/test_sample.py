@@ -8,6 +8,7 @@ side is tests/journeys/test_sample_journey.py. The Python example of
 docs/guide/language-models.md is what these tests call."""
 
 import os
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import pytest
 import jtrain
 from jtrain import errors
 from jtrain.checkpoint import hf_export
+from jtrain.data import tokenizer
 from jtrain.checkpoint.integrity import leaf_path
 from jtrain.engine import sample as sample_lib
 from jtrain.models.transformer import Transformer
@@ -129,10 +131,36 @@ def test_a_stop_string_cuts_the_continuation_before_it(model):
     at = next(i for i, t in enumerate(full) if i > 0 and t < 128)  # an ASCII byte
     out = jtrain.sample(params, PROMPTS[0], model=m, max_new_tokens=24, stop=[chr(full[at])])
     assert out[0].tokens == full[:full.index(full[at])] and out[0].finish == "stop"
-    row = [104, 105, 10]  # a stop string of two tokens: checked as each token comes
-    assert sample_lib._stopped(row, [b"\n\n", b"x"]) is None and row == [104, 105, 10]
+    tok, row = tokenizer.ByteTokenizer(), [104, 105, 10]  # a stop of two tokens: checked
+    assert sample_lib._stopped(tok, [], row, ["\n\n", "x"]) is None  # as each token comes
     row.append(10)
-    assert sample_lib._stopped(row, [b"\n\n", b"x"]) == "stop" and row == [104, 105]
+    assert sample_lib._stopped(tok, [], row, ["\n\n", "x"]) == "hi" and row == [104, 105]
+
+    class Pieces:  # tokens of several characters: the stop string inside the second
+        vocab_size, pieces = 3, ["ab", "c\nd", "e"]
+
+        def decode(self, ids):
+            return "".join(self.pieces[i] for i in ids)
+    row = [0, 1]  # the text is cut at the stop, the token reaching into it dropped
+    assert sample_lib._stopped(Pieces(), [2], row, ["\n"]) == "abc" and row == [0]
+
+
+def test_the_end_of_run_sample_is_off_in_one_line_where_it_cannot_decode():
+    run = SimpleNamespace(build=SimpleNamespace(model_name="transformer"),
+                          data=SimpleNamespace(info={}))
+    for over, why in (({"population": {"size": 2}}, "trained a population"),
+                      ({"finetune": {"lora": {"rank": 2}}}, "holds LoRA adapters"),
+                      ({"step": {"factory": "m:f"}}, "trained a step of your own"),
+                      ({"model": {"quant": "int8"}}, "trained with model.quant=int8")):
+        cfg = jtrain.resolve({**over, "sample": {"prompts": ["def "]}})
+        (line,) = sample_lib.end_of_run(cfg, run, None)
+        assert line.startswith(f"jtrain: sample: off: {why}"), line
+    cfg = jtrain.resolve({"sample": {"prompts": ["def "]}})
+    user = SimpleNamespace(build=SimpleNamespace(model_name="user Net"))
+    assert sample_lib.end_of_run(cfg, user, None) == [
+        "jtrain: sample: off: model user Net is not the built-in transformer"]
+    for off in ({"prompts": []}, {"prompts": ["def "], "max_new_tokens": 0}):
+        assert sample_lib.end_of_run(jtrain.resolve({"sample": off}), user, None) == []
 
 
 def test_a_batch_of_different_lengths_equals_each_prompt_alone(model):
