@@ -106,7 +106,7 @@ def test_same_seed_same_hash_and_resume_is_bitwise(tmp_path, capfd):
     cfg.sample.prompts = ("def ",)  # the end-of-run sample reads the state, never changes it
     b = jtrain.train(cfg, str(tmp_path / "b"))
     assert a["state_sha256"] == b.summary["state_sha256"] == state_sha256(b.state)
-    assert "jtrain: sample: 'def ' -> " in capfd.readouterr().out
+    assert "jtrain: sample: 'def ' -> " in capfd.readouterr().err
     b = b.summary
     # Interrupted at step 4, resumed: same final state as the uninterrupted run.
     jtrain.train(_lib_config(total_steps=4), str(tmp_path / "c"))
