@@ -338,7 +338,7 @@ def end_of_run(cfg, run, state) -> list[str]:
                      tokenizer=path and tokenizer_lib.load(path), max_new_tokens=new)
     except (UsageError, DataError) as e:  # a finished run is not failed by its sample
         return [f"jtrain: sample: off: {message(e.key, e.why)}"]
-    return [f"jtrain: sample: {p!r} -> {s.text!r}" for p, s in zip(prompts, out)]
+    return [f"jtrain: sample: {p!r} -> {s.text!r}" for p, s in zip(prompts, out, strict=True)]
 
 
 def open_run(workdir: str, *, step=None, model=None) -> tuple[Any, dict, Any]:

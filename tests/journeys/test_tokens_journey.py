@@ -53,7 +53,9 @@ def test_the_language_model_page_runs_as_written(tmp_path):
     cfg = json.loads((run / "config.json").read_text())["data"]
     assert cfg["name"] == "tokens" and cfg["path"] == "shards"
     assert cfg["tokenizer"] == f"tokenizer.json (sha256 {made_with(tmp_path)})"
-    assert "token shards sha256" in (run / "train.log").read_text()
+    log = (run / "train.log").read_text().splitlines()
+    assert any("token shards sha256" in ln for ln in log)
+    ended = [ln for ln in log if ln.startswith("jtrain: sample: ")]  # base:debug's prompts
 
     proc = run_python(tmp_path, *verify)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("jtrain: verify_resume:")]
@@ -75,7 +77,11 @@ def test_the_language_model_page_runs_as_written(tmp_path):
     prompts = [sample[i + 1] for i, a in enumerate(sample) if a == "--prompt"]
     os.chdir(tmp_path)  # the library as the reader calls it, from the same directory
     out = jtrain.sample("runs/lm", prompts, max_new_tokens=12)
-    assert proc.stdout == "\n".join(p + s.text + "\n" for p, s in zip(prompts, out))
+    first = ["def ", "import ", "class "]  # the run's end: its tokenizer, final params
+    want = jtrain.sample("runs/lm", first, max_new_tokens=24)
+    assert ended == [f"jtrain: sample: {p!r} -> {s.text!r}"
+                     for p, s in zip(first, want, strict=True)]
+    assert proc.stdout == "\n".join(p + s.text + "\n" for p, s in zip(prompts, out, strict=True))
     assert "2 prompt(s), 24 tokens" in proc.stderr
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exports" / "lm"))
     for prompt, got in zip(prompts, out, strict=True):
