@@ -55,7 +55,8 @@ def test_the_language_model_page_runs_as_written(tmp_path):
     assert cfg["tokenizer"] == f"tokenizer.json (sha256 {made_with(tmp_path)})"
     log = (run / "train.log").read_text().splitlines()
     assert any("token shards sha256" in ln for ln in log)
-    ended = [ln for ln in log if ln.startswith("jtrain: sample: ")]  # base:debug's prompts
+    ended = [ln[ln.index("jtrain: sample: "):] for ln in log  # base:debug's prompts
+             if "jtrain: sample: " in ln]
 
     proc = run_python(tmp_path, *verify)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("jtrain: verify_resume:")]
