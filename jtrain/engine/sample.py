@@ -1,7 +1,8 @@
 """`jtrain sample RUN --prompt TEXT`: text from a trained language model.
 
     sample(run_or_params, prompts, *, model=None, max_new_tokens=64, temperature=0.0,
-           top_k=0, top_p=1.0, seed=0, stop=(), step=None, use_cache=True) -> [Sample]
+           top_k=0, top_p=1.0, seed=0, stop=(), step=None, use_cache=True,
+           tokenizer=None) -> [Sample]
 
 The run's newest intact checkpoint (or `step`: N, latest, best) is read like `jtrain
 export` reads it (integrity-checked, params only) into the model its config.json names;
