@@ -138,7 +138,7 @@ def encode(prompts, tokenizer) -> list[list[int]]:
             if tokenizer is None:
                 raise UsageError("--prompt", "text needs the run's tokenizer, and this "
                                  "model has none: give lists of token ids (or tokenizer=)")
-            p = tokenizer.encode(p).tolist()
+            p = list(tokenizer.encode(p))
         if not p:
             raise UsageError("--prompt", "empty: give at least one token to continue")
         rows.append([int(t) for t in p])
