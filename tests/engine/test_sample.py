@@ -2,7 +2,9 @@
 Hugging Face export token for token; the KV cache gives the full forward's logits and the
 window recomputed without it the same tokens; the seed decides the draw; top_k=1 is
 greedy; top-k / top-p keep what they say; stop strings cut; a batch of prompts of
-different lengths equals each prompt alone; bad input is one line. A tiny random
+different lengths equals each prompt alone; text goes through a unigram or SentencePiece
+tokenizer and back; the end-of-run sample is one line where it cannot decode; bad input
+is one line. A tiny random
 built-in transformer (2 layers, width 32, 256 bytes), no training: the run-directory
 side is tests/journeys/test_sample_journey.py. The Python example of
 docs/guide/language-models.md is what these tests call."""
@@ -188,3 +190,40 @@ def test_a_model_without_the_decode_interface_is_refused_in_one_line():
     line = errors.render(e.value)
     assert line.startswith("jtrain: usage error: model: MLP has no max_len, init_cache")
     assert "\n" not in line
+
+
+@pytest.mark.parametrize("kind", ["unigram", "sentencepiece"])
+def test_text_goes_through_the_tokenizer_and_a_batch_decodes_as_each_row_alone(kind,
+                                                                              tmp_path):
+    text = "".join(f"def f{i}(x):\n    return x * {i}\nclass Point{i}:\n    pass\n"
+                   for i in range(40))
+    if kind == "sentencepiece":
+        import sentencepiece as spm
+
+        (tmp_path / "c.txt").write_text(text)
+        spm.SentencePieceTrainer.train(input=str(tmp_path / "c.txt"), vocab_size=60,
+                                       model_prefix=str(tmp_path / "sp"), minloglevel=2)
+        path = str(tmp_path / "sp.model")
+    else:
+        path = tokenizer.train("unigram", 300, [text], str(tmp_path / "tokenizer.json")).file
+    tok = tokenizer.load(path)
+    m = Transformer(**{**DIMS, "vocab_size": tok.vocab_size + 3}, dropout=0.0,
+                    tie_embeddings=True)
+    params = m.init(jax.random.key(2), jnp.zeros((1, 4), jnp.int32))["params"]
+    params = jax.tree.map(lambda p: getattr(p, "value", p) * 3.0, params,
+                          is_leaf=lambda p: hasattr(p, "value"))
+    prompts = ["def f1(x", "class Point"]  # of different token lengths: left-padded
+    batch = jtrain.sample(params, prompts, model=m, max_new_tokens=10, tokenizer=path)
+    for prompt, got in zip(prompts, batch, strict=True):
+        ids = tok.encode(prompt).tolist()
+        assert got == jtrain.sample(params, [ids], model=m, max_new_tokens=10,
+                                    tokenizer=path)[0]  # ids or text: the same row
+        assert prompt + got.text == tok.decode(ids + got.tokens)  # what the CLI prints
+    assert len({len(tok.encode(p)) for p in prompts}) == 2
+    head, whole = tok.encode("class").tolist(), tok.encode("class Point1").tolist()
+    assert whole[:len(head)] == head  # a word's leading space (SentencePiece's too) kept:
+    assert sample_lib.decoded(tok, head, whole[len(head):]) == " Point1"
+    stop = batch[0].text[3:5]  # found in the decoded text, whatever tokens it spans
+    cut = jtrain.sample(params, prompts[0], model=m, max_new_tokens=10, stop=[stop],
+                        tokenizer=path)[0]
+    assert cut.finish == "stop" and cut.text == batch[0].text[:batch[0].text.index(stop)]
