@@ -126,14 +126,26 @@ REFUSED: dict[tuple[str, str], str] = {
 }
 
 
-# Commands that read a finished run instead of training one: no pairs (they change no
-# run); each row says which runs it reads and what it refuses in one line.
+# Commands that read a finished run instead of training one, and the sample a run ends
+# with: no pairs (they change no run's state); each row says which runs it reads and what
+# it refuses in one line.
 AFTER_RUN: dict[str, tuple[str, str]] = {
-    "jtrain sample": ("any run the built-in transformer trained (any float precision, device "
-                      "set-up, resume, EMA, packing or mixture), or a model with the decode "
-                      "interface; refused: a population, LoRA adapters, a step of your own, "
-                      "model.quant",
-                      "language-models.md"),
+    "`jtrain sample`": (
+        "any run the built-in transformer trained (any float precision, device set-up, "
+        "resume, EMA, packing or mixture), or a model with the decode interface; works: "
+        "mixture of experts (tests/models/test_moe.py), token shards, decoded with the "
+        "run's own tokenizer, greedy equal to transformers' generate on the `--format=hf` "
+        "export (tests/journeys/test_tokens_journey.py); refused in one line: a "
+        "population, LoRA adapters, a step of your own "
+        "(tests/journeys/test_sample_journey.py), model.quant (tests/models/test_quant.py)",
+        "language-models.md"),
+    "`sample.prompts` (a run's end)": (
+        "the final params, greedy, printed after the final eval loss, the state unchanged "
+        "(tests/engine/test_train_e2e.py); works: mixture of experts "
+        "(tests/models/test_moe.py), token shards with the run's tokenizer "
+        "(tests/journeys/test_tokens_journey.py); one line `jtrain: sample: off: ...` "
+        "instead: a population, LoRA, a step of your own, model.quant, a model of your own "
+        "(tests/engine/test_sample.py), a run of several processes", "language-models.md"),
 }
 
 
@@ -245,10 +257,11 @@ def markdown() -> str:
     lines += ["", "## Refused pairs", "", "| feature | feature | why |", "|---|---|---|"]
     for (a, b), why in REFUSED.items():
         lines.append(f"| {a} | {b} | {why} |")
-    lines += ["", "## Commands on a finished run", "", "| command | reads | guide |",
+    lines += ["", "## Commands on a finished run, and a run's end", "",
+              "| command | reads | guide |",
               "|---|---|---|"]
     for command, (reads, page) in AFTER_RUN.items():
-        lines.append(f"| `{command}` | {reads} | [{page}]({page}) |")
+        lines.append(f"| {command} | {reads} | [{page}]({page}) |")
     lines += ["", "## Options of the built-in transformer", "",
               "| option | keys | composes | guide |", "|---|---|---|---|"]
     for option, (keys, composes, page) in MODEL_OPTIONS.items():

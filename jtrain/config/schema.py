@@ -191,6 +191,13 @@ SCHEMA: dict[str, Any] = {
                          "default: every weight whose path has no 'embed'"),
         },
     },
+    "sample": _resume_safe({  # jtrain.engine.sample.end_of_run; the trained state unchanged
+        "prompts": F("strs", (), None, "the run ends with each prompt's greedy continuation "
+                     "from the final params, printed beside the eval loss (the built-in "
+                     "transformer; one line for other runs); empty = off"),
+        "max_new_tokens": F(int, 32, (0, INF), "tokens each continuation has at most (the "
+                            "model's context caps it); 0 = off"),
+    }),
     "log": _resume_safe({
         "every_steps": F(int, 50, (1, INF), "log train metrics every N steps"),
         "train_metrics": F("strs", (), METRIC_NAMES, "metrics computed in the train "

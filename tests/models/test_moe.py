@@ -125,7 +125,8 @@ def _config(total=STEPS, **over):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("moe")
-    straight = jtrain.train(_config(), str(base / "straight"))
+    straight = jtrain.train(_config(sample={"prompts": ["def "], "max_new_tokens": 4}),
+                            str(base / "straight"))  # ends with a sample
     jtrain.train(_config(total=4), str(base / "resumed"))
     resumed = jtrain.train(_config(), str(base / "resumed"))
     return straight, resumed, base
@@ -148,7 +149,10 @@ def test_a_moe_run_samples_and_refuses_the_hf_export(runs):
     pytest.importorskip("transformers")
     _, _, base = runs
     out = jtrain.sample(str(base / "straight"), ["def "], max_new_tokens=4, seed=0)
-    assert len(out) == 1
+    assert len(out) == 1 and len(out[0].tokens) == 4
+    # the run's own end-of-run sample, from the final state: the same greedy text
+    assert any(ln.endswith(f" jtrain: sample: 'def ' -> {out[0].text!r}") for ln in (
+        base / "straight" / "train.log").read_text().splitlines())
     from jtrain.checkpoint import hf_export
     with pytest.raises(errors.ConfigError) as e:
         hf_export.export(str(base / "straight"), str(base / "hf"))
