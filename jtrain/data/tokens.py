@@ -151,11 +151,11 @@ def is_remote(path: str) -> bool:
     return _URI.match(path or "") is not None
 
 
-def _remote_fs(uri: str):
+def remote_fs(uri: str, key: str = "data.path"):
     """fsspec's filesystem for an s3:// or gs:// `uri` (credentials from the environment)."""
     m = _URI.match(uri)
     if m.group(1) not in ("s3", "gs") or "@" in m.group(2):
-        raise DataError("data.path", f"{m.group(1)}://{m.group(2).rpartition('@')[2]}...: "
+        raise DataError(key, f"{m.group(1)}://{m.group(2).rpartition('@')[2]}...: "
                         "shards are read from s3:// or gs:// with credentials from the "
                         "environment (none in the URI), or from a local folder")
     try:
@@ -164,7 +164,7 @@ def _remote_fs(uri: str):
         return fsspec.filesystem("s3" if m.group(1) == "s3" else "gcs",
                                  skip_instance_cache=True)
     except ImportError as e:
-        raise DataError("data.path", f"{uri}: reading it needs {e.name} "
+        raise DataError(key, f"{uri}: it needs {e.name} "
                         "(pip install 'jtrain[s3]' or gcsfs)") from None
 
 
@@ -174,7 +174,7 @@ def _index_bytes(path: str) -> bytes:
         if not is_remote(path):
             with open(os.path.join(path, INDEX), "rb") as f:
                 return f.read(MAX_INDEX + 1)
-        return _remote_fs(path).cat_file(where, start=0, end=MAX_INDEX + 1)
+        return remote_fs(path).cat_file(where, start=0, end=MAX_INDEX + 1)
     except FileNotFoundError:
         raise DataError("data.path", f"{path}: no {INDEX} (write one with jtrain "
                         "tokenize --out=DIR)") from None
@@ -263,7 +263,7 @@ def _fetch(uri: str, fp: str, files, cache: str | None) -> str:
                         "local folder)")
     folder = os.path.join(cache, CACHE, fp)
     os.makedirs(folder, exist_ok=True)
-    fs = _remote_fs(uri)
+    fs = remote_fs(uri)
     for name, size, sha in files:
         dest = os.path.join(folder, name)
         if os.path.isfile(dest) and not os.path.islink(dest) and \
