@@ -39,6 +39,7 @@ SHARD_TOKENS = 1 << 26  # 128 MiB of uint16 per shard
 CACHE = "token_shards"  # WORKDIR/token_shards/<fingerprint>/: shards fetched from a bucket
 MAX_INDEX = 64 << 20  # bytes of index.json read at most
 _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://([^/]*)(/.*)?$")
+_KINDS = {int: "a non-negative integer", str: "a string", list: "a list", dict: "an object"}
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a shard's or tokenizer's file name
 
 
@@ -185,7 +186,7 @@ def _index_bytes(path: str) -> bytes:
 def _typed(value, kind, where: str, what: str):
     if not isinstance(value, kind) or isinstance(value, bool) or \
             (isinstance(value, int) and value < 0):
-        raise DataError(where, f"{what}: {value!r} is not a {getattr(kind, '__name__', kind)}")
+        raise DataError(where, f"{what}: {value!r} is not {_KINDS[kind]}")
     return value
 
 
