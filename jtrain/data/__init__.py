@@ -245,6 +245,11 @@ def _builtin(data_cfg, cache):
     if data_cfg.name not in BUILTIN:
         raise DataError(f"data.name: unknown dataset {data_cfg.name!r}; built-in: "
                         f"{', '.join(BUILTIN)} (or name your own with data.source)")
+    if data_cfg.packing != "none":  # packing takes documents; these are windows already
+        raise DataError("data.packing", f"{data_cfg.packing!r} with data.name="
+                        f"{data_cfg.name}: its windows already run across document "
+                        "boundaries; set data.packing=none, or pack your documents "
+                        "(data.source) instead")
     try:
         train, val, info = BUILTIN[data_cfg.name](data_cfg.seq_len, data_cfg.val_fraction,
                                                   data_cfg.path, cache)
