@@ -191,3 +191,15 @@ def test_shards_on_a_bucket_outside_a_run_are_one_line(tmp_path):
                                "with --workdir, or copy them to a local folder)")
     with pytest.raises(DataError, match="none in the URI"):
         tokens.remote_fs("s3://key:secret@bucket/shards")
+
+
+def test_packing_token_shards_is_refused_in_one_line(tmp_path):
+    out = tokenize(tmp_path)
+    cfg = config_lib.resolve({"data": {"name": "tokens", "path": str(out), "seq_len": 16,
+                                       "packing": "concat"}, "model": {"name": "mlp"}})
+    with pytest.raises(DataError) as e:
+        data_lib.make_sources(cfg.data)
+    assert render(e.value) == (
+        "jtrain: data error: data.packing: 'concat' with data.name=tokens: its windows "
+        "already run across document boundaries; set data.packing=none, or pack your "
+        "documents (data.source) instead")
