@@ -22,8 +22,9 @@ def define_flags(fv, argv=None) -> None:
     flags.DEFINE_string("input", None, "comma-separated files or globs: .txt (any other "
                         "name: the whole file is one document), .jsonl, .parquet "
                         "(needs pyarrow)", flag_values=fv)
-    flags.DEFINE_string("out", None, "the folder written: shard-NNNNN.bin, index.json, "
-                        "the tokenizer's copy", flag_values=fv)
+    flags.DEFINE_string("out", None, "the folder written (or s3:// / gs://bucket/prefix, "
+                        "uploaded): shard-NNNNN.bin, index.json, the tokenizer's copy",
+                        flag_values=fv)
     flags.DEFINE_string("tokenizer", "byte", "byte | a tokenizer.json | a SentencePiece "
                         ".model | bpe:N | unigram:N (trained on --input with vocab N)",
                         flag_values=fv)

@@ -149,24 +149,22 @@ CASES = [
     ("export_no_out", ["export", "--workdir=runs/a"], {}, 2,
      "usage error: --out: required"),
     # jtrain tokenize's input and the token shards a run reads (set up in `table`)
-    ("tokenize_jsonl", ["tokenize", "--input=bad.jsonl", "--out=shards/new"], {}, 2,
-     "data error: bad.jsonl:2: not JSON ("),
+    ("tokenize_jsonl", ["tokenize", "--input=posts.jsonl", "--out=shards/new"], {}, 2,
+     "data error: posts.jsonl:2: not JSON ("),
     ("tokens_index_cut", ["train", DEBUG, "--workdir=runs/t1", "--config.data.name=tokens",
                           "--config.data.path=shards/cut"], {}, 2,
-     "data error: shards/cut/index.json: not a token index (cut short or not JSON: "),
+     "/index.json: not a token index (cut short or not JSON: "),
     ("tokens_index_escapes", ["train", DEBUG, "--workdir=runs/t2",
                               "--config.data.name=tokens",
                               "--config.data.path=shards/escapes"], {}, 2,
-     "data error: shards/escapes/index.json: shards[0].file: '../afile' is not a file name "
-     "inside the folder"),
+     "/index.json: shards[0].file: '../afile' is not a file name inside the folder"),
     ("tokens_index_mistyped", ["train", DEBUG, "--workdir=runs/t3",
                                "--config.data.name=tokens",
                                "--config.data.path=shards/mistyped"], {}, 2,
-     "data error: shards/mistyped/index.json: shards[0].tokens: '9' is not a non-negative integer"),
+     "/index.json: shards[0].tokens: '9' is not a non-negative integer"),
     ("tokens_shard_short", ["train", DEBUG, "--workdir=runs/t4", "--config.data.name=tokens",
                             "--config.data.path=shards/short"], {}, 2,
-     "data error: shards/short/shard-00000.bin: 16 bytes, index.json says 600 tokens of 2 "
-     "bytes"),
+     "/shard-00000.bin: 16 bytes, index.json says 600 tokens of 2 bytes"),
     ("bench_unknown", ["bench", "nosuch"], {}, 2,
      "usage error: unknown benchmark 'nosuch'"),
     ("command_typo", ["trian"], {}, 2, "usage error: jtrain trian: unknown command; choose "
@@ -267,12 +265,12 @@ def _fill(path: Path) -> None:
 
 
 def _token_shards(user) -> None:
-    """bad.jsonl (line 2 cut short) and four copies of a folder of byte shards under
+    """posts.jsonl (line 2 cut short) and four copies of a folder of byte shards under
     shards/: index.json cut in half, naming a file outside the folder (re-fingerprinted,
     as a hostile writer would), a token count that is a string, a shard cut short."""
     from jtrain.data import tokenizer as tokenizer_lib, tokens
 
-    (user / "bad.jsonl").write_text('{"text": "one"}\n{"text": "two\n')
+    (user / "posts.jsonl").write_text('{"text": "one"}\n{"text": "two\n')
     good = user / "shards" / "good"
     good.mkdir(parents=True)
     tokens.write_shards(tokenizer_lib.load("byte"), ["x" * 1500], str(good), 600)
