@@ -1,8 +1,9 @@
 """Token shards in a bucket as their user meets them, against a real S3-protocol server
 (moto's server mode, tests/journey.py): `jtrain tokenize --out=s3://...`, a run with
 data.path=s3://... from a temp cwd fetches the shards once into its workdir (nothing
-written elsewhere), a rerun with more steps resumes from the cached copy even with the
-bucket's shard gone, and a shard changed in the bucket is one line naming it, exit 2."""
+written elsewhere; with a workdir in the bucket too, they are not uploaded), a rerun with
+more steps resumes from the cached copies even with the bucket's shard gone, and a shard
+changed in the bucket is one line naming it, exit 2."""
 
 import json
 import os
@@ -50,6 +51,15 @@ def test_shards_in_a_bucket_are_fetched_once_into_the_workdir_and_checked(tmp_pa
         # nothing written outside the workdir (the bucket's shards are not copied beside it)
         assert {f for f in files_under(tmp_path) - before
                 if not f.startswith("runs/lm/")} == set()
+
+        # a workdir in the bucket too: the fetched copies stay in its staging folder
+        (tmp_path / "tmp").mkdir()
+        proc = run_python(tmp_path, *TRAIN, f"--workdir=s3://{bucket}/runs/lm",
+                          f"--config.data.path={uri}", "--config.total_steps=2",
+                          TMPDIR=str(tmp_path / "tmp"), **env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert fs.exists(f"{bucket}/runs/lm/config.json")
+        assert not fs.glob(f"{bucket}/runs/lm/token_shards*")
 
         # a later start reads the cached copies: the bucket's shard may even be gone
         fs.rm(f"{bucket}/shards/shard-00001.bin")
