@@ -133,11 +133,8 @@ def format_report(res: dict) -> str:
 
 
 def main(args) -> int:
-    import json
+    from jtrain.bench import command
 
     res = run(args)
     print(format_report(res), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2)
-    return 0
+    return command._write_out(args.out, res)  # noqa: SLF001 - every bench's --out
