@@ -32,6 +32,7 @@ import numpy as np
 
 from jtrain.data import text, tokenizer as tokenizer_lib
 from jtrain.data.items import DataError
+from jtrain.errors import first_line
 
 INDEX = "index.json"
 FORMAT, VERSION = "jtrain.tokens", 1
@@ -179,8 +180,14 @@ def _index_bytes(path: str) -> bytes:
     except FileNotFoundError:
         raise DataError("data.path", f"{path}: no {INDEX} (write one with jtrain "
                         "tokenize --out=DIR)") from None
-    except OSError as e:
-        raise DataError(where, f"cannot be read: {type(e).__name__} {e}") from None
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a store client's own errors: one line
+        raise _unreadable(where, e) from None
+
+
+def _unreadable(where: str, e: Exception) -> DataError:
+    return DataError(where, f"cannot be read: {type(e).__name__} {first_line(e)}")
 
 
 def _typed(value, kind, where: str, what: str):
@@ -279,8 +286,8 @@ def _fetch(uri: str, fp: str, files, cache: str | None) -> str:
                     out.write(block)
         except FileNotFoundError:
             raise DataError(remote, f"missing (listed in {INDEX})") from None
-        except OSError as e:
-            raise DataError(remote, f"cannot be read: {type(e).__name__} {e}") from None
+        except Exception as e:  # noqa: BLE001 - a store client's own errors: one line
+            raise _unreadable(remote, e) from None
         if (size is not None and os.path.getsize(tmp) != size) or digest.hexdigest() != sha:
             got = os.path.getsize(tmp)
             os.unlink(tmp)
