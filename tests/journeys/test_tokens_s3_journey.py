@@ -2,8 +2,8 @@
 (moto's server mode, tests/journey.py): `jtrain tokenize --out=s3://...`, a run with
 data.path=s3://... from a temp cwd fetches the shards once into its workdir (nothing
 written elsewhere; with a workdir in the bucket too, they are not uploaded), a rerun with
-more steps resumes from the cached copies even with the bucket's shard gone, and a shard
-changed in the bucket is one line naming it, exit 2."""
+more steps and `jtrain evaluate` read the cached copies with the bucket's shard gone,
+and a shard changed in the bucket is one line naming it, exit 2."""
 
 import json
 import os
@@ -68,6 +68,9 @@ def test_shards_in_a_bucket_are_fetched_once_into_the_workdir_and_checked(tmp_pa
                           "--config.checkpoint.allow_changes=total_steps", **env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "resum" in (tmp_path / "runs" / "lm" / "train.log").read_text().lower()
+        # so does `jtrain evaluate` of the run (its eval split, through the run's copies)
+        proc = run_python(tmp_path, "-m", "jtrain", "evaluate", "--workdir=runs/lm", **env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
 
         # a shard changed in the bucket after tokenize: one line naming it, before any step
         raw = bytearray(fs.cat_file(f"{bucket}/shards/shard-00000.bin"))
