@@ -278,7 +278,7 @@ def _fetch(uri: str, fp: str, files, cache: str | None) -> str:
                 (size is None or os.path.getsize(dest) == size):
             continue  # renamed into place only after its hash matched
         remote = f"{uri.rstrip('/')}/{name}"
-        digest, tmp = hashlib.sha256(), f"{dest}.{os.getpid()}.part"
+        digest, tmp = hashlib.sha256(), f"{dest}.{os.getpid()}.{os.urandom(4).hex()}.part"
         try:
             with fs.open(remote, "rb") as src, open(tmp, "wb") as out:
                 for block in iter(lambda: src.read(1 << 22), b""):
