@@ -152,8 +152,8 @@ MODEL_OPTIONS: dict[str, tuple[str, str, str]] = {
 # one of the same factor (packing): each row says works / refused, and the test.
 TOKEN_SHARDS: dict[str, tuple[str, str]] = {
     "data.path on s3:// or gs://": ("works: fetched once into WORKDIR/token_shards/, each file "
-                                    "hashed as it arrives; with an s3:// workdir the copy "
-                                    "stays in the staging folder, never uploaded",
+                                    "hashed as it arrives; with an s3:// workdir the copies "
+                                    "stay in each session's staging folder, never uploaded",
                                     "tests/journeys/test_tokens_s3_journey.py"),
     "several processes": ("works: bitwise resume after a SIGKILL mid-shard, 2 processes over "
                           "loopback", "tests/multihost/test_tokens_resume.py"),
