@@ -21,6 +21,7 @@ map-style, so grain's index sampler gives exact resume and per-process sharding.
 
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import json
@@ -284,17 +285,21 @@ def _fetch(uri: str, fp: str, files, cache: str | None) -> str:
                 for block in iter(lambda: src.read(1 << 22), b""):
                     digest.update(block)
                     out.write(block)
+            got = os.path.getsize(tmp)
+            if (size is not None and got != size) or digest.hexdigest() != sha:
+                raise DataError(remote, _changed(None) if size is None else
+                                _changed(size) if got == size else
+                                f"{got} bytes, {INDEX} says {size} bytes")
+            os.replace(tmp, dest)
         except FileNotFoundError:
             raise DataError(remote, f"missing (listed in {INDEX})") from None
-        except Exception as e:  # noqa: BLE001 - a store client's own errors: one line
-            raise _unreadable(remote, e) from None
-        if (size is not None and os.path.getsize(tmp) != size) or digest.hexdigest() != sha:
-            got = os.path.getsize(tmp)
-            os.unlink(tmp)
-            raise DataError(remote, _changed(None) if size is None else
-                            _changed(size) if got == size else
-                            f"{got} bytes, {INDEX} says {size} bytes")
-        os.replace(tmp, dest)
+        except Exception as e:
+            if isinstance(e, DataError) or getattr(e, "errno", None) == errno.ENOSPC:
+                raise  # ours, or a full disk (the disk error's exit code)
+            raise _unreadable(remote, e) from None  # a store client's own errors
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return folder
 
 

@@ -69,7 +69,8 @@ def _open_regular(path: str, mode: int) -> int:
 # The folders jtrain writes into: files are created inside them by name (orbax, the
 # TensorBoard writer, the profiler), so a symlink planted there would send those writes
 # out of the run.
-FOLDERS = ("checkpoints", "checkpoints.damaged", "tb", "evals", "profile", "logs", "wandb")
+FOLDERS = ("checkpoints", "checkpoints.damaged", "tb", "evals", "profile", "logs", "wandb",
+           "token_shards")
 
 
 def check_folders(workdir: str) -> None:
