@@ -311,6 +311,8 @@ def commands() -> dict:
                       "default: step time and step memory on 1 and 8 devices"),
         "sample": (*_module_bench("sample"), "decode tokens/s: jtrain sample with its KV "
                    "cache, without it, and transformers' generate on the same export"),
+        "tokens": (*_module_bench("tokens"), "token shards: tokens/s the reader delivers "
+                   "vs tokens/s the train step consumes (base config)"),
         "table": (lambda fv: None, table, "a benchmark's --out JSON as a markdown table"),
     }
 

@@ -160,6 +160,24 @@ MODEL_OPTIONS: dict[str, tuple[str, str, str]] = {
 }
 
 
+# Token shards (data.name=tokens) with what is not a factor of the generated cases, or is
+# one of the same factor (packing): each row says works / refused, and the test.
+TOKEN_SHARDS: dict[str, tuple[str, str]] = {
+    "data.path on s3:// or gs://": ("works: fetched once into WORKDIR/token_shards/, each file "
+                                    "hashed as it arrives; with an s3:// workdir the copies "
+                                    "stay in each session's staging folder, never uploaded",
+                                    "tests/journeys/test_tokens_s3_journey.py"),
+    "several processes": ("works: bitwise resume after a SIGKILL mid-shard, 2 processes over "
+                          "loopback", "tests/multihost/test_tokens_resume.py"),
+    "a mesh": ("works: bitwise resume after a SIGKILL mid-shard on 8 devices; the generated "
+               "cases cross it with every feature", "tests/multihost/test_tokens_resume.py"),
+    "data.packing": ("refused in one line: the windows already run across documents",
+                     "tests/data/test_tokens.py"),
+    "data.mixture": ("works: two token corpora as components ({'source': 'tokens', 'kwargs': "
+                     "{'path': ...}}), bitwise resume", "tests/engine/test_interactions.py"),
+}
+
+
 def feature(name: str) -> Feature:
     return next(f for f in FEATURES if f.name == name)
 
@@ -266,6 +284,9 @@ def markdown() -> str:
               "| option | keys | composes | guide |", "|---|---|---|---|"]
     for option, (keys, composes, page) in MODEL_OPTIONS.items():
         lines.append(f"| {option} | {keys} | {composes} | [{page}]({page}) |")
+    lines += ["", "## Token shards", "", "| with | verdict | test |", "|---|---|---|"]
+    for other, (verdict, test) in TOKEN_SHARDS.items():
+        lines.append(f"| {other} | {verdict} | {test} |")
     return "\n".join(lines) + "\n"
 
 
