@@ -369,12 +369,16 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
                           "set model.quant='none' or model.moe.experts=0")
     if num_devices is None:
         return
-    data, fsdp, tensor = resolve_axis_sizes(mesh, num_devices)  # ConfigError
-    dp = data * fsdp
+    data, fsdp, expert, _ = resolve_axis_sizes(mesh, num_devices)  # ConfigError
+    experts = (model.get("moe") or {}).get("experts") or 0
+    if expert > 1 and experts % expert:
+        raise ConfigError("mesh.expert", f"{expert} does not divide model.moe.experts="
+                          f"{experts}: each device of the expert axis holds an equal share")
+    dp = data * fsdp * expert
     if batch % dp:
         raise ConfigError("data.batch_size",
                           f"global batch {batch} is not divisible by the data-parallel size "
-                          f"{dp} (mesh.data={data} x mesh.fsdp={fsdp})")
+                          f"{dp} (mesh.data={data} x mesh.fsdp={fsdp} x mesh.expert={expert})")
     if (batch // dp) % accum:
         raise ConfigError("optim.grad_accum_steps",
                           f"the per-device batch {batch // dp} is not divisible by "

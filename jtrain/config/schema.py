@@ -120,6 +120,9 @@ SCHEMA: dict[str, Any] = {
     "mesh": _resume_safe({
         "data": F(int, -1, (-1, INF), "pure data-parallel axis; -1 = the rest"),
         "fsdp": F(int, 1, (-1, INF), "data-parallel axis sharding params and optimizer state"),
+        "expert": F(int, 1, (-1, INF), "expert-parallel axis: model.moe's experts split "
+                    "over it, tokens sent to their experts' devices by all-to-all; the "
+                    "batch is split over it too (docs/guide/scaling-out.md)"),
         "tensor": F(int, 1, (-1, INF), "tensor-parallel axis"),
         "auto_shard": F(bool, True, None, "with mesh fsdp > 1, shard each parameter the "
                         "model did not annotate along its largest dimension divisible by "
