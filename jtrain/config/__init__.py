@@ -363,6 +363,10 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
     if (model.get("moe") or {}).get("experts") and tree["finetune"]["lora"]["rank"]:
         raise ConfigError("finetune.lora.rank", "LoRA adapters do not wrap the experts of "
                           "model.moe.experts > 0; train the mixture of experts without LoRA")
+    if model.get("quant_scaling") == "delayed":
+        raise ConfigError("model.quant_scaling", "delayed scaling (an amax history kept "
+                          "in the train state) is not in qwix 0.1.8, which scales each "
+                          "matmul from its operands' absmax in the batch; use 'current'")
     if (model.get("moe") or {}).get("experts") and model.get("quant", "none") != "none":
         raise ConfigError("model.quant", f"{model['quant']} is not implemented for "
                           "model.moe.experts > 0 (the experts' matmuls would run unquantised); "

@@ -33,6 +33,9 @@ SCHEMA: dict[str, Any] = {
         "quant": F(str, "none", ("none", "int8", "fp8"), "8-bit quantised training "
                    "through qwix: int8 = int8 weights (per channel) and activations in the "
                    "forward matmuls; fp8 = float8_e4m3fn forward, float8_e5m2 gradients"),
+        "quant_scaling": F(str, "current", ("current", "delayed"), "model.quant's scales: "
+                           "current = from each batch's absmax; delayed (an amax history "
+                           "in the train state) is refused: qwix 0.1.8 has none"),
         # + the fields of MODEL_FAMILIES[model.name]
     },
     "optim": {
