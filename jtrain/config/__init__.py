@@ -378,6 +378,9 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
     if expert > 1 and experts % expert:
         raise ConfigError("mesh.expert", f"{expert} does not divide model.moe.experts="
                           f"{experts}: each device of the expert axis holds an equal share")
+    if expert > 1 and tree["population"]["size"] > 1:
+        raise ConfigError("mesh.expert", "not implemented for a population "
+                          "(population.size > 1); use mesh.fsdp for the experts")
     dp = data * fsdp * expert
     if batch % dp:
         raise ConfigError("data.batch_size",

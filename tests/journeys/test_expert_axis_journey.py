@@ -1,6 +1,7 @@
 """mesh.expert as a user runs it: the dry run of 8 fake devices (data 2 x fsdp 2 x
 expert 2) shows the experts' weights divided by fsdp x expert; --verify_resume on 2
-devices with expert 2 ends bitwise (routing is deterministic across a kill); a delayed
+devices with expert 2 ends bitwise (routing is deterministic across a kill) and the run
+samples; a population on the expert axis is refused in one line; a delayed
 FP8 scaling is refused in one line."""
 
 from journey import run_python
@@ -41,6 +42,21 @@ def test_verify_resume_with_expert_2_is_bitwise(tmp_path):
                    XLA_FLAGS="--xla_force_host_platform_device_count=2")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "jtrain: verify_resume: PASS: bitwise identical" in p.stdout + p.stderr
+    p = run_python(tmp_path, "-m", "jtrain", "sample", "run/reference", "--prompt", "def ",
+                   "--max_new_tokens=4")  # decoded on one device
+    assert p.returncode == 0 and "4 tokens in" in p.stderr, p.stderr[-2000:]
+
+
+def test_a_population_on_the_expert_axis_is_refused_in_one_line(tmp_path):
+    (tmp_path / "cfg.py").write_text(CONFIG)
+    p = run_python(tmp_path, "-m", "jtrain.main", "--config=cfg.py", "--workdir=run",
+                   "--config.population.size=2",
+                   XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines() == [
+        "jtrain: config error: mesh.expert: not implemented for a population "
+        "(population.size > 1); use mesh.fsdp for the experts"]
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_delayed_fp8_scaling_is_refused_in_one_line(tmp_path):
