@@ -3,7 +3,7 @@ by side, each as a ratio to the first: a mixture of experts on the expert axis, 
 matmuls (int8, fp8), bf16; step time, peak memory per device, model FLOPs and MFU.
 
     python -m jtrain.bench variants                       # base:debug on 8 fake devices
-    python -m jtrain.bench variants --config=gpt2_small --devices=1 \\
+    python -m jtrain.bench variants --base=gpt2_small --devices=1 \\
         --variants=bf16,bf16_fp8 --steps=20               # tokens/s and MFU, one GPU
 
 The devices' process is a child (fake CPU devices are fixed before JAX starts; on a GPU
@@ -38,7 +38,7 @@ VARIANTS = {
 
 
 def define_flags(fv) -> None:
-    flags.DEFINE_string("config", "base:debug", "configs/NAME.py[:variant]", flag_values=fv)
+    flags.DEFINE_string("base", "base:debug", "the config: configs/NAME.py[:variant]", flag_values=fv)
     flags.DEFINE_list("variants", ["plain", "moe", "int8", "fp8"], "from "
                       + ", ".join(VARIANTS) + "; ratios are to the first", flag_values=fv)
     flags.DEFINE_integer("devices", 8, "devices (fake CPU devices on a CPU); mesh.data "
@@ -153,7 +153,7 @@ def main(args) -> int:
               "--rounds >= 1")
         return 2
     try:
-        res = run(args.config, args.variants, args.devices, args.steps, args.rounds)
+        res = run(args.base, args.variants, args.devices, args.steps, args.rounds)
     except RuntimeError as e:
         print(f"error: {e}")
         return 1

@@ -13,7 +13,7 @@ from journey import run_python
 
 
 def test_gpt2_debug_bf16_and_fp8_print_the_mfu_line_without_a_false_number(tmp_path):
-    p = run_python(tmp_path, "-m", "jtrain.bench", "variants", "--config=gpt2_small:debug",
+    p = run_python(tmp_path, "-m", "jtrain.bench", "variants", "--base=gpt2_small:debug",
                    "--devices=1", "--variants=bf16,bf16_fp8", "--steps=2", "--rounds=1",
                    "--out=res.json")
     assert p.returncode == 0, p.stderr[-3000:]

@@ -17,7 +17,7 @@ def get_config():
                             moe=dict(experts=4, k=2, capacity_factor=1.0)),
               "data": dict(seq_len=16, batch_size=8), "optim": dict(lr=3e-3),
               "eval": dict(every_steps=0, num_batches=1),
-              "checkpoint": dict(every_steps=4), "mesh": dict(data=1, expert=2)})
+              "checkpoint": dict(every_steps=2), "mesh": dict(data=1, expert=2)})
     return c
 '''
 
