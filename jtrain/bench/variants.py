@@ -38,7 +38,8 @@ VARIANTS = {
 
 
 def define_flags(fv) -> None:
-    flags.DEFINE_string("base", "base:debug", "the config: configs/NAME.py[:variant]", flag_values=fv)
+    flags.DEFINE_string("base", "base:debug", "the config: configs/NAME.py[:variant]",
+                        flag_values=fv)
     flags.DEFINE_list("variants", ["plain", "moe", "int8", "fp8"], "from "
                       + ", ".join(VARIANTS) + "; ratios are to the first", flag_values=fv)
     flags.DEFINE_integer("devices", 8, "devices (fake CPU devices on a CPU); mesh.data "

@@ -24,7 +24,7 @@ def check_mesh(mesh: dict) -> None:
 
 
 def resolve_axis_sizes(mesh_cfg, num_devices: int) -> tuple[int, ...]:
-    """Returns the sizes of MESH_AXES (data, fsdp, expert, tensor); a single -1 takes the remaining devices.
+    """The sizes of MESH_AXES (data, fsdp, expert, tensor); a single -1 takes the rest.
 
     Raises ConfigError("mesh.<axis>", why) when the sizes cannot cover num_devices.
     """
@@ -46,8 +46,8 @@ def resolve_axis_sizes(mesh_cfg, num_devices: int) -> tuple[int, ...]:
     elif fixed != num_devices:
         raise ConfigError(
             f"mesh.{bad[-1]}", f"{'*'.join(MESH_AXES)} = "
-            f"{'*'.join(str(sizes[a]) for a in MESH_AXES)} = {fixed}, but there are {num_devices} devices (-1 on one "
-            "axis takes the rest)")
+            f"{'*'.join(str(sizes[a]) for a in MESH_AXES)} = {fixed}, but there are "
+            f"{num_devices} devices (-1 on one axis takes the rest)")
     return tuple(sizes[a] for a in MESH_AXES)
 
 
