@@ -335,3 +335,15 @@ def test_train_accuracy_on_8_devices_with_microbatches_is_exact(runs):
         top1, top2 = accuracies(logits, Y, slice((h["step"] - 1) * 16, h["step"] * 16))
         assert h["train/accuracy"] == pytest.approx(top1, abs=1e-12)
         assert h["train/top_2_accuracy"] == pytest.approx(top2, abs=1e-12)
+
+
+def test_an_expert_axis_without_experts_says_it_splits_the_batch():
+    mesh = AbstractMesh((1, 1, 8, 1), mesh_lib.MESH_AXES)
+    lines = header.sharding_lines({"auto_shard": True}, mesh,
+                                  types.SimpleNamespace(params=_tree(w=(16, 64)), opt_state={}),
+                                  types.SimpleNamespace(params={"w": NamedSharding(mesh, P())},
+                                                        opt_state={}))
+    assert lines[1:] == ["jtrain: warning: mesh.expert=8 shards no parameter: its devices "
+                         "hold copies; only weights with the logical axis 'expert' "
+                         "(model.moe's experts) split over it; the batch is split over it "
+                         "as over mesh.data"]
