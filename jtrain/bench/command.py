@@ -307,6 +307,8 @@ def commands() -> dict:
         "async_eval": (*_module_bench("async_eval"), "a run with frequent evaluation: "
                        "no evals vs eval.mode=sync vs async (the loop's step time without "
                        "waits, waits, saves, CPU seconds, wall time)"),
+        "variants": (*_module_bench("variants"), "one config's step as plain, MoE on "
+                     "the expert axis, int8, fp8, bf16: time and memory ratios, MFU"),
         "invariant": (*_module_bench("invariant"), "determinism.topology_invariant vs "
                       "default: step time and step memory on 1 and 8 devices"),
         "sample": (*_module_bench("sample"), "decode tokens/s: jtrain sample with its KV "

@@ -157,6 +157,19 @@ MODEL_OPTIONS: dict[str, tuple[str, str, str]] = {
                            "8-device mesh (experts split over `fsdp`) and `jtrain sample`; "
                            "refused: LoRA (`finetune.lora.rank`), `model.quant`, `jtrain "
                            "export --format=hf`; tests/models/test_moe.py", "scaling-out.md"),
+    "expert axis": ("`mesh.expert`", "works: FSDP (`mesh.fsdp`: the experts split over "
+                    "fsdp x expert) and data 2 x expert 2 x fsdp 2 equal one device; "
+                    "tensor (the experts' weights gathered over `tensor` inside the "
+                    "exchange); resume (bitwise, `--verify_resume`); `jtrain sample` (decodes "
+                    "on one device: the call's tokens routed together); refused: LoRA and "
+                    "`model.quant` (as any MoE), `jtrain export --format=hf`, a population, "
+                    "`determinism.topology_invariant`, a size that does not divide "
+                    "`model.moe.experts`; tests/models/test_expert_axis.py, "
+                    "tests/journeys/test_expert_axis_journey.py", "scaling-out.md"),
+    "delayed FP8 scaling": ("`model.quant_scaling`", "refused with every feature: "
+                            "`delayed` is one line before the first step (qwix 0.1.8 "
+                            "has no amax history); `current` is `model.quant` as it is; "
+                            "tests/journeys/test_expert_axis_journey.py", "precision.md"),
 }
 
 
