@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from jtrain.data import checks, evalsets, items as items_lib, load, mixture, packing
+from jtrain.data import chat, checks, evalsets, items as items_lib, load, mixture, packing
 from jtrain.data import pipeline, sources as sources_lib, text, tokens, torch_adapters
 from jtrain.data.items import DataError
 from jtrain.data.dataset import Data, MapData, StreamData
@@ -239,12 +239,12 @@ def _mixture_sources(data_cfg, mix: Mixture, process_index: int, process_count: 
 
 
 def _builtin(data_cfg):
-    if data_cfg.name not in BUILTIN:
+    if data_cfg.name not in BUILTIN and data_cfg.name != "chat":
         raise DataError(f"data.name: unknown dataset {data_cfg.name!r}; built-in: "
-                        f"{', '.join(BUILTIN)} (or name your own with data.source)")
+                        f"{', '.join(BUILTIN)}, chat (or name your own with data.source)")
     try:
-        train, val, info = BUILTIN[data_cfg.name](data_cfg.seq_len, data_cfg.val_fraction,
-                                                  data_cfg.path)
+        train, val, info = chat.make_chat(data_cfg) if data_cfg.name == "chat" else \
+            BUILTIN[data_cfg.name](data_cfg.seq_len, data_cfg.val_fraction, data_cfg.path)
     except text.CorpusError as e:
         raise DataError(str(e)) from None
     ev = MapData("eval_data", MapSource(val, "eval_data"), data_cfg.name) if val is not None \
