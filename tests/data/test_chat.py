@@ -124,3 +124,43 @@ def test_sft_from_the_command_line_and_a_bad_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == \
         "jtrain: data error: bad.jsonl:2: not JSON (Expecting ',' delimiter)", proc.stderr
+
+
+def test_a_tokenizer_file_encodes_each_piece_so_weights_stay_on_the_answers(tmp_path):
+    import tokenizers
+
+    from jtrain.data import tokenizer as tokenizer_lib
+
+    texts = [chat.render(c) for c in CONVERSATIONS] * 5
+    tok = tokenizer_lib.train("bpe", 300, texts, str(tmp_path / "tokenizer.json"))
+    cfg = _cfg(_write(tmp_path / "c.jsonl", CONVERSATIONS))
+    cfg.tokenizer = str(tmp_path / "tokenizer.json")
+    train, _, info = chat.make_chat(cfg)
+    assert info["vocab_size"] == tok.vocab_size and not info["byte_level"]
+    decoder = tokenizers.Tokenizer.from_file(cfg.tokenizer)
+    for i, conversation in enumerate(CONVERSATIONS):
+        item = train[i]
+        n = int((item["segment_ids"] > 0).sum())
+        answers = "".join(m["content"] + "<|end|>\n" for m in conversation
+                          if m["role"] == "assistant")
+        trained = [int(t) for t, w in zip(item["targets"][:n], item["weights"][:n],
+                                          strict=True) if w]
+        assert decoder.decode(trained) == answers  # the answers' tokens, nothing else
+
+
+@pytest.mark.slow
+def test_chat_data_trains_with_lora_and_with_a_population(tmp_path):
+    import jtrain
+
+    path = _write(tmp_path / "c.jsonl", CONVERSATIONS * 4)
+    for name, extra in (("lora", {"finetune": {"lora": {"rank": 2}}}),
+                        ("population", {"population": {"size": 2}})):
+        cfg = {"total_steps": 3, "log": {"verbosity": 0}, "eval": {"every_steps": 3},
+               "model": {"d_model": 16, "num_layers": 1, "num_heads": 2, "d_ff": 32,
+                         "max_len": 32},
+               "data": {"name": "chat", "path": path, "packing": "concat", "seq_len": 32,
+                        "batch_size": 4, "val_fraction": 0.25}, **extra}
+        result = jtrain.train(cfg, str(tmp_path / name))
+        assert result.summary["step"] == 3 and result.summary["skipped_steps"] == 0, name
+        losses_ = [v for k, v in result.summary.items() if k.endswith("eval/loss")]
+        assert losses_ and all(np.isfinite(v) for v in losses_), result.summary
