@@ -164,3 +164,7 @@ def test_chat_data_trains_with_lora_and_with_a_population(tmp_path):
         assert result.summary["step"] == 3 and result.summary["skipped_steps"] == 0, name
         losses_ = [v for k, v in result.summary.items() if k.endswith("eval/loss")]
         assert losses_ and all(np.isfinite(v) for v in losses_), result.summary
+    mixture = {**cfg["data"], "mixture": {"a": {"source": "chat", "weight": 1.0}}}
+    with pytest.raises(DataError, match="data.mixture.a.source: 'chat' is neither"):
+        jtrain.train({**cfg, "data": mixture, "population": {"size": 1}},
+                     str(tmp_path / "mix"))
