@@ -26,6 +26,8 @@ one place (the background device prefetch in prefetch.py is handed that function
                      and positions (packing.py)
     tokens           data.name=tokens: token shards written once by `jtrain tokenize`
                      (tokens.py; the tokenizers, tokenizer.py) served as windows
+    chat             data.name=chat: JSONL conversations through a chat template, packed,
+                     weight 0 on prompt tokens (chat.py; DPO's pairs too)
 
 `Data` (dataset.py): one small class per input kind behind one protocol; `checks.check`
 returns a checked copy. Items become numpy in items.py; map-style sources and seeded
