@@ -17,11 +17,11 @@ seq_len pairs is cut into pieces of at most seq_len pairs (each piece its own se
 
 A window is an item {"inputs", "targets", "weights", "segment_ids", "positions"}, all
 [seq_len]: segment ids count 1, 2, ... within the window (0 = padding), positions count
-0, 1, ... within each segment, weights are 1 (or the document's) on tokens and 0 on padding. The plan of
-windows is computed once, from every document's length (each document is read once for
-it); it depends only on the lengths, the mode and the seed, so the packed data is a
-plain map-style dataset: shuffling, exact resume and the process-count independence of
-the pipeline (pipeline.py) hold unchanged.
+0, 1, ... within each segment, weights are 1 (or the document's) on tokens and 0 on
+padding. The plan of windows is computed once, from every document's length (each
+document is read once for it); it depends only on the lengths, the mode and the seed, so
+the packed data is a plain map-style dataset: shuffling, exact resume and the
+process-count independence of the pipeline (pipeline.py) hold unchanged.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ named there by factory (`model.factory`, `data.source`, `loss.fn`, `eval.predict
 `pretrain` (masked pretraining and the fine-tune classifier) and `set_completion`),
 `classify` (scikit-learn's breast-cancer table), `autoencoder` (multi-modal, weighted
 multi-loss), steps of your own: `gan` (a GAN on a 2-D ring), `distill` (the reference
-transformer distilled), `dpo` (preference tuning of the
-transformer against a frozen reference), `sam` (sharpness-aware minimisation on the breast-cancer table),
+transformer distilled), `dpo` (preference tuning of the transformer against a frozen
+reference), `sam` (sharpness-aware minimisation on the breast-cancer table),
 `byol` (BYOL with an EMA target network, a linear probe as its contract); and `report`
 (`python -m jtrain.recipes.report RUN...`, the stated result of finished runs).
 

@@ -43,7 +43,8 @@ def encode_pairs(path: str, seq_len: int, template: str = chat.TEMPLATE,
             pad = (0, seq_len - n)
             rows.append((np.pad(doc["tokens"][:-1], pad), np.pad(doc["tokens"][1:], pad),
                          np.pad(doc["weights"][1:], pad)))
-        for k, column in zip(("inputs", "targets", "weights"), zip(*rows), strict=True):
+        for k, column in zip(("inputs", "targets", "weights"), zip(*rows, strict=True),
+                             strict=True):
             out[k].append(np.stack(column))
     return {k: np.stack(v) for k, v in out.items()}
 

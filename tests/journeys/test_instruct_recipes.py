@@ -1,10 +1,11 @@
-"""The instruction-tuning example (examples/instruct, configs/recipes/sft.py and dpo.py)
-as its user meets it: the data written by the example's script, SFT from the command
-line, then greedy samples that answer after the assistant header and stop at the end
-tag, where the same model untrained does not; DPO from the SFT run, SIGKILLed and
-restarted by jtrain's resume verifier (bitwise identical to the run straight through),
-its reference still the SFT parameters and the chosen-minus-rejected log-probability
-margin on the held-out pairs above the SFT model's."""
+"""The instruction-tuning example (examples/instruct, configs/recipes/sft.py and dpo.py;
+docs/guide/language-models.md) as its user meets it: the data written by the example's
+script, SFT from the command line, then greedy samples that answer after the assistant
+header and stop at the end tag, where the same model untrained does not; DPO from the
+SFT run, SIGKILLed and restarted by jtrain's resume verifier (bitwise identical to the
+run straight through), its reference still the SFT parameters and the
+chosen-minus-rejected log-probability margin on the held-out pairs above the SFT
+model's."""
 
 import json
 import runpy
