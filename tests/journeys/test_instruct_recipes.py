@@ -7,6 +7,7 @@ run straight through), its reference still the SFT parameters and the
 chosen-minus-rejected log-probability margin on the held-out pairs above the SFT
 model's."""
 
+import contextlib
 import json
 import runpy
 import shutil
@@ -18,6 +19,7 @@ import pytest
 from flax import linen as nn
 
 import jtrain
+from jtrain import errors
 from jtrain.checkpoint.export import load_checkpoint_leaves
 from jtrain.data import chat
 from jtrain.recipes import dpo
@@ -93,3 +95,11 @@ def test_dpo_resumes_bitwise_and_raises_the_held_out_margin(cwd):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval/loss"] for r in records if "eval/loss" in r]
     assert evals[-1] < 0.9 * np.log(2), evals  # the DPO loss at the start is log 2
+    assert "initialized policy,ref from runs/sft" in (run / "train.log").read_text()
+
+    config.init.into = "policy,opt"  # sub-trees of two structures: one line
+    with contextlib.chdir(cwd), pytest.raises(errors.JtrainError) as e:
+        jtrain.train(config, "runs/bad")
+    assert errors.render(e.value) == (
+        "jtrain: config error: init.into: policy, opt: sub-trees of different structures; "
+        "one source fills sub-trees of one structure")
