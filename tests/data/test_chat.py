@@ -5,6 +5,7 @@ as one line naming the file and line; a run of it from the command line."""
 
 import json
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -71,9 +72,10 @@ def test_the_loss_falls_on_assistant_tokens_only(tmp_path, packing):
                                         for c in CONVERSATIONS for m in c
                                         if m["role"] == "assistant")
     np.testing.assert_array_equal(batch["weights"], want["weights"])
-
+    if packing == "none":
+        return  # the loss over the packed windows, once (a CPU second of compiling)
     logits = np.random.default_rng(0).normal(size=batch["inputs"].shape + (256,))
-    loss_sum, weight = losses.default_loss(jnp.asarray(logits, jnp.float32),
+    loss_sum, weight = jax.jit(losses.default_loss)(jnp.asarray(logits, jnp.float32),
                                            {k: jnp.asarray(v) for k, v in batch.items()})
     logp = logits - logits.max(-1, keepdims=True)
     logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))

@@ -42,5 +42,5 @@ def get_config(variant=None):
     if variant == "debug":
         config.total_steps = 40
         config.eval.every_steps = 20
-        config.checkpoint.every_steps = 10
+        config.checkpoint.every_steps = 5
     return config
