@@ -92,6 +92,10 @@ def test_dpo_resumes_bitwise_and_raises_the_held_out_margin(cwd):
 
     before, after = margins(sft), margins(policy)
     assert (after > before).all(), (before, after)
+    qa = runpy.run_path(str(cwd / "make_data.py"))["QA"]  # the tuned policy still answers
+    prompts = [chat.render([{"role": "user", "content": q}], prompt=True) for q, _ in qa]
+    out = jtrain.sample(policy, prompts, model=net, max_new_tokens=16, stop=[END])
+    assert [(s.text, s.finish) for s in out] == [(a, "stop") for _, a in qa]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval/loss"] for r in records if "eval/loss" in r]
     assert evals[-1] < 0.9 * np.log(2), evals  # the DPO loss at the start is log 2
