@@ -138,7 +138,8 @@ def resolve(config=None, *, data_settings=None) -> ml_collections.ConfigDict:
     _overlay(merged, user, schema, prefix="")
     optim_kwargs(merged["optim"])
     data = merged["data"]
-    if data["packing"] != "none" and model_name == "transformer" and not data["model_inputs"]:
+    if (data["packing"] != "none" or data["name"] == "chat") and model_name == "transformer" \
+            and not data["model_inputs"]:
         data["model_inputs"] = ("inputs", "segment_ids", "positions")  # masks by segment
     cfg = ml_collections.ConfigDict(merged)
     validate(cfg)

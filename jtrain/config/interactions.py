@@ -149,10 +149,26 @@ AFTER_RUN: dict[str, tuple[str, str]] = {
 }
 
 
-# Options of the built-in transformer: the generated cases train a small model of their
-# own, so these are not crossed pairwise; each row says what it composes with, what it
-# refuses in one line, and the test that checks it.
+# Options of the built-in transformer and its tuning recipes: the generated cases train a
+# small model of their own, so these are not crossed pairwise; each row says what it
+# composes with, what it refuses in one line, and the test that checks it.
 MODEL_OPTIONS: dict[str, tuple[str, str, str]] = {
+    "chat data (SFT)": ("`data.name=\"chat\"`, `data.chat_template`", "packed by "
+                        "`data.packing` (none = one conversation per window, concat, "
+                        "first_fit) with the loss on assistant tokens; the built-in "
+                        "update with LoRA and with a population; a tokenizer file "
+                        "(`data.tokenizer`, e.g. token shards' tokenizer.json) instead of "
+                        "bytes; refused: a `data.mixture` "
+                        "component named `chat` (not a built-in of mixtures); "
+                        "tests/data/test_chat.py, tests/journeys/test_instruct_recipes.py",
+                        "language-models.md"),
+    "DPO (a step of your own)": ("`step.factory=jtrain.recipes.dpo:make`, `init.into="
+                                 "\"policy,ref\"`", "bitwise resume (`--verify_resume`), "
+                                 "8 devices = 1 to 1e-5, `init.path` from an SFT run; "
+                                 "refused as every step of your own: grad accumulation, "
+                                 "weight EMA, population, frozen / lr_mults, LoRA, bf16, "
+                                 "fp16, int8; tests/journeys/test_instruct_recipes.py, "
+                                 "test_own_step_recipes_multidevice.py", "language-models.md"),
     "mixture of experts": ("`model.moe.experts`", "checked with resume (bitwise), an "
                            "8-device mesh (experts split over `fsdp`) and `jtrain sample`; "
                            "refused: LoRA (`finetune.lora.rank`), `model.quant`, `jtrain "
@@ -292,8 +308,8 @@ def markdown() -> str:
               "| command | reads | guide |",
               "|---|---|---|"]
     for command, (reads, page) in AFTER_RUN.items():
-        lines.append(f"| {command} | {reads} | [{page}]({page}) |")
-    lines += ["", "## Options of the built-in transformer", "",
+        lines.append(f"| `{command}` | {reads} | [{page}]({page}) |")
+    lines += ["", "## Options of the built-in transformer and its tuning recipes", "",
               "| option | keys | composes | guide |", "|---|---|---|---|"]
     for option, (keys, composes, page) in MODEL_OPTIONS.items():
         lines.append(f"| {option} | {keys} | {composes} | [{page}]({page}) |")

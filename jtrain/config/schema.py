@@ -78,14 +78,19 @@ SCHEMA: dict[str, Any] = {
     },
     "data": {
         "name": F(str, "pystdlib", None, "built-in dataset (checked by jtrain.data): "
-                  "pystdlib (bytes) or tokens (data.path)"),
+                  "pystdlib (bytes), tokens (data.path) or chat (data.path: JSONL "
+                  "conversations, jtrain.data.chat)"),
         "batch_size": F(int, 32, (1, INF), "global batch, over all processes"),
         "seq_len": F(int, 128, (1, INF), "window length of the built-in text data"),
         "path": F(str, "", None, "data.name=tokens: the folder of token shards that "
-                  "`jtrain tokenize --out` wrote"),
+                  "`jtrain tokenize --out` wrote; data.name=chat: the JSONL file"),
         "tokenizer": F(str, "", None, "data.name=tokens: the shards' tokenizer, filled in "
                        "from data.path's index.json ('byte' or 'FILE (sha256 ...)', the "
-                       "file copied into the workdir); set, it must match"),
+                       "file copied into the workdir); set, it must match; "
+                       "data.name=chat: the tokenizer file ('' = bytes)"),
+        "chat_template": F(str, "<|{role}|>\n{content}<|end|>\n", None, "data.name=chat: "
+                           "each message as text, {role} then {content} substituted "
+                           "(never executed); the loss falls on assistant content + end"),
         "val_fraction": F(float, 0.05, (0.0, 0.9), "held out for eval when there is no "
                           "eval data"),
         "split_seed": F(int, 0, (0, INT_MAX), "seed of that split (not the run's seed)"),

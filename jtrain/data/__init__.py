@@ -26,6 +26,8 @@ one place (the background device prefetch in prefetch.py is handed that function
                      and positions (packing.py)
     tokens           data.name=tokens: token shards written once by `jtrain tokenize`
                      (tokens.py; the tokenizers, tokenizer.py) served as windows
+    chat             data.name=chat: JSONL conversations through a chat template, packed,
+                     weight 0 on prompt tokens (chat.py; DPO's pairs too)
 
 `Data` (dataset.py): one small class per input kind behind one protocol; `checks.check`
 returns a checked copy. Items become numpy in items.py; map-style sources and seeded
@@ -42,7 +44,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from jtrain.data import checks, evalsets, items as items_lib, load, mixture, packing
+from jtrain.data import chat, checks, evalsets, items as items_lib, load, mixture, packing
 from jtrain.data import pipeline, sources as sources_lib, text, tokens, torch_adapters
 from jtrain.data.items import DataError
 from jtrain.data.dataset import Data, MapData, StreamData
@@ -242,17 +244,18 @@ def _mixture_sources(data_cfg, mix: Mixture, process_index: int, process_count: 
 
 
 def _builtin(data_cfg, cache):
-    if data_cfg.name not in BUILTIN:
+    if data_cfg.name not in BUILTIN and data_cfg.name != "chat":
         raise DataError(f"data.name: unknown dataset {data_cfg.name!r}; built-in: "
-                        f"{', '.join(BUILTIN)} (or name your own with data.source)")
-    if data_cfg.packing != "none":  # packing takes documents; these are windows already
+                        f"{', '.join(BUILTIN)}, chat (or name your own with data.source)")
+    if data_cfg.packing != "none" and data_cfg.name != "chat":  # windows already
         raise DataError("data.packing", f"{data_cfg.packing!r} with data.name="
                         f"{data_cfg.name}: its windows already run across document "
                         "boundaries; set data.packing=none, or pack your documents "
                         "(data.source) instead")
     try:
-        train, val, info = BUILTIN[data_cfg.name](data_cfg.seq_len, data_cfg.val_fraction,
-                                                  data_cfg.path, cache)
+        train, val, info = chat.make_chat(data_cfg) if data_cfg.name == "chat" else \
+            BUILTIN[data_cfg.name](data_cfg.seq_len, data_cfg.val_fraction, data_cfg.path,
+                                   cache)
     except text.CorpusError as e:
         raise DataError(str(e)) from None
     ev = MapData("eval_data", MapSource(val, "eval_data"), data_cfg.name) if val is not None \

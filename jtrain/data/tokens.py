@@ -73,27 +73,37 @@ def documents(path: str, text_field: str = "text") -> Iterator[str]:
             raise DataError(path, f"no column {text_field!r} (--text_field)")
         yield from (str(v) for v in table.column(text_field).to_pylist() if v is not None)
         return
+    if not path.endswith(".jsonl"):
+        yield _utf8(path)
+        return
+    for where, record in jsonl_records(path):
+        value = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(value, str):
+            raise DataError(where, f"no string field {text_field!r} (--text_field)")
+        yield value
+
+
+def _utf8(path: str) -> str:
     with open(path, "rb") as f:
         raw = f.read()
     try:
-        content = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DataError(path, f"not UTF-8 text (byte {e.start})") from None
-    if not path.endswith(".jsonl"):
-        yield content
-        return
-    for number, line in enumerate(content.splitlines(), 1):
+
+
+def jsonl_records(path: str) -> Iterator[tuple[str, object]]:
+    """("FILE:LINE", the parsed JSON) of each non-blank line; a line that is not JSON is
+    one DataError naming FILE:LINE."""
+    if not os.path.isfile(path):
+        raise DataError(path, "no such file")
+    for number, line in enumerate(_utf8(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            yield f"{path}:{number}", json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{number}", f"not JSON ({e.msg})") from None
-        value = record.get(text_field) if isinstance(record, dict) else None
-        if not isinstance(value, str):
-            raise DataError(f"{path}:{number}", f"no string field {text_field!r} "
-                            "(--text_field)")
-        yield value
 
 
 def write_shards(tok, docs, out: str, shard_tokens: int = SHARD_TOKENS) -> dict:
