@@ -8,7 +8,8 @@ it through the one error path (`jtrain.cli.runner.run`: one line and an exit cod
 failure). Every form starts the same way (`start`: `jtrain.boot`, and the current
 directory first on `sys.path`, as `python -m` puts it, so a `model.factory` module
 beside the config imports under every form) and a finished train command leaves by the
-same fast exit (`jtrain.cli.exits`).
+same fast exit (`jtrain.cli.exits`). The commands here: train, evaluate, export, diff,
+replay, trust, sample, tokenize; exit_codes is the exit-code table.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ A config is an `ml_collections.ConfigDict` of plain values. Library users may pa
 partial dict; `resolve` fills in the defaults and returns a new validated ConfigDict
 (it is never changed afterwards: a change builds a new one). Every error is a
 `ConfigError` whose message starts with the dotted key: `optim.lr: must be finite, got nan`.
+Modules: schema (with fields, schema_control, schema_population), reference, space,
+sections, rules, renamed, named, changes, interactions.
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 A run hands its data over once (prepare.py): `UserData` opens what the user passed
 before the config is resolved (a DataLoader's settings become data.* in that one
 resolution), `prepare(...)` returns the `RunData` that owns the checked sources, example
-0, the vocab check, the train iterator at its restored position and the eval plan. The
-other modules are listed in WORKSPACE.md's map.
+0, the vocab check, the train iterator at its restored position and the eval plan.
+Behind it: load, torch_adapters (what the user passed), checks, items, the iterators
+(pipeline, streams, grain_sources), evalsets, mixture, mixture_streams, packing, text,
+tokens and tokenizer (WORKSPACE.md's map says what each holds).
 
 Yields numpy only, knows nothing about devices and calls no collective (the one
 cross-process count it needs comes through the `gather` the caller passes);
