@@ -33,6 +33,9 @@ SCHEMA: dict[str, Any] = {
         "quant": F(str, "none", ("none", "int8", "fp8"), "8-bit quantised training "
                    "through qwix: int8 = int8 weights (per channel) and activations in the "
                    "forward matmuls; fp8 = float8_e4m3fn forward, float8_e5m2 gradients"),
+        "quant_scaling": F(str, "current", ("current", "delayed"), "model.quant's scales: "
+                           "current = from each batch's absmax; delayed (an amax history "
+                           "in the train state) is refused: qwix 0.1.8 has none"),
         # + the fields of MODEL_FAMILIES[model.name]
     },
     "optim": {
@@ -120,6 +123,9 @@ SCHEMA: dict[str, Any] = {
     "mesh": _resume_safe({
         "data": F(int, -1, (-1, INF), "pure data-parallel axis; -1 = the rest"),
         "fsdp": F(int, 1, (-1, INF), "data-parallel axis sharding params and optimizer state"),
+        "expert": F(int, 1, (-1, INF), "expert-parallel axis: model.moe's experts split "
+                    "over it, tokens sent to their experts' devices by all-to-all; the "
+                    "batch is split over it too (docs/guide/scaling-out.md)"),
         "tensor": F(int, 1, (-1, INF), "tensor-parallel axis"),
         "auto_shard": F(bool, True, None, "with mesh fsdp > 1, shard each parameter the "
                         "model did not annotate along its largest dimension divisible by "
@@ -191,6 +197,13 @@ SCHEMA: dict[str, Any] = {
                          "default: every weight whose path has no 'embed'"),
         },
     },
+    "sample": _resume_safe({  # jtrain.engine.sample.end_of_run; the trained state unchanged
+        "prompts": F("strs", (), None, "the run ends with each prompt's greedy continuation "
+                     "from the final params, printed beside the eval loss (the built-in "
+                     "transformer; one line for other runs); empty = off"),
+        "max_new_tokens": F(int, 32, (0, INF), "tokens each continuation has at most (the "
+                            "model's context caps it); 0 = off"),
+    }),
     "log": _resume_safe({
         "every_steps": F(int, 50, (1, INF), "log train metrics every N steps"),
         "train_metrics": F("strs", (), METRIC_NAMES, "metrics computed in the train "
