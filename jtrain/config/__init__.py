@@ -1,6 +1,6 @@
 """The one home of the config: every key once, with its type, default, allowed range or
 choices, a one-line description and whether it may change when a run resumes; `resolve`
-and `validate`.
+and `validate` (the modules: WORKSPACE.md's map; the keys: docs/reference/config.md).
 
 This is the only module that knows what a valid config is, and the only place a default
 lives. Each subtree has one reader (`config.optim` in optim.py, `config.data` in
@@ -11,24 +11,8 @@ A config is an `ml_collections.ConfigDict` of plain values. Library users may pa
 partial dict; `resolve` fills in the defaults and returns a new validated ConfigDict
 (it is never changed afterwards: a change builds a new one). Every error is a
 `ConfigError` whose message starts with the dotted key: `optim.lr: must be finite, got nan`.
-
-    schema   the declarations: `SCHEMA`, `MODEL_FAMILIES`, `Field`, the choice tuples,
-             `resume_safe(key)` and `describe()` (every key with type, default and doc)
-    reference  `--print_config`'s text and docs/reference/config.md, written from the schema
-               (`python -m jtrain.config --markdown`, in `__main__`)
-    space    `tune.space` (the keys a hyperparameter search samples): nesting and checks
-    sections one section alone, for the public pieces (`jtrain.make_optimizer({"lr":
-             0.1}, 10)`): defaults filled in, the section's own rules checked
-    rules    the rules of single sections (mesh, optim, early_stop, checkpoint)
-    renamed  old key names -> new ones (the note a run prints; an old run's config.json)
-    named    `load_named("pkg.mod:fn", key)`: the object a config key names
-    changes  a resumed run's config against its checkpoint's: the diff, and which
-             changed keys need `checkpoint.allow_changes`
-    fields   `Field` and the choice tuples the schema draws from
-    schema_control  the run-control sections of the schema (checkpoint ... tune, debug)
-    schema_population  the population section, its rules, each member's seed and values
-    interactions  the feature-interaction table: which pairs of features work, which are
-                  refused; the covering array of cases the suite trains
+Modules: schema (with fields, schema_control, schema_population), reference, space,
+sections, rules, renamed, named, changes, interactions.
 """
 
 from __future__ import annotations
