@@ -1,10 +1,11 @@
 """Device mesh and shardings.
 
-Owns `config.mesh`. A mesh has three axes, always in this order:
-  data   - pure data parallelism (params replicated),
-  fsdp   - data parallelism with params and optimizer state sharded,
-  tensor - tensor (model) parallelism inside a layer.
-The batch is split over data x fsdp. Model code speaks in *logical* axis names
+Owns `config.mesh`. A mesh has four axes, always in this order:
+  data    - pure data parallelism (params replicated),
+  fsdp    - data parallelism with params and optimizer state sharded,
+  context - context parallelism: activations split along the sequence ("length"),
+  tensor  - tensor (model) parallelism inside a layer.
+The batch is split over data x fsdp (each context group holds the same rows). Model code speaks in *logical* axis names
 (see LOGICAL_RULES); this module is the one place that maps them to mesh axes.
 """
 
@@ -38,7 +39,7 @@ LOGICAL_RULES = (
     # while "mlp" inside each expert stays on tensor (docs/guide/scaling-out.md).
     ("expert", "fsdp"),
     ("kv", None),
-    ("length", None),
+    ("length", "context"),
     ("layers", None),
     ("classes", None),
     ("norm", None),

@@ -369,7 +369,8 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
                           "set model.quant='none' or model.moe.experts=0")
     if num_devices is None:
         return
-    data, fsdp, tensor = resolve_axis_sizes(mesh, num_devices)  # ConfigError
+    data, fsdp, context = resolve_axis_sizes(mesh, num_devices)[:3]  # ConfigError
+    _check_context(tree, context)
     dp = data * fsdp
     if batch % dp:
         raise ConfigError("data.batch_size",
@@ -383,6 +384,21 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
     if eval_batch % dp:
         raise ConfigError("eval.batch_size",
                           f"{eval_batch} is not divisible by the data-parallel size {dp}")
+
+
+def _check_context(tree: dict, context: int) -> None:
+    """mesh.context > 1 splits the built-in transformer's sequences: what does not take
+    part is refused in one line."""
+    det = tree["determinism"]["topology_invariant"]
+    others = [("model.name", tree["model"]["name"], tree["model"]["name"] != "transformer"),
+              ("step.factory", tree["step"]["factory"], bool(tree["step"]["factory"])),
+              ("population.size", tree["population"]["size"], tree["population"]["size"] > 1),
+              ("determinism.topology_invariant", det, det)]
+    for key, value, on in others:
+        if context > 1 and on:
+            raise ConfigError("mesh.context", f"{context} splits the built-in transformer's "
+                              f"sequences; not implemented with {key}={value!r}: set "
+                              "mesh.context=1")
 
 
 def _check_family(model: dict) -> None:

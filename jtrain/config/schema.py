@@ -120,6 +120,9 @@ SCHEMA: dict[str, Any] = {
     "mesh": _resume_safe({
         "data": F(int, -1, (-1, INF), "pure data-parallel axis; -1 = the rest"),
         "fsdp": F(int, 1, (-1, INF), "data-parallel axis sharding params and optimizer state"),
+        "context": F(int, 1, (-1, INF), "context-parallel axis: the built-in transformer's "
+                     "sequences split over it, keys and values gathered for attention "
+                     "(docs/guide/scaling-out.md)"),
         "tensor": F(int, 1, (-1, INF), "tensor-parallel axis"),
         "auto_shard": F(bool, True, None, "with mesh fsdp > 1, shard each parameter the "
                         "model did not annotate along its largest dimension divisible by "

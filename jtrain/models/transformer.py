@@ -123,14 +123,18 @@ class CausalSelfAttention(nn.Module):
                                                      (0, index, 0, 0))  # [B, S, H, Dh]
                   for name, new in (("key", k), ("value", v))}
             ctx = _attend(q, kv["key"], kv["value"], allowed=allowed)
-        elif segment_ids is not None:  # packed: no attention across documents
-            ctx = _attend(q, k, v, segment_ids)
-        elif self.attention == "cudnn":
-            # cuDNN's fused causal attention: the [B, H, T, T] scores never reach memory.
-            ctx = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                               implementation="cudnn")  # [B, T, H, Dh]
-        else:
-            ctx = _attend(q, k, v)
+        else:  # mesh.context: queries stay split by length, keys and values are
+            # gathered whole (a no-op unless the engine sets logical-axis rules)
+            k, v = (nn.with_logical_constraint(a, ("batch", None, "heads", "kv"))
+                    for a in (k, v))
+            if segment_ids is not None:  # packed: no attention across documents
+                ctx = _attend(q, k, v, segment_ids)
+            elif self.attention == "cudnn":
+                # cuDNN's fused causal attention: the [B, H, T, T] scores never reach memory.
+                ctx = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                   implementation="cudnn")  # [B, T, H, Dh]
+            else:
+                ctx = _attend(q, k, v)
         w_out = _param(self, "out", (h, dh, d), ("heads", "kv", "embed"), out_init)
         out = _matmul(ctx, w_out.astype(self.dtype), n_in=2)  # [B, T, D]
         return out if cache is None else (out, kv)
@@ -356,7 +360,8 @@ class Transformer(nn.Module):
             w = _param(self, "logits", (self.d_model, self.vocab_size), ("embed", "vocab"),
                        nn.initializers.lecun_normal())
             logits = _matmul(x.astype(self.dtype), w.astype(self.dtype))
-        logits = logits.astype(jnp.float32)  # [B, T, V]
+        logits = nn.with_logical_constraint(logits.astype(jnp.float32),
+                                            ("batch", "length", "vocab"))  # [B, T, V]
         if decode is None:
             return logits
         return logits, {"index": decode[0] + tokens.shape[1], "layers": layers}

@@ -1,0 +1,86 @@
+"""mesh.context: the built-in transformer's sequences split over the context axis, keys
+and values gathered for attention. On 8 fake devices the loss and gradients of packed
+documents (segment_ids, per-document rope positions) equal one device's on context 2, 4
+and 8 and composed with data and fsdp, and the activations are split along the
+sequence; mesh.context > 1 is refused for what it does not split."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from jtrain import config as config_lib
+from jtrain import errors, models
+from jtrain import mesh as mesh_lib
+
+MODEL = {"name": "transformer", "d_model": 32, "num_layers": 2, "num_heads": 2,
+         "d_ff": 64, "max_len": 16}
+
+
+def _packed(rows=4, t=16):
+    """Token rows of packed documents: segment ids, rope positions from 0 in each."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (rows, t + 1))
+    segments = np.sort(rng.integers(0, 4, (rows, t)), axis=1)
+    positions = np.zeros((rows, t), np.int32)
+    for r in range(rows):
+        for i in range(1, t):
+            positions[r, i] = positions[r, i - 1] + 1 if segments[r, i] == segments[r, i - 1] else 0
+    return {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32),
+            "targets": jnp.asarray(tokens[:, 1:], jnp.int32),
+            "segment_ids": jnp.asarray(segments, jnp.int32),
+            "positions": jnp.asarray(positions)}
+
+
+def _loss_and_grads(module, params, batch):
+    def loss(p):
+        logits = module.apply({"params": p}, {k: batch[k] for k in
+                                               ("inputs", "segment_ids", "positions")})
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["targets"][..., None], -1)
+        return jnp.mean(nll), logits
+    (value, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return value, grads, logits
+
+
+@pytest.mark.multidevice
+@pytest.mark.parametrize("axes", [{"context": 2}, {"context": 4}, {"context": 8},
+                                  {"data": 2, "fsdp": 2, "context": 2}])
+def test_split_sequences_give_one_devices_loss_and_gradients(axes):
+    assert jax.device_count() == 8
+    module = models.make_model(MODEL, dtype=jnp.float32, param_dtype=jnp.float32)
+    batch = _packed()
+    boxed = module.init(jax.random.key(0), batch["inputs"])["params"]
+    params = nn.unbox(boxed)
+    one = jax.jit(_loss_and_grads, static_argnums=0)(module, params, batch)
+    mesh = mesh_lib.make_mesh({"data": -1, **axes})
+    shardings = mesh_lib.logical_to_shardings(boxed, mesh)
+    with mesh_lib.model_context(mesh):
+        split = jax.jit(_loss_and_grads, static_argnums=0,
+                        in_shardings=(shardings, mesh_lib.batch_sharding(mesh)))(
+            module, jax.device_put(params, shardings),
+            jax.device_put(batch, mesh_lib.batch_sharding(mesh)))
+    # the logits come out split along the sequence: each device holds T / context
+    shard = split[2].sharding.shard_shape(split[2].shape)
+    assert shard[1] == 16 // axes["context"], shard
+    np.testing.assert_allclose(split[0], one[0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(split[1]), jax.tree.leaves(one[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _validate(**over):
+    cfg = config_lib.resolve({"model": MODEL, "data": {"name": "pystdlib", "seq_len": 16,
+                                                         "batch_size": 4},
+                              "mesh": {"data": -1, "context": 2}, **over})
+    config_lib.validate(cfg, num_devices=4)
+
+
+def test_context_is_refused_where_nothing_splits_the_sequence():
+    _validate()  # the built-in transformer: fine
+    for over, key in [({"model": {"name": "mlp"}}, "mesh.context"),
+                      ({"population": {"size": 2}}, "mesh.context"),
+                      ({"determinism": {"topology_invariant": True, "chunks": 4}},
+                       "mesh.context")]:
+        with pytest.raises(errors.ConfigError) as e:
+            _validate(**over)
+        assert e.value.key == key, (over, errors.render(e.value))
