@@ -301,8 +301,9 @@ def memory_plan(cfg, mesh, train_example, state_abstract, step_of):
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), train_example)
 
-    def measure(n):
-        return memory_lib.step_bytes(step_of(n).lower(state_abstract, batch).compile())
+    def measure(n):  # traced as the loop traces it: logical names on this mesh
+        with mesh_lib.model_context(mesh):
+            return memory_lib.step_bytes(step_of(n).lower(state_abstract, batch).compile())
 
     plan = memory_lib.plan(measure, per_device_batch=cfg.data.batch_size
                            // mesh_lib.data_parallel_size(mesh),

@@ -84,3 +84,33 @@ def test_context_is_refused_where_nothing_splits_the_sequence():
         with pytest.raises(errors.ConfigError) as e:
             _validate(**over)
         assert e.value.key == key, (over, errors.render(e.value))
+
+
+def _one_step(mesh, **over):
+    """Loss and params after one built-in step of a tiny LM on `mesh`: (loss, params)."""
+    import jtrain
+
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 256, (8, 17)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    cfg = jtrain.resolve({"total_steps": 2, "seed": 0, "model": {**MODEL, **over.pop("model", {})},
+                          "data": {"seq_len": 16, "batch_size": 8}, "mesh": mesh,
+                          "eval": {"every_steps": 0}, **over})
+    b = jtrain.build(cfg, sample=batch["inputs"][0],
+                     eval_example={"inputs": batch["inputs"][0], "targets": batch["targets"][0]})
+    with mesh_lib.model_context(b.mesh):
+        state, metrics = b.train_step(b.init(), mesh_lib.host_to_device(batch, b.mesh))
+    return float(metrics["train/loss"]), jax.tree.map(np.asarray, state.params)
+
+
+@pytest.mark.multidevice
+@pytest.mark.parametrize("over", [{"model": {"moe": {"experts": 4, "k": 2}}},
+                                  {"model": {"quant": "int8"}},
+                                  {"finetune": {"lora": {"rank": 2}}}],
+                         ids=["moe", "int8", "lora"])
+def test_context_composes_with_moe_int8_and_lora(over):
+    whole = _one_step({"data": -1}, **over)
+    split = _one_step({"data": -1, "context": 2}, **over)
+    np.testing.assert_allclose(split[0], whole[0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(split[1]), jax.tree.leaves(whole[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
