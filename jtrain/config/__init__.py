@@ -393,7 +393,9 @@ def _check_context(tree: dict, context: int) -> None:
     others = [("model.name", tree["model"]["name"], tree["model"]["name"] != "transformer"),
               ("step.factory", tree["step"]["factory"], bool(tree["step"]["factory"])),
               ("population.size", tree["population"]["size"], tree["population"]["size"] > 1),
-              ("determinism.topology_invariant", det, det)]
+              ("determinism.topology_invariant", det, det),
+              ("finetune.lora.rank", tree["finetune"]["lora"]["rank"],
+               tree["finetune"]["lora"]["rank"] > 0)]
     for key, value, on in others:
         if context > 1 and on:
             raise ConfigError("mesh.context", f"{context} splits the built-in transformer's "
