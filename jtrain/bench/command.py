@@ -311,6 +311,8 @@ def commands() -> dict:
                       "default: step time and step memory on 1 and 8 devices"),
         "sample": (*_module_bench("sample"), "decode tokens/s: jtrain sample with its KV "
                    "cache, without it, and transformers' generate on the same export"),
+        "context": (*_module_bench("context"), "the built-in transformer split over "
+                    "mesh.context vs the plain model: step time and memory per device"),
         "table": (lambda fv: None, table, "a benchmark's --out JSON as a markdown table"),
     }
 

@@ -145,6 +145,16 @@ MODEL_OPTIONS: dict[str, tuple[str, str, str]] = {
                            "8-device mesh (experts split over `fsdp`) and `jtrain sample`; "
                            "refused: LoRA (`finetune.lora.rank`), `model.quant`, `jtrain "
                            "export --format=hf`; tests/models/test_moe.py", "scaling-out.md"),
+    "context parallelism": ("`mesh.context`", "checked on fake CPU devices: loss and "
+                            "gradients of packed documents (segment_ids, positions) equal "
+                            "one device's at context 2, 4, 8 and data 2 x fsdp 2 x context "
+                            "2; a built-in step equals the unsplit one with `model.moe` and "
+                            "`model.quant=int8`; `--verify_resume` bitwise and `jtrain "
+                            "sample` (decoding runs unsplit) at context 2; refused: a model "
+                            "or step of your own, `population.size`, "
+                            "`determinism.topology_invariant`, LoRA (`finetune.lora.rank`); "
+                            "tests/models/test_context.py, tests/journeys/"
+                            "test_context_journey.py", "scaling-out.md"),
 }
 
 

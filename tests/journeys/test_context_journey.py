@@ -1,7 +1,7 @@
 """mesh.context as a user runs it from the command line on fake CPU devices: a sequence
 whose train step does not fit a stated memory budget on one device fits when split over
 two (the dry run's per-device report shrinks), a run split over context 2 is killed and
-resumed bitwise (--verify_resume), and a model of the user's own is refused in one line."""
+resumed bitwise (--verify_resume) and sampled on one device, and a model of the user's own is refused in one line."""
 
 import re
 
@@ -62,6 +62,10 @@ def test_context_splits_what_one_device_cannot_hold_and_resumes(tmp_path):
     lines = [ln for ln in resumed.stdout.splitlines() if ln.startswith("jtrain: verify_resume:")]
     assert resumed.returncode == 0 and len(lines) == 1, resumed.stdout[-3000:] + resumed.stderr
     assert lines[0].startswith("jtrain: verify_resume: PASS: bitwise identical"), lines[0]
+    sample = run_python(tmp_path, "-m", "jtrain", "sample", "run/reference", "--prompt=hi",
+                        "--max_new_tokens=4")  # decoding runs unsplit, on one device
+    assert sample.returncode == 0 and "finish: length" in sample.stdout + sample.stderr, \
+        sample.stderr[-2000:]
 
     (tmp_path / "user.py").write_text(USER)
     own = run_python(tmp_path, "-m", "jtrain.main", "--config=user.py", "--workdir=own",
