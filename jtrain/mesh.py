@@ -5,8 +5,9 @@ Owns `config.mesh`. A mesh has four axes, always in this order:
   fsdp    - data parallelism with params and optimizer state sharded,
   context - context parallelism: activations split along the sequence ("length"),
   tensor  - tensor (model) parallelism inside a layer.
-The batch is split over data x fsdp (each context group holds the same rows). Model code speaks in *logical* axis names
-(see LOGICAL_RULES); this module is the one place that maps them to mesh axes.
+The batch is split over data x fsdp (each context group holds the same rows). Model
+code speaks in *logical* axis names (see LOGICAL_RULES); this module is the one place
+that maps them to mesh axes.
 """
 
 from __future__ import annotations

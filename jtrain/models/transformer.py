@@ -66,7 +66,13 @@ def _matmul(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     from the activations as they are laid out; with the einsum over [B, T, ...] it wrote
     transposed copies of the activations and of their gradients first (`docs/
     benchmarks.md`, "Where the base model's step goes on CPU"). Sharding is unchanged:
-    B is the major part of N."""
+    B is the major part of N. On a mesh that splits the sequence (mesh.context > 1) the
+    leading dims stay as they are: a row's tokens are not contiguous in N when B is not
+    split as finely, and the flattened matmul would gather the whole sequence."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.shape.get("context", 1) > 1:
+        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+        return jax.lax.dot_general(x, w, (contract, ((), ())))
     lead = x.shape[:x.ndim - n_in]
     x2 = x.reshape((-1,) + x.shape[x.ndim - n_in:])  # [N, K1..Kn]
     contract = (tuple(range(1, n_in + 1)), tuple(range(n_in)))

@@ -1,7 +1,8 @@
 """mesh.context as a user runs it from the command line on fake CPU devices: a sequence
 whose train step does not fit a stated memory budget on one device fits when split over
 two (the dry run's per-device report shrinks), a run split over context 2 is killed and
-resumed bitwise (--verify_resume) and sampled on one device, and a model of the user's own is refused in one line."""
+resumed bitwise (--verify_resume) and sampled on one device, and a model of the user's
+own is refused in one line."""
 
 import re
 
