@@ -15,6 +15,7 @@ and the overhead report: jtrain/bench/command.py).
     async_eval   a run with frequent evaluation: no evals, sync, async, side by side
     invariant    determinism.topology_invariant vs default: step time, step memory, 1 and 8
     sample       decode tokens/s: the KV cache vs none vs transformers' generate
+    context      mesh.context vs the plain model: step time, memory per device
     table        a benchmark's --out JSON as the markdown tables of docs/benchmarks.md
 """
 

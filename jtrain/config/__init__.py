@@ -395,7 +395,9 @@ def _check_context(tree: dict, context: int) -> None:
               ("population.size", tree["population"]["size"], tree["population"]["size"] > 1),
               ("determinism.topology_invariant", det, det),
               ("finetune.lora.rank", tree["finetune"]["lora"]["rank"],
-               tree["finetune"]["lora"]["rank"] > 0)]
+               tree["finetune"]["lora"]["rank"] > 0),
+              ("model.quant", tree["model"].get("quant", "none"),
+               tree["model"].get("quant", "none") != "none")]
     for key, value, on in others:
         if context > 1 and on:
             raise ConfigError("mesh.context", f"{context} splits the built-in transformer's "
