@@ -49,7 +49,7 @@ from jtrain.config import renamed, schema_population, space as space_lib
 from jtrain.config.fields import OpenChoices
 from jtrain.config.rules import (  # noqa: F401  (config.check_mesh, config.check_optim)
     _check_checkpoint, _check_early_stop, _check_init, _check_regexes, check_mesh,
-    check_optim, check_train_metrics, parse_faults, resolve_axis_sizes)
+    MESH_AXES, check_optim, check_train_metrics, parse_faults, resolve_axis_sizes)
 from jtrain.errors import ConfigError  # noqa: F401  (jtrain.config.ConfigError)
 
 
@@ -369,8 +369,9 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
                           "set model.quant='none' or model.moe.experts=0")
     if num_devices is None:
         return
-    data, fsdp, context = resolve_axis_sizes(mesh, num_devices)[:3]  # ConfigError
-    _check_context(tree, context)
+    sizes = dict(zip(MESH_AXES, resolve_axis_sizes(mesh, num_devices), strict=True))
+    data, fsdp = sizes["data"], sizes["fsdp"]
+    _check_context(tree, sizes["context"])
     dp = data * fsdp
     if batch % dp:
         raise ConfigError("data.batch_size",
