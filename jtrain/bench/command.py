@@ -242,6 +242,8 @@ def commands() -> dict:
                    "cache, without it, and transformers' generate on the same export"),
         "tokens": (*_module_bench("tokens"), "token shards: tokens/s the reader delivers "
                    "vs tokens/s the train step consumes (base config)"),
+        "context": (*_module_bench("context"), "the built-in transformer split over "
+                    "mesh.context vs the plain model: step time and memory per device"),
         "table": (lambda fv: None, table, "a benchmark's --out JSON as a markdown table"),
     }
 

@@ -33,7 +33,7 @@ from jtrain.config import renamed, schema_population, space as space_lib
 from jtrain.config.fields import OpenChoices
 from jtrain.config.rules import (  # noqa: F401  (config.check_mesh, config.check_optim)
     _check_checkpoint, _check_early_stop, _check_init, _check_regexes, check_mesh,
-    check_optim, check_train_metrics, parse_faults, resolve_axis_sizes)
+    MESH_AXES, check_optim, check_train_metrics, parse_faults, resolve_axis_sizes)
 from jtrain.errors import ConfigError  # noqa: F401  (jtrain.config.ConfigError)
 
 
@@ -358,7 +358,9 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
                           "set model.quant='none' or model.moe.experts=0")
     if num_devices is None:
         return
-    data, fsdp, expert, _ = resolve_axis_sizes(mesh, num_devices)  # ConfigError
+    sizes = dict(zip(MESH_AXES, resolve_axis_sizes(mesh, num_devices), strict=True))
+    data, fsdp, expert = sizes["data"], sizes["fsdp"], sizes["expert"]
+    _check_context(tree, sizes["context"])
     experts = (model.get("moe") or {}).get("experts") or 0
     if expert > 1 and experts % expert:
         raise ConfigError("mesh.expert", f"{expert} does not divide model.moe.experts="
@@ -366,6 +368,10 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
     if expert > 1 and tree["population"]["size"] > 1:
         raise ConfigError("mesh.expert", "not implemented for a population "
                           "(population.size > 1); use mesh.fsdp for the experts")
+    if expert > 1 and sizes["context"] > 1:
+        raise ConfigError("mesh.expert", "not implemented with mesh.context > 1 (the "
+                          "all-to-all dispatch takes whole sequences); use mesh.fsdp for "
+                          "the experts")
     dp = data * fsdp * expert
     if batch % dp:
         raise ConfigError("data.batch_size",
@@ -379,6 +385,25 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
     if eval_batch % dp:
         raise ConfigError("eval.batch_size",
                           f"{eval_batch} is not divisible by the data-parallel size {dp}")
+
+
+def _check_context(tree: dict, context: int) -> None:
+    """mesh.context > 1 splits the built-in transformer's sequences: what does not take
+    part is refused in one line."""
+    det = tree["determinism"]["topology_invariant"]
+    others = [("model.name", tree["model"]["name"], tree["model"]["name"] != "transformer"),
+              ("step.factory", tree["step"]["factory"], bool(tree["step"]["factory"])),
+              ("population.size", tree["population"]["size"], tree["population"]["size"] > 1),
+              ("determinism.topology_invariant", det, det),
+              ("finetune.lora.rank", tree["finetune"]["lora"]["rank"],
+               tree["finetune"]["lora"]["rank"] > 0),
+              ("model.quant", tree["model"].get("quant", "none"),
+               tree["model"].get("quant", "none") != "none")]
+    for key, value, on in others:
+        if context > 1 and on:
+            raise ConfigError("mesh.context", f"{context} splits the built-in transformer's "
+                              f"sequences; not implemented with {key}={value!r}: set "
+                              "mesh.context=1")
 
 
 def _check_family(model: dict) -> None:
