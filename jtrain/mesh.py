@@ -1,6 +1,8 @@
 """Device mesh and shardings.
 
-Owns `config.mesh`. A mesh has three axes, always in this order:
+Owns `config.mesh`. A mesh has four axes, always in this order:
+  stage  - pipeline stages of the built-in transformer (its blocks stacked on a
+           leading "stage" dimension; models/transformer.py),
   data   - pure data parallelism (params replicated),
   fsdp   - data parallelism with params and optimizer state sharded,
   tensor - tensor (model) parallelism inside a layer.
@@ -40,6 +42,7 @@ LOGICAL_RULES = (
     ("kv", None),
     ("length", None),
     ("layers", None),
+    ("stage", "stage"),
     ("classes", None),
     ("norm", None),
 )
@@ -239,7 +242,7 @@ def logical_to_shardings(abstract_tree, mesh: Mesh, rules=LOGICAL_RULES, *,
 
 
 # Mesh axes that shard parameters; `data` never does (pure data parallelism).
-PARAM_AXES = ("fsdp", "tensor")
+PARAM_AXES = ("stage", "fsdp", "tensor")
 
 
 def layout(abstract_tree, shardings, min_bytes: int | None = None) -> dict:
@@ -271,7 +274,7 @@ def layout(abstract_tree, shardings, min_bytes: int | None = None) -> dict:
 
 
 def idle_axes(shardings, mesh: Mesh) -> list[str]:
-    """The parameter axes (fsdp, tensor) of size > 1 that no leaf of `shardings` is split
+    """The parameter axes (stage, fsdp, tensor) of size > 1 that no leaf of `shardings` is split
     over: their devices hold copies (a warning, never silent)."""
     used = set()
     for sharding in jax.tree.leaves(shardings):

@@ -49,7 +49,7 @@ from jtrain.config import renamed, schema_population, space as space_lib
 from jtrain.config.fields import OpenChoices
 from jtrain.config.rules import (  # noqa: F401  (config.check_mesh, config.check_optim)
     _check_checkpoint, _check_early_stop, _check_init, _check_regexes, check_mesh,
-    check_optim, check_train_metrics, parse_faults, resolve_axis_sizes)
+    check_optim, check_stage, check_train_metrics, parse_faults, resolve_axis_sizes)
 from jtrain.errors import ConfigError  # noqa: F401  (jtrain.config.ConfigError)
 
 
@@ -367,10 +367,12 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
         raise ConfigError("model.quant", f"{model['quant']} is not implemented for "
                           "model.moe.experts > 0 (the experts' matmuls would run unquantised); "
                           "set model.quant='none' or model.moe.experts=0")
+    check_stage(tree)
     if num_devices is None:
         return
-    data, fsdp, tensor = resolve_axis_sizes(mesh, num_devices)  # ConfigError
+    _, data, fsdp, _ = resolve_axis_sizes(mesh, num_devices)  # ConfigError
     dp = data * fsdp
+    check_stage(tree, dp)
     if batch % dp:
         raise ConfigError("data.batch_size",
                           f"global batch {batch} is not divisible by the data-parallel size "

@@ -149,6 +149,12 @@ def model_object(cfg, given, policy):
         module = models_lib.make_model(cfg.model, dtype=policy.compute_dtype,
                                        param_dtype=policy.param_dtype)
     user = module if given is not None or cfg.model.name == "user" else None
+    if cfg.mesh.stage > 1:
+        if user is not None:
+            raise ConfigError("mesh.stage", "pipeline stages split the built-in "
+                              "transformer's layer stack; a model of your own runs with "
+                              "mesh.stage=1")
+        module = module.clone(stages=cfg.mesh.stage, microbatches=cfg.mesh.microbatches)
     if user is not None and policy.compute_dtype != np.float32:
         module = adapters.with_compute_dtype(module, policy.compute_dtype,
                                              tuple(cfg.model.keep_fp32))

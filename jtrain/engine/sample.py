@@ -278,6 +278,8 @@ def open_run(workdir: str, *, step=None, model=None) -> tuple[Any, dict]:
                           "init.path)"),
                          (bool(cfg.step.factory), "trained a step of your own: its state "
                           "is not one model's params"),
+                         (cfg.mesh.stage > 1, "trained with pipeline stages "
+                          "(mesh.stage > 1): the decoder runs the plain layer stack"),
                          (cfg.model.quant != "none", f"trained with model.quant="
                           f"{cfg.model.quant}: the decoder runs float matmuls, not the "
                           "quantised ones it trained with")):

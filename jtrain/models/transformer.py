@@ -35,6 +35,7 @@ from the last) by MoeBlock: top-k routed experts (jtrain.models.moe).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -290,6 +291,8 @@ class Transformer(nn.Module):
     remat: str = "none"  # REMAT_POLICIES
     mlp: str = "gelu"  # MLP_KINDS
     moe: tuple = ()  # (experts, k, capacity_factor, every); () = dense MLPs
+    stages: int = 1  # mesh.stage: > 1 runs the blocks as a pipeline (Stage, gpipe)
+    microbatches: int = 1  # mesh.microbatches
 
     def init_cache(self, batch: int, length: int) -> dict:
         """An empty decoding cache of `length` <= max_len slots for `batch` rows: the
@@ -334,7 +337,11 @@ class Transformer(nn.Module):
         x = _dropout(x, self.dropout, train)
         block = block_class(self.remat)
         layers = []
-        for i in range(self.num_layers):
+        if self.stages > 1:
+            if decode is not None:
+                raise ValueError("mesh.stage: a pipelined model does not decode from a cache")
+            x = self._pipeline(x, train, segment_ids, positions)
+        for i in range(self.num_layers if self.stages == 1 else 0):
             # Keep the residual stream split by batch only: with params sharded on
             # "embed" (FSDP), XLA would otherwise reshard activations along D instead of
             # gathering the weights. A no-op unless the engine sets logical-axis rules.
@@ -360,6 +367,81 @@ class Transformer(nn.Module):
         if decode is None:
             return logits
         return logits, {"index": decode[0] + tokens.shape[1], "layers": layers}
+
+
+    def _pipeline(self, x, train, segment_ids, positions):
+        """The blocks as `stages` stages of num_layers / stages blocks each, their
+        parameters stacked on a leading stage dimension (logical axis "stage"), run on
+        `microbatches` microbatches by the GPipe schedule (`gpipe`): a buffer
+        [stages, rows, T, D] holds each stage's input; every iteration runs all stages
+        at once (vmap, each stage on the devices of its "stage" coordinate) and shifts
+        the buffer one stage on (a collective permute over "stage")."""
+        b, t, d = x.shape
+        s, m = self.stages, math.gcd(b, self.microbatches)  # a batch of 1 (init): 1
+        run = nn.vmap(Stage, variable_axes={"params": 0}, in_axes=0, spmd_axis_name="stage",
+                      split_rngs={"params": True, "dropout": True},
+                      metadata_params={nn.PARTITION_NAME: "stage"})(
+            self.num_layers // s, (self.num_heads, self.d_ff, self.dropout, self.dtype,
+                                   self.param_dtype, self.attention, self.mlp),
+            self.remat, train, name="pipeline")
+        # Row i * m + j of the batch is row i of microbatch j: each microbatch keeps the
+        # batch's split over data x fsdp.
+        split = lambda a: None if a is None else a.reshape(b // m, m, *a.shape[1:])  # noqa: E731
+        xs, segs, pos = split(x), split(segment_ids), split(positions)
+        buffer = jnp.zeros((s, b // m, t, d), x.dtype)
+        outs = []
+        for it, row in enumerate(gpipe(m, s)):
+            first = xs[:, it] if it < m else jnp.zeros_like(xs[:, 0])
+            buffer = jnp.concatenate([first[None], buffer[:-1]])  # one stage on
+            buffer = nn.with_logical_constraint(buffer, ("stage", "batch", "length", None))
+            which = [max(j, 0) for j in row]  # idle stages read microbatch 0, unused
+            at = lambda a: None if a is None else jnp.moveaxis(a[:, which], 1, 0)  # noqa: E731
+            buffer = run(buffer, at(segs), at(pos))
+            if row[-1] >= 0:
+                outs.append(buffer[-1])  # microbatch row[-1] leaves the last stage
+        return jnp.stack(outs, axis=1).reshape(b, t, d)
+
+
+class Stage(nn.Module):
+    """`layers` consecutive blocks of a pipeline; `block`: Block's fields up to `mlp`."""
+    layers: int
+    block: tuple
+    remat: str
+    train: bool
+
+    @nn.compact
+    def __call__(self, x, segment_ids=None, positions=None):  # x [B, T, D]
+        for j in range(self.layers):
+            x = nn.with_logical_constraint(x, ("batch", "length", None))
+            x = block_class(self.remat)(*self.block[:6], mlp=self.block[6],
+                                        name=f"layer_{j}")(x, self.train, segment_ids,
+                                                           positions)
+        return x
+
+
+def gpipe(microbatches: int, stages: int) -> list[tuple[int, ...]]:
+    """The GPipe schedule the pipeline runs: one row per iteration (microbatches + stages
+    - 1 of them), the microbatch each stage works on then, -1 where it idles."""
+    return [tuple(it - k if 0 <= it - k < microbatches else -1 for k in range(stages))
+            for it in range(microbatches + stages - 1)]
+
+
+def bubble(microbatches: int, stages: int) -> float:
+    """The share of stage-iterations the schedule leaves idle: (S - 1) / (M + S - 1)."""
+    rows = gpipe(microbatches, stages)
+    return sum(j < 0 for row in rows for j in row) / (len(rows) * stages)
+
+
+def stack_layers(params: dict, stages: int) -> dict:
+    """A plain model's params (layer_0 .. layer_{L-1}) in the pipelined layout: layer
+    k * L / stages + j is pipeline/layer_j[k]."""
+    layers = sorted((k for k in params if k.startswith("layer_")), key=lambda k: int(k[6:]))
+    per = len(layers) // stages
+    out = {k: v for k, v in params.items() if not k.startswith("layer_")}
+    out["pipeline"] = {f"layer_{j}": jax.tree.map(
+        lambda *a: jnp.stack(a), *[params[layers[k * per + j]] for k in range(stages)])
+        for j in range(per)}
+    return out
 
 
 def _moe_of(moe: tuple, layer: int, layers: int) -> tuple:
