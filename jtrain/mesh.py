@@ -241,6 +241,26 @@ def logical_to_shardings(abstract_tree, mesh: Mesh, rules=LOGICAL_RULES, *,
     return shardings
 
 
+def gpipe(microbatches: int, stages: int) -> list[tuple[int, ...]]:
+    """The GPipe schedule the pipeline runs: one row per iteration (microbatches + stages
+    - 1 of them), the microbatch each stage works on then, -1 where it idles."""
+    return [tuple(it - k if 0 <= it - k < microbatches else -1 for k in range(stages))
+            for it in range(microbatches + stages - 1)]
+
+
+def bubble(microbatches: int, stages: int) -> float:
+    """The share of stage-iterations the schedule leaves idle: (S - 1) / (M + S - 1)."""
+    rows = gpipe(microbatches, stages)
+    return sum(j < 0 for row in rows for j in row) / (len(rows) * stages)
+
+
+def pipeline_line(stages: int, microbatches: int, layers: int) -> str:
+    """The header's line for mesh.stage > 1, the bubble counted from `gpipe`."""
+    return (f"jtrain: pipeline: {layers} blocks in {stages} stages over mesh.stage, "
+            f"{microbatches} microbatches per pass (GPipe), bubble "
+            f"{bubble(microbatches, stages):.1%} of each pass ((S-1)/(M+S-1))")
+
+
 # Mesh axes that shard parameters; `data` never does (pure data parallelism).
 PARAM_AXES = ("stage", "fsdp", "tensor")
 

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from jtrain import mesh as mesh_lib
 from jtrain.models import moe as moe_lib
 
 
@@ -372,7 +373,7 @@ class Transformer(nn.Module):
     def _pipeline(self, x, train, segment_ids, positions):
         """The blocks as `stages` stages of num_layers / stages blocks each, their
         parameters stacked on a leading stage dimension (logical axis "stage"), run on
-        `microbatches` microbatches by the GPipe schedule (`gpipe`): a buffer
+        `microbatches` microbatches by the GPipe schedule (`jtrain.mesh.gpipe`): a buffer
         [stages, rows, T, D] holds each stage's input; every iteration runs all stages
         at once (vmap, each stage on the devices of its "stage" coordinate) and shifts
         the buffer one stage on (a collective permute over "stage")."""
@@ -390,7 +391,7 @@ class Transformer(nn.Module):
         xs, segs, pos = split(x), split(segment_ids), split(positions)
         buffer = jnp.zeros((s, b // m, t, d), x.dtype)
         outs = []
-        for it, row in enumerate(gpipe(m, s)):
+        for it, row in enumerate(mesh_lib.gpipe(m, s)):
             first = xs[:, it] if it < m else jnp.zeros_like(xs[:, 0])
             buffer = jnp.concatenate([first[None], buffer[:-1]])  # one stage on
             buffer = nn.with_logical_constraint(buffer, ("stage", "batch", "length", None))
@@ -417,19 +418,6 @@ class Stage(nn.Module):
                                         name=f"layer_{j}")(x, self.train, segment_ids,
                                                            positions)
         return x
-
-
-def gpipe(microbatches: int, stages: int) -> list[tuple[int, ...]]:
-    """The GPipe schedule the pipeline runs: one row per iteration (microbatches + stages
-    - 1 of them), the microbatch each stage works on then, -1 where it idles."""
-    return [tuple(it - k if 0 <= it - k < microbatches else -1 for k in range(stages))
-            for it in range(microbatches + stages - 1)]
-
-
-def bubble(microbatches: int, stages: int) -> float:
-    """The share of stage-iterations the schedule leaves idle: (S - 1) / (M + S - 1)."""
-    rows = gpipe(microbatches, stages)
-    return sum(j < 0 for row in rows for j in row) / (len(rows) * stages)
 
 
 def stack_layers(params: dict, stages: int) -> dict:

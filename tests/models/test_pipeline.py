@@ -22,14 +22,14 @@ MODEL = dict(vocab_size=64, d_model=16, num_layers=4, num_heads=2, d_ff=32, max_
 
 
 def test_the_schedule_is_gpipe_and_its_bubble_is_counted_from_it():
-    assert transformer.gpipe(3, 2) == [(0, -1), (1, 0), (2, 1), (-1, 2)]
+    assert mesh_lib.gpipe(3, 2) == [(0, -1), (1, 0), (2, 1), (-1, 2)]
     for m, s in ((1, 2), (4, 2), (8, 4), (3, 3)):
-        rows = transformer.gpipe(m, s)
+        rows = mesh_lib.gpipe(m, s)
         assert len(rows) == m + s - 1
         for k in range(s):  # each stage runs every microbatch once, in order
             assert [r[k] for r in rows if r[k] >= 0] == list(range(m))
-        assert transformer.bubble(m, s) == pytest.approx((s - 1) / (m + s - 1))
-    assert transformer.bubble(4, 1) == 0.0
+        assert mesh_lib.bubble(m, s) == pytest.approx((s - 1) / (m + s - 1))
+    assert mesh_lib.bubble(4, 1) == 0.0
 
 
 def _tokens(rows=8):
