@@ -309,6 +309,8 @@ def commands() -> dict:
                        "waits, waits, saves, CPU seconds, wall time)"),
         "invariant": (*_module_bench("invariant"), "determinism.topology_invariant vs "
                       "default: step time and step memory on 1 and 8 devices"),
+        "pipeline": (*_module_bench("pipeline"), "pipeline stages vs the plain model on "
+                     "8 fake devices: step time and peak memory per device, as ratios"),
         "sample": (*_module_bench("sample"), "decode tokens/s: jtrain sample with its KV "
                    "cache, without it, and transformers' generate on the same export"),
         "table": (lambda fv: None, table, "a benchmark's --out JSON as a markdown table"),

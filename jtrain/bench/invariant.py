@@ -58,6 +58,16 @@ def _config(variant: str, on: bool, devices: int):
 
 def child(variant: str, steps: int, rounds: int) -> dict:
     """In a process with N devices: both sides' step times and step memory."""
+    import jax
+
+    n = jax.device_count()
+    return time_sides({side: _config(variant, side == "invariant", n) for side in SIDES},
+                      steps, rounds)
+
+
+def time_sides(cfgs: dict, steps: int, rounds: int) -> dict:
+    """{side: resolved config} (the first one's data feeds all) -> each side's train step
+    memory per device and wall / CPU ms per step, rounds alternating the sides."""
     import itertools
 
     import jax
@@ -69,13 +79,13 @@ def child(variant: str, steps: int, rounds: int) -> dict:
     from jtrain.bench.overhead import iterator_kwargs
     from jtrain.control import memory as memory_lib
 
-    n = jax.device_count()
-    cfgs = {side: _config(variant, side == "invariant", n) for side in SIDES}
-    source, _, _ = data_lib.make_sources(cfgs["default"].data)
+    first = next(iter(cfgs.values()))
+    source, _, _ = data_lib.make_sources(first.data)
     example = {k: np.asarray(v) for k, v in source[0].items()}
     batches = list(itertools.islice(data_lib.make_train_iterator(
-        source, **iterator_kwargs(cfgs["default"])), steps + 1))
-    sides, out = {}, {"devices": n, "memory": {}, "rounds": {s: [] for s in SIDES}}
+        source, **iterator_kwargs(first)), steps + 1))
+    sides, out = {}, {"devices": jax.device_count(), "memory": {},
+                      "rounds": {s: [] for s in cfgs}}
     for side, cfg in cfgs.items():
         b = jtrain.build(cfg, sample=example["inputs"], eval_example=example,
                          byte_level=True)
@@ -89,7 +99,7 @@ def child(variant: str, steps: int, rounds: int) -> dict:
             jax.block_until_ready(state)
         sides[side] = [b, state, on]
     for _ in range(rounds):
-        for side in SIDES:
+        for side in cfgs:
             b, state, on = sides[side]
             with mesh_lib.model_context(b.mesh):
                 t0, c0 = time.perf_counter(), time.process_time()
@@ -101,7 +111,7 @@ def child(variant: str, steps: int, rounds: int) -> dict:
             out["rounds"][side].append({"wall_ms": 1e3 * wall / steps,
                                         "cpu_ms": 1e3 * cpu / steps})
     out["median"] = {s: {k: statistics.median(r[k] for r in out["rounds"][s])
-                         for k in ("wall_ms", "cpu_ms")} for s in SIDES}
+                         for k in ("wall_ms", "cpu_ms")} for s in cfgs}
     return out
 
 
@@ -112,18 +122,23 @@ def run(devices: list[int], variant: str, steps: int, rounds: int) -> dict:
                  "steps": steps, "rounds": rounds, "devices": {}, "loadavg": []}
     for n in devices:
         res["loadavg"].append(machine_lib.loadavg())
-        env = {**os.environ, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
-        code = ("import json; from jtrain.bench import invariant as b; "
-                f"print(json.dumps(b.child({variant!r}, {steps}, {rounds})))")
-        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                           text=True)
-        if p.returncode != 0:
-            raise RuntimeError(f"the {n}-device process failed ({p.returncode}): "
-                               f"{(p.stderr or p.stdout).strip().splitlines()[-1:]}")
-        res["devices"][n] = json.loads(p.stdout.strip().splitlines()[-1])
+        res["devices"][n] = in_child(n, f"invariant.child({variant!r}, {steps}, {rounds})")
     res["loadavg"].append(machine_lib.loadavg())
     return res
+
+
+def in_child(n: int, call: str):
+    """`call` (an expression over `jtrain.bench.<module>`) evaluated in a process with `n`
+    fake CPU devices; its JSON result."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+    code = (f"import json; from jtrain.bench import {call.split('.')[0]}; "
+            f"print(json.dumps({call}))")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"the {n}-device process failed ({p.returncode}): "
+                           f"{(p.stderr or p.stdout).strip().splitlines()[-1:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def format_report(res: dict) -> str:

@@ -132,7 +132,7 @@ AFTER_RUN: dict[str, tuple[str, str]] = {
     "jtrain sample": ("any run the built-in transformer trained (any float precision, device "
                       "set-up, resume, EMA, packing or mixture), or a model with the decode "
                       "interface; refused: a population, LoRA adapters, a step of your own, "
-                      "model.quant",
+                      "model.quant, pipeline stages (mesh.stage > 1)",
                       "language-models.md"),
 }
 
@@ -145,6 +145,12 @@ MODEL_OPTIONS: dict[str, tuple[str, str, str]] = {
                            "8-device mesh (experts split over `fsdp`) and `jtrain sample`; "
                            "refused: LoRA (`finetune.lora.rank`), `model.quant`, `jtrain "
                            "export --format=hf`; tests/models/test_moe.py", "scaling-out.md"),
+    "pipeline stages": ("`mesh.stage`, `mesh.microbatches`", "the plain model's loss, "
+                        "gradients and steps on 1 and 8 devices (with `data` and `fsdp`), "
+                        "`--verify_resume` with gradient accumulation and the weight EMA; "
+                        "refused: a model of your own, `model.moe.experts`, `model.quant`, "
+                        "LoRA, a population, `determinism.topology_invariant`, `jtrain "
+                        "sample`; tests/models/test_pipeline.py", "scaling-out.md"),
 }
 
 

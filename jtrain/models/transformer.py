@@ -31,6 +31,11 @@ Every parameter carries logical axis names from `jtrain.mesh.LOGICAL_RULES`:
 
 `model.moe.experts` > 0 replaces the MLP of every `model.moe.every`-th block (counted
 from the last) by MoeBlock: top-k routed experts (jtrain.models.moe).
+
+`stages` > 1 (mesh.stage) runs the blocks as a pipeline: `Stage`s of num_layers / stages
+blocks, parameters stacked under "pipeline" on a leading "stage" dimension
+(`stack_layers` maps a plain model's), microbatches run by the GPipe schedule
+(`Transformer._pipeline`, docs/guide/scaling-out.md).
 """
 
 from __future__ import annotations
@@ -396,8 +401,8 @@ class Transformer(nn.Module):
             buffer = jnp.concatenate([first[None], buffer[:-1]])  # one stage on
             buffer = nn.with_logical_constraint(buffer, ("stage", "batch", "length", None))
             which = [max(j, 0) for j in row]  # idle stages read microbatch 0, unused
-            at = lambda a: None if a is None else jnp.moveaxis(a[:, which], 1, 0)  # noqa: E731
-            buffer = run(buffer, at(segs), at(pos))
+            buffer = run(buffer, *(None if a is None else jnp.moveaxis(a[:, which], 1, 0)
+                                   for a in (segs, pos)))
             if row[-1] >= 0:
                 outs.append(buffer[-1])  # microbatch row[-1] leaves the last stage
         return jnp.stack(outs, axis=1).reshape(b, t, d)

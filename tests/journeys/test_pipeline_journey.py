@@ -1,6 +1,7 @@
 """Pipeline stages from the CLI: a layer stack that does not split into the stages is
 one line and exit 2; 2 stages x 2 data x 2 fsdp on 8 fake devices under --verify_resume
-(killed once and restarted, bitwise identical), the header stating the bubble."""
+with gradient accumulation and the weight EMA (killed once and restarted, bitwise
+identical), the header stating the bubble; `jtrain sample` refuses the run in one line."""
 
 import pytest
 from journey import run_python
@@ -22,7 +23,8 @@ def test_cli_refuses_layers_that_do_not_split_into_the_stages(tmp_path):
 @pytest.mark.slow  # three runs on 8 fake devices: the full suite runs it
 def test_cli_two_stages_with_data_and_fsdp_resume_bitwise(tmp_path):
     proc = run_python(tmp_path, *FLAGS, "--config.mesh.data=2", "--config.mesh.fsdp=2",
-                      "--config.mesh.microbatches=2", "--config.checkpoint.every_steps=1",
+                      "--config.mesh.microbatches=2", "--config.optim.grad_accum_steps=2",
+                      "--config.optim.ema.decay=0.9", "--config.checkpoint.every_steps=1",
                       "--config.checkpoint.async_save=False", "--config.eval.every_steps=2",
                       "--workdir=runs/p", "--verify_resume", "--verify_kills=1",
                       timeout=900, **EIGHT)
@@ -33,3 +35,8 @@ def test_cli_two_stages_with_data_and_fsdp_resume_bitwise(tmp_path):
     assert ("jtrain: pipeline: 2 blocks in 2 stages over mesh.stage, 2 microbatches per "
             "pass (GPipe), bubble 33.3% of each pass ((S-1)/(M+S-1))") in log
     assert "mesh stage=2 x data=2 x fsdp=2 x tensor=1" in log
+    proc = run_python(tmp_path, "-m", "jtrain", "sample", "runs/p/reference",
+                      "--prompt=def ", **EIGHT)
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].endswith(
+        "trained with pipeline stages (mesh.stage > 1): the decoder runs the plain layer "
+        "stack"), proc.stderr[-2000:]
