@@ -1,11 +1,11 @@
 """Device mesh and shardings.
 
 Owns `config.mesh`. A mesh has four axes, always in this order:
-  stage  - pipeline stages of the built-in transformer (its blocks stacked on a
-           leading "stage" dimension; models/transformer.py),
   data   - pure data parallelism (params replicated),
   fsdp   - data parallelism with params and optimizer state sharded,
-  tensor - tensor (model) parallelism inside a layer.
+  tensor - tensor (model) parallelism inside a layer,
+  stage  - pipeline stages of the built-in transformer (its blocks stacked on a
+           leading "stage" dimension; models/transformer.py).
 The batch is split over data x fsdp. Model code speaks in *logical* axis names
 (see LOGICAL_RULES); this module is the one place that maps them to mesh axes.
 """
@@ -262,7 +262,7 @@ def pipeline_line(stages: int, microbatches: int, layers: int) -> str:
 
 
 # Mesh axes that shard parameters; `data` never does (pure data parallelism).
-PARAM_AXES = ("stage", "fsdp", "tensor")
+PARAM_AXES = ("fsdp", "tensor", "stage")
 
 
 def layout(abstract_tree, shardings, min_bytes: int | None = None) -> dict:
@@ -294,7 +294,7 @@ def layout(abstract_tree, shardings, min_bytes: int | None = None) -> dict:
 
 
 def idle_axes(shardings, mesh: Mesh) -> list[str]:
-    """The parameter axes (stage, fsdp, tensor) of size > 1 that no leaf of `shardings` is split
+    """The parameter axes (fsdp, tensor, stage) of size > 1 that no leaf of `shardings` is split
     over: their devices hold copies (a warning, never silent)."""
     used = set()
     for sharding in jax.tree.leaves(shardings):

@@ -370,7 +370,7 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
     check_stage(tree)
     if num_devices is None:
         return
-    _, data, fsdp, _ = resolve_axis_sizes(mesh, num_devices)  # ConfigError
+    data, fsdp, _, _ = resolve_axis_sizes(mesh, num_devices)  # ConfigError
     dp = data * fsdp
     check_stage(tree, dp)
     if batch % dp:

@@ -13,7 +13,7 @@ from jtrain.config.fields import OPTIMIZERS, SCHEDULE_FREE
 from jtrain.errors import ConfigError
 
 
-MESH_AXES = ("stage", "data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "tensor", "stage")
 
 
 def check_mesh(mesh: dict) -> None:

@@ -34,7 +34,7 @@ def test_cli_two_stages_with_data_and_fsdp_resume_bitwise(tmp_path):
     log = (tmp_path / "runs" / "p" / "reference" / "train.log").read_text()
     assert ("jtrain: pipeline: 2 blocks in 2 stages over mesh.stage, 2 microbatches per "
             "pass (GPipe), bubble 33.3% of each pass ((S-1)/(M+S-1))") in log
-    assert "mesh stage=2 x data=2 x fsdp=2 x tensor=1" in log
+    assert "mesh data=2 x fsdp=2 x tensor=1 x stage=2" in log
     proc = run_python(tmp_path, "-m", "jtrain", "sample", "runs/p/reference",
                       "--prompt=def ", **EIGHT)
     assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].endswith(
