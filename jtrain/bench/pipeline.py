@@ -49,8 +49,8 @@ def format_report(res: dict) -> str:
     lines = [machine_lib.header_line(res["machine"]),
              f"pipeline stages vs the plain model, configs/base.py:debug with "
              f"{res['layers']} blocks, {DEVICES} devices, {res['microbatches']} microbatches, "
-             f"{res['steps']} steps x {res['rounds']} rounds per side (medians; ratio = "
-             "side / plain)",
+             f"{res['steps']} steps x {len(res['rounds']['plain'])} rounds per side "
+             "(medians; ratio = side / plain)",
              f"{'side':>9} {'bubble':>7} {'wall ms/step':>13} {'CPU ms/step':>12} "
              f"{'step peak MiB/device':>21} {'wall':>6} {'CPU':>6} {'memory':>7}"]
     for side, t in m.items():
@@ -81,7 +81,7 @@ def main(args) -> int:
         print("error: --microbatches, --steps and --rounds must be >= 1")
         return 2
     res = {"machine": machine_lib.machine(), "layers": args.layers, "steps": args.steps,
-           "rounds": args.rounds, "microbatches": args.microbatches,
+           "microbatches": args.microbatches,
            "loadavg": [machine_lib.loadavg()]}
     try:
         res.update(in_child(DEVICES, f"pipeline.child({stages}, {args.microbatches}, "
