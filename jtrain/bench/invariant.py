@@ -158,10 +158,13 @@ def format_report(res: dict) -> str:
                      f"{m['invariant']['wall_ms'] / m['default']['wall_ms']:>12.2f}x "
                      f"{m['invariant']['cpu_ms'] / m['default']['cpu_ms']:>11.2f}x "
                      f"{mem['invariant'] / mem['default']:>20.2f}x")
-    lines.append("load average (1 min) before each device count and after: "
-                 + " ".join(f"{v:.2f}" for v in res["loadavg"])
-                 + f" on {res['machine']['cores']} cores")
+    lines.append(load_line(res, "before each device count and after"))
     return "\n".join(lines)
+
+
+def load_line(res: dict, when: str) -> str:
+    return (f"load average (1 min) {when}: " + " ".join(f"{v:.2f}" for v in res["loadavg"])
+            + f" on {res['machine']['cores']} cores")
 
 
 def main(args) -> int:

@@ -43,6 +43,7 @@ def child(stages: list, microbatches: int, layers: int, steps: int, rounds: int)
 
 def format_report(res: dict) -> str:
     from jtrain.bench import machine as machine_lib
+    from jtrain.bench.invariant import load_line
     from jtrain.mesh import bubble
 
     m, mem, plain = res["median"], res["memory"], res["median"]["plain"]
@@ -60,10 +61,7 @@ def format_report(res: dict) -> str:
                      f"{mem[side] / 2**20:>21.2f} {t['wall_ms'] / plain['wall_ms']:>5.2f}x "
                      f"{t['cpu_ms'] / plain['cpu_ms']:>5.2f}x "
                      f"{mem[side] / mem['plain']:>6.2f}x")
-    lines.append("load average (1 min) before and after: "
-                 + " ".join(f"{v:.2f}" for v in res["loadavg"])
-                 + f" on {res['machine']['cores']} cores")
-    return "\n".join(lines)
+    return "\n".join([*lines, load_line(res, "before and after")])
 
 
 def main(args) -> int:

@@ -42,7 +42,7 @@ def _loss(module, params, tokens):
     return jnp.mean(nll)
 
 
-def _trained(module, params, tokens, steps=3):
+def _trained(module, params, tokens, steps=2):
     """(loss, gradients) at params, and params after `steps` Adam steps."""
     tx = optax.adam(1e-2)
     grad = jax.value_and_grad(lambda p: _loss(module, p, tokens))
@@ -72,6 +72,7 @@ def _assert_close(pipelined, plain, stages):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # compiles both models' gradients and steps: 5-10 CPU s each
 @pytest.mark.parametrize("stages", [2, 4])
 def test_one_device_pipeline_is_the_plain_model(stages):
     plain, params, stacked = _plain_and_stacked(stages)
