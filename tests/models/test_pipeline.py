@@ -84,9 +84,9 @@ def test_one_device_pipeline_is_the_plain_model_packed_rows_included():
     _assert_close(jax.jit(_trained, static_argnums=0)(pipe, stacked, tokens),
                   jax.jit(_trained, static_argnums=0)(plain, params, tokens), stages)
     # packed rows: each microbatch's segment ids and positions reach its stages
-    seg = jnp.asarray(np.arange(8)[:, None] % 3 + (np.arange(8)[None, :] > 3), jnp.int32)
-    packed = {"inputs": tokens[:, :-1], "segment_ids": seg,
-              "positions": jnp.broadcast_to(jnp.arange(8) % 4, (8, 8))}
+    col, start = np.arange(8)[None, :], 1 + np.arange(8)[:, None] % 6  # row r: 2 documents
+    packed = {"inputs": tokens[:, :-1], "segment_ids": jnp.asarray(col >= start, jnp.int32),
+              "positions": jnp.asarray(np.where(col < start, col, col - start), jnp.int32)}
     np.testing.assert_allclose(pipe.apply({"params": stacked}, packed),
                                plain.apply({"params": params}, packed), rtol=1e-5, atol=1e-5)
 
