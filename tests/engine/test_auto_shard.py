@@ -32,7 +32,7 @@ from journey import metric_by_step
 from numpy_metrics import accuracies
 
 FAKE = types.SimpleNamespace(shape={"data": 1, "fsdp": 8, "tensor": 1})
-MESH8 = AbstractMesh((1, 8, 1), mesh_lib.MESH_AXES)
+MESH8 = AbstractMesh((1, 8, 1, 1), mesh_lib.MESH_AXES)
 
 
 def test_the_largest_divisible_dimension_goes_on_fsdp():
