@@ -248,8 +248,8 @@ def test_kill_and_resume_on_the_same_mesh_is_bitwise(runs):
 
 @pytest.mark.multidevice
 @pytest.mark.parametrize("name,mesh_shape,kernel_shard", [
-    ("elastic", {"data": 2, "fsdp": 4, "tensor": 1}, (32, 16)),
-    ("elastic1", {"data": 1, "fsdp": 1, "tensor": 1}, (32, 64))])
+    ("elastic", {"data": 2, "fsdp": 4, "tensor": 1, "stage": 1}, (32, 16)),
+    ("elastic1", {"data": 1, "fsdp": 1, "tensor": 1, "stage": 1}, (32, 64))])
 def test_an_auto_sharded_checkpoint_resumes_under_another_mesh(runs, name, mesh_shape,
                                                               kernel_shard):
     """fsdp=8 -> data=2 x fsdp=4, and -> one device: the params reshard (auto_shard's
