@@ -5,6 +5,8 @@ stages x 2 data), a few optimizer steps included; the dry run's parameters per d
 divided by the stage count; what it refuses, in one line. The CLI under --verify_resume:
 tests/journeys/test_pipeline_journey.py."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -165,5 +167,6 @@ def test_the_batch_must_split_into_microbatches_and_a_model_of_yours_is_refused(
 
     resolved = jtrain.config.resolve(_config({"stage": 2, "data": 1}))
     with pytest.raises(errors.ConfigError) as e:
-        parts.model_object(resolved, transformer.Transformer(**MODEL), None)
+        parts.model_object(resolved, transformer.Transformer(**MODEL), None,
+                           types.SimpleNamespace(shape={"context": 1, "stage": 2}))
     assert e.value.key == "mesh.stage" and "model of your own" in str(e.value)
