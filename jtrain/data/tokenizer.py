@@ -4,9 +4,9 @@
 pickle); a file that does not parse is one DataError naming it.
 
 Every tokenizer has `kind`, `vocab_size`, `eos` (the id appended after each document, or
-None), `file` (None for bytes), `fingerprint` (the file's SHA-256, "byte" for bytes) and
-`encode(text) -> uint32 array`. The packages (the `lm` extra) are imported only here,
-when a tokenizer other than bytes is asked for.
+None), `file` (None for bytes), `fingerprint` (the file's SHA-256, "byte" for bytes),
+`encode(text) -> uint32 array` and `decode(ids) -> str`. The packages (the `lm` extra)
+are imported only here, when a tokenizer other than bytes is asked for.
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.uint32)
 
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
 
 class HFTokenizer:
     """A Hugging Face `tokenizers` tokenizer read from its tokenizer.json."""
@@ -69,6 +72,9 @@ class HFTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.uint32)
 
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
 
 class SentencePieceTokenizer:
     """A SentencePiece model (`.model`, a protobuf) as it is."""
@@ -88,6 +94,9 @@ class SentencePieceTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._sp.EncodeAsIds(text), np.uint32)
+
+    def decode(self, ids) -> str:
+        return self._sp.DecodeIds([int(i) for i in ids])
 
 
 def load(spec: str):
