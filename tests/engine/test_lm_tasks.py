@@ -1,0 +1,193 @@
+"""eval.lm_tasks (jtrain/engine/lm_tasks.py) and the lm-eval adapter (jtrain/lm_eval.py):
+a tiny byte-level transformer trained 2 steps with a choice task and a perplexity task;
+its eval/<task>/acc, acc_norm and ppl equal a numpy computation over the logits of a
+plain apply of the final parameters, one example at a time, unpadded; the same on 8 fake
+devices (batch sharded); lm-eval's simple_evaluate on a local YAML + JSONL task gives the
+same accuracies, and the adapter's loglikelihoods and rolling loglikelihood equal the
+hand computation. The windows and rows are checked on their own; a bad file is one line
+naming file and line."""
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jtrain
+from jtrain import errors
+from jtrain.engine import lm_tasks
+
+CHOICES = [
+    {"context": "def f(x):\n    return", "choices": [" x", " 1 + 2", "zzz"], "label": 0},
+    {"context": "import ", "choices": ["os", "qqqq"], "label": 1},
+    {"context": "class A:\n    ", "choices": ["pass", "def f(s):", "$"], "label": 2},
+]
+TEXT = 'import os\nimport sys\n\n\ndef main():\n    print("hello world")\n    return 0\n'
+SEQ = 16
+
+
+def config(tmp, **extra):
+    return {"model": {"d_model": 16, "num_layers": 1, "num_heads": 2, "d_ff": 32,
+                      "max_len": SEQ, "dtype": "float32"},
+            "data": {"seq_len": SEQ, "batch_size": 8}, "total_steps": 2,
+            "eval": {"every_steps": 2, "num_batches": 1, "batch_size": 8, "lm_tasks": {
+                "ch": {"kind": "choice", "path": os.path.join(tmp, "choice.jsonl")},
+                "held": {"kind": "perplexity", "path": os.path.join(tmp, "held.txt")}}},
+            "early_stop": {"monitor": "eval/ch/acc_norm", "mode": "max", "patience": 5},
+            **extra}
+
+
+def write_files(tmp):
+    with open(os.path.join(tmp, "choice.jsonl"), "w") as f:
+        f.write("".join(json.dumps(ex) + "\n" for ex in CHOICES))
+    with open(os.path.join(tmp, "held.txt"), "w") as f:
+        f.write(TEXT)
+
+
+def train(tmp):
+    write_files(tmp)
+    result = jtrain.train(config(tmp), os.path.join(tmp, "run"))
+    params = result.state.params
+    return result.history[-1], params if "params" in params else {"params": params}
+
+
+def hand(params):
+    """The numbers by hand: every sequence alone (its last SEQ + 1 bytes) through
+    model.apply, numpy log-softmax in float64."""
+    model = jtrain.make_model(config("")["model"] | {"name": "transformer",
+                                                     "vocab_size": 256, "dropout": 0.0},
+                              dtype="float32", param_dtype="float32")
+
+    def logp(ids):  # log p(ids[i + 1] | ids[:i + 1]) for every i
+        logits = np.asarray(model.apply(params, jnp.asarray([ids[:-1]])), np.float64)[0]
+        logits = logits - logits.max(-1, keepdims=True)
+        lsm = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        return lsm[np.arange(len(ids) - 1), ids[1:]]
+
+    def scored(ex, c):  # the choice and the context's trailing whitespace (lm-eval's)
+        return len(c) + len(ex["context"]) - len(ex["context"].rstrip())
+
+    lls = [[logp(list((ex["context"] + c).encode())[-(SEQ + 1):])[-scored(ex, c):].sum()
+            for c in ex["choices"]] for ex in CHOICES]
+    acc = np.mean([np.argmax(ll) == ex["label"] for ll, ex in zip(lls, CHOICES)])
+    norm = np.mean([np.argmax(np.asarray(ll) / [len(c) for c in ex["choices"]]) == ex["label"]
+                    for ll, ex in zip(lls, CHOICES)])
+    ids = list(TEXT.encode())  # windows of SEQ + 1 bytes overlapping by one
+    total = sum(logp(ids[s:s + SEQ + 1]).sum() for s in range(0, len(ids) - 1, SEQ))
+    return {"lls": lls, "acc": acc, "acc_norm": norm, "total": total,
+            "ppl": math.exp(-total / (len(ids) - 1))}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("lm"))
+    last, params = train(tmp)
+    return tmp, last, params, hand(params)
+
+
+@pytest.mark.slow
+def test_metrics_equal_the_hand_computation(run):
+    _, last, _, want = run
+    assert last["eval/ch/acc"] == want["acc"] and last["eval/ch/acc_norm"] == want["acc_norm"]
+    assert last["eval/held/ppl"] == pytest.approx(want["ppl"], rel=1e-5)
+    assert 0 < want["acc"] < 1 or want["acc_norm"] != want["acc"]  # not all one answer
+
+
+@pytest.mark.multidevice
+def test_eight_devices_give_the_hand_computation(tmp_path):
+    assert jax.device_count() == 8
+    last, params = train(str(tmp_path))
+    want = hand(params)
+    assert last["eval/ch/acc"] == want["acc"] and last["eval/ch/acc_norm"] == want["acc_norm"]
+    assert last["eval/held/ppl"] == pytest.approx(want["ppl"], rel=1e-5)
+
+
+YAML = """task: tiny_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {path}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+target_delimiter: ""
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+@pytest.mark.slow
+def test_lm_eval_scores_the_run_as_the_metric_does(run, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import socket
+
+    def no_network(*args, **kwargs):
+        raise AssertionError(f"lm-eval reached for the network: {args}")
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    import lm_eval
+    from lm_eval.api.instance import Instance
+    from lm_eval.tasks import TaskManager
+
+    from jtrain.lm_eval import JtrainLM
+
+    tmp, last, _, want = run
+    (tmp_path / "tiny.yaml").write_text(YAML.format(path=os.path.join(tmp, "choice.jsonl")))
+    lm = JtrainLM(run=os.path.join(tmp, "run"), batch_size=4)
+    out = lm_eval.simple_evaluate(model=lm, tasks=["tiny_choice"],
+                                  task_manager=TaskManager(include_path=str(tmp_path)))
+    got = out["results"]["tiny_choice"]
+    assert (got["acc,none"], got["acc_norm,none"]) == (last["eval/ch/acc"],
+                                                        last["eval/ch/acc_norm"])
+    reqs = [Instance("loglikelihood", {}, (ex["context"], c), 0)
+            for ex in CHOICES for c in ex["choices"]]
+    lls = [ll for ll, _ in lm.loglikelihood(reqs)]
+    np.testing.assert_allclose(lls, [x for row in want["lls"] for x in row], rtol=1e-5)
+    rolling = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (TEXT,), 0)])
+    assert rolling[0] == pytest.approx(want["total"], rel=1e-5)
+    text = lm.generate_until([Instance("generate_until", {},
+                                       ("def ", {"until": ["\n"], "max_gen_toks": 6}), 0)])
+    greedy = jtrain.sample(os.path.join(tmp, "run"), "def ", max_new_tokens=6)[0].text
+    assert text == [greedy.split("\n")[0]]
+
+
+def test_windows_predict_every_token_once():
+    ids = list(range(1, 38))
+    pieces = lm_tasks.rolling_pieces(ids, None, 8)
+    assert [p[0][0] for p in pieces] == [1, 9, 17, 25, 33]  # overlapping by one token
+    assert sum(n for _, n in pieces) == len(ids) - 1
+    rows = lm_tasks.make_rows(pieces, 8)
+    assert rows.mask.sum() == len(ids) - 1 and rows.mask[-1].tolist() == [1] * 4 + [0] * 4
+    with_eos = lm_tasks.rolling_pieces(ids, 0, 8)  # a separator first: every token scored
+    assert sum(n for _, n in with_eos) == len(ids)
+
+
+def test_a_long_context_is_cut_from_the_left():
+    rows = lm_tasks.make_rows([(list(range(1, 21)), 3)], 8)
+    assert rows.tokens[0].tolist() == list(range(12, 21))
+    assert rows.mask[0].tolist() == [0] * 5 + [1] * 3
+    with pytest.raises(errors.DataError, match="continuation"):
+        lm_tasks.choice_pieces([("a", "x" * 9)], lambda s: list(s.encode()), None, 8)
+
+
+@pytest.mark.parametrize("line,why", [
+    ("not json", "not JSON"),
+    ('{"context": "a", "choices": ["b"], "label": 0}', "2 or more"),
+    ('{"context": "a", "choices": ["b", "c"], "label": 2}', "index of the answer"),
+])
+def test_a_bad_line_is_named(tmp_path, line, why):
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps(CHOICES[0]) + "\n" + line + "\n")
+    with pytest.raises(errors.DataError) as e:
+        lm_tasks.read_choices(str(path))
+    assert e.value.key == f"{path}:2" and why in e.value.why
