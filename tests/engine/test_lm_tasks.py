@@ -191,3 +191,69 @@ def test_a_bad_line_is_named(tmp_path, line, why):
     with pytest.raises(errors.DataError) as e:
         lm_tasks.read_choices(str(path))
     assert e.value.key == f"{path}:2" and why in e.value.why
+
+
+def _built(tmp, **extra):
+    """(cfg, Build, params) of the tiny model with eval.lm_tasks, freshly initialised."""
+    import types
+
+    write_files(tmp)
+    cfg = jtrain.resolve(config(tmp, **extra))
+    tokens = np.zeros(SEQ, np.int32)
+    b = jtrain.build(cfg, sample=tokens, eval_example={"inputs": tokens, "targets": tokens},
+                     byte_level=True)
+    from jtrain import state as state_lib
+    params = state_lib.eval_params(b.init(), "params")
+    data = types.SimpleNamespace(info={}, byte_level=True, eval_batch=4)
+    return cfg, b, params, data
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [
+    {"model": {"moe": {"experts": 2, "k": 1, "capacity_factor": 2.0}}},
+    {"model": {"quant": "int8"}},
+    {"finetune": {"lora": {"rank": 2}}},
+], ids=["moe", "int8", "lora"])
+def test_the_run_s_model_function_is_scored(tmp_path, extra):
+    """MoE (a dict of outputs), int8 matmuls and LoRA adapters: the tasks score what the
+    run's model function returns, as a numpy computation over the same function, one
+    window at a time, does."""
+    base = config(str(tmp_path))
+    extra = {k: base.get(k, {}) | v if k == "model" else v for k, v in extra.items()}
+    cfg, b, params, data = _built(str(tmp_path), **extra)
+    got = lm_tasks.for_run(cfg, b, data)(params)
+
+    apply = jax.jit(lambda p, x: b.model_fns.apply(p, x, rng=None, train=False))
+
+    def logp(ids):  # each window alone, unpadded (qwix's interception runs under jit)
+        out = apply(params, jnp.asarray([ids[:-1]]))
+        logits = np.asarray(out["logits"] if isinstance(out, dict) else out, np.float64)[0]
+        lsm = logits - logits.max(-1, keepdims=True)
+        lsm = lsm - np.log(np.exp(lsm).sum(-1, keepdims=True))
+        return lsm[np.arange(len(ids) - 1), ids[1:]]
+
+    ids = list(TEXT.encode())
+    total = sum(logp(ids[s:s + SEQ + 1]).sum() for s in range(0, len(ids) - 1, SEQ))
+    # int8 quantises activations with one scale per tensor: the batch's padding moves
+    # the scale, so the score is close, not exact (documented; 4e-4 here)
+    rel = 2e-3 if "quant" in extra.get("model", {}) else 1e-5
+    assert got["eval/held/ppl"] == pytest.approx(math.exp(-total / (len(ids) - 1)), rel=rel)
+    assert set(got) == {"eval/ch/acc", "eval/ch/acc_norm", "eval/held/ppl"}
+
+
+@pytest.mark.parametrize("extra,why", [
+    ({"population": {"size": 2}, "early_stop": {"monitor": ""}}, "population"),
+    ({"eval": {"mode": "async"}}, "async evaluator"),
+])
+def test_what_cannot_be_scored_is_refused_in_one_line(tmp_path, extra, why):
+    import types
+
+    cfg = config(str(tmp_path))
+    cfg = jtrain.resolve({**cfg, **{k: cfg.get(k, {}) | v for k, v in extra.items()}})
+    b = types.SimpleNamespace(user_step=None)
+    with pytest.raises(errors.ConfigError) as e:
+        lm_tasks.for_run(cfg, b, None)
+    assert e.value.key == "eval.lm_tasks" and why in e.value.why
+    with pytest.raises(errors.ConfigError, match="kind"):
+        lm_tasks.tasks_of(jtrain.resolve(config(str(tmp_path)) | {"eval": {
+            "lm_tasks": {"x": {"kind": "mmlu", "path": "a"}}}}))
