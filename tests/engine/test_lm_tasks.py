@@ -72,9 +72,9 @@ def hand(params):
 
     lls = [[logp(list((ex["context"] + c).encode())[-(SEQ + 1):])[-scored(ex, c):].sum()
             for c in ex["choices"]] for ex in CHOICES]
-    acc = np.mean([np.argmax(ll) == ex["label"] for ll, ex in zip(lls, CHOICES)])
+    acc = np.mean([np.argmax(ll) == ex["label"] for ll, ex in zip(lls, CHOICES, strict=True)])
     norm = np.mean([np.argmax(np.asarray(ll) / [len(c) for c in ex["choices"]]) == ex["label"]
-                    for ll, ex in zip(lls, CHOICES)])
+                    for ll, ex in zip(lls, CHOICES, strict=True)])
     ids = list(TEXT.encode())  # windows of SEQ + 1 bytes overlapping by one
     total = sum(logp(ids[s:s + SEQ + 1]).sum() for s in range(0, len(ids) - 1, SEQ))
     return {"lls": lls, "acc": acc, "acc_norm": norm, "total": total,
