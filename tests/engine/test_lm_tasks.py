@@ -149,6 +149,16 @@ def test_lm_eval_scores_the_run_as_the_metric_does(run, tmp_path, monkeypatch):
     got = out["results"]["tiny_choice"]
     assert (got["acc,none"], got["acc_norm,none"]) == (last["eval/ch/acc"],
                                                         last["eval/ch/acc_norm"])
+    # the guide's example (docs/guide/language-models.md), run where the run and the file are
+    guide = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "guide",
+                              "language-models.md")).read()
+    example = next(b for b in guide.split("```python\n") if "simple_evaluate(model=Jtrain" in b)
+    monkeypatch.chdir(tmp)
+    scope: dict = {}
+    exec(example.split("```")[0], scope)
+    got = scope["out"]["results"]["tiny_choice"]
+    assert (got["acc,none"], got["acc_norm,none"]) == (last["eval/ch/acc"],
+                                                        last["eval/ch/acc_norm"])
     reqs = [Instance("loglikelihood", {}, (ex["context"], c), 0)
             for ex in CHOICES for c in ex["choices"]]
     lls = [ll for ll, _ in lm.loglikelihood(reqs)]

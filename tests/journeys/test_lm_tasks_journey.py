@@ -1,28 +1,20 @@
-"""eval.lm_tasks from the command line, in an empty directory: a config file names a
-choice task and a perplexity task by relative paths; a malformed line of the choice file
-is one line naming the file and the line, exit 2, no step run; the fixed file trains,
+"""eval.lm_tasks from the command line, in an empty directory: the guide's config file
+(docs/guide/language-models.md) names a choice task and a perplexity task by relative
+paths; a malformed line of the choice file is one line naming the file and the line,
+exit 2, no step run; the fixed file trains,
 metrics.jsonl carries eval/<task>/acc, acc_norm and ppl, and early stopping watches
 eval/ch/acc."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 from journey import run_python
 
-CONFIG = '''
-from jtrain.config import defaults
-
-def get_config():
-    c = defaults()
-    c.model.update(d_model=16, num_layers=1, num_heads=2, d_ff=32, max_len=16)
-    c.data.update(seq_len=16, batch_size=4)
-    c.total_steps = 2
-    c.eval.update(every_steps=2, num_batches=1, lm_tasks={
-        "ch": {"kind": "choice", "path": "choice.jsonl"},
-        "held": {"kind": "perplexity", "path": "held.txt"}})
-    c.early_stop.update(monitor="eval/ch/acc", mode="max", patience=3)
-    return c
-'''
+GUIDE = Path(__file__).parents[2] / "docs" / "guide" / "language-models.md"
+# the guide's config file, as a reader pastes it
+CONFIG = re.search(r"```python\n# file: cfg.py\n(.*?)```", GUIDE.read_text(), re.S).group(1)
 GOOD = {"context": "import ", "choices": ["os", "zz"], "label": 0}
 
 
