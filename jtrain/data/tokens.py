@@ -74,18 +74,24 @@ def documents(path: str, text_field: str = "text") -> Iterator[str]:
     if not path.endswith(".jsonl"):
         yield content
         return
-    for number, line in enumerate(content.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{number}", f"not JSON ({e.msg})") from None
+    for number, record in json_lines(path, content):
         value = record.get(text_field) if isinstance(record, dict) else None
         if not isinstance(value, str):
             raise DataError(f"{path}:{number}", f"no string field {text_field!r} "
                             "(--text_field)")
         yield value
+
+
+def json_lines(path: str, content: str) -> Iterator[tuple[int, object]]:
+    """(line number, JSON value) of each non-blank line of a JSONL file's `content`; a
+    line that is not JSON is a DataError naming the file and the line."""
+    for number, line in enumerate(content.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{number}", f"not JSON ({e.msg})") from None
 
 
 def write_shards(tok, docs, out: str, shard_tokens: int = SHARD_TOKENS) -> dict:

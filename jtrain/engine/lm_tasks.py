@@ -28,7 +28,6 @@ result does not depend on the batch size or the device count.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 
 import jax
@@ -174,23 +173,20 @@ class Task:
 
 def read_choices(path: str) -> list[dict]:
     """The examples of a choice file; a DataError naming the file and line."""
+    from jtrain.data.tokens import json_lines
+
     out = []
     with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ex = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{number}", f"not JSON ({e.msg})") from None
-            ok = (isinstance(ex, dict) and isinstance(ex.get("context"), str)
-                  and isinstance(ex.get("choices"), list) and len(ex["choices"]) >= 2
-                  and all(isinstance(c, str) and c for c in ex["choices"])
-                  and type(ex.get("label")) is int and 0 <= ex["label"] < len(ex["choices"]))
-            if not ok:
-                raise DataError(f"{path}:{number}", 'want {"context": str, "choices": '
-                                '[2 or more non-empty str], "label": index of the answer}')
-            out.append(ex)
+        content = f.read()
+    for number, ex in json_lines(path, content):
+        ok = (isinstance(ex, dict) and isinstance(ex.get("context"), str)
+              and isinstance(ex.get("choices"), list) and len(ex["choices"]) >= 2
+              and all(isinstance(c, str) and c for c in ex["choices"])
+              and type(ex.get("label")) is int and 0 <= ex["label"] < len(ex["choices"]))
+        if not ok:
+            raise DataError(f"{path}:{number}", 'want {"context": str, "choices": '
+                            '[2 or more non-empty str], "label": index of the answer}')
+        out.append(ex)
     if not out:
         raise DataError(path, "no examples")
     return out
