@@ -112,29 +112,8 @@ def test_eight_devices_give_the_hand_computation(tmp_path):
     assert got["eval/held/ppl"] == pytest.approx(want["ppl"], rel=1e-5)
 
 
-YAML = """task: tiny_choice
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {path}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-target_delimiter: ""
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-"""
-
-
 @pytest.mark.slow
-def test_lm_eval_scores_the_run_as_the_metric_does(run, tmp_path, monkeypatch):
+def test_lm_eval_scores_the_run_as_the_metric_does(run, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import socket
@@ -142,21 +121,13 @@ def test_lm_eval_scores_the_run_as_the_metric_does(run, tmp_path, monkeypatch):
     def no_network(*args, **kwargs):
         raise AssertionError(f"lm-eval reached for the network: {args}")
     monkeypatch.setattr(socket.socket, "connect", no_network)
-    import lm_eval
     from lm_eval.api.instance import Instance
-    from lm_eval.tasks import TaskManager
 
     from jtrain.lm_eval import JtrainLM
 
     tmp, last, _, want = run
-    (tmp_path / "tiny.yaml").write_text(YAML.format(path=os.path.join(tmp, "choice.jsonl")))
-    lm = JtrainLM(run=os.path.join(tmp, "run"), batch_size=4)
-    out = lm_eval.simple_evaluate(model=lm, tasks=["tiny_choice"],
-                                  task_manager=TaskManager(include_path=str(tmp_path)))
-    got = out["results"]["tiny_choice"]
-    assert (got["acc,none"], got["acc_norm,none"]) == (last["eval/ch/acc"],
-                                                        last["eval/ch/acc_norm"])
-    # the guide's example (docs/guide/language-models.md), run where the run and the file are
+    # the guide's example (docs/guide/language-models.md): a task of a local YAML and
+    # JSONL through simple_evaluate, run where the run and the file are
     guide = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "guide",
                               "language-models.md")).read()
     example = next(b for b in guide.split("```python\n") if "simple_evaluate(model=Jtrain" in b)
@@ -166,6 +137,7 @@ def test_lm_eval_scores_the_run_as_the_metric_does(run, tmp_path, monkeypatch):
     got = scope["out"]["results"]["tiny_choice"]
     assert (got["acc,none"], got["acc_norm,none"]) == (last["eval/ch/acc"],
                                                         last["eval/ch/acc_norm"])
+    lm = JtrainLM(run=os.path.join(tmp, "run"), batch_size=4)
     reqs = [Instance("loglikelihood", {}, (ex["context"], c), 0)
             for ex in CHOICES for c in ex["choices"]]
     lls = [ll for ll, _ in lm.loglikelihood(reqs)]
