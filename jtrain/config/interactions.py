@@ -163,6 +163,11 @@ LM_TASKS: dict[str, str] = {
                                 "(`eval/ema/TASK/...`); not covered by a test",
     "early stop / plateau / best-k": "works: `eval/TASK/acc`, `acc_norm`, `ppl` are monitors; "
                                      "tests/journeys/test_lm_tasks_journey.py",
+    "your own model (model.factory, NNX / Linen)": "works through the same model function "
+                                                   "when it maps tokens [B, L] to logits [B, "
+                                                   "L, V >= the vocabulary] (tested with the "
+                                                   "built-in Linen transformer); any other "
+                                                   "is refused in one line",
     "population": "refused: the members would each need their tasks scored apart",
     "async eval": "refused: the evaluator process scores the eval set only (eval.mode=sync)",
     "external evaluator": "refused with it (eval.async_evaluator=external is async eval); "

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jtrain.errors import ConfigError, DataError
+from jtrain.errors import ConfigError, DataError, first_line
 
 KINDS = {"choice": ("acc", "acc_norm"), "perplexity": ("ppl",)}
 
@@ -220,6 +220,21 @@ def load_task(name: str, kind: str, path: str, tokenizer, seq_len: int) -> Task:
                 np.asarray([ex["label"] for ex in examples]), np.asarray(chars, np.float64))
 
 
+def check_model(apply, abstract_params, seq_len: int, vocab: int) -> None:
+    """A ConfigError unless the model maps tokens [B, seq_len] to logits [B, seq_len, V]
+    with V >= the tokenizer's vocabulary (a model of your own may not)."""
+    want = f"tokens [batch, {seq_len}] -> logits [batch, {seq_len}, vocab >= {vocab}]"
+    try:
+        out = jax.eval_shape(lambda p, x: apply(p, x, rng=None, train=False),
+                             abstract_params, jax.ShapeDtypeStruct((2, seq_len), jnp.int32))
+    except Exception as e:  # the model's own error, said in one line
+        raise ConfigError("eval.lm_tasks", f"the model must map {want}; calling it "
+                          f"failed: {first_line(e)}") from None
+    shape = getattr(out["logits"] if isinstance(out, dict) else out, "shape", None)
+    if shape is None or len(shape) != 3 or shape[:2] != (2, seq_len) or shape[2] < vocab:
+        raise ConfigError("eval.lm_tasks", f"the model must map {want}, got {shape}")
+
+
 class Scorer:
     """A run's tasks, scored with its model at each eval (one compilation: every batch
     has data.seq_len tokens and the eval batch's rows)."""
@@ -267,6 +282,7 @@ def for_run(cfg, b, data) -> Scorer | None:
         raise ConfigError("eval.lm_tasks", "needs the run's tokenizer: train on token "
                           "shards (data.name=tokens) or the byte-level corpus")
     tok = tokenizer_lib.load(path or tokenizer_lib.BYTE)
+    check_model(b.model_fns.apply, b.abstract.params, cfg.data.seq_len, tok.vocab_size)
     loaded = [load_task(name, t["kind"], t["path"], tok, cfg.data.seq_len)
               for name, t in tasks.items()]
     return Scorer(loaded, b.model_fns.apply, b.mesh, data.eval_batch * jax.process_count())

@@ -244,3 +244,16 @@ def test_what_cannot_be_scored_is_refused_in_one_line(tmp_path, extra, why):
     with pytest.raises(errors.ConfigError, match="kind"):
         lm_tasks.tasks_of(jtrain.resolve(config(str(tmp_path)) | {"eval": {
             "lm_tasks": {"x": {"kind": "mmlu", "path": "a"}}}}))
+
+
+@pytest.mark.parametrize("outputs,why", [
+    (lambda x: jnp.zeros((x.shape[0], 3)), "got (2, 3)"),  # a classifier of your own
+    (lambda x: jnp.zeros((x.shape[0], x.shape[1], 100)), "got (2, 16, 100)"),  # vocab < 256
+    (lambda x: x @ jnp.zeros((3, 3)), "calling it failed"),
+])
+def test_a_model_that_is_not_a_language_model_is_refused(outputs, why):
+    """A model of your own is scored when it maps tokens to logits over the vocabulary;
+    any other is one line before step 1."""
+    with pytest.raises(errors.ConfigError) as e:
+        lm_tasks.check_model(lambda p, x, rng, train: outputs(x), {}, SEQ, 256)
+    assert e.value.key == "eval.lm_tasks" and why in e.value.why
