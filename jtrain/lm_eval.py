@@ -5,39 +5,25 @@
 
 `JtrainLM(run, step=None, batch_size=16)` reads a run's parameters as `jtrain sample`
 does (integrity-checked, none of its code run unless trusted; the same runs refused) and
-its tokenizer (the workdir's tokenizer.json / tokenizer.model, else bytes for a
-vocabulary of 256). loglikelihood and loglikelihood_rolling score exactly as
+its tokenizer (the workdir's copy config.json names, else bytes for a vocabulary of
+256). loglikelihood and loglikelihood_rolling score exactly as
 eval.lm_tasks does in training (jtrain/engine/lm_tasks.py: the same tokenization, rows of
 data.seq_len + 1 tokens, the same windows); generate_until decodes greedily (or at the
-request's temperature) with the KV-cache sampler and cuts the text at the first of the
-request's `until` strings.
+request's temperature) with the KV-cache sampler, stopping at the first of the
+request's `until` strings (cut).
 """
 
 from __future__ import annotations
-
-import os
 
 import jax
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from jtrain import config as config_lib
-from jtrain.data import tokenizer as tokenizer_lib
 from jtrain.engine import lm_tasks
 from jtrain.engine import sample as sample_lib
 from jtrain.engine.replay import read_run
 from jtrain.errors import UsageError
-
-
-def run_tokenizer(workdir: str, model):
-    """The tokenizer a run trained with: its workdir's copy, else bytes (vocab 256)."""
-    for name in ("tokenizer.json", "tokenizer.model"):
-        if os.path.isfile(os.path.join(workdir, name)):
-            return tokenizer_lib.load(os.path.join(workdir, name))
-    if sample_lib.byte_level(model):
-        return tokenizer_lib.ByteTokenizer()
-    raise UsageError("RUN", f"{workdir}: no tokenizer.json or tokenizer.model, and the "
-                     "model's vocabulary is not the 256 bytes")
 
 
 @register_model("jtrain")
@@ -50,9 +36,12 @@ class JtrainLM(LM):
         run = run or pretrained
         if not run:
             raise UsageError("model_args", "run=RUN: the run directory to evaluate")
-        self.model, self.params = sample_lib.open_run(str(run), step=step)
+        self.model, self.params, own = sample_lib.open_run(str(run), step=step)
         self.seq_len = int(config_lib.resolve(read_run(str(run))).data.seq_len)
-        self.tokenizer = run_tokenizer(str(run), self.model)
+        self.tokenizer = sample_lib.checked_tokenizer(own, self.model)
+        if self.tokenizer is None:
+            raise UsageError("RUN", f"{run}: the run has no tokenizer (not trained on "
+                             "token shards, and its vocabulary is not the 256 bytes)")
         self.batch = int(batch_size) if str(batch_size).isdigit() else 16
         self._fn = jax.jit(lm_tasks.token_logprobs(
             lambda p, x, rng=None, train=False: self.model.apply(p, x)))
@@ -88,10 +77,8 @@ class JtrainLM(LM):
                 "do_sample", True) else 0.0
             ids = [int(t) for t in self.tokenizer.encode(context)][-(self.model.max_len - new):]
             got = self._decoder.generate(self.params, [ids or [self.tokenizer.eos or 0]],
-                                         max_new_tokens=new, seed=0,
-                                         settings=(temperature, 0, 1.0))[0]
-            text = self.tokenizer.decode(got.tokens)
-            cut = min((i for i in (text.find(s) for s in until if s) if i >= 0),
-                      default=len(text))
-            out.append(text[:cut])
+                                         max_new_tokens=new, seed=0, stop=until,
+                                         settings=(temperature, 0, 1.0),
+                                         tokenizer=self.tokenizer)[0]
+            out.append(got.text)
         return out

@@ -1,10 +1,11 @@
 """Device mesh and shardings.
 
-Owns `config.mesh`. A mesh has three axes, always in this order:
+Owns `config.mesh`. A mesh has four axes, always in this order:
   data   - pure data parallelism (params replicated),
   fsdp   - data parallelism with params and optimizer state sharded,
+  expert - data parallelism with a mixture of experts' experts sharded (all-to-all),
   tensor - tensor (model) parallelism inside a layer.
-The batch is split over data x fsdp. Model code speaks in *logical* axis names
+The batch is split over data x fsdp x expert. Model code speaks in *logical* axis names
 (see LOGICAL_RULES); this module is the one place that maps them to mesh axes.
 """
 
@@ -23,7 +24,7 @@ from jtrain.config import sections
 from jtrain.config.rules import MESH_AXES, resolve_axis_sizes
 from jtrain.errors import ConfigError
 
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = ("data", "fsdp", "expert")
 
 # Logical axis name -> mesh axis (or None = replicated). Built-in models annotate
 # parameters only with these names.
@@ -33,10 +34,11 @@ LOGICAL_RULES = (
     ("embed", "fsdp"),
     ("mlp", "tensor"),
     ("heads", "tensor"),
-    # MoE experts split over fsdp: tokens are split by batch over (data, fsdp), so each
-    # fsdp group holds a share of the experts and dispatch is an all-to-all within it,
-    # while "mlp" inside each expert stays on tensor (docs/guide/scaling-out.md).
-    ("expert", "fsdp"),
+    # MoE experts split over fsdp x expert: with mesh.expert > 1 each device runs its
+    # share of the experts and tokens reach them by all-to-all over `expert`
+    # (models/moe.py); "mlp" inside each expert stays on tensor
+    # (docs/guide/scaling-out.md).
+    ("expert", ("fsdp", "expert")),
     ("kv", None),
     ("length", None),
     ("layers", None),
@@ -121,7 +123,7 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def data_parallel_size(mesh: Mesh) -> int:
-    """How many ways the batch is split (data x fsdp)."""
+    """How many ways the batch is split (data x fsdp x expert)."""
     return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
 
 
@@ -210,10 +212,8 @@ def logical_to_shardings(abstract_tree, mesh: Mesh, rules=LOGICAL_RULES, *,
         raise ConfigError("model", unknown[0])
     table = dict(rules)
 
-    def to_mesh_axis(name):
-        if name is None or name in mesh.shape:
-            return name
-        return table.get(name)
+    def to_mesh_axis(name):  # a logical name first: "expert" is both
+        return table[name] if name in table else name
 
     def fit(leaf):
         names = _spec_of(leaf)
@@ -229,9 +229,10 @@ def logical_to_shardings(abstract_tree, mesh: Mesh, rules=LOGICAL_RULES, *,
             size = math.prod(mesh.shape[a] for a in axes)
             if not axes or shape[i] % size or used & set(axes):
                 dims.append(None)
-            else:
+            else:  # size-1 axes of a tuple left out: ("fsdp", "expert") is "fsdp" at expert=1
                 used |= set(axes)
-                dims.append(axis)
+                kept = tuple(a for a in axes if mesh.shape[a] > 1) or axes[:1]
+                dims.append(kept[0] if len(kept) == 1 else kept)
         return NamedSharding(mesh, P(*dims))
 
     shardings = jax.tree.map(fit, abstract_tree, is_leaf=_is_annotated)
@@ -239,7 +240,7 @@ def logical_to_shardings(abstract_tree, mesh: Mesh, rules=LOGICAL_RULES, *,
 
 
 # Mesh axes that shard parameters; `data` never does (pure data parallelism).
-PARAM_AXES = ("fsdp", "tensor")
+PARAM_AXES = ("fsdp", "expert", "tensor")
 
 
 def layout(abstract_tree, shardings, min_bytes: int | None = None) -> dict:
@@ -271,7 +272,7 @@ def layout(abstract_tree, shardings, min_bytes: int | None = None) -> dict:
 
 
 def idle_axes(shardings, mesh: Mesh) -> list[str]:
-    """The parameter axes (fsdp, tensor) of size > 1 that no leaf of `shardings` is split
+    """The parameter axes (fsdp, expert, tensor) of size > 1 that no leaf of `shardings` is split
     over: their devices hold copies (a warning, never silent)."""
     used = set()
     for sharding in jax.tree.leaves(shardings):
@@ -300,7 +301,7 @@ def sharding_conflicts(annotated_tree, mesh: Mesh, rules=LOGICAL_RULES
                 out.append(("mesh", f"{where} {list(shape)}: no logical rule for axis {name!r} "
                            f"(dim {i}; rules: {', '.join(k for k, _ in rules)})"))
                 continue
-            axis = name if name in mesh.shape else table[name]
+            axis = table[name] if name in table else name
             axes = () if axis is None else (axis if isinstance(axis, tuple) else (axis,))
             size = math.prod(mesh.shape[a] for a in axes)
             clash = [a for a in axes if a in used]

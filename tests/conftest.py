@@ -138,6 +138,7 @@ SLOW_GROUPS = (
     "tests/checkpoint/test_store.py",
     "tests/journeys/test_objstore_tune_journey.py",
     "tests/journeys/test_own_step_recipes.py",
+    "tests/journeys/test_instruct_recipes.py",
     "tests/observe/test_startup.py",
     "tests/journeys/test_optimizers_journey.py",
     "tests/bad_input/test_bad_input_table.py",

@@ -14,7 +14,10 @@ and the overhead report: jtrain/bench/command.py).
     profile      the train step's time op by op (XLA:CPU trace), matmul GFLOP/s, copies
     async_eval   a run with frequent evaluation: no evals, sync, async, side by side
     invariant    determinism.topology_invariant vs default: step time, step memory, 1 and 8
+    variants     one config's step as plain / MoE on the expert axis / int8 / fp8 / bf16:
+                 time and memory ratios, model FLOPs, MFU (or "unknown peak")
     sample       decode tokens/s: the KV cache vs none vs transformers' generate
+    tokens       token shards: tokens/s the reader delivers vs the train step consumes
     table        a benchmark's --out JSON as the markdown tables of docs/benchmarks.md
 """
 

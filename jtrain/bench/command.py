@@ -307,10 +307,14 @@ def commands() -> dict:
         "async_eval": (*_module_bench("async_eval"), "a run with frequent evaluation: "
                        "no evals vs eval.mode=sync vs async (the loop's step time without "
                        "waits, waits, saves, CPU seconds, wall time)"),
+        "variants": (*_module_bench("variants"), "one config's step as plain, MoE on "
+                     "the expert axis, int8, fp8, bf16: time and memory ratios, MFU"),
         "invariant": (*_module_bench("invariant"), "determinism.topology_invariant vs "
                       "default: step time and step memory on 1 and 8 devices"),
         "sample": (*_module_bench("sample"), "decode tokens/s: jtrain sample with its KV "
                    "cache, without it, and transformers' generate on the same export"),
+        "tokens": (*_module_bench("tokens"), "token shards: tokens/s the reader delivers "
+                   "vs tokens/s the train step consumes (base config)"),
         "table": (lambda fv: None, table, "a benchmark's --out JSON as a markdown table"),
     }
 

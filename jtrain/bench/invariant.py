@@ -58,6 +58,18 @@ def _config(variant: str, on: bool, devices: int):
 
 def child(variant: str, steps: int, rounds: int) -> dict:
     """In a process with N devices: both sides' step times and step memory."""
+    import jax
+
+    n = jax.device_count()
+    return {"devices": n, **time_sides({side: _config(variant, side == "invariant", n)
+                                        for side in SIDES}, steps, rounds)}
+
+
+def time_sides(cfgs: dict, steps: int, rounds: int) -> dict:
+    """Each side's train step (`jtrain.build` of its resolved config) from its own initial
+    state on the same batches of the first side's data: {"memory": step bytes per device
+    (XLA's estimate), "rounds": per side [{wall_ms, cpu_ms} per step], "median"}, the
+    sides alternating in each round after one compiling step each."""
     import itertools
 
     import jax
@@ -69,13 +81,12 @@ def child(variant: str, steps: int, rounds: int) -> dict:
     from jtrain.bench.overhead import iterator_kwargs
     from jtrain.control import memory as memory_lib
 
-    n = jax.device_count()
-    cfgs = {side: _config(variant, side == "invariant", n) for side in SIDES}
-    source, _, _ = data_lib.make_sources(cfgs["default"].data)
+    first = next(iter(cfgs.values()))
+    source, _, _ = data_lib.make_sources(first.data)
     example = {k: np.asarray(v) for k, v in source[0].items()}
     batches = list(itertools.islice(data_lib.make_train_iterator(
-        source, **iterator_kwargs(cfgs["default"])), steps + 1))
-    sides, out = {}, {"devices": n, "memory": {}, "rounds": {s: [] for s in SIDES}}
+        source, **iterator_kwargs(first)), steps + 1))
+    sides, out = {}, {"memory": {}, "rounds": {s: [] for s in cfgs}}
     for side, cfg in cfgs.items():
         b = jtrain.build(cfg, sample=example["inputs"], eval_example=example,
                          byte_level=True)
@@ -89,7 +100,7 @@ def child(variant: str, steps: int, rounds: int) -> dict:
             jax.block_until_ready(state)
         sides[side] = [b, state, on]
     for _ in range(rounds):
-        for side in SIDES:
+        for side in cfgs:
             b, state, on = sides[side]
             with mesh_lib.model_context(b.mesh):
                 t0, c0 = time.perf_counter(), time.process_time()
@@ -101,7 +112,7 @@ def child(variant: str, steps: int, rounds: int) -> dict:
             out["rounds"][side].append({"wall_ms": 1e3 * wall / steps,
                                         "cpu_ms": 1e3 * cpu / steps})
     out["median"] = {s: {k: statistics.median(r[k] for r in out["rounds"][s])
-                         for k in ("wall_ms", "cpu_ms")} for s in SIDES}
+                         for k in ("wall_ms", "cpu_ms")} for s in cfgs}
     return out
 
 

@@ -37,6 +37,8 @@ source's parameter paths; a parameter's optimizer state and average follow it).
 `init.into = NAME` loads the source into one sub-tree of the state (a step of
 your own: `teacher`), as if that sub-tree were the whole model: paths, excludes and the
 HF mapping are relative to it, and every leaf outside it keeps its fresh init.
+`init.into = "A,B"` loads the same source into each of several sub-trees of one
+structure (DPO's policy and its frozen reference).
 """
 
 from __future__ import annotations
@@ -74,8 +76,13 @@ def _init_from(init_cfg, path: str, abstract_state, init_fn, shown: str | None =
     if not os.path.exists(local):
         raise ConfigError("init.path", f"{local}: no such file or directory")
     with_opt = init_cfg.opt
-    into = (init_cfg.get("into") or "").strip("/")
-    target = _inside(integrity.tree_spec(abstract_state), into, with_opt)
+    names = [n.strip("/") for n in (init_cfg.get("into") or "").split(",")]
+    into = names[0]
+    spec = integrity.tree_spec(abstract_state)
+    target = _inside(spec, into, with_opt)
+    if any(_inside(spec, n, with_opt) != target for n in names[1:]):
+        raise ConfigError("init.into", f"{', '.join(names)}: sub-trees of different "
+                          "structures; one source fills sub-trees of one structure")
     params = [p[len(_PARAMS):] for p in target if p.startswith(_PARAMS)]
     # Checked before anything is read: a pattern that excludes nothing is a config error.
     excludes = [re.compile(p) for p in _param_patterns(
@@ -102,7 +109,8 @@ def _init_from(init_cfg, path: str, abstract_state, init_fn, shown: str | None =
     no_state = [p for p in wanted if p.startswith(_MODEL_STATE) and p not in loaded
                 and p not in excluded]
     if into:  # back to the whole state's paths
-        taken = {f"{_PARAMS}{into}/{p[len(_PARAMS):]}": a for p, a in taken.items()}
+        taken = {f"{_PARAMS}{n}/{p[len(_PARAMS):]}": a for p, a in taken.items()
+                 for n in names}
 
     def pick(kp, leaf):
         arr = taken.get(integrity.leaf_path(kp))
@@ -127,7 +135,7 @@ def _init_from(init_cfg, path: str, abstract_state, init_fn, shown: str | None =
         + ("; the source's LoRA adapters are not used: export it with --merge_lora"
            if any(lora.is_adapter(p) for p in unused) else "")
         + "; starting at step 0")
-    origin = (f"initialized {into + ' ' if into else ''}from {shown or path} ("
+    origin = (f"initialized {','.join(names) + ' ' if into else ''}from {shown or path} ("
               + ("Hugging Face weights" if from_hf else f"step {source_step}")
               + f", {len(taken)} leaves, "
               f"{len(excluded)} excluded)")

@@ -138,7 +138,8 @@ def resolve(config=None, *, data_settings=None) -> ml_collections.ConfigDict:
     _overlay(merged, user, schema, prefix="")
     optim_kwargs(merged["optim"])
     data = merged["data"]
-    if data["packing"] != "none" and model_name == "transformer" and not data["model_inputs"]:
+    if (data["packing"] != "none" or data["name"] == "chat") and model_name == "transformer" \
+            and not data["model_inputs"]:
         data["model_inputs"] = ("inputs", "segment_ids", "positions")  # masks by segment
     cfg = ml_collections.ConfigDict(merged)
     validate(cfg)
@@ -363,18 +364,29 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
     if (model.get("moe") or {}).get("experts") and tree["finetune"]["lora"]["rank"]:
         raise ConfigError("finetune.lora.rank", "LoRA adapters do not wrap the experts of "
                           "model.moe.experts > 0; train the mixture of experts without LoRA")
+    if model.get("quant_scaling") == "delayed":
+        raise ConfigError("model.quant_scaling", "delayed scaling (an amax history kept "
+                          "in the train state) is not in qwix 0.1.8, which scales each "
+                          "matmul from its operands' absmax in the batch; use 'current'")
     if (model.get("moe") or {}).get("experts") and model.get("quant", "none") != "none":
         raise ConfigError("model.quant", f"{model['quant']} is not implemented for "
                           "model.moe.experts > 0 (the experts' matmuls would run unquantised); "
                           "set model.quant='none' or model.moe.experts=0")
     if num_devices is None:
         return
-    data, fsdp, tensor = resolve_axis_sizes(mesh, num_devices)  # ConfigError
-    dp = data * fsdp
+    data, fsdp, expert, _ = resolve_axis_sizes(mesh, num_devices)  # ConfigError
+    experts = (model.get("moe") or {}).get("experts") or 0
+    if expert > 1 and experts % expert:
+        raise ConfigError("mesh.expert", f"{expert} does not divide model.moe.experts="
+                          f"{experts}: each device of the expert axis holds an equal share")
+    if expert > 1 and tree["population"]["size"] > 1:
+        raise ConfigError("mesh.expert", "not implemented for a population "
+                          "(population.size > 1); use mesh.fsdp for the experts")
+    dp = data * fsdp * expert
     if batch % dp:
         raise ConfigError("data.batch_size",
                           f"global batch {batch} is not divisible by the data-parallel size "
-                          f"{dp} (mesh.data={data} x mesh.fsdp={fsdp})")
+                          f"{dp} (mesh.data={data} x mesh.fsdp={fsdp} x mesh.expert={expert})")
     if (batch // dp) % accum:
         raise ConfigError("optim.grad_accum_steps",
                           f"the per-device batch {batch // dp} is not divisible by "

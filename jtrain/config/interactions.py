@@ -126,25 +126,84 @@ REFUSED: dict[tuple[str, str], str] = {
 }
 
 
-# Commands that read a finished run instead of training one: no pairs (they change no
-# run); each row says which runs it reads and what it refuses in one line.
+# Commands that read a finished run instead of training one, and the sample a run ends
+# with: no pairs (they change no run's state); each row says which runs it reads and what
+# it refuses in one line.
 AFTER_RUN: dict[str, tuple[str, str]] = {
-    "jtrain sample": ("any run the built-in transformer trained (any float precision, device "
-                      "set-up, resume, EMA, packing or mixture), or a model with the decode "
-                      "interface; refused: a population, LoRA adapters, a step of your own, "
-                      "model.quant",
-                      "language-models.md"),
+    "`jtrain sample`": (
+        "any run the built-in transformer trained (any float precision, device set-up, "
+        "resume, EMA, packing or mixture), or a model with the decode interface; works: "
+        "mixture of experts (tests/models/test_moe.py), token shards, decoded with the "
+        "run's own tokenizer, greedy equal to transformers' generate on the `--format=hf` "
+        "export (tests/journeys/test_tokens_journey.py); refused in one line: a "
+        "population, LoRA adapters, a step of your own "
+        "(tests/journeys/test_sample_journey.py), model.quant (tests/models/test_quant.py)",
+        "language-models.md"),
+    "`sample.prompts` (a run's end)": (
+        "the final params, greedy, printed after the final eval loss, the state unchanged "
+        "(tests/engine/test_train_e2e.py); works: mixture of experts "
+        "(tests/models/test_moe.py), token shards with the run's tokenizer "
+        "(tests/journeys/test_tokens_journey.py); one line `jtrain: sample: off: ...` "
+        "instead: a population, LoRA, a step of your own, model.quant, a model of your own "
+        "(tests/engine/test_sample.py), a run of several processes", "language-models.md"),
 }
 
 
-# Options of the built-in transformer: the generated cases train a small model of their
-# own, so these are not crossed pairwise; each row says what it composes with, what it
-# refuses in one line, and the test that checks it.
+# Options of the built-in transformer and its tuning recipes: the generated cases train a
+# small model of their own, so these are not crossed pairwise; each row says what it
+# composes with, what it refuses in one line, and the test that checks it.
 MODEL_OPTIONS: dict[str, tuple[str, str, str]] = {
+    "chat data (SFT)": ("`data.name=\"chat\"`, `data.chat_template`", "packed by "
+                        "`data.packing` (none = one conversation per window, concat, "
+                        "first_fit) with the loss on assistant tokens; the built-in "
+                        "update with LoRA and with a population; a tokenizer file "
+                        "(`data.tokenizer`, e.g. token shards' tokenizer.json) instead of "
+                        "bytes; refused: a `data.mixture` "
+                        "component named `chat` (not a built-in of mixtures); "
+                        "tests/data/test_chat.py, tests/journeys/test_instruct_recipes.py",
+                        "language-models.md"),
+    "DPO (a step of your own)": ("`step.factory=jtrain.recipes.dpo:make`, `init.into="
+                                 "\"policy,ref\"`", "bitwise resume (`--verify_resume`), "
+                                 "8 devices = 1 to 1e-5, `init.path` from an SFT run; "
+                                 "refused as every step of your own: grad accumulation, "
+                                 "weight EMA, population, frozen / lr_mults, LoRA, bf16, "
+                                 "fp16, int8; tests/journeys/test_instruct_recipes.py, "
+                                 "test_own_step_recipes_multidevice.py", "language-models.md"),
     "mixture of experts": ("`model.moe.experts`", "checked with resume (bitwise), an "
                            "8-device mesh (experts split over `fsdp`) and `jtrain sample`; "
                            "refused: LoRA (`finetune.lora.rank`), `model.quant`, `jtrain "
                            "export --format=hf`; tests/models/test_moe.py", "scaling-out.md"),
+    "expert axis": ("`mesh.expert`", "works: FSDP (`mesh.fsdp`: the experts split over "
+                    "fsdp x expert) and data 2 x expert 2 x fsdp 2 equal one device; "
+                    "tensor (the experts' weights gathered over `tensor` inside the "
+                    "exchange); resume (bitwise, `--verify_resume`); `jtrain sample` (decodes "
+                    "on one device: the call's tokens routed together); refused: LoRA and "
+                    "`model.quant` (as any MoE), `jtrain export --format=hf`, a population, "
+                    "`determinism.topology_invariant`, a size that does not divide "
+                    "`model.moe.experts`; tests/models/test_expert_axis.py, "
+                    "tests/journeys/test_expert_axis_journey.py", "scaling-out.md"),
+    "delayed FP8 scaling": ("`model.quant_scaling`", "refused with every feature: "
+                            "`delayed` is one line before the first step (qwix 0.1.8 "
+                            "has no amax history); `current` is `model.quant` as it is; "
+                            "tests/journeys/test_expert_axis_journey.py", "precision.md"),
+}
+
+
+# Token shards (data.name=tokens) with what is not a factor of the generated cases, or is
+# one of the same factor (packing): each row says works / refused, and the test.
+TOKEN_SHARDS: dict[str, tuple[str, str]] = {
+    "data.path on s3:// or gs://": ("works: fetched once into WORKDIR/token_shards/, each file "
+                                    "hashed as it arrives; with an s3:// workdir the copies "
+                                    "stay in each session's staging folder, never uploaded",
+                                    "tests/journeys/test_tokens_s3_journey.py"),
+    "several processes": ("works: bitwise resume after a SIGKILL mid-shard, 2 processes over "
+                          "loopback", "tests/multihost/test_tokens_resume.py"),
+    "a mesh": ("works: bitwise resume after a SIGKILL mid-shard on 8 devices; the generated "
+               "cases cross it with every feature", "tests/multihost/test_tokens_resume.py"),
+    "data.packing": ("refused in one line: the windows already run across documents",
+                     "tests/data/test_tokens.py"),
+    "data.mixture": ("works: two token corpora as components ({'source': 'tokens', 'kwargs': "
+                     "{'path': ...}}), bitwise resume", "tests/engine/test_interactions.py"),
 }
 
 
@@ -275,14 +334,18 @@ def markdown() -> str:
     lines += ["", "## Refused pairs", "", "| feature | feature | why |", "|---|---|---|"]
     for (a, b), why in REFUSED.items():
         lines.append(f"| {a} | {b} | {why} |")
-    lines += ["", "## Commands on a finished run", "", "| command | reads | guide |",
+    lines += ["", "## Commands on a finished run, and a run's end", "",
+              "| command | reads | guide |",
               "|---|---|---|"]
     for command, (reads, page) in AFTER_RUN.items():
         lines.append(f"| `{command}` | {reads} | [{page}]({page}) |")
-    lines += ["", "## Options of the built-in transformer", "",
+    lines += ["", "## Options of the built-in transformer and its tuning recipes", "",
               "| option | keys | composes | guide |", "|---|---|---|---|"]
     for option, (keys, composes, page) in MODEL_OPTIONS.items():
         lines.append(f"| {option} | {keys} | {composes} | [{page}]({page}) |")
+    lines += ["", "## Token shards", "", "| with | verdict | test |", "|---|---|---|"]
+    for other, (verdict, test) in TOKEN_SHARDS.items():
+        lines.append(f"| {other} | {verdict} | {test} |")
     lines += ["", "## Language-model eval tasks (eval.lm_tasks)", "",
               "| with | decided |", "|---|---|"]
     lines += [f"| {feature} | {decided} |" for feature, decided in LM_TASKS.items()]

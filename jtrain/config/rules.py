@@ -13,7 +13,7 @@ from jtrain.config.fields import OPTIMIZERS, SCHEDULE_FREE
 from jtrain.errors import ConfigError
 
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 
 def check_mesh(mesh: dict) -> None:
@@ -23,8 +23,8 @@ def check_mesh(mesh: dict) -> None:
             raise ConfigError(f"mesh.{axis}", "must be a positive size or -1, got 0")
 
 
-def resolve_axis_sizes(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
-    """Returns (data, fsdp, tensor) sizes; a single -1 takes the remaining devices.
+def resolve_axis_sizes(mesh_cfg, num_devices: int) -> tuple[int, ...]:
+    """The sizes of MESH_AXES (data, fsdp, expert, tensor); a single -1 takes the rest.
 
     Raises ConfigError("mesh.<axis>", why) when the sizes cannot cover num_devices.
     """
@@ -45,10 +45,10 @@ def resolve_axis_sizes(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
         sizes[free[0]] = num_devices // fixed
     elif fixed != num_devices:
         raise ConfigError(
-            f"mesh.{bad[-1]}", f"data*fsdp*tensor = {sizes['data']}*{sizes['fsdp']}*"
-            f"{sizes['tensor']} = {fixed}, but there are {num_devices} devices (-1 on one "
-            "axis takes the rest)")
-    return sizes["data"], sizes["fsdp"], sizes["tensor"]
+            f"mesh.{bad[-1]}", f"{'*'.join(MESH_AXES)} = "
+            f"{'*'.join(str(sizes[a]) for a in MESH_AXES)} = {fixed}, but there are "
+            f"{num_devices} devices (-1 on one axis takes the rest)")
+    return tuple(sizes[a] for a in MESH_AXES)
 
 
 # log.train_metrics: eval.metrics' names whose state is computed inside the train step.

@@ -33,6 +33,9 @@ SCHEMA: dict[str, Any] = {
         "quant": F(str, "none", ("none", "int8", "fp8"), "8-bit quantised training "
                    "through qwix: int8 = int8 weights (per channel) and activations in the "
                    "forward matmuls; fp8 = float8_e4m3fn forward, float8_e5m2 gradients"),
+        "quant_scaling": F(str, "current", ("current", "delayed"), "model.quant's scales: "
+                           "current = from each batch's absmax; delayed (an amax history "
+                           "in the train state) is refused: qwix 0.1.8 has none"),
         # + the fields of MODEL_FAMILIES[model.name]
     },
     "optim": {
@@ -75,14 +78,19 @@ SCHEMA: dict[str, Any] = {
     },
     "data": {
         "name": F(str, "pystdlib", None, "built-in dataset (checked by jtrain.data): "
-                  "pystdlib (bytes) or tokens (data.path)"),
+                  "pystdlib (bytes), tokens (data.path) or chat (data.path: JSONL "
+                  "conversations, jtrain.data.chat)"),
         "batch_size": F(int, 32, (1, INF), "global batch, over all processes"),
         "seq_len": F(int, 128, (1, INF), "window length of the built-in text data"),
         "path": F(str, "", None, "data.name=tokens: the folder of token shards that "
-                  "`jtrain tokenize --out` wrote"),
+                  "`jtrain tokenize --out` wrote; data.name=chat: the JSONL file"),
         "tokenizer": F(str, "", None, "data.name=tokens: the shards' tokenizer, filled in "
                        "from data.path's index.json ('byte' or 'FILE (sha256 ...)', the "
-                       "file copied into the workdir); set, it must match"),
+                       "file copied into the workdir); set, it must match; "
+                       "data.name=chat: the tokenizer file ('' = bytes)"),
+        "chat_template": F(str, "<|{role}|>\n{content}<|end|>\n", None, "data.name=chat: "
+                           "each message as text, {role} then {content} substituted "
+                           "(never executed); the loss falls on assistant content + end"),
         "val_fraction": F(float, 0.05, (0.0, 0.9), "held out for eval when there is no "
                           "eval data"),
         "split_seed": F(int, 0, (0, INT_MAX), "seed of that split (not the run's seed)"),
@@ -120,6 +128,9 @@ SCHEMA: dict[str, Any] = {
     "mesh": _resume_safe({
         "data": F(int, -1, (-1, INF), "pure data-parallel axis; -1 = the rest"),
         "fsdp": F(int, 1, (-1, INF), "data-parallel axis sharding params and optimizer state"),
+        "expert": F(int, 1, (-1, INF), "expert-parallel axis: model.moe's experts split "
+                    "over it, tokens sent to their experts' devices by all-to-all; the "
+                    "batch is split over it too (docs/guide/scaling-out.md)"),
         "tensor": F(int, 1, (-1, INF), "tensor-parallel axis"),
         "auto_shard": F(bool, True, None, "with mesh fsdp > 1, shard each parameter the "
                         "model did not annotate along its largest dimension divisible by "
@@ -195,6 +206,13 @@ SCHEMA: dict[str, Any] = {
                          "default: every weight whose path has no 'embed'"),
         },
     },
+    "sample": _resume_safe({  # jtrain.engine.sample.end_of_run; the trained state unchanged
+        "prompts": F("strs", (), None, "the run ends with each prompt's greedy continuation "
+                     "from the final params, printed beside the eval loss (the built-in "
+                     "transformer; one line for other runs); empty = off"),
+        "max_new_tokens": F(int, 32, (0, INF), "tokens each continuation has at most (the "
+                            "model's context caps it); 0 = off"),
+    }),
     "log": _resume_safe({
         "every_steps": F(int, 50, (1, INF), "log train metrics every N steps"),
         "train_metrics": F("strs", (), METRIC_NAMES, "metrics computed in the train "

@@ -58,7 +58,8 @@ CONTROL_SECTIONS: dict[str, Any] = {
         "opt": F(bool, False, None, "also take the optimizer state"),
         "into": F(str, "", None, "a sub-tree of the state (a step of your own's "
                    "teacher) that init.path fills, as if it were the whole model; "
-                   "'' = the model's parameters"),
+                   "'A,B' = each of several (DPO's policy and reference); '' = the "
+                   "model's parameters"),
         "exclude": F("strs", (), None, "regexes of parameter paths (o/kernel, no "
                      "params/) that keep a fresh init"),
         "map": F("pairs", (), None, "(regex, replacement) pairs renaming the source's "

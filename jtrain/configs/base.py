@@ -40,6 +40,8 @@ def get_config(variant=None):
     config.eval.num_batches = 20
     config.log.every_steps = 50
     config.checkpoint.every_steps = 500
+    config.sample.prompts = ("def ", "import ", "class ")  # greedy, after the last eval
+    config.sample.max_new_tokens = 24
 
     if variant == "debug":
         config.total_steps = 150

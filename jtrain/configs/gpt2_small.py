@@ -1,7 +1,7 @@
 """GPT-2 small (124 M parameters) on the built-in byte corpus: the GPU throughput run.
 
     python -m jtrain.main --config=configs/gpt2_small.py --workdir=runs/gpt2
-    python -m jtrain.bench gpu                                  # tokens/s and MFU, one GPU
+    python -m jtrain.bench variants --base=gpt2_small --devices=1 --variants=bf16,bf16_fp8
     python -m jtrain.main --config=configs/gpt2_small.py:debug --workdir=runs/gpt2_dbg
 
 The shape of GPT-2 small (Radford et al. 2019): 12 layers, d_model 768, 12 heads, MLP 3072,

@@ -26,6 +26,8 @@ one place (the background device prefetch in prefetch.py is handed that function
                      and positions (packing.py)
     tokens           data.name=tokens: token shards written once by `jtrain tokenize`
                      (tokens.py; the tokenizers, tokenizer.py) served as windows
+    chat             data.name=chat: JSONL conversations through a chat template, packed,
+                     weight 0 on prompt tokens (chat.py; DPO's pairs too)
 
 `Data` (dataset.py): one small class per input kind behind one protocol; `checks.check`
 returns a checked copy. Items become numpy in items.py; map-style sources and seeded
@@ -42,7 +44,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from jtrain.data import checks, evalsets, items as items_lib, load, mixture, packing
+from jtrain.data import chat, checks, evalsets, items as items_lib, load, mixture, packing
 from jtrain.data import pipeline, sources as sources_lib, text, tokens, torch_adapters
 from jtrain.data.items import DataError
 from jtrain.data.dataset import Data, MapData, StreamData
@@ -54,8 +56,9 @@ from jtrain.data.sources import MapSource, item_rng, with_transform
 # the engine's hand-off (prepare, RunData, make_sources, ...), reached as attributes.
 __all__ = ["DataError", "Mixture", "item_rng", "with_transform"]
 
-# name -> make(seq_len, val_fraction, path) -> (train, eval or None, info)
-BUILTIN = {"pystdlib": lambda seq_len, val_fraction, path: text.make_pystdlib(
+# name -> make(seq_len, val_fraction, path, cache) -> (train, eval or None, info); cache:
+# the run's workdir, where shards on a bucket are fetched to (None outside a run)
+BUILTIN = {"pystdlib": lambda seq_len, val_fraction, path, cache=None: text.make_pystdlib(
     seq_len, val_fraction), "tokens": tokens.make_tokens}
 VOCAB_SCAN = 1024  # examples check_vocab reads (all of them for smaller datasets)
 example_indices = pipeline.example_indices
@@ -114,33 +117,35 @@ def load_user_data(data_cfg, train_data=None, eval_data=None, *, process_index: 
 
 
 def make_sources(data_cfg, train_data=None, eval_data=None, *, process_index: int = 0,
-                 process_count: int = 1, gather=None) -> tuple[Data, Data | None, dict]:
+                 process_count: int = 1, gather=None, cache: str | None = None,
+                 ) -> tuple[Data, Data | None, dict]:
     """(train, eval or None, info) from user data, data.source, or data.name. `gather(n)`
     returns n from every process (`jtrain.mesh.process_values`): needed with several
     processes and a stream eval set, which must agree on its batch count. info's
     "warnings": lines the run's header shows (datasets drawing from a global RNG)."""
     with sources_lib.watch_global_rng() as seen:
         train, ev, info = _make_sources(data_cfg, train_data, eval_data, process_index,
-                                        process_count, gather)
+                                        process_count, gather, cache)
     line = sources_lib.global_rng_warning(seen)
     info["warnings"] = [line] if line else []
     return train, ev, info
 
 
-def _make_sources(data_cfg, train_data, eval_data, process_index, process_count, gather):
+def _make_sources(data_cfg, train_data, eval_data, process_index, process_count, gather,
+                  cache):
     if train_data is None and data_cfg.source:
         train_data, eval_data, _ = load_user_data(data_cfg, None, eval_data,
                                                   process_index=process_index,
                                                   process_count=process_count)
     if data_cfg.mixture and train_data is None:
-        train_data = mixture.from_config(data_cfg, _component)
+        train_data = mixture.from_config(data_cfg, lambda *a: _component(*a, cache=cache))
     if isinstance(train_data, Mixture):
         return _mixture_sources(data_cfg, train_data, process_index, process_count)
     if data_cfg.packing != "none":
         train_data = packing.pack(train_data, data_cfg, "train_data")
         eval_data = packing.pack(eval_data, data_cfg, "eval_data")
     if train_data is None:
-        train, ev, info = _builtin(data_cfg)
+        train, ev, info = _builtin(data_cfg, cache)
         if eval_data is not None:
             ev = load.as_data(eval_data, "eval_data")
     else:
@@ -169,14 +174,14 @@ def _make_sources(data_cfg, train_data, eval_data, process_index, process_count,
     return train, ev, info
 
 
-def _component(source: str, kwargs: dict, name: str):
+def _component(source: str, kwargs: dict, name: str, cache: str | None = None):
     """(train, eval or None) of one data.mixture component: a factory or a built-in."""
     if ":" not in source:
         if source not in BUILTIN:
             raise DataError(f"data.mixture.{name}.source", f"{source!r} is neither "
                             f"'package.module:function' nor a built-in ({', '.join(BUILTIN)})")
         train, val, _ = BUILTIN[source](kwargs.get("seq_len", 128), 0.05,
-                                        kwargs.get("path", ""))
+                                        kwargs.get("path", ""), cache)
         return train, val
     return load.from_factory(_Factory(source, kwargs))
 
@@ -238,13 +243,19 @@ def _mixture_sources(data_cfg, mix: Mixture, process_index: int, process_count: 
     return train, ev, info
 
 
-def _builtin(data_cfg):
-    if data_cfg.name not in BUILTIN:
+def _builtin(data_cfg, cache):
+    if data_cfg.name not in BUILTIN and data_cfg.name != "chat":
         raise DataError(f"data.name: unknown dataset {data_cfg.name!r}; built-in: "
-                        f"{', '.join(BUILTIN)} (or name your own with data.source)")
+                        f"{', '.join(BUILTIN)}, chat (or name your own with data.source)")
+    if data_cfg.packing != "none" and data_cfg.name != "chat":  # windows already
+        raise DataError("data.packing", f"{data_cfg.packing!r} with data.name="
+                        f"{data_cfg.name}: its windows already run across document "
+                        "boundaries; set data.packing=none, or pack your documents "
+                        "(data.source) instead")
     try:
-        train, val, info = BUILTIN[data_cfg.name](data_cfg.seq_len, data_cfg.val_fraction,
-                                                  data_cfg.path)
+        train, val, info = chat.make_chat(data_cfg) if data_cfg.name == "chat" else \
+            BUILTIN[data_cfg.name](data_cfg.seq_len, data_cfg.val_fraction, data_cfg.path,
+                                   cache)
     except text.CorpusError as e:
         raise DataError(str(e)) from None
     ev = MapData("eval_data", MapSource(val, "eval_data"), data_cfg.name) if val is not None \

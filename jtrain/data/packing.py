@@ -1,7 +1,9 @@
 """Sequence packing (data.packing): variable-length token documents -> windows of
 data.seq_len tokens with `segment_ids` and per-segment `positions`.
 
-A document is a 1-D integer array (or a dict holding one under `tokens`). A document of
+A document is a 1-D integer array (or a dict holding one under `tokens`, and optionally
+per-token `weights` of the same length: a target's weight is its token's, e.g. 0 on a
+chat's prompt tokens, chat.py). A document of
 L tokens gives L - 1 (input, target) pairs, token i predicting token i + 1 of the same
 document, so no target ever crosses a document boundary. A document with more than
 seq_len pairs is cut into pieces of at most seq_len pairs (each piece its own segment).
@@ -15,11 +17,11 @@ seq_len pairs is cut into pieces of at most seq_len pairs (each piece its own se
 
 A window is an item {"inputs", "targets", "weights", "segment_ids", "positions"}, all
 [seq_len]: segment ids count 1, 2, ... within the window (0 = padding), positions count
-0, 1, ... within each segment, weights are 1 on tokens and 0 on padding. The plan of
-windows is computed once, from every document's length (each document is read once for
-it); it depends only on the lengths, the mode and the seed, so the packed data is a
-plain map-style dataset: shuffling, exact resume and the process-count independence of
-the pipeline (pipeline.py) hold unchanged.
+0, 1, ... within each segment, weights are 1 (or the document's) on tokens and 0 on
+padding. The plan of windows is computed once, from every document's length (each
+document is read once for it); it depends only on the lengths, the mode and the seed, so
+the packed data is a plain map-style dataset: shuffling, exact resume and the
+process-count independence of the pipeline (pipeline.py) hold unchanged.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ class Packed:
             raise DataError(f"{name}: data.packing is implemented for map-style documents "
                             f"(len + getitem), not {type(docs).__name__}")
         self.docs, self.seq_len, self.mode, self.name = docs, seq_len, mode, name
-        lengths = [len(self._doc(i)) for i in range(len(docs))]
+        lengths = [len(self._doc(i)[0]) for i in range(len(docs))]
         if not lengths:
             raise DataError(f"{name}: no documents to pack")
         if max(lengths) < 2:
@@ -109,9 +111,18 @@ class Packed:
         self.windows = plan(lengths, seq_len, mode, seed=seed, buffer=buffer)
         self.num_tokens = sum(n - 1 for n in lengths if n > 1)
 
-    def _doc(self, i: int) -> np.ndarray:
+    def _doc(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """(tokens, per-token weights or None) of document i."""
         where = f"{self.name}[{i}]"
-        return doc_tokens(call_item(lambda: self.docs[i], where), where)
+        item = call_item(lambda: self.docs[i], where)
+        tokens = doc_tokens(item, where)
+        weights = item.get("weights") if isinstance(item, dict) else None
+        if weights is not None:
+            weights = np.asarray(weights, np.float32)
+            if weights.shape != tokens.shape:
+                raise DataError(f"{where}: weights of shape {weights.shape} for "
+                                f"{len(tokens)} tokens")
+        return tokens, weights
 
     def __len__(self) -> int:
         return len(self.windows)
@@ -123,12 +134,13 @@ class Packed:
         weights = np.zeros(t, np.float32)
         at = 0
         for seg, (d, start, pairs) in enumerate(self.windows[int(index)], 1):
-            tokens = self._doc(d)
+            tokens, doc_weights = self._doc(d)
             out["inputs"][at:at + pairs] = tokens[start:start + pairs]
             out["targets"][at:at + pairs] = tokens[start + 1:start + pairs + 1]
             out["segment_ids"][at:at + pairs] = seg
             out["positions"][at:at + pairs] = np.arange(pairs)
-            weights[at:at + pairs] = 1.0
+            weights[at:at + pairs] = 1.0 if doc_weights is None else \
+                doc_weights[start + 1:start + pairs + 1]
             at += pairs
         out["weights"] = weights
         return out

@@ -130,11 +130,13 @@ class RunData:
 
 
 def prepare(data_cfg, user: UserData, *, seed: int, eval_batch_size: int = 0,
-            model_cfg=None, gather: Callable | None = None) -> RunData:
+            model_cfg=None, gather: Callable | None = None, cache: str | None = None,
+            ) -> RunData:
     """The run's data for the resolved `data_cfg`: sources made and checked (a DataError
     before any step), and with `model_cfg` (a built-in model) its vocab_size checked
     against the token ids. `eval_batch_size`: eval.batch_size (0: data.batch_size).
-    `gather(n)`: n from every process (jtrain.mesh.process_values)."""
+    `gather(n)`: n from every process (jtrain.mesh.process_values). `cache`: the run's
+    workdir, where token shards on a bucket are fetched to."""
     index, count = user.processes()
     if not user._opened:  # noqa: SLF001 - the config was resolved without its settings
         user.settings(data_cfg)
@@ -142,7 +144,7 @@ def prepare(data_cfg, user: UserData, *, seed: int, eval_batch_size: int = 0,
             raise DataError("train_data: a torch DataLoader's settings must reach the "
                             "config: resolve it with data_settings=UserData.settings")
     train, ev, info = make_sources(data_cfg, user.train, user.eval, process_index=index,
-                                   process_count=count, gather=gather)
+                                   process_count=count, gather=gather, cache=cache)
     if model_cfg is not None:
         tokenizer_vocab = info.get("vocab_size")
         if tokenizer_vocab and (model_cfg.get("vocab_size") or 0) < tokenizer_vocab:

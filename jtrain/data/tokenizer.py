@@ -4,9 +4,10 @@
 pickle); a file that does not parse is one DataError naming it.
 
 Every tokenizer has `kind`, `vocab_size`, `eos` (the id appended after each document, or
-None), `file` (None for bytes), `fingerprint` (the file's SHA-256, "byte" for bytes),
-`encode(text) -> uint32 array` and `decode(ids) -> str`. The packages (the `lm` extra)
-are imported only here, when a tokenizer other than bytes is asked for.
+None), `file` (None for bytes), `fingerprint` (the file's SHA-256, "byte" for bytes) and
+`encode(text) -> uint32 array` and `decode(ids) -> str` (ids past the vocabulary left
+out; invalid UTF-8 replaced). The packages (the `lm` extra) are imported only here,
+when a tokenizer other than bytes is asked for.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class ByteTokenizer:
         return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.uint32)
 
     def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
@@ -72,8 +73,8 @@ class HFTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.uint32)
 
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids])
+    def decode(self, ids) -> str:  # as transformers' tokenizer.decode(ids) does
+        return self._tok.decode(list(ids), skip_special_tokens=False)
 
 
 class SentencePieceTokenizer:
@@ -96,7 +97,7 @@ class SentencePieceTokenizer:
         return np.asarray(self._sp.EncodeAsIds(text), np.uint32)
 
     def decode(self, ids) -> str:
-        return self._sp.DecodeIds([int(i) for i in ids])
+        return self._sp.DecodeIds([i for i in ids if i < self.vocab_size])
 
 
 def load(spec: str):

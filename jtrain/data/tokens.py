@@ -21,20 +21,28 @@ map-style, so grain's index sampler gives exact resume and per-process sharding.
 
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import json
 import os
+import re
 from typing import Iterator
 
 import numpy as np
 
 from jtrain.data import text, tokenizer as tokenizer_lib
 from jtrain.data.items import DataError
+from jtrain.errors import first_line
 
 INDEX = "index.json"
 FORMAT, VERSION = "jtrain.tokens", 1
 SHARD_TOKENS = 1 << 26  # 128 MiB of uint16 per shard
+CACHE = "token_shards"  # WORKDIR/token_shards/<fingerprint>/: shards fetched from a bucket
+MAX_INDEX = 64 << 20  # bytes of index.json read at most
+_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://([^/]*)(/.*)?$")
+_KINDS = {int: "a non-negative integer", str: "a string", list: "a list", dict: "an object"}
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a shard's or tokenizer's file name
 
 
 def input_files(spec: str) -> list[str]:
@@ -65,31 +73,35 @@ def documents(path: str, text_field: str = "text") -> Iterator[str]:
             raise DataError(path, f"no column {text_field!r} (--text_field)")
         yield from (str(v) for v in table.column(text_field).to_pylist() if v is not None)
         return
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        content = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(path, f"not UTF-8 text (byte {e.start})") from None
     if not path.endswith(".jsonl"):
-        yield content
+        yield _utf8(path)
         return
-    for number, record in json_lines(path, content):
+    for where, record in jsonl_records(path):
         value = record.get(text_field) if isinstance(record, dict) else None
         if not isinstance(value, str):
-            raise DataError(f"{path}:{number}", f"no string field {text_field!r} "
-                            "(--text_field)")
+            raise DataError(where, f"no string field {text_field!r} (--text_field)")
         yield value
 
 
-def json_lines(path: str, content: str) -> Iterator[tuple[int, object]]:
-    """(line number, JSON value) of each non-blank line of a JSONL file's `content`; a
-    line that is not JSON is a DataError naming the file and the line."""
-    for number, line in enumerate(content.splitlines(), 1):
+def _utf8(path: str) -> str:
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(path, f"not UTF-8 text (byte {e.start})") from None
+
+
+def jsonl_records(path: str) -> Iterator[tuple[str, object]]:
+    """("FILE:LINE", the parsed JSON) of each non-blank line; a line that is not JSON is
+    one DataError naming FILE:LINE."""
+    if not os.path.isfile(path):
+        raise DataError(path, "no such file")
+    for number, line in enumerate(_utf8(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
-            yield number, json.loads(line)
+            yield f"{path}:{number}", json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{number}", f"not JSON ({e.msg})") from None
 
@@ -142,51 +154,163 @@ def tokenizer_name(path: str) -> str | None:
     """data.tokenizer's value for the shards in `path`: "byte" or "FILE (sha256 ...)";
     None when the index cannot be read (opening the shards then says why)."""
     try:
-        with open(os.path.join(path, INDEX)) as f:
-            tok = json.load(f)["tokenizer"]
-        return tok["kind"] if tok["file"] is None else \
-            f"{tok['file']} (sha256 {tok['fingerprint']})"
-    except (OSError, ValueError, KeyError, TypeError):
+        tok = checked_index(path, _index_bytes(path))["tokenizer"]
+    except (DataError, OSError):
         return None
+    return tok["kind"] if tok["file"] is None else f"{tok['file']} (sha256 {tok['fingerprint']})"
 
 
-def read_index(path: str) -> dict:
-    """DIR's index.json, checked against the files beside it (one DataError naming the
-    first file that differs)."""
-    where = os.path.join(path, INDEX)
+def is_remote(path: str) -> bool:
+    return _URI.match(path or "") is not None
+
+
+def remote_fs(uri: str, key: str = "data.path"):
+    """fsspec's filesystem for an s3:// or gs:// `uri` (credentials from the environment)."""
+    m = _URI.match(uri)
+    if m.group(1) not in ("s3", "gs") or "@" in m.group(2):
+        raise DataError(key, f"{m.group(1)}://{m.group(2).rpartition('@')[2]}...: "
+                        "shards are read from s3:// or gs:// with credentials from the "
+                        "environment (none in the URI), or from a local folder")
     try:
-        with open(where) as f:
-            index = json.load(f)
-        ok = index.get("format") == FORMAT and isinstance(index.get("shards"), list)
+        import fsspec
+
+        return fsspec.filesystem("s3" if m.group(1) == "s3" else "gcs",
+                                 skip_instance_cache=True)
+    except ImportError as e:
+        raise DataError(key, f"{uri}: it needs {e.name} "
+                        "(pip install 'jtrain[s3]' or gcsfs)") from None
+
+
+def _index_bytes(path: str) -> bytes:
+    where = f"{path.rstrip('/')}/{INDEX}"
+    try:
+        if not is_remote(path):
+            with open(os.path.join(path, INDEX), "rb") as f:
+                return f.read(MAX_INDEX + 1)
+        return remote_fs(path).cat_file(where, start=0, end=MAX_INDEX + 1)
     except FileNotFoundError:
         raise DataError("data.path", f"{path}: no {INDEX} (write one with jtrain "
                         "tokenize --out=DIR)") from None
-    except (OSError, ValueError, AttributeError) as e:
-        raise DataError(where, f"not a token index: {e}") from None
-    if not ok or index.get("version") != VERSION:
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a store client's own errors: one line
+        raise _unreadable(where, e) from None
+
+
+def _unreadable(where: str, e: Exception) -> DataError:
+    return DataError(where, f"cannot be read: {type(e).__name__} {first_line(e)}")
+
+
+def _typed(value, kind, where: str, what: str):
+    if not isinstance(value, kind) or isinstance(value, bool) or \
+            (isinstance(value, int) and value < 0):
+        raise DataError(where, f"{what}: {value!r} is not {_KINDS[kind]}")
+    return value
+
+
+def checked_index(path: str, raw: bytes) -> dict:
+    """index.json's content, each field's type checked and each file name a plain name
+    inside the folder; one DataError naming index.json and the field otherwise."""
+    where = f"{path.rstrip('/')}/{INDEX}"
+    if len(raw) > MAX_INDEX:
+        raise DataError(where, f"over {MAX_INDEX} bytes; not a token index")
+    try:
+        index = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DataError(where, f"not a token index (cut short or not JSON: {e})") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT \
+            or index.get("version") != VERSION:
         raise DataError(where, f"not a {FORMAT} index of version {VERSION}")
+    if index.get("dtype") not in ("uint16", "uint32"):
+        raise DataError(where, f"dtype: {index.get('dtype')!r} is not uint16 or uint32")
+    _typed(index.get("vocab_size"), int, where, "vocab_size")
+    _typed(index.get("num_tokens"), int, where, "num_tokens")
+    if index.get("eos") is not None:
+        _typed(index["eos"], int, where, "eos")
+    tok = _typed(index.get("tokenizer"), dict, where, "tokenizer")
+    _typed(tok.get("kind"), str, where, "tokenizer.kind")
+    _typed(tok.get("fingerprint"), str, where, "tokenizer.fingerprint")
+    names = [("tokenizer.file", tok.get("file"))] if tok.get("file") is not None else []
+    for i, shard in enumerate(_typed(index.get("shards"), list, where, "shards")):
+        _typed(shard, dict, where, f"shards[{i}]")
+        _typed(shard.get("tokens"), int, where, f"shards[{i}].tokens")
+        _typed(shard.get("sha256"), str, where, f"shards[{i}].sha256")
+        names.append((f"shards[{i}].file", shard.get("file")))
+    for field, name in names:
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise DataError(where, f"{field}: {name!r} is not a file name inside the "
+                            "folder (refused: a path out of it, or not a name)")
     if fingerprint(index) != index.get("fingerprint"):
         raise DataError(where, "its fingerprint does not match its entries (the index "
                         "was edited; tokenize again)")
-    tok = index["tokenizer"]
-    if tok["file"] is not None:
-        tok_path = os.path.join(path, tok["file"])
-        if not os.path.isfile(tok_path) or tokenizer_lib.file_sha256(tok_path) \
-                != tok["fingerprint"]:
-            raise DataError(tok_path, "missing, or not the tokenizer the index names "
-                            f"(sha256 {tok['fingerprint'][:12]}...)")
-    itemsize = np.dtype(index["dtype"]).itemsize
-    for shard in index["shards"]:
-        shard_path = os.path.join(path, shard["file"])
-        if not os.path.isfile(shard_path):
-            raise DataError(shard_path, "missing (listed in index.json)")
-        if os.path.getsize(shard_path) != shard["tokens"] * itemsize:
-            raise DataError(shard_path, f"{os.path.getsize(shard_path)} bytes, index.json "
-                            f"says {shard['tokens']} tokens of {itemsize} bytes")
-        if tokenizer_lib.file_sha256(shard_path) != shard["sha256"]:
-            raise DataError(shard_path, "its sha256 differs from index.json's (the shard "
-                            "changed after jtrain tokenize)")
     return index
+
+
+def read_index(path: str, cache: str | None = None) -> tuple[dict, str]:
+    """(DIR's index.json, the local folder holding its files), checked against the files
+    (one DataError naming the first file that differs). A local DIR's files are hashed
+    here, every start; shards on s3:// or gs:// are fetched once into
+    `cache`/token_shards/<fingerprint>/ (a run's workdir), hashed as they arrive and
+    renamed into place only when they match, so a later start checks their sizes."""
+    index = checked_index(path, _index_bytes(path))
+    itemsize = np.dtype(index["dtype"]).itemsize
+    tok = index["tokenizer"]
+    files = ([(tok["file"], None, tok["fingerprint"])] if tok["file"] is not None else []) \
+        + [(s["file"], s["tokens"] * itemsize, s["sha256"]) for s in index["shards"]]
+    local = path if not is_remote(path) else _fetch(path, index["fingerprint"], files, cache)
+    for name, size, sha in files:
+        file = os.path.join(local, name)
+        if not os.path.isfile(file):
+            raise DataError(file, f"missing (listed in {INDEX})")
+        if size is not None and os.path.getsize(file) != size:
+            raise DataError(file, f"{os.path.getsize(file)} bytes, {INDEX} says "
+                            f"{size // itemsize} tokens of {itemsize} bytes")
+        if local == path and tokenizer_lib.file_sha256(file) != sha:
+            raise DataError(file, _changed(size))
+    return index, local
+
+
+def _changed(size) -> str:
+    return ("missing, or not the tokenizer the index names" if size is None else
+            "its sha256 differs from index.json's (the shard changed after jtrain tokenize)")
+
+
+def _fetch(uri: str, fp: str, files, cache: str | None) -> str:
+    if cache is None:
+        raise DataError("data.path", f"{uri}: shards on an object store are read by a "
+                        "run, into its workdir (train with --workdir, or copy them to a "
+                        "local folder)")
+    folder = os.path.join(cache, CACHE, fp)
+    os.makedirs(folder, exist_ok=True)
+    fs = remote_fs(uri)
+    for name, size, sha in files:
+        dest = os.path.join(folder, name)
+        if os.path.isfile(dest) and not os.path.islink(dest) and \
+                (size is None or os.path.getsize(dest) == size):
+            continue  # renamed into place only after its hash matched
+        remote = f"{uri.rstrip('/')}/{name}"
+        digest, tmp = hashlib.sha256(), f"{dest}.{os.getpid()}.{os.urandom(4).hex()}.part"
+        try:
+            with fs.open(remote, "rb") as src, open(tmp, "wb") as out:
+                for block in iter(lambda: src.read(1 << 22), b""):
+                    digest.update(block)
+                    out.write(block)
+            got = os.path.getsize(tmp)
+            if (size is not None and got != size) or digest.hexdigest() != sha:
+                raise DataError(remote, _changed(None) if size is None else
+                                _changed(size) if got == size else
+                                f"{got} bytes, {INDEX} says {size} bytes")
+            os.replace(tmp, dest)
+        except FileNotFoundError:
+            raise DataError(remote, f"missing (listed in {INDEX})") from None
+        except Exception as e:
+            if isinstance(e, DataError) or getattr(e, "errno", None) == errno.ENOSPC:
+                raise  # ours, or a full disk (the disk error's exit code)
+            raise _unreadable(remote, e) from None  # a store client's own errors
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return folder
 
 
 class TokenWindows:
@@ -218,13 +342,14 @@ class TokenWindows:
         return f"TokenWindows({self._name}, n={len(self)}, seq_len={self._seq_len})"
 
 
-def make_tokens(seq_len: int, val_fraction: float, path: str):
-    """(train source, eval source or None, info) over the shards in `path`; the split
-    into train and held-out windows is pystdlib's (text.split_windows)."""
+def make_tokens(seq_len: int, val_fraction: float, path: str, cache: str | None = None):
+    """(train source, eval source or None, info) over the shards in `path` (a folder, or
+    s3:// / gs:// fetched into `cache`); the split into train and held-out windows is
+    pystdlib's (text.split_windows)."""
     if not path:
         raise DataError("data.path", "data.name=tokens needs data.path: the folder "
                         "jtrain tokenize --out wrote")
-    index = read_index(path)
+    index, local = read_index(path, cache)
     tokens = np.asarray([s["tokens"] for s in index["shards"]], np.int64)
     bases = np.concatenate([[0], np.cumsum(tokens)[:-1]]).astype(np.int64)
     starts = np.concatenate([b + np.arange(max(0, (n - 1) // seq_len)) * seq_len
@@ -233,13 +358,13 @@ def make_tokens(seq_len: int, val_fraction: float, path: str):
         raise DataError("data.path", f"{path}: {index['num_tokens']} tokens make fewer "
                         f"than 2 windows of data.seq_len + 1 = {seq_len + 1}")
     train_starts, val_starts = text.split_windows(starts.astype(np.int64), val_fraction)
-    files = [os.path.join(path, s["file"]) for s in index["shards"]]
+    files = [os.path.join(local, s["file"]) for s in index["shards"]]
     tok = index["tokenizer"]
     info = {"name": "tokens", "fingerprint": index["fingerprint"],
             "num_tokens": int(index["num_tokens"]), "vocab_size": int(index["vocab_size"]),
             "tokenizer": dict(tok), "byte_level": tok["kind"] == tokenizer_lib.BYTE,
             "tokenizer_path": None if tok["file"] is None
-            else os.path.abspath(os.path.join(path, tok["file"]))}
+            else os.path.abspath(os.path.join(local, tok["file"]))}
     make = lambda s, name: TokenWindows(files, np.dtype(index["dtype"]), bases, s,  # noqa: E731
                                         seq_len, name)
     return (make(train_starts, "train"),

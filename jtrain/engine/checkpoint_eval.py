@@ -159,7 +159,7 @@ def open_run(workdir: str, *, model=None, loss_fn=None, weights: str | None = No
     config_lib.validate(cfg, num_devices=jax.device_count())
     compiles_lib.configure_cache_for_reader(cfg.compile.cache_dir)
     reader = checkpoint.CheckpointReader(workdir)  # read-only: safe beside a running job
-    source, data_name, data_info = _pick_data(data, cfg.data)
+    source, data_name, data_info = _pick_data(data, cfg.data, workdir)
     b = build(cfg, sample=model_sample(cfg, source[0]), eval_example=source[0], model=model,
               loss_fn=loss_fn,
               byte_level=data_info.get("name") == "pystdlib"
@@ -195,14 +195,15 @@ def resolve_step(step, available: list[int], workdir: str, *, monitor: str | Non
     return n
 
 
-def _pick_data(data: str, data_cfg):
+def _pick_data(data: str, data_cfg, workdir: str):
     """(source, its name, data info) for --data: the run's eval or train split (built-in
     or data.source), or a .npz file with `inputs` and `targets`; from Python also any
-    input `jtrain.train` accepts (arrays, a torch Dataset, ...)."""
+    input `jtrain.train` accepts (arrays, a torch Dataset, ...). Token shards in a
+    bucket are read through the run's copies (WORKDIR/token_shards/)."""
     if not isinstance(data, str):
         return data_lib.as_data(data, "data"), "data", {}
     if data in ("", "eval", "train"):
-        train_src, eval_src, info = data_lib.make_sources(data_cfg)
+        train_src, eval_src, info = data_lib.make_sources(data_cfg, cache=workdir)
         if data == "train":
             return train_src, "train", info
         if eval_src is None:

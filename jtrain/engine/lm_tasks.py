@@ -173,19 +173,17 @@ class Task:
 
 def read_choices(path: str) -> list[dict]:
     """The examples of a choice file; a DataError naming the file and line."""
-    from jtrain.data.tokens import json_lines
+    from jtrain.data.tokens import jsonl_records
 
     out = []
-    with open(path, encoding="utf-8") as f:
-        content = f.read()
-    for number, ex in json_lines(path, content):
+    for where, ex in jsonl_records(path):
         ok = (isinstance(ex, dict) and isinstance(ex.get("context"), str)
               and isinstance(ex.get("choices"), list) and len(ex["choices"]) >= 2
               and all(isinstance(c, str) and c for c in ex["choices"])
               and type(ex.get("label")) is int and 0 <= ex["label"] < len(ex["choices"]))
         if not ok:
-            raise DataError(f"{path}:{number}", 'want {"context": str, "choices": '
-                            '[2 or more non-empty str], "label": index of the answer}')
+            raise DataError(where, 'want {"context": str, "choices": [2 or more non-empty '
+                            'str], "label": index of the answer}')
         out.append(ex)
     if not out:
         raise DataError(path, "no examples")

@@ -143,8 +143,9 @@ def run_loop(cfg, run: Run):
     if step == total == start:  # resumed at the end: its eval is in the checkpoint
         session.stored = summary_lib.stored_summary(run.workdir, state)
         last = [e for e in run.ckpt.control.eval_history if e.get("step") == total]
-        session.history += last[-1:] or session.history[-1:] or run.stopper.interruptible(
-            _evaluate, cfg, run, state, total)
+        if not any(e.get("step") == total for e in session.history):  # async: recorded
+            session.history += last[-1:] or session.history[-1:] or \
+                run.stopper.interruptible(_evaluate, cfg, run, state, total)
     if run.ckpt.latest_step() != step and not (step == start and session.stopped_by):
         state = _save(cfg, run, session, state, step)
     with run.goodput.phase("checkpoints"):

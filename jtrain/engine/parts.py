@@ -367,10 +367,10 @@ def invariant_of(cfg, mesh, *extra):
     det = cfg.determinism
     if not det.topology_invariant:
         return None
-    if mesh.shape["tensor"] > 1:
-        raise ConfigError("determinism.topology_invariant", "not implemented with tensor "
-                          f"parallelism (mesh.tensor={mesh.shape['tensor']}); use the data "
-                          "and fsdp axes")
+    for axis in ("tensor", "expert"):
+        if mesh.shape[axis] > 1:
+            raise ConfigError("determinism.topology_invariant", f"not implemented with "
+                              f"mesh.{axis}={mesh.shape[axis]}; use the data and fsdp axes")
     if cfg.population.size > 1:
         raise ConfigError("determinism.topology_invariant", "not implemented for a "
                           "population (population.size > 1)")

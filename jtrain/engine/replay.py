@@ -91,7 +91,8 @@ def replay(workdir: str, step: int, *, model=None, train_data=None, eval_data=No
     precision_lib.set_deterministic(cfg.determinism.gpu_ops)
     user = data_lib.UserData(train_data, eval_data, processes=lambda: (0, 1))
     user.settings(cfg.data)
-    data = data_lib.prepare(cfg.data, user, seed=cfg.seed, gather=mesh_lib.process_values)
+    data = data_lib.prepare(cfg.data, user, seed=cfg.seed, gather=mesh_lib.process_values,
+                            cache=workdir)
     b = build(cfg, sample=model_sample(cfg, data.train_example), eval_example=data.example,
               model=model, loss_fn=loss_fn, byte_level=data.byte_level,
               train_example=data.train_example, tx=tx)

@@ -24,6 +24,7 @@ from jtrain import checkpoint, internals, multihost
 from jtrain import config as config_lib
 from jtrain import control as control_lib
 from jtrain import data as data_lib
+from jtrain.data import tokens
 from jtrain import mesh as mesh_lib
 from jtrain import precision as precision_lib
 from jtrain import state as state_lib
@@ -198,7 +199,7 @@ def train_and_evaluate(config, workdir, given: _Given | None = None, *, on_eval=
     if jax.process_count() > 1:
         raise WorkdirError(workdir, "a workdir on an object store is for single-process "
                            "runs; use a mounted path (e.g. gcsfuse) for several processes")
-    mirror = store.Mirror(workdir, owner=True, say=say)
+    mirror = store.Mirror(workdir, owner=True, say=say, skip=(tokens.CACHE,))
     try:
         mirror.pull()
         try:
@@ -252,7 +253,8 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
                 data = data_lib.prepare(
                     cfg.data, user_data, seed=cfg.seed, eval_batch_size=cfg.eval.batch_size,
                     model_cfg=cfg.model if given.model is None and cfg.model.name != "user"
-                    and user_step is None else None, gather=mesh_lib.process_values)
+                    and user_step is None else None, gather=mesh_lib.process_values,
+                    cache=workdir)
             with startup.phase("build"):
                 b = build(cfg, sample=model_sample(cfg, data.train_example),
                           eval_example=data.example, model=given.model,
@@ -304,8 +306,11 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
                     summary_lib.record_halt(run, e)
                     raise
                 summary = summary_lib.summarize(cfg, run, state, session)
-                history = (list(ckpt.control.eval_history) if session.stored is not None
-                           else session.history)  # finished before: the stored result
+                history = session.history
+                if session.stored is not None:  # finished before: the stored result, and
+                    stored = list(ckpt.control.eval_history)  # async evals recorded after
+                    history = stored + [e for e in history  # its last save
+                                        if not stored or e["step"] > stored[-1]["step"]]
             if mirror is not None:  # summary.json, the last lines of train.log
                 mirror.push()
             return TrainResult(state=state, history=history, summary=summary,

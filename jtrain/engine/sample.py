@@ -1,7 +1,8 @@
 """`jtrain sample RUN --prompt TEXT`: text from a trained language model.
 
     sample(run_or_params, prompts, *, model=None, max_new_tokens=64, temperature=0.0,
-           top_k=0, top_p=1.0, seed=0, stop=(), step=None, use_cache=True) -> [Sample]
+           top_k=0, top_p=1.0, seed=0, stop=(), step=None, use_cache=True,
+           tokenizer=None) -> [Sample]
 
 The run's newest intact checkpoint (or `step`: N, latest, best) is read like `jtrain
 export` reads it (integrity-checked, params only) into the model its config.json names;
@@ -25,9 +26,15 @@ temperature, keep the `top_k` largest (0: all), then the smallest set whose
 probabilities reach `top_p` (1: all), and draw with the key of `seed` folded with the
 cache index: the same seed, prompts and settings give the same tokens.
 
-A byte-level model (vocab_size 256) takes text, its UTF-8 bytes as tokens, and returns
-text (invalid UTF-8 replaced); any model takes prompts as lists of token ids. A row ends
-at a stop string (cut before it), at max_new_tokens, or when the context is full.
+Text is encoded and decoded with the run's own tokenizer: the copy in its workdir that
+config.json's data.tokenizer names (SHA-256 checked; a file read as data, never code),
+bytes for a byte-level model (vocab_size 256), or `tokenizer=` (a file, or an object
+with encode / decode / vocab_size). Without one, prompts are lists of token ids and no
+text comes back. A row ends at a stop string (found in the decoded text, cut before
+it), at max_new_tokens, or when the context is full.
+
+`end_of_run` is the reference run's last lines: greedy continuations of `sample.prompts`
+from the final params (read, never changed), beside the eval loss.
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jtrain.errors import ExportError, UsageError, message
+from jtrain.data import tokenizer as tokenizer_lib
+from jtrain.errors import DataError, ExportError, UsageError, message
 
 INTERFACE = "max_len, init_cache(batch, length), __call__(tokens, cache=, pad=)"
 
@@ -51,8 +59,8 @@ class Sample:
 
     Attributes:
         tokens: the new token ids (a stop string cut off).
-        text: those tokens as UTF-8 text (invalid bytes replaced) for a byte-level model
-            (vocab_size 256); None for other vocabularies.
+        text: the continuation decoded with the run's tokenizer, cut at a stop string;
+            None without a tokenizer.
         finish: "stop" (a stop string), "length" (max_new_tokens) or "context" (the
             model's context was full).
 
@@ -71,7 +79,7 @@ class Sample:
 
 def sample(run_or_params, prompts, *, model=None, max_new_tokens: int = 64,
            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-           stop=(), step=None, use_cache: bool = True) -> list[Sample]:
+           stop=(), step=None, use_cache: bool = True, tokenizer=None) -> list[Sample]:
     """Continues each prompt (a str, or a list of them / of token-id lists) with the
     model of a run directory (`run_or_params` a path; `model=` for a run trained with a
     model passed from Python) or of params you hold (`model=` the module, required).
@@ -86,28 +94,40 @@ def sample(run_or_params, prompts, *, model=None, max_new_tokens: int = 64,
         print(out[0].text, out[0].finish)
         ```
     """
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = tokenizer_lib.load(os.fspath(tokenizer))
     if isinstance(run_or_params, (str, os.PathLike)):
-        model, params = open_run(os.fspath(run_or_params), step=step, model=model)
+        model, params, own = open_run(os.fspath(run_or_params), step=step, model=model)
+        tokenizer = tokenizer or own
     else:
         if model is None:
             raise UsageError("model", "required with params: the module they belong to")
         check_interface(model, "model")
         params = run_or_params
     params = params if "params" in params else {"params": params}
-    rows = encode(prompts, model)
+    tokenizer = checked_tokenizer(tokenizer, model)
+    rows = encode(prompts, tokenizer)
     check(rows, model, max_new_tokens, temperature, top_k, top_p)
     decoder = Decoder(model)
     return decoder.generate(params, rows, max_new_tokens=max_new_tokens, seed=seed,
                             settings=(temperature, top_k, top_p), stop=stop,
-                            use_cache=use_cache)
+                            use_cache=use_cache, tokenizer=tokenizer)
 
 
-def byte_level(model) -> bool:
-    return getattr(model, "vocab_size", None) == 256
+def checked_tokenizer(tokenizer, model):
+    """`tokenizer`, else bytes for a byte-level model, else None; one line when its
+    vocabulary is larger than the model's."""
+    vocab = getattr(model, "vocab_size", None)
+    if tokenizer is None and vocab == 256:
+        return tokenizer_lib.ByteTokenizer()
+    if tokenizer is not None and vocab is not None and tokenizer.vocab_size > vocab:
+        raise UsageError("tokenizer", f"its vocab size {tokenizer.vocab_size} is larger "
+                         f"than the model's ({vocab}): not the tokenizer it trained with")
+    return tokenizer
 
 
-def encode(prompts, model) -> list[list[int]]:
-    """Token rows of the prompts: text as UTF-8 bytes (a byte-level model), or ids."""
+def encode(prompts, tokenizer) -> list[list[int]]:
+    """Token rows of the prompts: text through the tokenizer, or ids."""
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
     if not prompts:
@@ -115,10 +135,10 @@ def encode(prompts, model) -> list[list[int]]:
     rows = []
     for p in prompts:
         if isinstance(p, str):
-            if not byte_level(model):
-                raise UsageError("--prompt", "text is the byte-level model's (vocab_size "
-                                 "256); give this model lists of token ids")
-            p = list(p.encode("utf-8"))
+            if tokenizer is None:
+                raise UsageError("--prompt", "text needs the run's tokenizer, and this "
+                                 "model has none: give lists of token ids (or tokenizer=)")
+            p = list(tokenizer.encode(p))
         if not p:
             raise UsageError("--prompt", "empty: give at least one token to continue")
         rows.append([int(t) for t in p])
@@ -196,7 +216,7 @@ class Decoder:
         return choose(last, jax.random.fold_in(key, length), *settings, greedy)
 
     def generate(self, params, rows, *, max_new_tokens, seed, settings, stop=(),
-                 use_cache=True) -> list[Sample]:
+                 use_cache=True, tokenizer=None) -> list[Sample]:
         width = max(map(len, rows))
         size = min(int(self.model.max_len), width + max_new_tokens)
         pad = np.array([width - len(r) for r in rows], np.int32)
@@ -207,11 +227,12 @@ class Decoder:
         knobs = (jnp.float32(settings[0] or 1.0), jnp.int32(settings[1]),
                  jnp.float32(settings[2]))
         key, pad_d = jax.random.key(seed), jnp.asarray(pad)
-        stops = [s.encode("utf-8") for s in ([stop] if isinstance(stop, str) else stop) if s]
-        if stops and not byte_level(self.model):
-            raise UsageError("--stop", "stop strings need the byte-level model (vocab_size "
-                             "256)")
+        stops = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
+        if stops and tokenizer is None:
+            raise UsageError("--stop", "stop strings need the run's tokenizer, and this "
+                             "model has none")
         out: list[list[int]] = [[] for _ in rows]
+        texts: list[str | None] = [None] * len(rows)
         done: list[str | None] = [None] * len(rows)
         cache = None
         for n in range(size - width):
@@ -230,36 +251,106 @@ class Decoder:
             for i, t in enumerate(got.tolist()):
                 if done[i] is None:
                     out[i].append(t)
-                    done[i] = _stopped(out[i], stops)
+                    if stops:
+                        texts[i] = _stopped(tokenizer, rows[i], out[i], stops)
+                        done[i] = "stop" if texts[i] is not None else None
             if all(done):
                 break
         finish = "length" if width + max_new_tokens <= size else "context"
-        return [Sample(tokens=toks, text=(bytes(toks).decode("utf-8", errors="replace")
-                                          if byte_level(self.model) else None),
+        return [Sample(tokens=toks, text=texts[i] if texts[i] is not None else (
+            None if tokenizer is None else decoded(tokenizer, rows[i], toks)),
                        finish=("stop" if done[i] == "stop" else finish))
                 for i, toks in enumerate(out)]
 
 
-def _stopped(tokens: list[int], stops: list[bytes]) -> str | None:
-    """"stop" when the row's bytes now end a stop string (cut from `tokens` in place)."""
-    tail = bytes(tokens[-max(map(len, stops), default=0):]) if stops else b""
-    for s in stops:
-        if tail.endswith(s):
-            del tokens[len(tokens) - len(s):]
-            return "stop"
-    return None
+def decoded(tokenizer, prompt: list[int], new: list[int]) -> str:
+    """The continuation's text: prompt and continuation decoded together, past the
+    prompt's own text (a SentencePiece word's leading space is kept), else `new` alone."""
+    head, full = tokenizer.decode(prompt), tokenizer.decode(prompt + new)
+    return full[len(head):] if full.startswith(head) else tokenizer.decode(new)
 
 
-def open_run(workdir: str, *, step=None, model=None) -> tuple[Any, dict]:
-    """(model, {"params": ...}) of a run's checkpoint; one line for a run that cannot be
-    sampled (not a run, a population, LoRA adapters, a step of your own, a model
-    without the decode interface or passed from Python, a damaged checkpoint)."""
+def _stopped(tokenizer, prompt, tokens: list[int], stops: list[str]) -> str | None:
+    """The text before the first stop string when the row's text now holds one (the
+    tokens that reach into it cut from `tokens` in place), else None."""
+    text = decoded(tokenizer, prompt, tokens)
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
+    if cut is None:
+        return None
+    while tokens and len(decoded(tokenizer, prompt, tokens)) > cut:
+        tokens.pop()
+    return text[:cut]
+
+
+def built_in(cfg):
+    """The built-in transformer a resolved config names, in its precision, to decode."""
+    from jtrain import models as models_lib
+    from jtrain import precision as precision_lib
+
+    policy = precision_lib.make_policy(cfg.model)
+    model_cfg = dict(cfg.model.to_dict(), remat="none")  # remat only trades memory
+    return models_lib.make_model(model_cfg, dtype=policy.compute_dtype,
+                                 param_dtype=policy.param_dtype)
+
+
+def refusal(cfg) -> str | None:
+    """Why a run's parameters are not one float model's to decode, or None."""
+    return next((why for refused, why in (
+        (cfg.population.size > 1, "trained a population: export one member (jtrain "
+         "export RUN --member=i) to train or sample from"),
+        (cfg.finetune.lora.rank > 0, "holds LoRA adapters: merge them into a run of its "
+         "own (jtrain export --merge_lora, then init.path)"),
+        (bool(cfg.step.factory), "trained a step of your own: its state is not one "
+         "model's params"),
+        (cfg.model.quant != "none", f"trained with model.quant={cfg.model.quant}: the "
+         "decoder runs float matmuls, not the quantised ones it trained with"))
+                 if refused), None)
+
+
+def run_tokenizer(workdir: str, cfg, shown: str):
+    """The run's copy of its tokenizer (data.tokenizer names it and its SHA-256), or
+    None (bytes, or no tokenizer recorded)."""
+    named = cfg.data.tokenizer
+    if not named or named == tokenizer_lib.BYTE:
+        return None
+    file, _, digest = named.partition(" (sha256 ")
+    path = os.path.join(workdir, os.path.basename(file))
+    if not os.path.isfile(path) or tokenizer_lib.file_sha256(path) != digest.rstrip(")"):
+        raise UsageError("RUN", f"{shown}: {os.path.basename(file)} is missing or changed: "
+                         f"not the tokenizer config.json names ({named})")
+    return tokenizer_lib.load(path)
+
+
+def end_of_run(cfg, run, state) -> list[str]:
+    """The lines that end a run with `sample.prompts`: each prompt's greedy continuation
+    (sample.max_new_tokens, at most the context) from the final params, or one line
+    saying why this run has none. Nothing of the state changes."""
+    prompts, new = list(cfg.sample.prompts), int(cfg.sample.max_new_tokens)
+    if not prompts or new <= 0:
+        return []
+    why = refusal(cfg) or (None if run.build.model_name == "transformer" else
+                           f"model {run.build.model_name} is not the built-in transformer")
+    why = why or (jax.process_count() > 1 and "a run of several processes")
+    if why:
+        return [f"jtrain: sample: off: {why}"]
+    path = run.data.info.get("tokenizer_path")
+    try:
+        out = sample({"params": jax.device_get(state.params)}, prompts, model=built_in(cfg),
+                     tokenizer=path and tokenizer_lib.load(path), max_new_tokens=new)
+    except (UsageError, DataError) as e:  # a finished run is not failed by its sample
+        return [f"jtrain: sample: off: {message(e.key, e.why)}"]
+    return [f"jtrain: sample: {p!r} -> {s.text!r}" for p, s in zip(prompts, out, strict=True)]
+
+
+def open_run(workdir: str, *, step=None, model=None) -> tuple[Any, dict, Any]:
+    """(model, {"params": ...}, the run's tokenizer or None) of a run's checkpoint; one
+    line for a run that cannot be sampled (not a run, a population, LoRA adapters, a
+    step of your own, a model without the decode interface or passed from Python, a
+    damaged checkpoint)."""
     from flax import traverse_util
     from flax.core import meta
 
     from jtrain import config as config_lib
-    from jtrain import models as models_lib
-    from jtrain import precision as precision_lib
     from jtrain.checkpoint import export as export_lib
     from jtrain.checkpoint.integrity import leaf_path
     from jtrain.engine.replay import read_run
@@ -271,18 +362,9 @@ def open_run(workdir: str, *, step=None, model=None) -> tuple[Any, dict]:
     if model is None:  # nothing but the model's factory is imported
         trust.check(workdir, {"model": recorded.get("model") or {}}, shown=shown)
     cfg = config_lib.resolve(recorded)
-    for refused, why in ((cfg.population.size > 1, "trained a population: export one "
-                          "member (jtrain export RUN --member=i) to train or sample from"),
-                         (cfg.finetune.lora.rank > 0, "holds LoRA adapters: merge them "
-                          "into a run of its own (jtrain export --merge_lora, then "
-                          "init.path)"),
-                         (bool(cfg.step.factory), "trained a step of your own: its state "
-                          "is not one model's params"),
-                         (cfg.model.quant != "none", f"trained with model.quant="
-                          f"{cfg.model.quant}: the decoder runs float matmuls, not the "
-                          "quantised ones it trained with")):
-        if refused:
-            raise UsageError("RUN", f"{shown} {why}")
+    why = refusal(cfg)
+    if why:
+        raise UsageError("RUN", f"{shown} {why}")
     if model is None:
         source = read_run_record(workdir).get(MODEL_SOURCE_KEY)
         if source:
@@ -293,10 +375,7 @@ def open_run(workdir: str, *, step=None, model=None) -> tuple[Any, dict]:
             raise UsageError("RUN", f"{shown}: model.name={cfg.model.name} is not a "
                              "language model; sampling needs the built-in transformer or "
                              f"a model with the decode interface ({INTERFACE})")
-        policy = precision_lib.make_policy(cfg.model)
-        model_cfg = dict(cfg.model.to_dict(), remat="none")  # remat only trades memory
-        model = models_lib.make_model(model_cfg, dtype=policy.compute_dtype,
-                                      param_dtype=policy.param_dtype)
+        model = built_in(cfg)
     check_interface(model, "RUN" if cfg.model.name == "transformer" else "model.factory")
     try:
         step_dir = export_lib.find_step_dir(workdir, step)
@@ -312,4 +391,5 @@ def open_run(workdir: str, *, step=None, model=None) -> tuple[Any, dict]:
         raise UsageError("RUN", f"{shown}: the checkpoint's params are not those of the "
                          "model its config.json builds")
     return model, traverse_util.unflatten_dict({tuple(k.split("/")): jnp.asarray(v)
-                                                for k, v in leaves.items()})
+                                                for k, v in leaves.items()}), \
+        run_tokenizer(workdir, cfg, shown)

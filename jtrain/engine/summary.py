@@ -17,6 +17,7 @@ from jtrain.control import ledger as ledger_lib
 from jtrain.data import mixture as mixture_lib
 from jtrain.engine import evaluation as evaluator
 from jtrain.engine import population as population_lib
+from jtrain.engine import sample as sample_lib
 from jtrain.observe import goodput as goodput_lib, layout
 from jtrain.observe import jsonl, runfiles
 from jtrain.errors import WorkdirError
@@ -88,6 +89,9 @@ def summarize(cfg, run, state, session) -> dict:
         if "eval/loss" in summary:
             run.out.progress.message(f"jtrain: final eval loss {summary['eval/loss']:.4f} "
                                      f"nats/byte vs unigram baseline {baseline:.4f}")
+    if session.stopped_by not in ("SIGINT", "SIGTERM") and jax.process_index() == 0:
+        for line in sample_lib.end_of_run(cfg, run, state):  # the final params, read only
+            run.out.progress.message(line)
     mix = run.data.mixture_report(run.train_iter.get_state())
     if mix is not None:  # each component's draws and epochs, also on the console
         summary["data"] = {"mixture": mix}

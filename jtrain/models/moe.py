@@ -11,8 +11,12 @@ An assignment past its expert's capacity is dropped: it adds nothing to the toke
 output (with every choice dropped the MLP's output is zero and the residual passes).
 
 Dispatch and combine are one-hot tensors [N, E, C] (GShard / Switch style), so the
-experts run as einsums over [E, C, D] with their weights split over mesh axis `fsdp`
-(the logical axis `expert`, jtrain.mesh.LOGICAL_RULES).
+experts run as einsums over [E, C, D] with their weights split over mesh axes `fsdp`
+x `expert` (the logical axis `expert`, jtrain.mesh.LOGICAL_RULES). With mesh.expert
+> 1 (`expert_parallel`) each batch shard routes its own N / shards tokens with its own
+capacity and exchanges the dispatched slots with the experts' devices by
+jax.lax.all_to_all inside shard_map: the compiled step has two all-to-alls per MoE
+layer forward (and two in the backward pass).
 
 Each MoE layer sows into the "intermediates" collection: "moe_aux", the Switch
 load-balancing loss E * sum_e f_e * P_e (f_e the fraction of the N*k assignments routed
@@ -43,7 +47,8 @@ def capacity(tokens: int, experts: int, k: int, capacity_factor: float) -> int:
 
 def route(logits: jax.Array, k: int, capacity_factor: float):
     """Router logits [N, E] -> (dispatch [N, E, C] float32 one-hot, combine [N, E, C]
-    (dispatch times the renormalised gate), aux loss, dropped assignments)."""
+    (dispatch times the renormalised gate), (f_e, P_e) for `balance_loss`, dropped
+    assignments)."""
     n, e = logits.shape
     c = capacity(n, e, k, capacity_factor)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # [N, E]
@@ -58,9 +63,60 @@ def route(logits: jax.Array, k: int, capacity_factor: float):
     dispatch = jnp.einsum("nke,nkc->nec", chosen.astype(jnp.float32), place)
     combine = jnp.einsum("nke,nkc,nk->nec", chosen.astype(jnp.float32), place, gates)
     routed = jnp.sum(chosen, axis=(0, 1)).astype(jnp.float32) / (n * k)  # f_e
-    aux = e * jnp.sum(routed * jnp.mean(probs, axis=0))
     dropped = jnp.sum(~kept).astype(jnp.float32)
-    return dispatch, combine, aux, dropped
+    return dispatch, combine, (routed, jnp.mean(probs, axis=0)), dropped
+
+
+def balance_loss(balance) -> jax.Array:
+    """The Switch load-balancing loss E * sum_e f_e * P_e of route's (f_e, P_e)."""
+    routed, mean_probs = balance
+    return routed.shape[0] * jnp.sum(routed * mean_probs)
+
+
+def run_experts(tokens, logits, weights, k: int, capacity_factor: float, kind: str,
+                dtype, constrain=lambda xs: xs, exchange: str | None = None):
+    """The MoE MLP over tokens [N, D] with router logits [N, E]: route, dispatch into
+    [E, C, D], the experts' MLPs (weights (w_in [E', D, F], w_gate or None,
+    w_out [E', F, D])), combine -> (y [N, D], route's balance, dropped). `exchange`: the
+    mesh axis (inside shard_map) over which the E' = E / n local experts' devices swap
+    their slots by all-to-all, there and back; None: all E experts are here."""
+    w_in, w_gate, w_out = weights
+    dispatch, combine, balance, dropped = route(logits, k, capacity_factor)
+    xs = constrain(jnp.einsum("nec,nd->ecd", dispatch.astype(dtype), tokens.astype(dtype)))
+    if exchange:  # [E, C, D] -> [E/n, n*C, D]: each device's slots of its own experts
+        xs = jax.lax.all_to_all(xs, exchange, 0, 1, tiled=True)
+    h = jnp.einsum("ecd,edf->ecf", xs, w_in.astype(dtype))
+    if kind == "swiglu":
+        h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", xs, w_gate.astype(dtype))) * h
+    else:
+        h = jax.nn.gelu(h)  # the tanh approximation (flax's nn.gelu)
+    ys = jnp.einsum("ecf,efd->ecd", h, w_out.astype(dtype))  # [E', C', D]
+    if exchange:  # back: [E/n, n*C, D] -> [E, C, D]
+        ys = jax.lax.all_to_all(ys, exchange, 1, 0, tiled=True)
+    return jnp.einsum("nec,ecd->nd", combine.astype(dtype), ys), balance, dropped
+
+
+def expert_parallel(tokens, logits, weights, k: int, capacity_factor: float, kind: str,
+                    dtype, mesh):
+    """run_experts with the experts split over mesh axis `expert` (shard_map): each
+    batch shard (data x fsdp x expert) routes its own tokens with its own capacity,
+    sends each expert's slots to the device holding it (all-to-all over `expert`) and
+    takes the outputs back. f_e and P_e are averaged over the shards (the balance loss
+    of the whole batch); dropped assignments summed."""
+    from jax.sharding import PartitionSpec as P
+
+    from jtrain.mesh import BATCH_AXES
+
+    def local(tokens, logits, weights):
+        y, (routed, probs), dropped = run_experts(tokens, logits, weights, k,
+                                                  capacity_factor, kind, dtype,
+                                                  exchange="expert")
+        return (y, (jax.lax.pmean(routed, BATCH_AXES), jax.lax.pmean(probs, BATCH_AXES)),
+                jax.lax.psum(dropped, BATCH_AXES))
+
+    rows, experts = P(BATCH_AXES, None), P("expert", None, None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, experts),
+                         out_specs=(rows, (P(), P()), P()))(tokens, logits, weights)
 
 
 def sown_totals(intermediates) -> dict[str, jax.Array]:

@@ -202,21 +202,20 @@ class MoeBlock(nn.Module):
         w_in = _param(self, "wi", (e, d, f), ("expert", None, "mlp"), init)
         w_out = _param(self, "wo", (e, f, d), ("expert", "mlp", None), init)
         tokens = x.reshape(-1, d)  # [N, D] float32
-        dispatch, combine, aux, dropped = moe_lib.route(
-            _matmul(tokens, router.astype(jnp.float32)), self.k, self.capacity_factor)
-        self.sow("intermediates", "moe_aux", aux)
+        w_gate = (_param(self, "wi_gate", (e, d, f), ("expert", None, "mlp"), init)
+                  if self.kind == "swiglu" else None)
+        logits = _matmul(tokens, router.astype(jnp.float32))  # [N, E]
+        mesh = jax.sharding.get_abstract_mesh()
+        args = (tokens, logits, (w_in, w_gate, w_out), self.k, self.capacity_factor,
+                self.kind, self.dtype)
+        if not mesh.empty and mesh.shape.get("expert", 1) > 1:
+            y, balance, dropped = moe_lib.expert_parallel(*args, mesh)
+        else:
+            y, balance, dropped = moe_lib.run_experts(*args, lambda xs: nn.with_logical_constraint(
+                xs, ("expert", None, None)))  # [E, C, D]
+        self.sow("intermediates", "moe_aux", moe_lib.balance_loss(balance))
         self.sow("intermediates", "moe_dropped", dropped)
         self.sow("intermediates", "moe_assigned", jnp.float32(tokens.shape[0] * self.k))
-        xs = jnp.einsum("nec,nd->ecd", dispatch.astype(self.dtype), tokens.astype(self.dtype))
-        xs = nn.with_logical_constraint(xs, ("expert", None, None))  # [E, C, D]
-        h = jnp.einsum("ecd,edf->ecf", xs, w_in.astype(self.dtype))
-        if self.kind == "swiglu":
-            w_gate = _param(self, "wi_gate", (e, d, f), ("expert", None, "mlp"), init)
-            h = nn.silu(jnp.einsum("ecd,edf->ecf", xs, w_gate.astype(self.dtype))) * h
-        else:
-            h = nn.gelu(h)
-        ys = jnp.einsum("ecf,efd->ecd", h, w_out.astype(self.dtype))  # [E, C, D]
-        y = jnp.einsum("nec,ecd->nd", combine.astype(self.dtype), ys)
         return y.reshape(x.shape)  # [B, T, D]
 
 

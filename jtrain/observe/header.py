@@ -171,7 +171,9 @@ def sharding_lines(mesh_cfg, mesh, abstract, shardings) -> list[str]:
              f"replicated{small}){auto}; optimizer state {o['per_device_bytes']:,} of "
              f"{o['total_bytes']:,} bytes per device"]
     for axis in mesh_lib.idle_axes(shardings.params, mesh):
-        hint = ("annotate parameters (nnx.with_partitioning / nn.with_logical_partitioning)"
+        hint = ("only weights with the logical axis 'expert' (model.moe's experts) split "
+                "over it; the batch is split over it as over mesh.data" if axis == "expert"
+                else "annotate parameters (nnx.with_partitioning / nn.with_logical_partitioning)"
                 + (" or set mesh.auto_shard=True" if axis == "fsdp" else "")
                 if axis == "tensor" or min_bytes is None else
                 "no unannotated leaf at or above mesh.auto_shard_min_bytes has a dimension "

@@ -69,7 +69,8 @@ def _open_regular(path: str, mode: int) -> int:
 # The folders jtrain writes into: files are created inside them by name (orbax, the
 # TensorBoard writer, the profiler), so a symlink planted there would send those writes
 # out of the run.
-FOLDERS = ("checkpoints", "checkpoints.damaged", "tb", "evals", "profile", "logs", "wandb")
+FOLDERS = ("checkpoints", "checkpoints.damaged", "tb", "evals", "profile", "logs", "wandb",
+           "token_shards")
 
 
 def check_folders(workdir: str) -> None:
@@ -147,6 +148,9 @@ RUN = (
     ('tokenizer.json | tokenizer.model', 'tokenizer.*',
      'with data.name=tokens and a tokenizer other than bytes: a copy of the shards\' '
      'tokenizer (written at start; `jtrain export --format=hf` carries a tokenizer.json)'),
+    ('token_shards/', 'token_shards',
+     'with data.name=tokens and data.path on s3:// or gs://: the shards and tokenizer '
+     'fetched once, under their index fingerprint, each hashed as it arrived'),
     ('metrics.jsonl', 'metrics.jsonl',
      'one JSON object per log step / eval: {"step", "time", "train/loss", ...}; train/loss is '
      'the log step\'s own batch, train/loss_window the mean over the log window\'s applied steps '

@@ -148,6 +148,23 @@ CASES = [
      "usage error: --workdir=runs/b and the positional runs/a: give the run once"),
     ("export_no_out", ["export", "--workdir=runs/a"], {}, 2,
      "usage error: --out: required"),
+    # jtrain tokenize's input and the token shards a run reads (set up in `table`)
+    ("tokenize_jsonl", ["tokenize", "--input=posts.jsonl", "--out=shards/new"], {}, 2,
+     "data error: posts.jsonl:2: not JSON ("),
+    ("tokens_index_cut", ["train", DEBUG, "--workdir=runs/t1", "--config.data.name=tokens",
+                          "--config.data.path=shards/cut"], {}, 2,
+     "/index.json: not a token index (cut short or not JSON: "),
+    ("tokens_index_escapes", ["train", DEBUG, "--workdir=runs/t2",
+                              "--config.data.name=tokens",
+                              "--config.data.path=shards/escapes"], {}, 2,
+     "/index.json: shards[0].file: '../afile' is not a file name inside the folder"),
+    ("tokens_index_mistyped", ["train", DEBUG, "--workdir=runs/t3",
+                               "--config.data.name=tokens",
+                               "--config.data.path=shards/mistyped"], {}, 2,
+     "/index.json: shards[0].tokens: '9' is not a non-negative integer"),
+    ("tokens_shard_short", ["train", DEBUG, "--workdir=runs/t4", "--config.data.name=tokens",
+                            "--config.data.path=shards/short"], {}, 2,
+     "/shard-00000.bin: 16 bytes, index.json says 600 tokens of 2 bytes"),
     ("bench_unknown", ["bench", "nosuch"], {}, 2,
      "usage error: unknown benchmark 'nosuch'"),
     ("command_typo", ["trian"], {}, 2, "usage error: jtrain trian: unknown command; choose "
@@ -247,6 +264,28 @@ def _fill(path: Path) -> None:
         os.close(fd)
 
 
+def _token_shards(user) -> None:
+    """posts.jsonl (line 2 cut short) and four copies of a folder of byte shards under
+    shards/: index.json cut in half, naming a file outside the folder (re-fingerprinted,
+    as a hostile writer would), a token count that is a string, a shard cut short."""
+    from jtrain.data import tokenizer as tokenizer_lib, tokens
+
+    (user / "posts.jsonl").write_text('{"text": "one"}\n{"text": "two\n')
+    good = user / "shards" / "good"
+    good.mkdir(parents=True)
+    tokens.write_shards(tokenizer_lib.load("byte"), ["x" * 1500], str(good), 600)
+    index = json.loads((good / "index.json").read_text())
+    for name in ("cut", "escapes", "mistyped", "short"):
+        shutil.copytree(good, user / "shards" / name)
+    (user / "shards/cut/index.json").write_text((good / "index.json").read_text()[:200])
+    for name, field, value in (("escapes", "file", "../afile"), ("mistyped", "tokens", "9")):
+        bad = json.loads(json.dumps(index))
+        bad["shards"][0][field] = value
+        bad["fingerprint"] = tokens.fingerprint(bad)
+        (user / "shards" / name / "index.json").write_text(json.dumps(bad))
+    (user / "shards/short/shard-00000.bin").write_bytes(b"x" * 16)
+
+
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
     """Runs every row (CASES and SECRET_RUNS) once; {id: (exit code, stdout, stderr)}."""
@@ -256,6 +295,7 @@ def table(tmp_path_factory):
         (user / name).write_text(text)
     (user / "user_data.py").write_text(USER_DATA)
     (user / "afile").write_text("not a run")
+    _token_shards(user)
     for run, blocker in (("tbfile", "tb"), ("wbfile", "wandb")):  # a file where a writer's
         (user / "runs" / run).mkdir(parents=True)                  # folder goes
         (user / "runs" / run / blocker).write_text("not a folder")

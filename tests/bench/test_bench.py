@@ -131,3 +131,19 @@ def test_console_bench_reports_both_sides(tmp_path, capsys):
     res = json.loads(out.read_text())
     assert len(res["rich_us"]) == len(res["plain_us"]) == 2 and _positive(res["ratio"])
     assert bench_main(["console", "--columns=5"]) == 2
+
+
+def test_tokens_bench_reports_reader_and_step_side_by_side(tmp_path):
+    """`python -m jtrain.bench tokens` from an empty directory: a row per round, both
+    sides' tokens/s, the ratio of the medians, the JSON beside it; no timing asserted."""
+    proc = run_python(tmp_path, "-m", "jtrain.bench", "tokens", "--model=tiny",
+                      "--tokens=20000", "--shard_tokens=5000", "--batches=5", "--steps=2",
+                      "--rounds=2", "--out=tok.json", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads((tmp_path / "tok.json").read_text())
+    assert len(res["rounds"]) == 2 and (res["batch_size"], res["seq_len"]) == (8, 32)
+    assert all(_positive(r[s]) for r in res["rounds"] for s in ("reader", "step"))
+    assert res["reader_vs_step"] == pytest.approx(res["median"]["reader"] /
+                                                  res["median"]["step"])
+    assert f"reader / step = {res['reader_vs_step']:.1f}x" in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tok.json"]  # shards: a temp dir

@@ -31,7 +31,8 @@ def test_resume_rule_is_the_one_that_was_measured():
                      "compile.", "early_stop.", "nonfinite.", "watchdog.", "memory.",
                      "tune.",  # read by python -m jtrain.tune only, never by a run
                      "distributed.",  # timeouts and checks between processes
-                     "debug.")  # what is recorded (hashes.jsonl), never the state
+                     "debug.",  # what is recorded (hashes.jsonl), never the state
+                     "sample.")  # read after the last step (tests/engine/test_train_e2e.py)
     # (plateau.* changes the learning rate from then on; determinism.gpu_ops and memory.*
     # change only the float reduction order, like mesh.*)
     safe_keys = {"max_steps_in_flight", "data.num_workers", "data.num_threads",

@@ -157,3 +157,49 @@ def test_the_hf_export_carries_the_tokenizer_and_encodes_identically(tmp_path):
     for text in DOCS[:3] + ["  leading spaces, ünïcode ✓\n\ttabs"]:
         assert auto(text)["input_ids"] == ours.encode(text).tolist()
     assert auto.eos_token == "<|endoftext|>" and auto.eos_token_id == ours.eos
+
+
+@pytest.mark.parametrize("field,value,why", [
+    ("file", "../shard-00000.bin", "'../shard-00000.bin' is not a file name inside the folder"),
+    ("file", "/etc/passwd", "'/etc/passwd' is not a file name inside the folder"),
+    ("file", "sub/shard.bin", "'sub/shard.bin' is not a file name inside the folder"),
+    ("file", "..", "'..' is not a file name inside the folder"),
+    ("file", 7, "7 is not a file name inside the folder"),
+    ("tokens", -1, "shards[0].tokens: -1 is not a non-negative integer"),
+    ("tokens", True, "shards[0].tokens: True is not a non-negative integer"),
+    ("sha256", None, "shards[0].sha256: None is not a string"),
+])
+def test_a_hostile_or_mistyped_index_is_one_line_naming_the_field(tmp_path, field, value, why):
+    """Re-fingerprinted as a hostile writer would: the fingerprint alone does not catch it."""
+    out = tokenize(tmp_path)
+    index = json.loads((out / "index.json").read_text())
+    index["shards"][0][field] = value
+    index["fingerprint"] = tokens.fingerprint(index)
+    (out / "index.json").write_text(json.dumps(index))
+    with pytest.raises(DataError) as e:
+        tokens.make_tokens(16, 0.0, str(out))
+    line = render(e.value)
+    assert line.startswith(f"jtrain: data error: {out}/index.json: ") and why in line, line
+    assert tokens.tokenizer_name(str(out)) is None  # the config's resolution says nothing
+
+
+def test_shards_on_a_bucket_outside_a_run_are_one_line(tmp_path):
+    with pytest.raises(DataError) as e:
+        tokens._fetch("s3://bucket/shards", "f" * 64, [], None)
+    assert render(e.value) == ("jtrain: data error: data.path: s3://bucket/shards: shards on "
+                               "an object store are read by a run, into its workdir (train "
+                               "with --workdir, or copy them to a local folder)")
+    with pytest.raises(DataError, match="none in the URI"):
+        tokens.remote_fs("s3://key:secret@bucket/shards")
+
+
+def test_packing_token_shards_is_refused_in_one_line(tmp_path):
+    out = tokenize(tmp_path)
+    cfg = config_lib.resolve({"data": {"name": "tokens", "path": str(out), "seq_len": 16,
+                                       "packing": "concat"}, "model": {"name": "mlp"}})
+    with pytest.raises(DataError) as e:
+        data_lib.make_sources(cfg.data)
+    assert render(e.value) == (
+        "jtrain: data error: data.packing: 'concat' with data.name=tokens: its windows "
+        "already run across document boundaries; set data.packing=none, or pack your "
+        "documents (data.source) instead")

@@ -17,6 +17,7 @@ from jtrain import errors
 from jtrain.checkpoint import policy
 from jtrain.engine import async_eval
 from jtrain.observe import jsonl, layout
+from journey import copy_project
 from projects import mydata
 from projects.linen_classifier import Net
 
@@ -60,6 +61,22 @@ def test_a_resume_drops_the_eval_records_it_applies_again(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     jsonl.drop_evals_after(str(path), 5)
     assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:3]
+
+
+@pytest.mark.slow  # a child evaluator: a process
+def test_a_run_resumed_at_its_last_step_returns_each_eval_once(tmp_path, monkeypatch):
+    """A finished async run started again ends at once; its TrainResult.history holds the
+    last eval once (the held eval the rest records, not again from the checkpoint)."""
+    copy_project(tmp_path, "nnx_mlp")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = {"total_steps": 4, "seed": 0, "model": {"name": "user", "factory": "nnx_mlp:make"},
+              "data": {"source": "nnx_mlp:data", "batch_size": 8, "val_fraction": 0.25},
+              "eval": {"every_steps": 2, "mode": "async", "async_lag": 1},
+              "checkpoint": {"every_steps": 2}, "log": {"verbosity": 0, "writers": ("jsonl",)}}
+    for _ in range(2):
+        steps = [e["step"] for e in jtrain.train(config, "run").history]
+        assert sorted(set(steps)) == [2, 4] and len(steps) == len(set(steps)), steps
 
 
 @pytest.mark.slow  # seconds of CPU: the full suite runs it (tests/README.md)

@@ -32,7 +32,7 @@ from journey import metric_by_step
 from numpy_metrics import accuracies
 
 FAKE = types.SimpleNamespace(shape={"data": 1, "fsdp": 8, "tensor": 1})
-MESH8 = AbstractMesh((1, 8, 1), mesh_lib.MESH_AXES)
+MESH8 = AbstractMesh((1, 8, 1, 1), mesh_lib.MESH_AXES)
 
 
 def test_the_largest_divisible_dimension_goes_on_fsdp():
@@ -248,8 +248,8 @@ def test_kill_and_resume_on_the_same_mesh_is_bitwise(runs):
 
 @pytest.mark.multidevice
 @pytest.mark.parametrize("name,mesh_shape,kernel_shard", [
-    ("elastic", {"data": 2, "fsdp": 4, "tensor": 1}, (32, 16)),
-    ("elastic1", {"data": 1, "fsdp": 1, "tensor": 1}, (32, 64))])
+    ("elastic", {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}, (32, 16)),
+    ("elastic1", {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}, (32, 64))])
 def test_an_auto_sharded_checkpoint_resumes_under_another_mesh(runs, name, mesh_shape,
                                                               kernel_shard):
     """fsdp=8 -> data=2 x fsdp=4, and -> one device: the params reshard (auto_shard's
@@ -335,3 +335,15 @@ def test_train_accuracy_on_8_devices_with_microbatches_is_exact(runs):
         top1, top2 = accuracies(logits, Y, slice((h["step"] - 1) * 16, h["step"] * 16))
         assert h["train/accuracy"] == pytest.approx(top1, abs=1e-12)
         assert h["train/top_2_accuracy"] == pytest.approx(top2, abs=1e-12)
+
+
+def test_an_expert_axis_without_experts_says_it_splits_the_batch():
+    mesh = AbstractMesh((1, 1, 8, 1), mesh_lib.MESH_AXES)
+    lines = header.sharding_lines({"auto_shard": True}, mesh,
+                                  types.SimpleNamespace(params=_tree(w=(16, 64)), opt_state={}),
+                                  types.SimpleNamespace(params={"w": NamedSharding(mesh, P())},
+                                                        opt_state={}))
+    assert lines[1:] == ["jtrain: warning: mesh.expert=8 shards no parameter: its devices "
+                         "hold copies; only weights with the logical axis 'expert' "
+                         "(model.moe's experts) split over it; the batch is split over it "
+                         "as over mesh.data"]

@@ -87,9 +87,10 @@ def test_chunks_must_fit(tmp_path, over, message):
     assert str(e.value).startswith(message)
 
 
-def test_not_implemented_one_line(tmp_path):
+@pytest.mark.parametrize("axis", ["tensor", "expert"])
+def test_not_implemented_one_line(tmp_path, axis):
     cfg = _config()
-    cfg["mesh"] = {"data": 2, "tensor": 4}
-    with pytest.raises(ConfigError, match="not implemented with tensor parallelism"):
+    cfg["mesh"] = {"data": 2, axis: 4}
+    with pytest.raises(ConfigError, match=f"not implemented with mesh.{axis}=4"):
         jtrain.train(cfg, str(tmp_path / "t"), model=nnx_mlp.make(),
                      train_data=nnx_mlp.data(64))

@@ -2,12 +2,15 @@
 Hugging Face export token for token; the KV cache gives the full forward's logits and the
 window recomputed without it the same tokens; the seed decides the draw; top_k=1 is
 greedy; top-k / top-p keep what they say; stop strings cut; a batch of prompts of
-different lengths equals each prompt alone; bad input is one line. A tiny random
+different lengths equals each prompt alone; text goes through a unigram or SentencePiece
+tokenizer and back; the end-of-run sample is one line where it cannot decode; bad input
+is one line. A tiny random
 built-in transformer (2 layers, width 32, 256 bytes), no training: the run-directory
 side is tests/journeys/test_sample_journey.py. The Python example of
 docs/guide/language-models.md is what these tests call."""
 
 import os
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +20,7 @@ import pytest
 import jtrain
 from jtrain import errors
 from jtrain.checkpoint import hf_export
+from jtrain.data import tokenizer
 from jtrain.checkpoint.integrity import leaf_path
 from jtrain.engine import sample as sample_lib
 from jtrain.models.transformer import Transformer
@@ -129,10 +133,36 @@ def test_a_stop_string_cuts_the_continuation_before_it(model):
     at = next(i for i, t in enumerate(full) if i > 0 and t < 128)  # an ASCII byte
     out = jtrain.sample(params, PROMPTS[0], model=m, max_new_tokens=24, stop=[chr(full[at])])
     assert out[0].tokens == full[:full.index(full[at])] and out[0].finish == "stop"
-    row = [104, 105, 10]  # a stop string of two tokens: checked as each token comes
-    assert sample_lib._stopped(row, [b"\n\n", b"x"]) is None and row == [104, 105, 10]
+    tok, row = tokenizer.ByteTokenizer(), [104, 105, 10]  # a stop of two tokens: checked
+    assert sample_lib._stopped(tok, [], row, ["\n\n", "x"]) is None  # as each token comes
     row.append(10)
-    assert sample_lib._stopped(row, [b"\n\n", b"x"]) == "stop" and row == [104, 105]
+    assert sample_lib._stopped(tok, [], row, ["\n\n", "x"]) == "hi" and row == [104, 105]
+
+    class Pieces:  # tokens of several characters: the stop string inside the second
+        vocab_size, pieces = 3, ["ab", "c\nd", "e"]
+
+        def decode(self, ids):
+            return "".join(self.pieces[i] for i in ids)
+    row = [0, 1]  # the text is cut at the stop, the token reaching into it dropped
+    assert sample_lib._stopped(Pieces(), [2], row, ["\n"]) == "abc" and row == [0]
+
+
+def test_the_end_of_run_sample_is_off_in_one_line_where_it_cannot_decode():
+    run = SimpleNamespace(build=SimpleNamespace(model_name="transformer"),
+                          data=SimpleNamespace(info={}))
+    for over, why in (({"population": {"size": 2}}, "trained a population"),
+                      ({"finetune": {"lora": {"rank": 2}}}, "holds LoRA adapters"),
+                      ({"step": {"factory": "m:f"}}, "trained a step of your own"),
+                      ({"model": {"quant": "int8"}}, "trained with model.quant=int8")):
+        cfg = jtrain.resolve({**over, "sample": {"prompts": ["def "]}})
+        (line,) = sample_lib.end_of_run(cfg, run, None)
+        assert line.startswith(f"jtrain: sample: off: {why}"), line
+    cfg = jtrain.resolve({"sample": {"prompts": ["def "]}})
+    user = SimpleNamespace(build=SimpleNamespace(model_name="user Net"))
+    assert sample_lib.end_of_run(cfg, user, None) == [
+        "jtrain: sample: off: model user Net is not the built-in transformer"]
+    for off in ({"prompts": []}, {"prompts": ["def "], "max_new_tokens": 0}):
+        assert sample_lib.end_of_run(jtrain.resolve({"sample": off}), user, None) == []
 
 
 def test_a_batch_of_different_lengths_equals_each_prompt_alone(model):
@@ -160,3 +190,40 @@ def test_a_model_without_the_decode_interface_is_refused_in_one_line():
     line = errors.render(e.value)
     assert line.startswith("jtrain: usage error: model: MLP has no max_len, init_cache")
     assert "\n" not in line
+
+
+@pytest.mark.parametrize("kind", ["unigram", "sentencepiece"])
+def test_text_goes_through_the_tokenizer_and_a_batch_decodes_as_each_row_alone(kind,
+                                                                              tmp_path):
+    text = "".join(f"def f{i}(x):\n    return x * {i}\nclass Point{i}:\n    pass\n"
+                   for i in range(40))
+    if kind == "sentencepiece":
+        import sentencepiece as spm
+
+        (tmp_path / "c.txt").write_text(text)
+        spm.SentencePieceTrainer.train(input=str(tmp_path / "c.txt"), vocab_size=60,
+                                       model_prefix=str(tmp_path / "sp"), minloglevel=2)
+        path = str(tmp_path / "sp.model")
+    else:
+        path = tokenizer.train("unigram", 300, [text], str(tmp_path / "tokenizer.json")).file
+    tok = tokenizer.load(path)
+    m = Transformer(**{**DIMS, "vocab_size": tok.vocab_size + 3}, dropout=0.0,
+                    tie_embeddings=True)
+    params = m.init(jax.random.key(2), jnp.zeros((1, 4), jnp.int32))["params"]
+    params = jax.tree.map(lambda p: getattr(p, "value", p) * 3.0, params,
+                          is_leaf=lambda p: hasattr(p, "value"))
+    prompts = ["def f1(x", "class Point"]  # of different token lengths: left-padded
+    batch = jtrain.sample(params, prompts, model=m, max_new_tokens=10, tokenizer=path)
+    for prompt, got in zip(prompts, batch, strict=True):
+        ids = tok.encode(prompt).tolist()
+        assert got == jtrain.sample(params, [ids], model=m, max_new_tokens=10,
+                                    tokenizer=path)[0]  # ids or text: the same row
+        assert prompt + got.text == tok.decode(ids + got.tokens)  # what the CLI prints
+    assert len({len(tok.encode(p)) for p in prompts}) == 2
+    head, whole = tok.encode("class").tolist(), tok.encode("class Point1").tolist()
+    assert whole[:len(head)] == head  # a word's leading space (SentencePiece's too) kept:
+    assert sample_lib.decoded(tok, head, whole[len(head):]) == " Point1"
+    stop = batch[0].text[3:5]  # found in the decoded text, whatever tokens it spans
+    cut = jtrain.sample(params, prompts[0], model=m, max_new_tokens=10, stop=[stop],
+                        tokenizer=path)[0]
+    assert cut.finish == "stop" and cut.text == batch[0].text[:batch[0].text.index(stop)]

@@ -1,6 +1,7 @@
 """End to end: the CLI reference run, determinism, 1 vs 8 devices, resume, and the
 the library examples of docs/guide/user-models.md (executed exactly as written)."""
 
+import ast
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 import jtrain
+from jtrain.state import state_sha256
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHORT = ["--config.total_steps=60", "--config.eval.every_steps=30",
@@ -56,6 +58,14 @@ def test_cli_debug_run_learns_and_writes_its_files(cli_run):
     assert s["eval/loss"] < s["unigram_baseline"] - 0.3  # learned more than byte frequencies
     out = proc.stdout + proc.stderr
     assert "unigram baseline" in out and "corpus sha256" in out and "Traceback" not in out
+    # The reference config ends with greedy continuations, after the eval loss line.
+    lines = out.splitlines()
+    sampled = [i for i, ln in enumerate(lines) if ln.startswith("jtrain: sample: ")]
+    assert [lines[i].split(" -> ")[0] for i in sampled] == [
+        "jtrain: sample: 'def '", "jtrain: sample: 'import '", "jtrain: sample: 'class '"]
+    assert all(0 < len(ast.literal_eval(lines[i].split(" -> ")[1])) <= 24 for i in sampled)
+    assert "final eval loss" in lines[sampled[0] - 1] and sampled == [sampled[0] + j
+                                                                      for j in range(3)]
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["30", "60"]
     assert json.load(open(os.path.join(workdir, "config.json")))["optim"]["decay_steps"] == 60
 
@@ -90,10 +100,14 @@ def _lib_config(**over):
     return cfg
 
 
-def test_same_seed_same_hash_and_resume_is_bitwise(tmp_path):
+def test_same_seed_same_hash_and_resume_is_bitwise(tmp_path, capfd):
     a = jtrain.train(_lib_config(), str(tmp_path / "a")).summary
-    b = jtrain.train(_lib_config(), str(tmp_path / "b")).summary
-    assert a["state_sha256"] == b["state_sha256"]
+    cfg = _lib_config()
+    cfg.sample.prompts = ("def ",)  # the end-of-run sample reads the state, never changes it
+    b = jtrain.train(cfg, str(tmp_path / "b"))
+    assert a["state_sha256"] == b.summary["state_sha256"] == state_sha256(b.state)
+    assert "jtrain: sample: 'def ' -> " in capfd.readouterr().err
+    b = b.summary
     # Interrupted at step 4, resumed: same final state as the uninterrupted run.
     jtrain.train(_lib_config(total_steps=4), str(tmp_path / "c"))
     c = jtrain.train(_lib_config(), str(tmp_path / "c")).summary

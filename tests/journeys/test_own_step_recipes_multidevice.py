@@ -1,10 +1,12 @@
 """The own-step recipes' debug variants (fewer steps: SAM, BYOL, the GAN, distillation
-with a fresh teacher) on 8 devices (the suite's 8-device child, data-parallel) against
+with a fresh teacher, DPO with a fresh policy and reference on the instruct example's
+pairs) on 8 devices (the suite's 8-device child, data-parallel) against
 the same run on a mesh of 1 device: the final state (every leaf: params, optimizer
 states, BYOL's target, the frozen teacher) agrees to a stated tolerance."""
 
 import importlib.util
 import json
+import runpy
 from pathlib import Path
 
 import jax
@@ -16,8 +18,9 @@ from jtrain import mesh as mesh_lib
 
 pytestmark = pytest.mark.multidevice
 
-RECIPES = Path(__file__).resolve().parents[2] / "configs" / "recipes"
-STEPS = {"sam": 60, "byol": 60, "gan": 20, "distill": 20}
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = ROOT / "configs" / "recipes"
+STEPS = {"sam": 60, "byol": 60, "gan": 20, "distill": 20, "dpo": 20}
 
 MAKE_MESH = mesh_lib.make_mesh
 
@@ -29,12 +32,17 @@ def _config(name):
     config = recipe.get_config("debug")
     config.update({"total_steps": STEPS[name], "eval": {"every_steps": 0},
                    "checkpoint": {"every_steps": 0}})
+    if name == "dpo":
+        config.init.path = ""
     return config
 
 
-@pytest.mark.parametrize("name", ["sam", "byol", "gan", "distill"])
+@pytest.mark.parametrize("name", ["sam", "byol", "gan", "distill", "dpo"])
 def test_recipe_on_8_devices_matches_1_device(tmp_path, monkeypatch, name):
     assert jax.device_count() == 8
+    if name == "dpo":  # the example's pairs.jsonl, where the config names it
+        monkeypatch.chdir(tmp_path)
+        runpy.run_path(str(ROOT / "examples" / "instruct" / "make_data.py"))["main"]()
     result = jtrain.train(_config(name), str(tmp_path / "eight"))
     eight = [np.asarray(v) for v in jax.tree.leaves(jax.device_get(result.state.params))]
     with monkeypatch.context() as m:  # the same run on a mesh of the first device only
@@ -48,7 +56,7 @@ def test_recipe_on_8_devices_matches_1_device(tmp_path, monkeypatch, name):
     assert len(eight) == len(one)
     # Data-parallel: the batch's sums are split over 8 devices and reduced in another
     # order than on 1, so float32 rounding differs; after 60 (SAM, BYOL) or 20 (the GAN,
-    # distillation) Adam steps each leaf stays within 1e-5 of its largest value
+    # distillation, DPO) Adam steps each leaf stays within 1e-5 of its largest value
     # (measured: 2e-7 for SAM, 8e-7 for BYOL).
     for a, b in zip(eight, one, strict=True):
         scale = max(np.abs(b).max(), 1e-3)

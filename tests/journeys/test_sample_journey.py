@@ -2,7 +2,8 @@
 transformer, then `python -m jtrain sample RUN --prompt hi` from a temp directory prints
 the prompt and what the library's `jtrain.sample` continues it with; a prompt past the
 context, a step that is not saved and a run naming code that is not trusted are one line
-each, the last before anything is imported."""
+each, the last before anything is imported; so is a run whose state is not one model's
+parameters (a population, LoRA adapters, a step of your own)."""
 
 import json
 import shutil
@@ -90,3 +91,21 @@ def test_a_checkpoint_that_is_not_the_configs_model_is_one_line(run):
     assert errors.render(e.value) == (f"jtrain: usage error: RUN: {other}: the checkpoint's "
                                       "params are not those of the model its config.json "
                                       "builds")
+
+
+@pytest.mark.parametrize("section,value,why", [
+    ("population", {"size": 2}, "trained a population: export one member"),
+    ("finetune", {"lora": {"rank": 2}}, "holds LoRA adapters: merge them"),
+    ("step", {"factory": "planted_mod:step"}, "trained a step of your own"),
+])
+def test_a_run_whose_state_is_not_one_models_params_is_one_line(run, capsys, monkeypatch,
+                                                                 section, value, why):
+    other = run / section
+    shutil.copytree(run / "run", other)
+    config = json.loads((other / "config.json").read_text())
+    config[section] = {**config[section], **value}
+    (other / "config.json").write_text(json.dumps(config))
+    monkeypatch.chdir(run)
+    assert cli.main(["sample", section, "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"jtrain: usage error: RUN: {section} {why}")

@@ -84,14 +84,14 @@ def test_layer_equals_a_loop_over_tokens_with_its_drops_counted(kind, factor):
 def test_ties_go_to_the_lower_index_and_drops_are_exact():
     # 8 tokens, all logits equal: every token picks experts 0 and 1; capacity
     # ceil(1 * 8 * 2 / 4) = 4, so tokens 0-3 are kept on both and 4-7 dropped on both.
-    dispatch, combine, aux, dropped = moe.route(jnp.zeros((8, 4)), 2, 1.0)
+    dispatch, combine, balance, dropped = moe.route(jnp.zeros((8, 4)), 2, 1.0)
     assert float(dropped) == 8
     kept = np.asarray(dispatch).sum(-1)  # [N, E]
     np.testing.assert_array_equal(kept[:4], [[1, 1, 0, 0]] * 4)
     np.testing.assert_array_equal(kept[4:], 0)
     np.testing.assert_allclose(np.asarray(combine).sum((1, 2))[:4], 1.0)
     # Switch's balance loss: E * sum(f_e * P_e) = 4 * (0.5 * 0.25 * 2) = 1.
-    np.testing.assert_allclose(float(aux), 1.0)
+    np.testing.assert_allclose(float(moe.balance_loss(balance)), 1.0)
     assert moe.capacity(8, 4, 2, 1.0) == 4 and moe.capacity(3, 64, 1, 0.1) == 1
 
 
@@ -125,7 +125,8 @@ def _config(total=STEPS, **over):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("moe")
-    straight = jtrain.train(_config(), str(base / "straight"))
+    straight = jtrain.train(_config(sample={"prompts": ["def "], "max_new_tokens": 4}),
+                            str(base / "straight"))  # ends with a sample
     jtrain.train(_config(total=4), str(base / "resumed"))
     resumed = jtrain.train(_config(), str(base / "resumed"))
     return straight, resumed, base
@@ -148,7 +149,10 @@ def test_a_moe_run_samples_and_refuses_the_hf_export(runs):
     pytest.importorskip("transformers")
     _, _, base = runs
     out = jtrain.sample(str(base / "straight"), ["def "], max_new_tokens=4, seed=0)
-    assert len(out) == 1
+    assert len(out) == 1 and len(out[0].tokens) == 4
+    # the run's own end-of-run sample, from the final state: the same greedy text
+    assert any(ln.endswith(f" jtrain: sample: 'def ' -> {out[0].text!r}") for ln in (
+        base / "straight" / "train.log").read_text().splitlines())
     from jtrain.checkpoint import hf_export
     with pytest.raises(errors.ConfigError) as e:
         hf_export.export(str(base / "straight"), str(base / "hf"))
