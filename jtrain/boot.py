@@ -1,41 +1,22 @@
 """Process start-up of jtrain's own entry points, before anything heavy is imported.
 
-    boot.start(command)
+`boot.start(command)` is the first statement of every entry point (`python -m
+jtrain.main|evaluate|export|tune|bench`, the `jtrain` script; `command` is the
+subcommand's name, so `python -m jtrain.main` and `jtrain train` start alike) and the
+only place process-wide state is set up: importing jtrain changes nothing. In order:
 
-is the first statement of every entry point (`python -m jtrain.main|evaluate|export|
-tune|bench` and the `jtrain` console script), and the only place process-wide state is
-set up; importing jtrain (the package or any module) changes nothing about the process.
-`command` is the subcommand's name ("train", "evaluate", "export", "tune", "bench"), so
-`python -m jtrain.main` and `jtrain train` start the same way. In order:
+1. jtrain.hostmem's settings: the huge-page re-exec (SIGTERM / SIGINT held across the
+   exec), the XLA:CPU scheduler flag, the malloc arena cap;
+2. for train and tune, which take signals over later, SIGTERM / SIGINT during start-up
+   are recorded in `EARLY_SIGNALS` instead of killing the process: the run stops before
+   its first step, exit 0 (other commands keep Python's default);
+3. absl's flags marked parsed (grain reads them in its workers);
+4. for train, the garbage collector paused through the imports; `resume_gc` then
+   freezes the ~180 k imported objects (`gc.freeze`: no later collection walks them)
+   and turns it back on (collector CPU of a 10-step run 0.28 -> 0.19 s).
 
-1. the huge-page re-exec (jtrain.hostmem: the process starts again once with
-   `glibc.malloc.hugetlb=1`; `JTRAIN_HUGETLB=0` turns it off), with SIGTERM / SIGINT
-   held across the exec; then XLA:CPU options added to `XLA_FLAGS` unless it names
-   them (`hostmem.CPU_FLAGS`: the scheduler that keeps the step's scratch smaller);
-   glibc's malloc arenas capped (`hostmem.limit_arenas`: `JTRAIN_MALLOC_ARENAS`, default
-   2; each thread's arena otherwise keeps its own high-water mark of XLA's buffers);
-2. for the commands that take them over (train, tune: `control.signals.Stopper`, the
-   tune worker's loop), SIGTERM / SIGINT during the imports and start-up are recorded in
-   `EARLY_SIGNALS` instead of killing the process with status 143: the run then stops
-   before its first step, nothing new to save, exit 0. The other commands keep Python's
-   default handling (a SIGTERM ends them);
-3. absl's global flags marked parsed (`mark_absl_parsed`): grain reads them in its
-   worker processes, and no `absl.app.run` owns jtrain's processes;
-4. for the train command, Python's cyclic garbage collector paused while the command
-   imports its modules (JAX, Flax, optax, orbax, grain: ~180 k objects that live as long
-   as the process). `resume_gc` (the train command calls it once its imports are done)
-   freezes them (`gc.freeze`: left out of every later collection, as a server does with
-   what it loaded before forking) and turns the collector back on. Measured on a 10-step
-   run of a small model: the collector's CPU time 0.28 -> 0.19 s, as no collection walks
-   the imported objects again. Objects are still freed by their reference counts; only
-   the few reference cycles made while importing (~400 objects) stay.
-
-`JTRAIN_BOOT_RECORD=FILE` appends one JSON line per start to FILE saying what start-up
-did (the command, whether it re-executed with huge pages, whether the early handlers
-are installed, whether JAX was already imported, whether the collector is paused): the
-tests compare the entry points with it.
-
-This module imports nothing of jtrain but `hostmem`, and nothing heavy.
+`JTRAIN_BOOT_RECORD=FILE` appends one JSON line per start saying what start-up did; the
+tests compare the entry points with it. Imports nothing of jtrain but `hostmem`.
 """
 
 from __future__ import annotations

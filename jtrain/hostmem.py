@@ -1,42 +1,18 @@
-"""Host memory behind XLA:CPU's per-step scratch buffer: huge pages for glibc's mmaps.
+"""Host memory behind XLA:CPU's per-step scratch buffer (docs/guide/host-memory.md; the
+measurements: docs/benchmarks.md, "Memory and page faults of the base LM").
 
-What was measured (the base LM step, `configs/base.py`, on a 2-core CPU; strace and
-getrusage): XLA:CPU allocates the step's whole scratch space (its buffer assignment's
-temp allocation, 344 MB for the base LM) with malloc at each run and frees it at the end.
-glibc serves anything above its mmap threshold (at most 32 MiB) with a fresh `mmap` and
-gives it back with `munmap`, so every step touches 344 MB of new pages: 84 k minor page
-faults and ~150 ms of kernel time per step. No malloc setting keeps it: the threshold
-cannot go above 32 MiB, and with mmap disabled (`M_MMAP_MAX=0`) the request still comes
-from a non-main arena, whose heaps top out at 64 MiB and fall back to mmap (one arena:
-faults 84 k -> 31 k but peak RSS 0.86 -> 2.1 GB from heap fragmentation).
-
-glibc >= 2.35 has the tunable `glibc.malloc.hugetlb=1`: malloc then asks for transparent
-huge pages (`madvise(MADV_HUGEPAGE)`) on what it maps, and the same 344 MB arrive in
-2 MiB pages: 630 faults per step instead of 84 k, ~8 % less CPU time per step, the same
-peak RSS. Tunables are read once when the process starts, so jtrain's own entry points
-(`python -m jtrain.main|evaluate|export|tune|bench`, the `jtrain` command) re-execute
-themselves once with it added to `GLIBC_TUNABLES` before anything heavy is imported
-(`maybe_reexec`, called by `jtrain.boot.start`). A script that calls `jtrain.train()`
-can get the same by starting Python with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, or by
-calling `maybe_reexec()` as its first line. `JTRAIN_HUGETLB=0` turns the re-exec off.
-
-The scratch block itself is smaller with XLA:CPU's plain scheduler: its default
-"concurrency-optimized" scheduler orders the step's ops so that independent ones may run
-at once, which keeps more buffers alive together (base LM: 328 MB of scratch; with
-`--xla_cpu_enable_concurrency_optimized_scheduler=false` 260 MB, the same bits in every
-parameter after training). The same entry points add that flag to `XLA_FLAGS` before JAX
-starts (`cpu_flags`), unless `XLA_FLAGS` names the flag already (set it to `true` there
-to keep XLA's default). It is an XLA:CPU option: other backends ignore it.
-
-Malloc arenas: glibc gives each thread that allocates its own arena (up to 8 per core),
-and memory freed in one arena is not reused by another; XLA:CPU's worker threads each
-allocate the step's buffers below the mmap threshold, so every arena keeps its own
-high-water mark. Capped at 2 arenas (`mallopt(M_ARENA_MAX)`, before any thread starts:
-`limit_arenas`, called by `jtrain.boot.start`) the peak RSS of `bench peers` on 2 cores
-fell from 819-884 to 722-752 MB (lm_base) and from 415-451 to 390-392 MB (lm_debug), the
-same bits in every parameter (docs/benchmarks.md, "Memory and page faults of the base
-LM"). `JTRAIN_MALLOC_ARENAS=N` sets another cap, `0` keeps glibc's default; a cap the
-user set (`MALLOC_ARENA_MAX`, `glibc.malloc.arena_max` in `GLIBC_TUNABLES`) is kept.
+XLA:CPU mallocs the step's whole scratch space at each run and frees it after; glibc
+serves it with fresh mmaps (4 KiB pages, ~84 k page faults per base-LM step) and no
+malloc setting keeps it. Three settings, none of which changes a result:
+- huge pages: `glibc.malloc.hugetlb=1` (glibc >= 2.35) is read only at process start,
+  so jtrain's entry points re-execute themselves once with it in `GLIBC_TUNABLES`
+  (`maybe_reexec`, from `jtrain.boot.start`; `JTRAIN_HUGETLB=0` turns it off);
+- the plain scheduler: `--xla_cpu_enable_concurrency_optimized_scheduler=false` in
+  `XLA_FLAGS` keeps fewer buffers alive at once (`set_cpu_flags`; a value the user put
+  in `XLA_FLAGS` is kept);
+- malloc arenas capped at 2 (`limit_arenas`, before any thread starts): each thread's
+  arena keeps its own high-water mark; `JTRAIN_MALLOC_ARENAS=N` sets another cap, `0`
+  glibc's default; a cap the user set is kept.
 """
 
 from __future__ import annotations

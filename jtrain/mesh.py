@@ -1,12 +1,14 @@
 """Device mesh and shardings.
 
-Owns `config.mesh`. A mesh has four axes, always in this order:
-  data   - pure data parallelism (params replicated),
-  fsdp   - data parallelism with params and optimizer state sharded,
-  expert - data parallelism with a mixture of experts' experts sharded (all-to-all),
-  tensor - tensor (model) parallelism inside a layer.
-The batch is split over data x fsdp x expert. Model code speaks in *logical* axis names
-(see LOGICAL_RULES); this module is the one place that maps them to mesh axes.
+Owns `config.mesh`. A mesh has five axes, always in this order:
+  data    - pure data parallelism (params replicated),
+  fsdp    - data parallelism with params and optimizer state sharded,
+  expert  - data parallelism with a mixture of experts' experts sharded (all-to-all),
+  context - context parallelism: activations split along the sequence ("length"),
+  tensor  - tensor (model) parallelism inside a layer.
+The batch is split over data x fsdp x expert (each context group holds the same rows).
+Model code speaks in *logical* axis names (see LOGICAL_RULES); this module is the one
+place that maps them to mesh axes.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ LOGICAL_RULES = (
     # (docs/guide/scaling-out.md).
     ("expert", ("fsdp", "expert")),
     ("kv", None),
-    ("length", None),
+    ("length", "context"),
     ("layers", None),
     ("classes", None),
     ("norm", None),

@@ -153,7 +153,8 @@ def s3_server(*buckets: str):
 def nnx_mlp_config(total_steps: int, eval_every: int, log_every: int,
                    checkpoint_every: int) -> str:
     """A user's cfg.py for tests/projects/nnx_mlp.py (batch 8, lr 0.05 after one warmup
-    step, one eval batch, jsonl metrics, a state hash every step)."""
+    step, decaying until step 20 whatever total_steps is: every file that uses it shares
+    one compiled train step; one eval batch, jsonl metrics, a state hash every step)."""
     return f'''
 from jtrain.config import defaults
 
@@ -164,7 +165,7 @@ def get_config():
     c.data.source = "nnx_mlp:data"
     c.data.batch_size = 8
     c.total_steps = {total_steps}
-    c.optim.update(lr=0.05, warmup_steps=1)
+    c.optim.update(lr=0.05, warmup_steps=1, decay_steps=20)
     c.eval.update(every_steps={eval_every}, num_batches=1)
     c.log.update(every_steps={log_every}, writers=("jsonl",))
     c.checkpoint.every_steps = {checkpoint_every}

@@ -18,6 +18,7 @@ and the overhead report: jtrain/bench/command.py).
                  time and memory ratios, model FLOPs, MFU (or "unknown peak")
     sample       decode tokens/s: the KV cache vs none vs transformers' generate
     tokens       token shards: tokens/s the reader delivers vs the train step consumes
+    context      mesh.context vs the plain model: step time, memory per device
     table        a benchmark's --out JSON as the markdown tables of docs/benchmarks.md
 """
 

@@ -1,36 +1,16 @@
 """`python -m jtrain.bench async_eval`: a run with frequent evaluation without evals,
 with eval.mode=sync and with eval.mode=async, side by side.
 
-Every side runs the same command (`python -m jtrain.main`, configs/base.py:debug: the
-small byte-level LM, eval every `--every` steps over `--eval_batches` batches, no early
-stopping so all do the same steps; `none` sets eval.every_steps=0: one eval at the
-end) as a separate process, the sides in turn, `--rounds` times. `async` runs its child
-evaluator at `--nice` and on `--cpus` CPUs (JTRAIN_EVAL_NICE, JTRAIN_EVAL_CPUS);
-`async_nice0` is the same at nice 0 (the evaluator competing as an equal).
-
-What the claim "async evaluation does not slow the step" is about, per side (medians):
-  step        the loop's own seconds per step: the goodput ledger's step time (dispatch,
-              drain, logging) over the steps, without evals, waits for the evaluator,
-              checkpoint saves and data waits (WORKDIR/summary.json, "goodput")
-  waited      the seconds the loop spent in evals (sync: evaluating; async: waiting for
-              the evaluator's result at the lag)
-  saves       the seconds the loop blocked in checkpoint saves (async saves every
-              evaluation point)
-  first stall the wall time of step F = (lag + 1) * every, the first step that applies
-              an async eval: it waits for the evaluator's start-up (about 3 s of CPU:
-              imports, the model, the eval step's compile) and first eval
-  loop        the wall time per step from step F + 1 to the step after the last
-              evaluation point before the end, everything included (the evals and
-              waits of the points between; the start-ups, compiles and the end left
-              out): the steady state of a long run
-  cpu         the training process's own CPU seconds (user + sys, /proc/PID/stat, its
-              children not included) per step over that same window: what load on
-              the machine distorts least (sync's includes its evals)
-  evaluator   the CPU seconds of everything else the run started (the child evaluator):
-              getrusage(RUSAGE_CHILDREN) minus the training process's own
-  wall        the whole process, start-up included
-The 1-minute load average is recorded around every side of every round
-(jtrain/bench/machine.py): a value measured while it exceeded the core count is marked.
+Every side runs `python -m jtrain.main --config=base:debug` (eval every `--every` steps
+over `--eval_batches` batches; `none`: one eval at the end) as its own process, sides in
+turn, `--rounds` times; `async` runs its evaluator at `--nice` on `--cpus` CPUs,
+`async_nice0` at nice 0. Per side (medians): `step` (the goodput ledger's step time),
+`waited` (in evals, or waiting for the evaluator), `saves`, `first stall` (the wall time
+of the first step that applies an async eval: the evaluator's start-up), `loop` (wall
+time per step after it, evals and waits included), `cpu` (the training process's own
+CPU per step over that window: what load distorts least), `evaluator` (the CPU of the
+children) and `wall`. The load average is recorded around every side
+(jtrain/bench/machine.py).
 """
 
 from __future__ import annotations

@@ -1,85 +1,12 @@
-"""Benchmarks of the jtrain engine itself: `python -m jtrain.bench <subcommand>`.
+"""Benchmarks of the jtrain engine itself: `python -m jtrain.bench NAME [flags]`.
 
-    python -m jtrain.bench overhead --model=base                # ~2-3 min on 2 CPU cores
     python -m jtrain.bench overhead --model=tiny --out=tiny.json
-    python -m jtrain.bench overhead --model=tiny --rounds=7 --steps=1000 --log_every=100
+    python -m jtrain.bench table tiny.json       # a --out JSON as markdown tables
 
-`overhead`: the real training loop (`jtrain.train`) against a hand-written minimal
-`jax.jit` loop on the same model, optimizer, initial parameters and numpy batches,
-interleaved in one process (jtrain, hand, jtrain, hand, ...) so that drifting machine load
-hits both sides alike. It prints one row per round, the median / min / max per-step time
-of each side, tokens/s, MFU (GPU only), and the ratio of the medians (jtrain / hand)
-against the goal: <= 1.02 for `base` (configs/base.py's model) and <= 1.10 for `tiny`
-(a 1-layer d_model=32 transformer, batch 8 x 32 tokens, dispatch-bound).
-
-Timing, in short (the details are in `jtrain.bench.overhead`'s docstring): both sides are
-timed in steady state over the same `--steps` steps after the same `--log_every` warm-up
-steps (which hold compilation). jtrain's time comes from the loop's own log records in
-`metrics.jsonl` (wall-clock stamps taken after the logged step's metrics were fetched,
-first interval dropped), so everything the loop does per step counts: the host->device
-transfer, the bounded steps in flight, metric fetches, the writers and the progress line.
-Setup, compilation and the end-of-run eval and checkpoint are reported apart as
-"fixed s". The hand loop is timed with `perf_counter` up to `block_until_ready`. The
-final losses of both sides are printed: equal losses show both did the same work.
-
-    python -m jtrain.bench data                                 # ~1 min on 2 CPU cores
-    python -m jtrain.bench data --num_workers=2 --out=data.json
-
-`data`: on one torch map-style dataset (images), jtrain's data pipeline against
-`torch.utils.data.DataLoader` (examples/s, goal >= 1.0x), the train step fed by the real
-pipeline against a synthetic batch already on the devices (goal <= 1.03x), and the time to
-first batch; medians over interleaved rounds (details in `jtrain.bench.data`).
-
-    python -m jtrain.bench checkpoint                           # ~1-2 min on 2 CPU cores
-    python -m jtrain.bench checkpoint --rounds=5 --writer_nice=0 --out=ckpt.json
-
-    python -m jtrain.bench peers                                # 3 cases x 3 sides x 3 rounds
-    python -m jtrain.bench peers --cases=lm_debug --rounds=2 --steps=80 --out=peers.json
-
-`peers`: the same work in jtrain (its CLI), plain PyTorch and PyTorch Lightning, each run
-a separate process, sides alternating: an MLP on scikit-learn's digits and the
-configs/base.py LM (debug and full size); step time, whole-process wall time, final eval
-metric, time to an eval target, peak RSS, page faults (details in `jtrain.bench.peers`).
-
-`checkpoint`: a ~100 M-parameter model with AdamW state (~1.2 GiB) and the real train step
-and Checkpointer: the time an async save blocks the loop vs a synchronous save (goal
-<= 0.25x), the total save time and the restore time (goal <= 5 s each), and steps/s while
-a save is written vs without (goal >= 0.95x); medians over rounds (details in
-`jtrain.bench.checkpoint`).
-
-    python -m jtrain.bench profile --model=base                 # ~1 min on 2 CPU cores
-
-`profile`: the train step op by op (XLA:CPU's trace joined with the compiled HLO): time
-per op and per group (matmul, elementwise, copy/transpose), matmul GFLOP/s, the bytes
-copied into other layouts, the step's scratch (details in `jtrain.bench.profile`).
-
-    python -m jtrain.bench sam                                  # ~1 min on 2 CPU cores
-    python -m jtrain.bench sam --hidden=512 --batch_size=256 --out=sam.json
-
-`sam`: the SAM recipe's step (jtrain/recipes/sam.py: two gradient evaluations per update)
-against the built-in update of the same MLP and AdamW on the same batches, interleaved
-rounds in one process; the ratio of median step times (expected about 2x; details in
-`jtrain.bench.sam`).
-
-    python -m jtrain.bench table peers.json                     # --out JSON -> markdown
-
-Every benchmark records the machine (CPU model, cores), the jtrain commit, the date and the
-load average before, during and after each side or round (`jtrain.bench.machine`); a
-value measured while the load exceeded the core count is marked `!` and "unreliable" in
-the JSON. `table` prints a --out JSON (peers, overhead, data) as docs/benchmarks.md's
-markdown tables, every round's value beside the median.
-
-    python -m jtrain.bench sample                               # ~1 min on 2 CPU cores
-
-`sample`: decode tokens/s of `jtrain sample` with its KV cache, without it (the window
-recomputed every token) and transformers' `generate` on the Hugging Face export of the
-same parameters; greedy, interleaved rounds (details in `jtrain.bench.sample`).
-
-    python -m jtrain.bench console                              # a few seconds
-    python -m jtrain.bench console --columns=80 --updates=5000
-
-`console`: the cost of one progress update: rich's bar on a pseudo-terminal vs plain
-lines, interleaved rounds (details in `jtrain.bench.console`).
+Each benchmark's module (`jtrain.bench.overhead`, `.data`, `.checkpoint`, ...) says what
+it times and against what; docs/benchmarks.md has the goals and the measurements. Every
+one records the machine, the commit, the date and the load (`jtrain.bench.machine`): a
+value measured while the load exceeded the core count is marked unreliable.
 """
 
 from __future__ import annotations
@@ -315,6 +242,8 @@ def commands() -> dict:
                    "cache, without it, and transformers' generate on the same export"),
         "tokens": (*_module_bench("tokens"), "token shards: tokens/s the reader delivers "
                    "vs tokens/s the train step consumes (base config)"),
+        "context": (*_module_bench("context"), "the built-in transformer split over "
+                    "mesh.context vs the plain model: step time and memory per device"),
         "table": (lambda fv: None, table, "a benchmark's --out JSON as a markdown table"),
     }
 

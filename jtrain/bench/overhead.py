@@ -1,40 +1,22 @@
 """The two sides of `python -m jtrain.bench overhead`: the real jtrain loop and a
 hand-written minimal `jax.jit` loop, on the same model, optimizer, init and batches.
 
-How each side is timed (steady state, compilation excluded on both sides):
-
 jtrain: `jtrain.train(config, workdir)` runs `log_every + steps` steps in a fresh
-  workdir, with `log.every_steps = log_every`, eval and checkpoint only at the end
-  (`eval.every_steps = checkpoint.every_steps = 0`) and every other setting as the preset
-  has it (writers, progress, steps in flight). The loop writes one `metrics.jsonl` record
-  per log interval; its `time` stamp is taken in the loop thread right after the loop has
-  fetched that step's metrics (so that step has finished on the device). The first
-  interval holds compilation and is dropped; the steady time is
-  `time[last] - time[first]` over the `steps` steps in between, and the per-step time is
-  that divided by `steps`. Setup, compilation, the final eval and the final checkpoint
-  fall outside it; they are reported apart as the run's fixed cost (wall time of
-  `train()` minus the steady time). The loop's own `perf/steps_per_sec` is not used:
-  jtrain.observe.perf stamps log steps when they are dispatched, so over intervals shorter
-  than `max_steps_in_flight` it reads far too fast.
+workdir (eval and checkpoint only at the end, every other setting as the preset has it).
+Its time comes from `metrics.jsonl`'s `time` stamps, taken after the loop fetched a
+logged step's metrics: the first interval (compilation) is dropped, the rest is the
+steady time over `steps` steps; setup, compilation and the final eval and save are the
+run's fixed cost. (`perf/steps_per_sec` stamps steps at dispatch and reads too fast over
+intervals shorter than `max_steps_in_flight`: not used.)
 
-hand: the same `make_model` / `make_optimizer` / `make_train_iterator` (same source, seed,
-  shuffle), the same initial parameters (jtrain's init key), a textbook step
-  (`value_and_grad` -> `tx.update` -> `apply_updates`, mean token cross-entropy),
-  `jax.jit(step, donate_argnums=0)`, `jax.device_put` of each batch. It runs the same
-  `log_every` warm-up steps (compilation), blocks, then times `steps` steps with
-  `time.perf_counter()` up to `block_until_ready` on the last state. Like any loop that
-  prints its loss, it fetches the loss every `log_every` steps (one step late, so the
-  device never idles) and stamps the time: per-interval samples like jtrain's.
+hand: the same model, optimizer, iterator and initial parameters, a textbook step
+(`value_and_grad` -> `tx.update` -> `apply_updates`) under `jax.jit(donate_argnums=0)`,
+the same `log_every` warm-up steps, then `steps` steps timed with `perf_counter` up to
+`block_until_ready`, fetching the loss every `log_every` steps (one step late).
 
-Per round, each side gives its mean time per step over the window; the headline is the
-ratio of the medians over rounds. On a shared machine, load from other processes comes
-in bursts of seconds that can swamp a round; the per-interval view (10th and 50th
-percentile of all intervals of a side, pooled over rounds) shows what the quiet stretches
-measured. It is a secondary view: a stall that jtrain caused only now and then would hide
-below the 10th percentile.
-
-Both sides train the same trajectory, so their final losses agree to float noise: the
-check that they did the same work.
+The headline is the ratio of the medians over rounds; the 10th and 50th percentile of
+all intervals (pooled) show the quiet stretches of a loaded machine. Equal final losses
+show both sides did the same work.
 """
 
 from __future__ import annotations

@@ -1,32 +1,15 @@
-"""Export a checkpoint's parameters: `export(workdir, out, ...)`; the command is
-`python -m jtrain.export --workdir=WORKDIR --out=DIR` (jtrain.export; `jtrain export ...`;
-WORKDIR may also be given as the one positional argument).
+"""Export a checkpoint's parameters: `export(workdir, out, ...)`, the library side of
+`jtrain export` (docs/reference/commands.md; docs/guide/checkpoints.md).
 
-    python -m jtrain.export --workdir=runs/base --out=exports/base    # newest intact step
-    python -m jtrain.export --workdir=runs/base --step=1000 --out=exports/b16 --dtype=bfloat16
-
-Writes `DIR/params.safetensors` (parameters only; tensor names are the parameter paths,
-e.g. `blocks_0/attn/qkv/kernel`) and `DIR/export.json` (step, source, dtype, parameter
-count, the run's config). safetensors is a JSON header plus raw little-endian bytes:
-it loads without jtrain, without the run's state and without pickle (`safetensors`,
-`read_safetensors` of jtrain.checkpoint.tensorfile, or a few lines of numpy).
-`--dtype=bfloat16` casts floating parameters. `init.path=DIR` starts a new
-run from an export.
-
-    python -m jtrain.export --workdir=runs/ft --out=exports/ft --merge_lora   # LoRA
-
-`--merge_lora` (a run with `finetune.lora.rank` > 0) folds each adapter pair into its
-weight, `W + alpha/rank * A @ B` (jtrain.models.lora.merge), and leaves the adapters out:
-the export loads into the plain model (finetune.lora.rank=0). Without LoRA it is a usage
-error (exit 2).
-
-    python -m jtrain.export --workdir=runs/ema --out=exports/ema --weights=ema
-
-`--weights=ema` (a run with `optim.ema.decay` > 0) writes the weight EMA as the parameters,
-in the params' dtypes and under their names: the export loads like any other.
-
-The checkpoint is integrity-checked (see `jtrain.checkpoint.integrity`) before reading.
-Errors print one line `jtrain: export error: ...` and exit 3.
+Writes `DIR/params.safetensors` (parameters only, named by their paths, e.g.
+`blocks_0/attn/qkv/kernel`: a JSON header plus raw little-endian bytes, loadable without
+jtrain or pickle, `jtrain.checkpoint.tensorfile`) and `DIR/export.json` (step, source,
+dtype, parameter count, the run's config); `init.path=DIR` starts a run from it.
+`--dtype=bfloat16` casts floating parameters; `--merge_lora` folds each adapter pair
+into its weight (`W + alpha/rank * A @ B`, jtrain.models.lora.merge) for the plain
+model, a usage error (exit 2) without LoRA; `--weights=ema` writes the weight EMA under
+the params' names and dtypes. The checkpoint is integrity-checked before reading;
+errors are one line `jtrain: export error: ...`, exit 3.
 """
 
 from __future__ import annotations

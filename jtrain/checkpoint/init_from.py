@@ -1,44 +1,27 @@
-"""`init.path`: start a new run (step 0) from another run's parameters.
+"""`init.path`: start a new run (step 0) from another run's parameters
+(docs/guide/checkpoints.md, docs/guide/huggingface.md).
 
-The source is an export (`python -m jtrain.export`: a directory with params.safetensors,
-or the file) or another run's checkpoint (its workdir, its checkpoints/ directory, or a
-step directory; the newest intact step, or `init.step` = N or best;
-nothing there is modified). Parameters are taken by path; with
-`init.opt` the optimizer state is taken too (a checkpoint source only).
-The model's state (BatchNorm's running statistics) comes with the parameters: a run keeps
-it under model_state/, an export beside the parameters under the model's own names; a
-source without it leaves it fresh, said on the report line.
-Internally leaves are keyed `params/<path>`, `opt_state/...`, `ema/<path>`; what the user
-writes and reads is the parameter path alone (`blocks_0/attn/qkv/kernel`,
-jtrain.optim.leaf_path). A parameter whose path matches a regex in
-`init.exclude` (re.search) keeps its fresh init, with its optimizer state and
-its average; so does everything else (step, rng, loss scale). A regex that matches no
-parameter is a ConfigError naming the key. One written for the old `params/...` paths
-(`^params/head/`) that matches nothing as written is read without the prefix
-(`^head/`), with a note. A leaf the model needs that the source lacks, or a shape that
-differs, is an error naming the leaf (exit 3). A floating dtype that differs (a
-bfloat16 export into float32 parameters) is cast, and said so. LoRA adapters
-(`*_lora_a` / `*_lora_b`, jtrain.models.lora) that the source lacks are expected: a LoRA
-fine-tune of a plain run or export keeps their fresh init. One line reports the leaves
-loaded, excluded, fresh adapters and unused in the source, with the first paths.
-A run with a weight EMA (`optim.ema.decay` > 0) takes the source checkpoint's average of
-each parameter it loads, and starts the average at the loaded parameters where the source
-has none (an export, a run without EMA) or the parameter was excluded.
+The source is an export (`jtrain export`: params.safetensors or its folder), another
+run's checkpoint (its workdir, checkpoints/ or a step folder; the newest intact step, or
+`init.step`; nothing there is modified) or `hf:DIR`, a local Hugging Face checkpoint
+(llama / arcee into the built-in transformer through jtrain.checkpoint.hf, after a check
+of its config.json). Parameters are taken by path, the model's state (BatchNorm
+statistics) with them when the source has it, and with `init.opt` the optimizer state
+(a checkpoint source only). Leaves are keyed `params/<path>`, `opt_state/...`,
+`ema/<path>` here; the user writes the parameter path alone (jtrain.optim.leaf_path).
 
-`hf:DIR` is a local Hugging Face checkpoint (config.json + model.safetensors, or its
-shards): a llama (model.mlp=swiglu) or arcee (model.mlp=gelu) checkpoint loads into the
-built-in transformer through jtrain.checkpoint.hf's mapping, after a check of its
-config.json that names the first field the built-in model cannot represent. Into your own
-model, `init.map` renames the HF tensors to your parameter paths ((regex,
-replacement) pairs; a trailing `.T` transposes a torch Linear weight into a kernel);
-`init.map` renames the parameters of any other source the same way (its regexes see the
-source's parameter paths; a parameter's optimizer state and average follow it).
-
-`init.into = NAME` loads the source into one sub-tree of the state (a step of
-your own: `teacher`), as if that sub-tree were the whole model: paths, excludes and the
-HF mapping are relative to it, and every leaf outside it keeps its fresh init.
-`init.into = "A,B"` loads the same source into each of several sub-trees of one
-structure (DPO's policy and its frozen reference).
+`init.exclude` (regexes, re.search) keeps matching parameters fresh with their optimizer
+state and average; a regex matching nothing is a ConfigError (one written for the old
+`params/...` paths is read without the prefix, with a note). A missing leaf or another
+shape is an error naming the leaf (exit 3); another floating dtype is cast, and said so;
+LoRA adapters the source lacks keep their fresh init. A weight EMA takes the source's
+average, or starts at the loaded parameters. `init.map` renames the source's tensors to
+the model's paths ((regex, replacement) pairs; a trailing `.T` transposes a torch Linear
+weight), their optimizer state and average following. `init.into = NAME` loads the
+source into one sub-tree of the state (a step of your own: `teacher`), paths, excludes
+and the mapping relative to it; `init.into = "A,B"` loads it into several sub-trees
+of one structure (DPO's policy and its frozen reference). One line reports what was
+loaded, excluded and unused.
 """
 
 from __future__ import annotations

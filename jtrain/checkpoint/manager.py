@@ -1,40 +1,24 @@
 """Checkpoints: a thin layer over orbax's CheckpointManager. Reads `config.checkpoint`.
 
-One checkpoint = one step directory `WORKDIR/checkpoints/<step>/` with three items and
-our manifest:
-  state    the TrainState (params, optimizer state, step, rng, loss scale, skip counter)
-  data     the data iterator position (JSON, from `train_iter.get_state()`)
-  control  the run-control record (JSON, `jtrain.control.RunControl`): resolved config
-           and its hash, versions, writer run ids, the best-k registry, eval history,
-           accepted config changes
-  jtrain_manifest.json  size + CRC-32 of every file and the state's tree spec, written
-           as the last part of the atomic commit (see `jtrain.checkpoint.integrity`)
+One checkpoint = `WORKDIR/checkpoints/<step>/` with the items `state` (the TrainState),
+`data` (the iterator position, JSON) and `control` (the run-control record,
+`jtrain.control.RunControl`), and `jtrain_manifest.json` (size and CRC-32 of every file,
+the state's tree spec), written last in the atomic commit (`jtrain.checkpoint.integrity`).
 
-Start-up precedence (`Checkpointer.restore_or_init`; also in WORKSPACE.md):
-  1. the newest complete, intact checkpoint in WORKDIR/checkpoints (damaged ones are
-     reported in one line and moved to WORKDIR/checkpoints.damaged/, or, with
-     checkpoint.strict_restore / --strict_restore, end the run with exit code 3);
-  2. else `init.path` (an export or another run's checkpoint: params, and the
-     optimizer state with init.opt; init.exclude keeps
-     matching leaves freshly initialized); the run starts at step 0;
-  3. else a fresh init.
-(With checkpoint.local_dir, `jtrain.checkpoint.tiers` runs a second Checkpointer on
-the local tier's folder and restores the newer of the two tiers' newest intact steps.)
-Resuming refuses a changed config (one line listing the changed keys, exit 3) unless
-the keys match `checkpoint.allow_changes`; accepted changes are recorded in the record.
-A checkpoint whose tree differs from the model (shape, dtype, missing or extra leaf)
-is never cast or reshaped: exit 3 naming the leaf and both shapes/dtypes.
+`Checkpointer.restore_or_init` follows the start-up precedence of
+docs/reference/workdir.md: the newest intact checkpoint (damaged ones reported and moved
+to checkpoints.damaged/, or exit 3 with checkpoint.strict_restore), else `init.path`,
+else a fresh init (with checkpoint.local_dir, `jtrain.checkpoint.tiers` restores the
+newer of two tiers). A changed config is refused unless `checkpoint.allow_changes`
+matches it; a tree that differs from the model is never cast or reshaped (exit 3 naming
+the leaf).
 
-Saves are asynchronous: `save` returns once orbax has copied the arrays off the device
-(so the next, donating step is safe); the write finishes in the background. A failed
-background write raises `CheckpointError` at the next save, `wait` or `close`, and that
-step never gets a manifest, so it is never taken as finished.
-
-Retention (orbax preservation policies, never `best_fn` + `max_to_keep`, which deletes
-the newest checkpoint when it is not among the best): keep a checkpoint if it is among
-the latest `max_to_keep` (at least 1: the latest is never deleted), its step is a
-multiple of `keep_every_steps`, it is the final step, or it is among the `keep_top_k`
-best by `monitor` (`mode` min|max) in the registry carried by the run-control record.
+Saves are asynchronous: `save` returns once orbax has copied the arrays off the device;
+a failed background write raises `CheckpointError` at the next save, `wait` or `close`,
+and that step never gets a manifest. Retention uses orbax preservation policies (never
+`best_fn` + `max_to_keep`, which deletes the newest checkpoint when it is not among the
+best): latest `max_to_keep` (at least 1), multiples of `keep_every_steps`, the final
+step, and the `keep_top_k` best by `monitor` in the run-control record's registry.
 """
 
 from __future__ import annotations

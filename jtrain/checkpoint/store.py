@@ -1,36 +1,20 @@
 """Run directories on object storage (`s3://bucket/run`, `gs://bucket/run`) through fsspec,
 and `check_workdir`: whether a local path or a URI can be a run's directory (light: the
-train command calls it before the engine's imports).
+train command calls it before the engine's imports). docs/guide/object-storage.md.
 
-jtrain writes a run with local file I/O (symlink-safe writes, appends, orbax's renames).
-A workdir on an object store is therefore a local staging copy (a temporary directory)
-mirrored to the bucket by `Mirror`:
+jtrain writes a run with local file I/O, so a bucket workdir is a local staging copy
+mirrored by `Mirror`: `pull` brings the run's files and each checkpoint step carrying
+the commit marker (a key landing outside the copy refuses the run in one line; a step
+without the marker is a torn upload, never restored); `commit_step` uploads a finished
+step's files, then the marker `COMMIT` (from the Checkpointer's finalization hook, in
+the save thread); `push` uploads the other files that changed and deletes the steps the
+keep policy dropped (marker first). `skip` leaves top-level folders out (a search's
+trials mirror themselves); `committed(uri)` and `read_bytes(uri)` read a bucket run
+without a staging copy.
 
-- `pull`: the bucket's run into the staging copy before the run (or a command) reads it:
-  every file outside `checkpoints/`, and each checkpoint step that carries the commit
-  marker. A key that would land outside the staging copy (a `..`, `.` or empty segment,
-  a backslash) refuses the whole run in one line naming the key (jtrain.paths). A step
-  without the marker is a torn upload: never restored (the owner, a training run,
-  deletes it with a warning; a reader skips it).
-- `commit_step`: a finished step's files uploaded, then the marker `COMMIT` last (an
-  object store has no atomic rename: the marker is the commit). Called from the
-  Checkpointer's post-finalization hook, in the background save thread.
-- `push`: the run's other files (metrics.jsonl, train.log, summary.json, tb/, ...)
-  uploaded when they changed, and the steps the keep policy deleted locally deleted in
-  the bucket (marker first). Called before each save, at the end and on an error.
-
-`skip` (a search's study, jtrain.tune.bucket): top-level folders left out of both (each
-trial's run mirrors itself). `committed(uri)` and `read_bytes(uri)` read a run in the
-bucket without a staging copy (a search's trial: the step it resumes, its metrics).
-
-Credentials come from the environment and the provider's standard chain only (for S3
-botocore's: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE, ~/.aws, instance
-roles; AWS_ENDPOINT_URL for another endpoint); a URI with credentials in it is refused
-(masked). A bucket that cannot be reached or read is one WorkdirError naming the URI.
-
-JTRAIN_STAGING_DIR (set by --verify_resume, never by hand): the training run's staging
-copy at that path (a folder the verifier created empty and watches) instead of a new
-temporary directory.
+Credentials come from the environment and the provider's standard chain only; a URI
+with credentials in it is refused (masked); an unreachable bucket is one WorkdirError
+naming the URI. JTRAIN_STAGING_DIR (set by --verify_resume) names the staging copy.
 """
 
 from __future__ import annotations

@@ -1,36 +1,19 @@
 """Two-tier checkpoints: a fast local tier beside the persistent one. Reads
-`checkpoint.local_dir` and `checkpoint.local_every_steps`.
+`checkpoint.local_dir` and `checkpoint.local_every_steps` (docs/guide/checkpoints.md).
 
-The persistent tier is WORKDIR/checkpoints as always (`checkpoint.every_steps` /
-`every_seconds`, the keep policy of `jtrain.checkpoint.policy`). The local tier is a
-folder on the machine's own disk, LOCAL_DIR/<id>/<step>/, written every
-`local_every_steps` steps in the same format (state, data position, run-control
-record, manifest) and keeping its newest step only. `<id>` is a random name stored in
-WORKDIR/local_tier.json at the first start: a new workdir, or one deleted and made
-again, never reads another run's local checkpoints. The id is read back as data (16 hex
-digits, the folder inside LOCAL_DIR and not a link, else one line), and
-LOCAL_DIR/<id>/tier_owner.json records which workdir owns the folder: a copy of the
-workdir starts a fresh tier instead of sharing it.
+The local tier is LOCAL_DIR/<id>/<step>/ on the machine's own disk, in the persistent
+tier's format, keeping its newest step only. `<id>` is a random name stored in
+WORKDIR/local_tier.json at the first start (read back as data: 16 hex digits, a folder
+inside LOCAL_DIR and not a link), and LOCAL_DIR/<id>/tier_owner.json names the workdir
+that owns it: a new or copied workdir never reads another run's local checkpoints.
 
-Which tier saves a step: the persistent tier when a persistent save is due (or the
-loop saves for a stop, a best eval or the end), else the local tier when
-`local_every_steps` divides the step. A step is never written to both.
-
-The invariant (checked by `lag`): every persistent save is of the step just run, and
-local saves are of earlier or equal steps, so once a persistent save of step P is
-committed the local tier holds nothing newer than P that it lacks; until the next
-persistent save the local tier is ahead by less than one persistent interval. Losing
-the local tier (a replaced machine) therefore loses at most what a run without it
-loses: the steps since the newest persistent checkpoint.
-
-Restore (`restore_or_init`): each tier is scanned as `Checkpointer` scans it (an
-unfinished save removed, a damaged one moved to `<folder>.damaged/` and the step before
-it taken), then the newer of the two newest intact steps is restored (`newer_tier`; a
-tie goes to the persistent tier); a local checkpoint that orbax cannot read falls back
-to the persistent tier. An empty or missing local folder means the persistent tier.
-
-One process only: a multi-process run with `checkpoint.local_dir` is a config error (a
-local tier per host, each holding that host's shards, is not implemented).
+A step goes to the persistent tier when a persistent save is due (or a stop, a best
+eval, the end), else to the local tier when `local_every_steps` divides it; never to
+both. So (checked by `lag`) the local tier is ahead by less than one persistent
+interval, and losing it loses at most what a run without it loses. Restore scans each
+tier as `Checkpointer` does and restores the newer of their newest intact steps
+(`newer_tier`; a tie goes to the persistent tier; an unreadable local one falls back).
+One process only: a multi-process run with `checkpoint.local_dir` is a config error.
 """
 
 from __future__ import annotations

@@ -1,35 +1,15 @@
-"""Every command, one dispatcher, one way in and out.
+"""Every command, one dispatcher, one way in and out: `jtrain CMD ...` (= `python -m
+jtrain CMD ...`; the commands: docs/reference/commands.md, the modules: WORKSPACE.md).
 
-    jtrain train    --config=configs/base.py --workdir=runs/base    (= python -m jtrain.main)
-    jtrain evaluate --workdir=runs/base [--step=best]               (= python -m jtrain.evaluate)
-    jtrain export   --workdir=runs/base --out=exports/base          (= python -m jtrain.export)
-    jtrain diff     RUN_A RUN_B                                     (= python -m jtrain.diff)
-    jtrain replay   RUN --step=S                                    (= python -m jtrain.replay)
-    jtrain trust    RUN                       (the code a run's config names, signed as trusted)
-    jtrain sample   RUN --prompt TEXT                               (text from a trained LM)
-    jtrain tokenize --input=FILES --out=DIR   (token shards for data.name=tokens)
-    jtrain tune     --config=... --workdir=...                      (= python -m jtrain.tune)
-    jtrain bench    overhead | data | checkpoint | ...              (= python -m jtrain.bench)
-
-`python -m jtrain CMD ...` is `jtrain CMD ...`. The package:
-
-    __init__.py   the dispatcher: COMMANDS, run_command, the console script
-    runner.py     the one command-line framework (absl flags, config files) and the one
-                  error path: parse, run
-    exits.py      how a command ends: the line, the code, peers told, the fast exit
-    train.py, evaluate.py, export.py, diff.py, replay.py, trust.py, sample.py, tokenize.py
-                  the commands; tune's and bench's live in their packages
-                  (jtrain/tune/command.py, jtrain/bench/command.py), a floor above
-    exit_codes.py the exit-code table (docs/reference/exit_codes.md)
-
-Each command (`jtrain/cli/<name>.py`, `jtrain/<name>/command.py`) has the
-same two functions, `define_flags(fv, argv)` and `main(fv, args, argv) -> exit code`, and
-`PROG` / `DESCRIPTION`; `run_command` parses its flags and runs it through the one error
-path (`jtrain.cli.runner.run`: one line and an exit code per failure); the search and the
-benchmarks themselves live in jtrain.tune and jtrain.bench. Every form starts the same way
-(`start`: process start-up, `jtrain.boot`; the current directory first on `sys.path`, as
-`python -m` puts it, so a `model.factory` module beside the config imports under every
-form) and a finished train command leaves by the same fast exit (`jtrain.cli.exits`).
+Each command (`jtrain/cli/<name>.py`, `jtrain/<name>/command.py` for tune and bench, a
+floor above) has the same two functions, `define_flags(fv, argv)` and `main(fv, args,
+argv) -> exit code`, and `PROG` / `DESCRIPTION`; `run_command` parses its flags and runs
+it through the one error path (`jtrain.cli.runner.run`: one line and an exit code per
+failure). Every form starts the same way (`start`: `jtrain.boot`, and the current
+directory first on `sys.path`, as `python -m` puts it, so a `model.factory` module
+beside the config imports under every form) and a finished train command leaves by the
+same fast exit (`jtrain.cli.exits`). The commands here: train, evaluate, export, diff,
+replay, trust, sample, tokenize; exit_codes is the exit-code table.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The one home of the config: every key once, with its type, default, allowed range or
 choices, a one-line description and whether it may change when a run resumes; `resolve`
-and `validate`.
+and `validate` (the modules: WORKSPACE.md's map; the keys: docs/reference/config.md).
 
 This is the only module that knows what a valid config is, and the only place a default
 lives. Each subtree has one reader (`config.optim` in optim.py, `config.data` in
@@ -11,24 +11,8 @@ A config is an `ml_collections.ConfigDict` of plain values. Library users may pa
 partial dict; `resolve` fills in the defaults and returns a new validated ConfigDict
 (it is never changed afterwards: a change builds a new one). Every error is a
 `ConfigError` whose message starts with the dotted key: `optim.lr: must be finite, got nan`.
-
-    schema   the declarations: `SCHEMA`, `MODEL_FAMILIES`, `Field`, the choice tuples,
-             `resume_safe(key)` and `describe()` (every key with type, default and doc)
-    reference  `--print_config`'s text and docs/reference/config.md, written from the schema
-               (`python -m jtrain.config --markdown`, in `__main__`)
-    space    `tune.space` (the keys a hyperparameter search samples): nesting and checks
-    sections one section alone, for the public pieces (`jtrain.make_optimizer({"lr":
-             0.1}, 10)`): defaults filled in, the section's own rules checked
-    rules    the rules of single sections (mesh, optim, early_stop, checkpoint)
-    renamed  old key names -> new ones (the note a run prints; an old run's config.json)
-    named    `load_named("pkg.mod:fn", key)`: the object a config key names
-    changes  a resumed run's config against its checkpoint's: the diff, and which
-             changed keys need `checkpoint.allow_changes`
-    fields   `Field` and the choice tuples the schema draws from
-    schema_control  the run-control sections of the schema (checkpoint ... tune, debug)
-    schema_population  the population section, its rules, each member's seed and values
-    interactions  the feature-interaction table: which pairs of features work, which are
-                  refused; the covering array of cases the suite trains
+Modules: schema (with fields, schema_control, schema_population), reference, space,
+sections, rules, renamed, named, changes, interactions.
 """
 
 from __future__ import annotations
@@ -49,7 +33,7 @@ from jtrain.config import renamed, schema_population, space as space_lib
 from jtrain.config.fields import OpenChoices
 from jtrain.config.rules import (  # noqa: F401  (config.check_mesh, config.check_optim)
     _check_checkpoint, _check_early_stop, _check_init, _check_regexes, check_mesh,
-    check_optim, check_train_metrics, parse_faults, resolve_axis_sizes)
+    MESH_AXES, check_optim, check_train_metrics, parse_faults, resolve_axis_sizes)
 from jtrain.errors import ConfigError  # noqa: F401  (jtrain.config.ConfigError)
 
 
@@ -374,7 +358,9 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
                           "set model.quant='none' or model.moe.experts=0")
     if num_devices is None:
         return
-    data, fsdp, expert, _ = resolve_axis_sizes(mesh, num_devices)  # ConfigError
+    sizes = dict(zip(MESH_AXES, resolve_axis_sizes(mesh, num_devices), strict=True))
+    data, fsdp, expert = sizes["data"], sizes["fsdp"], sizes["expert"]
+    _check_context(tree, sizes["context"])
     experts = (model.get("moe") or {}).get("experts") or 0
     if expert > 1 and experts % expert:
         raise ConfigError("mesh.expert", f"{expert} does not divide model.moe.experts="
@@ -382,6 +368,10 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
     if expert > 1 and tree["population"]["size"] > 1:
         raise ConfigError("mesh.expert", "not implemented for a population "
                           "(population.size > 1); use mesh.fsdp for the experts")
+    if expert > 1 and sizes["context"] > 1:
+        raise ConfigError("mesh.expert", "not implemented with mesh.context > 1 (the "
+                          "all-to-all dispatch takes whole sequences); use mesh.fsdp for "
+                          "the experts")
     dp = data * fsdp * expert
     if batch % dp:
         raise ConfigError("data.batch_size",
@@ -395,6 +385,25 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
     if eval_batch % dp:
         raise ConfigError("eval.batch_size",
                           f"{eval_batch} is not divisible by the data-parallel size {dp}")
+
+
+def _check_context(tree: dict, context: int) -> None:
+    """mesh.context > 1 splits the built-in transformer's sequences: what does not take
+    part is refused in one line."""
+    det = tree["determinism"]["topology_invariant"]
+    others = [("model.name", tree["model"]["name"], tree["model"]["name"] != "transformer"),
+              ("step.factory", tree["step"]["factory"], bool(tree["step"]["factory"])),
+              ("population.size", tree["population"]["size"], tree["population"]["size"] > 1),
+              ("determinism.topology_invariant", det, det),
+              ("finetune.lora.rank", tree["finetune"]["lora"]["rank"],
+               tree["finetune"]["lora"]["rank"] > 0),
+              ("model.quant", tree["model"].get("quant", "none"),
+               tree["model"].get("quant", "none") != "none")]
+    for key, value, on in others:
+        if context > 1 and on:
+            raise ConfigError("mesh.context", f"{context} splits the built-in transformer's "
+                              f"sequences; not implemented with {key}={value!r}: set "
+                              "mesh.context=1")
 
 
 def _check_family(model: dict) -> None:

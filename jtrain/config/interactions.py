@@ -186,6 +186,16 @@ MODEL_OPTIONS: dict[str, tuple[str, str, str]] = {
                             "`delayed` is one line before the first step (qwix 0.1.8 "
                             "has no amax history); `current` is `model.quant` as it is; "
                             "tests/journeys/test_expert_axis_journey.py", "precision.md"),
+    "context parallelism": ("`mesh.context`", "checked on fake CPU devices: loss and "
+                            "gradients of packed documents (segment_ids, positions) equal "
+                            "one device's at context 2, 4, 8 and data 2 x fsdp 2 x context "
+                            "2; a built-in step equals the unsplit one with `model.moe`; "
+                            "`--verify_resume` bitwise and `jtrain sample` (decoding runs "
+                            "unsplit) at context 2; refused: a model or step of your own, "
+                            "`population.size`, `determinism.topology_invariant`, LoRA "
+                            "(`finetune.lora.rank`), `model.quant`, `mesh.expert`; "
+                            "tests/models/test_context.py, tests/journeys/"
+                            "test_context_journey.py", "scaling-out.md"),
 }
 
 

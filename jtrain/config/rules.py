@@ -13,7 +13,7 @@ from jtrain.config.fields import OPTIMIZERS, SCHEDULE_FREE
 from jtrain.errors import ConfigError
 
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 
 
 def check_mesh(mesh: dict) -> None:
@@ -24,7 +24,7 @@ def check_mesh(mesh: dict) -> None:
 
 
 def resolve_axis_sizes(mesh_cfg, num_devices: int) -> tuple[int, ...]:
-    """The sizes of MESH_AXES (data, fsdp, expert, tensor); a single -1 takes the rest.
+    """The sizes of MESH_AXES (data, fsdp, expert, context, tensor); a single -1 takes the rest.
 
     Raises ConfigError("mesh.<axis>", why) when the sizes cannot cover num_devices.
     """

@@ -131,6 +131,9 @@ SCHEMA: dict[str, Any] = {
         "expert": F(int, 1, (-1, INF), "expert-parallel axis: model.moe's experts split "
                     "over it, tokens sent to their experts' devices by all-to-all; the "
                     "batch is split over it too (docs/guide/scaling-out.md)"),
+        "context": F(int, 1, (-1, INF), "context-parallel axis: the built-in transformer's "
+                     "sequences split over it, keys and values gathered for attention "
+                     "(docs/guide/scaling-out.md)"),
         "tensor": F(int, 1, (-1, INF), "tensor-parallel axis"),
         "auto_shard": F(bool, True, None, "with mesh fsdp > 1, shard each parameter the "
                         "model did not annotate along its largest dimension divisible by "

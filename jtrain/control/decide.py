@@ -85,12 +85,6 @@ class Decisions:
         they log (callback/*), to write with the step's."""
         return self._hooks("after_log", step, scalars).log or {}
 
-    def check_divergence(self, step: int, loss_window: float) -> None:
-        """At a log step: the divergence rule alone (its warning said, once)."""
-        action = self.divergence.after_log(step, {"train/loss_window": loss_window})
-        if action is not None and action.warn:
-            self.say(action.warn)
-
     def _hooks(self, hook: str, step: int, values: dict) -> rule_lib.Action:
         merged = rule_lib.Action(log={})
         for r in self.rules:

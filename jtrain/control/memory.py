@@ -92,7 +92,8 @@ def plan(measure: Callable[[int], int], *, per_device_batch: int, configured: in
             f"the train step needs {_size(tried[candidates[hi]])} per device even at "
             f"microbatch {per_device_batch // candidates[hi]} (grad_accum_steps="
             f"{candidates[hi]}), over {_size(budget)} ({source}); use more devices "
-            "(mesh.fsdp shards the params and optimizer state), a smaller model or a "
+            "(mesh.fsdp shards the params and optimizer state, mesh.context the built-in "
+            "transformer's sequences), a smaller model or a "
             "smaller data.batch_size")
     while lo < hi:  # invariant: candidates[hi] fits
         mid = (lo + hi) // 2

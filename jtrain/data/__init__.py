@@ -4,37 +4,16 @@ A run hands its data over once (prepare.py): `UserData` opens what the user pass
 before the config is resolved (a DataLoader's settings become data.* in that one
 resolution), `prepare(...)` returns the `RunData` that owns the checked sources, example
 0, the vocab check, the train iterator at its restored position and the eval plan.
+Behind it: load, torch_adapters (what the user passed), checks, items, the iterators
+(pipeline, streams, grain_sources), evalsets, mixture, mixture_streams, packing, text,
+tokens, tokenizer and chat (WORKSPACE.md's map says what each holds).
 
 Yields numpy only, knows nothing about devices and calls no collective (the one
-cross-process count it needs comes through the `gather` the caller passes).
-`jtrain.mesh.host_to_device` turns a per-process batch into a global sharded array, in
-one place (the background device prefetch in prefetch.py is handed that function).
-
-    load_user_data   data.source factories; a torch DataLoader's settings -> data.*
-                     (load.py, torch_adapters.py)
-    make_sources     -> (train Data, eval Data or None, info), checked: bad input is a
-                     DataError before any step (load.py, checks.py; the built-in
-                     text.py and token shards, tokens.py)
-    make_train_iterator  endless batches with get_state()/set_state(): map-style
-                     (pipeline.py), streams (streams.py), grain DataLoaders (grain_sources.py)
-    device_prefetch  the next batches on the devices, position kept exact (prefetch.py)
-    eval_batches     every example once, padded, with a mask (evalsets.py)
-    Mixture          several datasets sampled by weight, data.mixture_schedule, each
-                     component's eval set on its own (mixture.py); stream components
-                     read in order by every process (mixture_streams.py)
-    packing          token documents packed into data.seq_len windows with segment_ids
-                     and positions (packing.py)
-    tokens           data.name=tokens: token shards written once by `jtrain tokenize`
-                     (tokens.py; the tokenizers, tokenizer.py) served as windows
-    chat             data.name=chat: JSONL conversations through a chat template, packed,
-                     weight 0 on prompt tokens (chat.py; DPO's pairs too)
-
-`Data` (dataset.py): one small class per input kind behind one protocol; `checks.check`
-returns a checked copy. Items become numpy in items.py; map-style sources and seeded
-randomness are in sources.py.
-
-Batches are dicts of numpy arrays: `inputs` (an array or a pytree), `targets`, optional
-`weights`; eval batches (and train batches with data.drop_last=False) have `mask` [b].
+cross-process count it needs comes through the `gather` the caller passes);
+`jtrain.mesh.host_to_device` makes a per-process batch a global array (prefetch.py is
+handed that function). Batches are dicts of numpy arrays: `inputs` (an array or a
+pytree), `targets`, optional `weights`; eval batches (and train batches with
+data.drop_last=False) have `mask` [b].
 """
 
 from __future__ import annotations

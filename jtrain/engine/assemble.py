@@ -61,7 +61,7 @@ def build(cfg, *, sample, eval_example: dict, model=None, loss_fn: Callable | No
         return own_step.build(cfg, step, eval_example=eval_example,
                               train_example=train_example, loss_fn=loss_fn)
     mesh, policy = mesh_lib.make_mesh(cfg.mesh), precision_lib.make_policy(cfg.model)
-    module, user = parts.model_object(cfg, model, policy)
+    module, user = parts.model_object(cfg, model, policy, mesh)
     lora_fns, extra_trainable, lora_record = parts.lora(cfg, module, sample, mesh)
     m = parts.model_functions(cfg, module, user, policy, sample, mesh, lora_fns)
     loss = parts.loss_of(cfg, loss_fn)

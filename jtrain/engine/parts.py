@@ -140,15 +140,21 @@ class Model(NamedTuple):
     module: Any = None
 
 
-def model_object(cfg, given, policy):
+def model_object(cfg, given, policy, mesh):
     """(module, user): the model object (yours, its layers computing in the policy's dtype;
     model.factory's, treated as yours; or the built-in family of model.name) and yours
-    as given (None for the built-in)."""
+    as given (None for the built-in; refused on a mesh with context > 1, which splits
+    the built-in transformer's sequences only)."""
     module = given
     if module is None:
         module = models_lib.make_model(cfg.model, dtype=policy.compute_dtype,
                                        param_dtype=policy.param_dtype)
     user = module if given is not None or cfg.model.name == "user" else None
+    context = mesh.shape["context"]
+    if user is not None and context > 1:
+        raise ConfigError("mesh.context", f"{context} splits the built-in transformer's "
+                          f"sequences; a model of your own ({type(user).__name__}) is not "
+                          "split: set mesh.context=1")
     if user is not None and policy.compute_dtype != np.float32:
         module = adapters.with_compute_dtype(module, policy.compute_dtype,
                                              tuple(cfg.model.keep_fp32))
@@ -295,8 +301,9 @@ def memory_plan(cfg, mesh, train_example, state_abstract, step_of):
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         (cfg.data.batch_size,) + np.shape(x), np.asarray(x).dtype), train_example)
 
-    def measure(n):
-        return memory_lib.step_bytes(step_of(n).lower(state_abstract, batch).compile())
+    def measure(n):  # traced as the loop traces it: logical names on this mesh
+        with mesh_lib.model_context(mesh):
+            return memory_lib.step_bytes(step_of(n).lower(state_abstract, batch).compile())
 
     plan = memory_lib.plan(measure, per_device_batch=cfg.data.batch_size
                            // mesh_lib.data_parallel_size(mesh),

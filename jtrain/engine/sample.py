@@ -1,40 +1,25 @@
-"""`jtrain sample RUN --prompt TEXT`: text from a trained language model.
+"""`jtrain sample RUN --prompt TEXT`: text from a trained language model
+(docs/guide/language-models.md: the options, the decode interface, how rows are padded
+and tokens chosen).
 
     sample(run_or_params, prompts, *, model=None, max_new_tokens=64, temperature=0.0,
            top_k=0, top_p=1.0, seed=0, stop=(), step=None, use_cache=True,
            tokenizer=None) -> [Sample]
 
-The run's newest intact checkpoint (or `step`: N, latest, best) is read like `jtrain
-export` reads it (integrity-checked, params only) into the model its config.json names;
-nothing the run names is imported unless the run is trusted (jtrain.observe.trust), and
-then only its model.factory.
+The run's newest intact checkpoint (or `step`) is read as `jtrain export` reads it
+(integrity-checked, params only) into the model its config.json names; nothing the run
+names is imported unless the run is trusted (jtrain.observe.trust). A model is sampled
+through `max_len`, `init_cache(batch, length)` and `apply(variables, tokens, cache=,
+pad=) -> (logits, cache)` (the built-in transformer has them); any other is refused in
+one line. Prompts are left-padded to the longest and run in one call (prefill), then one
+token per call into a fixed-length cache, so each of the two jitted functions compiles
+once per batch; `use_cache=False` recomputes the window every token (the reference the
+cache is tested against). The same seed, prompts and settings give the same tokens.
 
-The decode interface, what a model must have to be sampled (the built-in transformer has
-it, jtrain/models/transformer.py): `max_len` (its context), `init_cache(batch, length)`
-(an empty cache pytree) and `apply(variables, tokens [B, T], cache=cache, pad=pad [B])
--> (logits [B, T, V], cache)`, which runs T tokens at the cache's index with each row
-left-padded by pad tokens. Any other model is refused in one line.
-
-Decoding: prompts of different lengths are left-padded to the longest (each row's own
-rotary positions start at its first real token; padding is masked out of attention);
-the prompt runs in one call (prefill), then one token per call into a cache of fixed
-length (longest prompt + max_new_tokens, at most the context), so each of the two jitted
-functions compiles once per batch. `use_cache=False` recomputes the whole window every
-token instead (the reference the cache is tested against; the benchmark's other side).
-Token choice, in the step: temperature 0 is greedy (argmax); otherwise logits /
-temperature, keep the `top_k` largest (0: all), then the smallest set whose
-probabilities reach `top_p` (1: all), and draw with the key of `seed` folded with the
-cache index: the same seed, prompts and settings give the same tokens.
-
-Text is encoded and decoded with the run's own tokenizer: the copy in its workdir that
-config.json's data.tokenizer names (SHA-256 checked; a file read as data, never code),
-bytes for a byte-level model (vocab_size 256), or `tokenizer=` (a file, or an object
-with encode / decode / vocab_size). Without one, prompts are lists of token ids and no
-text comes back. A row ends at a stop string (found in the decoded text, cut before
-it), at max_new_tokens, or when the context is full.
-
-`end_of_run` is the reference run's last lines: greedy continuations of `sample.prompts`
-from the final params (read, never changed), beside the eval loss.
+Text goes through the run's own tokenizer (the SHA-256-checked copy config.json's
+data.tokenizer names, bytes for vocab_size 256, or `tokenizer=`); without one, prompts
+are token ids and no text comes back. `end_of_run` is the reference run's last lines:
+greedy continuations of `sample.prompts` from the final params, beside the eval loss.
 """
 
 from __future__ import annotations

@@ -13,23 +13,13 @@ Every other field is yours, whatever its name (`mask`, `valid`, ...): jtrain rea
 of them. The engine's own row mask of padded batches (0 = a padding row) travels under
 `ROW_MASK`, a key no dataset may yield; `weights_for(batch, shape)` folds it in.
 
-Building blocks for custom losses (pure jax.numpy, jit-able, float32 math). Each takes
-arrays plus optional `weights` (broadcast over trailing axes, e.g. [B] weights for [B, T]
-elements) and returns float32 `(loss_sum, weight_sum)`; `loss_sum / weight_sum` is the
-mean over the counted elements. Elements with weight 0 count for nothing, even where
-the target is NaN or inf (a missing value): in value and in the gradient. Pass
-`weights=weights_for(batch, shape)` to honour the batch's weights and row mask.
-  weighted(per_element, batch)       reduce any per-element loss with the batch weights
-  masked_cross_entropy(logits, labels, weights, ignore_index)   softmax CE, int labels
-  mse(pred, target, weights), mae(pred, target, weights)        squared / absolute error
-  binary_cross_entropy(logits, targets, weights)                sigmoid CE on logits
-  negative_binomial_nll(counts, mean, dispersion, weights, eps) NB(mu, theta) NLL (scVI)
-  gaussian_nll(target, mean, var, weights, eps, full)           as torch gaussian_nll_loss
-  poisson_nll(log_rate_or_rate, target, weights, log_input, full, eps)  as torch's
-  pearson_loss(pred, target, weights, axis, eps)   1 - Pearson r over the batch axis
-                                                   (batch-level: see its docstring)
-
-terms.py: the loss a config names (loss.fn, loss.terms: a weighted multi-loss).
+The building blocks for custom losses (`masked_cross_entropy`, `mse`, `mae`,
+`binary_cross_entropy`, `negative_binomial_nll`, `gaussian_nll`, `poisson_nll`,
+`pearson_loss`, `weighted`: pure jax.numpy, float32 math) take optional `weights`
+(broadcast over trailing axes) and return `(loss_sum, weight_sum)`, weight-0 elements
+counting for nothing in value and gradient; pass `weights=weights_for(batch, shape)` to
+honour the batch's weights and row mask. terms.py: the loss a config names (loss.fn,
+loss.terms: a weighted multi-loss).
 """
 
 from __future__ import annotations

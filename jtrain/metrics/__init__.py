@@ -1,4 +1,5 @@
-"""Metric states that merge exactly across batches, devices and hosts.
+"""Metric states that merge exactly across batches, devices and hosts
+(docs/guide/evaluation.md).
 
 Every metric is an immutable pytree (``flax.struct.dataclass``):
 
@@ -7,45 +8,24 @@ Every metric is an immutable pytree (``flax.struct.dataclass``):
     metric.merge(other) -> Metric                   # exact and associative
     metric.compute() -> float | dict[str, float]    # host side, python floats
 
-Batch keys: ``logits`` [..., C] (or integer ``preds`` [...]) and ``labels`` [...] for
-classification; float ``preds`` and ``labels`` for regression; ``loss`` (or ``values``) for
-averages; ``scores`` for AUROC; ``mask`` (optional, bool or float, shape a prefix of
-``labels``: [B] or [B, T]; 0 = padding). Padded entries are removed with ``where``, never by
-multiplying, so NaN / inf / out-of-range garbage in padded rows cannot leak. Every metric reads
-a float mask as the entry's weight (its value where > 0, else 0; a bool mask weighs 0 / 1), as
-scikit-learn's ``sample_weight``: accuracies are weighted shares, confusion-matrix entries
-summed weights (precision / recall / F1 follow from them), AUROC the weighted share of
-(positive, negative) pairs ranked right, MSE / MAE / R2 / Pearson weighted moments, Spearman
-the weighted Pearson correlation of weighted midranks (an entry of weight w counting as w
-copies).
-
-Jittable: ``update`` works inside ``jax.jit`` (also on sharded batches) and the state is a
-fixed-shape pytree: Average, Loss, Perplexity, BitsPerByte, Accuracy, TopKAccuracy,
-ConfusionMatrix, PrecisionRecallF1, MSE, MAE, R2, Pearson (class attribute ``JITTABLE``).
-Host-side: AUROC and Spearman need every (score, label) pair; their ``update`` takes fetched
-arrays outside jit, drops padded entries, and appends to numpy buffers. They are exact, and
-raise once more than ``max_examples`` valid entries are held (no approximation).
-
-Precision. On device one batch contributes float32 sums (XLA's reductions:
-~5e-8 relative error for 1M float32 values on CPU). ``merge`` outside jit turns leaves into
-numpy float64, and ``update`` outside jit is ``merge(state_of_batch)``, so accumulation
-across batches and hosts is float64. Second moments (R2, Pearson) are centred per batch and
-merged with Chan et al.'s parallel formula, which avoids the cancellation of sum-of-squares
-formulas. The exact pattern for an eval loop:
+Batch keys: ``logits`` (or integer ``preds``) and ``labels``; float ``preds`` for
+regression; ``loss`` (or ``values``) for averages; ``scores`` for AUROC; an optional
+``mask`` (a prefix of ``labels``' shape; 0 = padding, a float is the entry's weight, as
+scikit-learn's ``sample_weight``). Padded entries are removed with ``where``, never by
+multiplying, so garbage in padded rows cannot leak. ``update`` works inside ``jax.jit``
+(class attribute ``JITTABLE``) except for AUROC and Spearman, which hold every valid
+pair in numpy buffers (exact, up to ``max_examples``). One batch sums in float32 on
+device; ``merge`` outside jit is float64 (second moments merged with Chan et al.'s
+formula), so an eval loop merges each batch's jitted state on the host:
 
     step = jax.jit(lambda batch: template.update(**batch))   # one batch's state, float32
     total = template
     for batch in batches:
         total = total.merge(step(batch))                      # float64 on the host
 
-Carrying the state through jit (``jit(lambda m, b: m.update(**b))``) accumulates in float32.
-Metrics are immutable, so an ``empty()`` template can be reused for every evaluation.
-
-Layout: ``averages``, ``classification``, ``regression``, ``gathered`` (host-side),
-``collection`` (MetricCollection, reduce_across_processes) and ``tasks`` (which metrics an
-evaluation computes, by name or by task, and how jtrain's batches feed them); ``base``
-holds what they share (host dtypes, exact merging, masks); ``names`` lists every metric
-name a run writes (train/*, eval/*, perf/*, startup/*, compile/*).
+Modules: averages, classification, regression, gathered (host-side), collection
+(MetricCollection, reduce_across_processes), tasks (which metrics an evaluation
+computes), base (what they share), names (every metric name a run writes).
 """
 
 from jtrain.metrics.averages import Average, BitsPerByte, Loss, Perplexity

@@ -24,13 +24,10 @@ from jtrain.models import mlp, transformer, user
 MODELS = {"transformer": transformer, "mlp": mlp, "user": user}
 
 
-def _family(model_cfg_or_name):
-    if isinstance(model_cfg_or_name, str):
-        name = model_cfg_or_name
-    elif "name" in model_cfg_or_name:
-        name = model_cfg_or_name["name"]
-    else:
+def _family(model_cfg):
+    if "name" not in model_cfg:
         raise ConfigError("model.name", f"missing; choose one of: {', '.join(sorted(MODELS))}")
+    name = model_cfg["name"]
     if name not in MODELS:
         raise ConfigError("model.name", f"unknown model {name!r}; "
                                         f"choose one of: {', '.join(sorted(MODELS))}")
@@ -58,9 +55,3 @@ def flops_per_example(model_cfg, input_shape) -> float | None:
     """Training FLOPs (forward + backward) per example; `input_shape` has no batch axis."""
     family = _family(model_cfg)
     return family.flops_per_example(config_lib.resolve_model(model_cfg), input_shape)
-
-
-def default_model_config(name: str) -> dict:
-    """The `model` section of a default config for family `name`: a fresh dict."""
-    _family(name)
-    return config_lib.defaults(name).model.to_dict()

@@ -66,7 +66,13 @@ def _matmul(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     from the activations as they are laid out; with the einsum over [B, T, ...] it wrote
     transposed copies of the activations and of their gradients first (`docs/
     benchmarks.md`, "Where the base model's step goes on CPU"). Sharding is unchanged:
-    B is the major part of N."""
+    B is the major part of N. On a mesh that splits the sequence (mesh.context > 1) the
+    leading dims stay as they are: a row's tokens are not contiguous in N when B is not
+    split as finely, and the flattened matmul would gather the whole sequence."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.shape.get("context", 1) > 1:
+        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+        return jax.lax.dot_general(x, w, (contract, ((), ())))
     lead = x.shape[:x.ndim - n_in]
     x2 = x.reshape((-1,) + x.shape[x.ndim - n_in:])  # [N, K1..Kn]
     contract = (tuple(range(1, n_in + 1)), tuple(range(n_in)))
@@ -123,14 +129,18 @@ class CausalSelfAttention(nn.Module):
                                                      (0, index, 0, 0))  # [B, S, H, Dh]
                   for name, new in (("key", k), ("value", v))}
             ctx = _attend(q, kv["key"], kv["value"], allowed=allowed)
-        elif segment_ids is not None:  # packed: no attention across documents
-            ctx = _attend(q, k, v, segment_ids)
-        elif self.attention == "cudnn":
-            # cuDNN's fused causal attention: the [B, H, T, T] scores never reach memory.
-            ctx = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                               implementation="cudnn")  # [B, T, H, Dh]
-        else:
-            ctx = _attend(q, k, v)
+        else:  # mesh.context: queries stay split by length, keys and values are
+            # gathered whole (a no-op unless the engine sets logical-axis rules)
+            k, v = (nn.with_logical_constraint(a, ("batch", None, "heads", "kv"))
+                    for a in (k, v))
+            if segment_ids is not None:  # packed: no attention across documents
+                ctx = _attend(q, k, v, segment_ids)
+            elif self.attention == "cudnn":
+                # cuDNN's fused causal attention: the [B, H, T, T] scores never reach memory.
+                ctx = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                   implementation="cudnn")  # [B, T, H, Dh]
+            else:
+                ctx = _attend(q, k, v)
         w_out = _param(self, "out", (h, dh, d), ("heads", "kv", "embed"), out_init)
         out = _matmul(ctx, w_out.astype(self.dtype), n_in=2)  # [B, T, D]
         return out if cache is None else (out, kv)
@@ -355,7 +365,8 @@ class Transformer(nn.Module):
             w = _param(self, "logits", (self.d_model, self.vocab_size), ("embed", "vocab"),
                        nn.initializers.lecun_normal())
             logits = _matmul(x.astype(self.dtype), w.astype(self.dtype))
-        logits = logits.astype(jnp.float32)  # [B, T, V]
+        logits = nn.with_logical_constraint(logits.astype(jnp.float32),
+                                            ("batch", "length", "vocab"))  # [B, T, V]
         if decode is None:
             return logits
         return logits, {"index": decode[0] + tokens.shape[1], "layers": layers}

@@ -1,68 +1,26 @@
-"""Optimizers and learning-rate schedules: the only reader of `config.optim`.
+"""Optimizers and learning-rate schedules: the only reader of `config.optim`
+(docs/guide/optimizers.md, docs/guide/schedules.md).
 
 `make_optimizer(config.optim, total_steps) -> (tx, schedule)` builds one optax chain:
 
     clip_by_global_norm(clip_norm)       # only when clip_norm > 0
     -> optimizer(learning_rate=schedule) # weight decay inside, masked by `weight_decay_mask`
 
-`schedule` is the very object inside `tx`, so `schedule(step)` is the learning rate
-the update at `step` used (step = number of updates applied so far).
+`schedule` is the very object inside `tx`, so `schedule(step)` is the learning rate the
+update at `step` used. Freezing (`optim.trainable` / `optim.frozen`, regexes searched in
+`leaf_path`s) runs that chain inside `optax.multi_transform` on the trainable leaves
+only: frozen leaves get `set_to_zero()`, never move, carry no optimizer state and do not
+count in the clipping norm. `optim.lr_mults` ({regex: factor}, first match wins)
+multiplies the updates of matching leaves. Adafactor's `weight_decay_rate` applies after
+the learning rate, so it gets `wd * schedule(count)`. Schedule-free: the params are the
+gradient points, evaluation and export use the average (`schedule_free_eval_params`).
+`grad_accum_steps` is the step builder's, not read here.
 
-Choices worth knowing:
-- Every schedule warms up linearly from 0 to `lr` over `warmup_steps` when
-  `warmup_steps > 0`, "constant", "linear", "cosine" and "rsqrt" included (the warmup
-  is prepended with `optax.join_schedules`). So "cosine" with a warmup equals
-  "warmup_cosine" and "linear" with a warmup equals "warmup_linear".
-- Decays end at the absolute step `decay_steps` (0 means `total_steps`), warmup
-  included, at `lr * end_lr_factor`, and hold there afterwards.
-- "rsqrt": `lr * sqrt(max(warmup_steps, 1) / max(step, 1))` after the warmup; it has
-  no floor and ignores `decay_steps` / `end_lr_factor`.
-- Weight decay is decoupled and scaled by the learning rate (`p -= lr * wd * p`) for
-  adamw and lion (optax's own), and for adafactor (its `weight_decay_rate` is applied
-  after the learning rate, so we pass `wd * schedule(count)` to keep the same meaning).
-  For sgd it is `optax.add_decayed_weights` before sgd, i.e. classic L2 on the gradient
-  (identical to decoupled without momentum; with momentum it goes through the
-  momentum, as in `torch.optim.SGD(weight_decay=...)`).
-- "adam" with `weight_decay > 0` is an error, not L2 regularisation in disguise: use
-  "adamw".
-- "lion" reads `b1` / `b2` from the config like adam does. The defaults here are
-  Adam's (b2=0.999); the Lion paper (and optax) use b1=0.9, b2=0.99, and a learning
-  rate 3-10x smaller than AdamW's: set them explicitly.
-- "adafactor" uses optax's defaults (factored second moments, update clipping,
-  parameter-scale multiplication); `b1`, `b2` and `eps` are not used.
-- `grad_accum_steps` is read by the step builder (token-weighted accumulation inside the
-  train step, one step = one update), not here.
-- "muon" (optax.contrib.muon): orthogonalised momentum (`optim.kwargs` beta, ns_steps)
-  on 2-D leaves; every other leaf gets muon's own fallback, Nesterov adamw (`b1`, `b2`),
-  both with the masked weight decay. The header counts the leaves of each.
-- "schedule_free_adamw" / "_sgd" (optax.contrib.schedule_free): `b1` in (0, 1) is the
-  interpolation; constant schedule (+ warmup) only. The params are the gradient points
-  y; evaluation uses the average x (`schedule_free_eval_params`), and so does the
-  export. lr_mults and the plateau / spike factor scale the base step (z), so the average
-  stays consistent.
-- "prodigy": estimates the step size D from `optim.kwargs.estim_lr0`; `lr` (usually 1.0) multiplies
-  it; masked weight decay as prodigy's own. lr_mults and the factor scale the step.
-- Freezing (`optim.trainable`, `optim.frozen`: regexes searched in parameter paths such
-  as `encoder/Dense_0/kernel`, `leaf_path`): the whole chain above runs inside
-  `optax.multi_transform` on the trainable leaves only, the frozen ones get
-  `optax.set_to_zero()`: frozen leaves never move (weight decay included), carry no
-  optimizer state, and do not count in the clipping norm.
-- `optim.lr_mults` ({regex: factor}, first match wins) multiplies the updates of matching
-  leaves, which for these optimizers is multiplying their learning rate (weight decay
-  included, as it is scaled by the learning rate).
-
-- A built-in name's own arguments are `optim.kwargs` (sgd: momentum, nesterov; muon:
-  beta, ns_steps; prodigy: estim_lr0; jtrain.config.fields.OPTIMIZERS, the one list of
-  the names, with their defaults).
-- Any other optax / optax.contrib function by name ("optax.lion", with `optim.kwargs`)
-  takes the place of the optimizer in the chain above (named.py says what jtrain passes
-  it); `jtrain.train(tx=...)` replaces the whole chain but the freezing and lr_mults
-  (`given_optimizer`).
-
-Its modules: schedules.py (optim.schedule), decay.py (weight decay whose rate is in
-the optimizer state, one per population member), named.py (optax functions by name) and
-update.py (one optimizer update, gradients summed over microbatches:
-jtrain.step.optimizer_update / accumulated).
+A name of optax / optax.contrib ("optax.lion", with `optim.kwargs`) takes the
+optimizer's place in the chain (named.py); `jtrain.train(tx=...)` replaces the whole
+chain but freezing and lr_mults (`given_optimizer`). The modules: schedules.py,
+decay.py (a weight-decay rate in the optimizer state, one per population member),
+named.py and update.py (one update from gradients summed over microbatches).
 """
 
 import functools

@@ -1,48 +1,25 @@
-"""`python -m jtrain.main --config=... --workdir=DIR --verify_resume`: proof of exact resume.
+"""`--verify_resume`: proof of exact resume (docs/guide/determinism.md).
 
-Runs the config twice, as separate processes with the same environment:
-  reference    DIR/reference, uninterrupted, watched: the steps at which checkpoints
-               were written and the moment the final save began form its timeline;
-  interrupted  DIR/interrupted, killed with SIGKILL `--verify_kills` times and restarted
-               with the same command after each kill. The kills land mid-step, mid-eval,
-               mid-save (fault points, see `jtrain.control`) and at random wall-clock
-               moments, in a random order.
-Then compares the final `state_sha256` of both summaries and prints one line:
-  jtrain: verify_resume: PASS: ...          (exit 0)
-  jtrain: verify_resume: FAIL: ...          (exit 1)
-  jtrain: verify_resume: INCONCLUSIVE: ...  (exit 1)
+The config runs twice, as separate processes: DIR/reference uninterrupted and watched
+(its checkpoint steps and the start of its final save form a timeline), and
+DIR/interrupted, SIGKILLed `--verify_kills` times (mid-step, mid-eval, mid-save through
+the fault points of `jtrain.control.faults`, and at random moments) and restarted with
+the same command after each kill. One line compares the final `state_sha256` of both:
+PASS (exit 0), FAIL or INCONCLUSIVE (exit 1). A PASS means every kill landed before the
+final save (each placed from the restored step and the reference timeline; one that
+cannot be placed or did not land is a FAIL), a restart resumed from a checkpoint
+strictly between step 0 and the final step (else INCONCLUSIVE), and the final step and
+hash equal the reference's. `--verify_negative_control` turns off restoring the data
+position (JTRAIN_SKIP_DATA_RESTORE): the verifier must then FAIL.
 
-What a PASS guarantees:
-- every requested kill landed (the line says `K/K kills landed`), and each landed strictly
-  before the final save: before every restart the kill is placed from the restored step
-  and the reference timeline (a step kill before the final step, a save kill on a save
-  that is not the final one, an eval kill backed by a SIGKILL as soon as the last save
-  before the final one appears, a time kill backed by a step kill before the final step);
-  a kill that cannot be placed or that did not land (the run finished) is a FAIL;
-- at least one restart resumed from a checkpoint strictly between step 0 and the final
-  step, so the run really continued from a saved state (otherwise INCONCLUSIVE);
-- the final step and `state_sha256` equal the reference's.
+A bucket workdir (`s3://bucket/run`): the runs are its prefixes reference/ and
+interrupted/, each process with a local staging copy the verifier names
+(JTRAIN_STAGING_DIR) and watches; logs are uploaded beside the runs. Both runs share a
+compilation cache (WORKDIR/jax_cache unless JAX_COMPILATION_CACHE_DIR is set).
 
-`--verify_negative_control` disables restoring the data position on restarts
-(JTRAIN_SKIP_DATA_RESTORE): the verifier must then FAIL, which shows it can see a
-resume that is not exact.
-
-A workdir in a bucket (`--workdir=s3://bucket/run`): the two runs are the prefixes
-s3://bucket/run/reference and .../interrupted. Each process of them gets a fresh local
-staging copy that the verifier names (JTRAIN_STAGING_DIR, `jtrain.checkpoint.store`) and
-watches to place its kills; the steps a restart resumes from are the committed ones in
-the bucket, and both summaries are read from the bucket. The logs are uploaded beside
-the runs (s3://bucket/run/reference.log, interrupted.log); the staging copies and the
-compilation cache live in a temporary directory, removed at the end.
-
-Both runs share a JAX compilation cache (WORKDIR/jax_cache unless
-JAX_COMPILATION_CACHE_DIR is set): restarts load the reference's executables instead of
-compiling again, which keeps the check quick and changes no result.
-
-`verify_resume(command, root, ...)` is the library form: `command(workdir)` gives the
-argv of one training run (a script that calls `jtrain.train` into `workdir`: the fault
-points need jtrain's loop), e.g. a `jtrain.train` call with a torch dataset. `place_kill`
-and `judge` are the pure parts (placing one kill; the verdict from the run histories).
+`verify_resume(command, root, ...)` is the library form (`command(workdir)`: the argv
+of one run whose script calls `jtrain.train`); `place_kill` and `judge` are its pure
+parts.
 """
 
 from __future__ import annotations

@@ -120,15 +120,15 @@ def test_decisions_restore_the_divergence_state_from_the_checkpoint_record():
 
     whole, said_whole = decisions(record())
     for step, loss in losses:
-        whole.check_divergence(step, loss)
+        whole.after_log(step, {"train/loss_window": loss})
     for cut in (1, 3):  # before the warning, and after it
         first, said_first = decisions(record())
         for step, loss in losses[:cut]:
-            first.check_divergence(step, loss)
+            first.after_log(step, {"train/loss_window": loss})
         saved = json.loads(json.dumps(record(monitors=first.state()).to_json()))
         resumed, said_resumed = decisions(RunControl.from_json(saved))
         for step, loss in losses[cut:]:
-            resumed.check_divergence(step, loss)
+            resumed.after_log(step, {"train/loss_window": loss})
         assert said_first + said_resumed == said_whole, cut
         assert resumed.state()["divergence"] == whole.state()["divergence"]
     assert len(said_whole) == 1 and "step 30" in said_whole[0]

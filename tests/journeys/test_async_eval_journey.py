@@ -199,7 +199,9 @@ def test_evaluate_follow_on_a_sync_run(tmp_path):
     train = ["-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/s",
              "--config.eval.mode=sync", "--config.eval.every_steps=0",
              "--config.early_stop.monitor=", "--config.plateau.monitor=",
-             "--config.total_steps=6", "--config.checkpoint.every_steps=2",
+             # decay_steps: the 40-step runs' schedule, so their compiled step serves it
+             "--config.total_steps=6", "--config.optim.decay_steps=40",
+             "--config.checkpoint.every_steps=2",
              "--config.checkpoint.max_to_keep=5"]
     assert run_python(tmp_path, *train).returncode == 0
     own = metric_by_step(tmp_path / "runs/s", "eval/loss")

@@ -69,8 +69,9 @@ try:
     run({**config, "optim": {"lr": 0.1, "warmup_steps": 2}}, "runs/a")
 except RestoreError as e:
     print("CHANGED", e, flush=True)
-fine = run({**config, "total_steps": 3, "init": {"path": "runs/a",
-                                                  "exclude": ["head"]}}, "runs/b")
+# the schedule of runs/a (decay until step 12), so its compiled train step serves this run
+fine = run({**config, "total_steps": 3, "optim": {**config["optim"], "decay_steps": 12},
+            "init": {"path": "runs/a", "exclude": ["head"]}}, "runs/b")
 print("INIT", fine.summary["step"], flush=True)
 '''
 

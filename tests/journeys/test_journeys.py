@@ -85,8 +85,10 @@ def test_evaluate_export_and_init_from_read_a_relative_run(user_run, monkeypatch
         "evaluate": ("-m", "jtrain.evaluate", "--workdir=runs/x", "--step=best", "--noplots",
                      "--num_batches=2"),
         "export": ("-m", "jtrain.export", "runs/x", "--out=exports/x", "--dtype=bfloat16"),
+        # decay_steps: the schedule of runs/x, so its compiled train step serves this run
         "init_from": ("-m", "jtrain.main", "--config=cfg.py", "--workdir=runs/ft",
-                      "--config.total_steps=2", "--config.init.path=runs/x"),
+                      "--config.total_steps=2", "--config.optim.decay_steps=6",
+                      "--config.init.path=runs/x"),
     }
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         procs = {k: pool.submit(run_python, cwd, *a) for k, a in commands.items()}
@@ -112,7 +114,7 @@ def test_evaluate_export_and_init_from_read_a_relative_run(user_run, monkeypatch
 
     monkeypatch.chdir(cwd)
     config = runpy.run_path("cfg.py")["get_config"]()
-    config.total_steps = 2
+    config.total_steps, config.optim.decay_steps = 2, 6
     config.init.path = "exports/x"
     result = jtrain.train(config, "runs/ft2")
     assert result.summary["step"] == 2

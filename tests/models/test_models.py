@@ -263,8 +263,6 @@ def test_unknown_model_name():
     assert str(e.value) == msg
     with pytest.raises(ValueError, match="model.name"):
         models.flops_per_example({"name": "x"}, (8,))
-    with pytest.raises(ValueError, match="model.name"):
-        models.default_model_config("x")
 
 
 @pytest.mark.parametrize("override, match", [
@@ -283,17 +281,13 @@ def test_build_rejects_nonsense(override, match):
         models.make_model(override, dtype=jnp.float32, param_dtype=jnp.float32)
 
 
-def test_default_model_config_and_config_dict():
+def test_make_model_takes_a_config_dict():
     import ml_collections
 
-    for name in models.MODELS:
-        d = models.default_model_config(name)
-        assert d["name"] == name
-        d["dtype"] = "float16"  # a fresh copy: the family defaults stay untouched
-        assert models.default_model_config(name)["dtype"] == "auto"
-    assert models.default_model_config("transformer")["vocab_size"] == 256
-    assert models.default_model_config("mlp")["hidden"] == (64, 64)
-    cfg = ml_collections.ConfigDict({**models.default_model_config("mlp"), "num_outputs": 2})
+    from jtrain import config as config_lib
+
+    cfg = ml_collections.ConfigDict({**config_lib.defaults("mlp").model.to_dict(),
+                                     "num_outputs": 2})
     model = models.make_model(cfg, dtype=jnp.float32, param_dtype=jnp.float32)
     assert model.num_outputs == 2 and model.hidden == (64, 64)
 
