@@ -1,11 +1,13 @@
 """Device mesh and shardings.
 
-Owns `config.mesh`. A mesh has five axes, always in this order:
+Owns `config.mesh`. A mesh has six axes, always in this order:
   data    - pure data parallelism (params replicated),
   fsdp    - data parallelism with params and optimizer state sharded,
   expert  - data parallelism with a mixture of experts' experts sharded (all-to-all),
   context - context parallelism: activations split along the sequence ("length"),
-  tensor  - tensor (model) parallelism inside a layer.
+  tensor  - tensor (model) parallelism inside a layer,
+  stage   - pipeline stages of the built-in transformer (its blocks stacked on a
+            leading "stage" dimension; models/transformer.py).
 The batch is split over data x fsdp x expert (each context group holds the same rows).
 Model code speaks in *logical* axis names (see LOGICAL_RULES); this module is the one
 place that maps them to mesh axes.
@@ -44,6 +46,7 @@ LOGICAL_RULES = (
     ("kv", None),
     ("length", "context"),
     ("layers", None),
+    ("stage", "stage"),
     ("classes", None),
     ("norm", None),
 )
@@ -241,8 +244,28 @@ def logical_to_shardings(abstract_tree, mesh: Mesh, rules=LOGICAL_RULES, *,
     return shardings
 
 
+def gpipe(microbatches: int, stages: int) -> list[tuple[int, ...]]:
+    """The GPipe schedule the pipeline runs: one row per iteration (microbatches + stages
+    - 1 of them), the microbatch each stage works on then, -1 where it idles."""
+    return [tuple(it - k if 0 <= it - k < microbatches else -1 for k in range(stages))
+            for it in range(microbatches + stages - 1)]
+
+
+def bubble(microbatches: int, stages: int) -> float:
+    """The share of stage-iterations the schedule leaves idle: (S - 1) / (M + S - 1)."""
+    rows = gpipe(microbatches, stages)
+    return sum(j < 0 for row in rows for j in row) / (len(rows) * stages)
+
+
+def pipeline_line(stages: int, microbatches: int, layers: int) -> str:
+    """The header's line for mesh.stage > 1, the bubble counted from `gpipe`."""
+    return (f"jtrain: pipeline: {layers} blocks in {stages} stages over mesh.stage, "
+            f"{microbatches} microbatches per pass (GPipe), bubble "
+            f"{bubble(microbatches, stages):.1%} of each pass ((S-1)/(M+S-1))")
+
+
 # Mesh axes that shard parameters; `data` never does (pure data parallelism).
-PARAM_AXES = ("fsdp", "expert", "tensor")
+PARAM_AXES = ("fsdp", "expert", "tensor", "stage")
 
 
 def layout(abstract_tree, shardings, min_bytes: int | None = None) -> dict:
@@ -274,8 +297,8 @@ def layout(abstract_tree, shardings, min_bytes: int | None = None) -> dict:
 
 
 def idle_axes(shardings, mesh: Mesh) -> list[str]:
-    """The parameter axes (fsdp, expert, tensor) of size > 1 that no leaf of `shardings` is split
-    over: their devices hold copies (a warning, never silent)."""
+    """The parameter axes (fsdp, expert, tensor, stage) of size > 1 that no leaf of
+    `shardings` is split over: their devices hold copies (a warning, never silent)."""
     used = set()
     for sharding in jax.tree.leaves(shardings):
         for entry in sharding.spec:

@@ -238,6 +238,8 @@ def commands() -> dict:
                      "the expert axis, int8, fp8, bf16: time and memory ratios, MFU"),
         "invariant": (*_module_bench("invariant"), "determinism.topology_invariant vs "
                       "default: step time and step memory on 1 and 8 devices"),
+        "pipeline": (*_module_bench("pipeline"), "pipeline stages vs the plain model on "
+                     "8 fake devices: step time and peak memory per device, as ratios"),
         "sample": (*_module_bench("sample"), "decode tokens/s: jtrain sample with its KV "
                    "cache, without it, and transformers' generate on the same export"),
         "tokens": (*_module_bench("tokens"), "token shards: tokens/s the reader delivers "

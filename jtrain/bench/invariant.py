@@ -61,15 +61,13 @@ def child(variant: str, steps: int, rounds: int) -> dict:
     import jax
 
     n = jax.device_count()
-    return {"devices": n, **time_sides({side: _config(variant, side == "invariant", n)
-                                        for side in SIDES}, steps, rounds)}
+    return time_sides({side: _config(variant, side == "invariant", n) for side in SIDES},
+                      steps, rounds)
 
 
 def time_sides(cfgs: dict, steps: int, rounds: int) -> dict:
-    """Each side's train step (`jtrain.build` of its resolved config) from its own initial
-    state on the same batches of the first side's data: {"memory": step bytes per device
-    (XLA's estimate), "rounds": per side [{wall_ms, cpu_ms} per step], "median"}, the
-    sides alternating in each round after one compiling step each."""
+    """{side: resolved config} (the first one's data feeds all) -> each side's train step
+    memory per device and wall / CPU ms per step, rounds alternating the sides."""
     import itertools
 
     import jax
@@ -86,7 +84,8 @@ def time_sides(cfgs: dict, steps: int, rounds: int) -> dict:
     example = {k: np.asarray(v) for k, v in source[0].items()}
     batches = list(itertools.islice(data_lib.make_train_iterator(
         source, **iterator_kwargs(first)), steps + 1))
-    sides, out = {}, {"memory": {}, "rounds": {s: [] for s in cfgs}}
+    sides, out = {}, {"devices": jax.device_count(), "memory": {},
+                      "rounds": {s: [] for s in cfgs}}
     for side, cfg in cfgs.items():
         b = jtrain.build(cfg, sample=example["inputs"], eval_example=example,
                          byte_level=True)
@@ -123,18 +122,23 @@ def run(devices: list[int], variant: str, steps: int, rounds: int) -> dict:
                  "steps": steps, "rounds": rounds, "devices": {}, "loadavg": []}
     for n in devices:
         res["loadavg"].append(machine_lib.loadavg())
-        env = {**os.environ, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
-        code = ("import json; from jtrain.bench import invariant as b; "
-                f"print(json.dumps(b.child({variant!r}, {steps}, {rounds})))")
-        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                           text=True)
-        if p.returncode != 0:
-            raise RuntimeError(f"the {n}-device process failed ({p.returncode}): "
-                               f"{(p.stderr or p.stdout).strip().splitlines()[-1:]}")
-        res["devices"][n] = json.loads(p.stdout.strip().splitlines()[-1])
+        res["devices"][n] = in_child(n, f"invariant.child({variant!r}, {steps}, {rounds})")
     res["loadavg"].append(machine_lib.loadavg())
     return res
+
+
+def in_child(n: int, call: str):
+    """`call` (an expression over `jtrain.bench.<module>`) evaluated in a process with `n`
+    fake CPU devices; its JSON result."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+    code = (f"import json; from jtrain.bench import {call.split('.')[0]}; "
+            f"print(json.dumps({call}))")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"the {n}-device process failed ({p.returncode}): "
+                           f"{(p.stderr or p.stdout).strip().splitlines()[-1:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def format_report(res: dict) -> str:
@@ -154,10 +158,13 @@ def format_report(res: dict) -> str:
                      f"{m['invariant']['wall_ms'] / m['default']['wall_ms']:>12.2f}x "
                      f"{m['invariant']['cpu_ms'] / m['default']['cpu_ms']:>11.2f}x "
                      f"{mem['invariant'] / mem['default']:>20.2f}x")
-    lines.append("load average (1 min) before each device count and after: "
-                 + " ".join(f"{v:.2f}" for v in res["loadavg"])
-                 + f" on {res['machine']['cores']} cores")
+    lines.append(load_line(res, "before each device count and after"))
     return "\n".join(lines)
+
+
+def load_line(res: dict, when: str) -> str:
+    return (f"load average (1 min) {when}: " + " ".join(f"{v:.2f}" for v in res["loadavg"])
+            + f" on {res['machine']['cores']} cores")
 
 
 def main(args) -> int:

@@ -63,7 +63,8 @@ def export(workdir: str, out: str, **kwargs) -> dict:
 
 def exportable(config: dict) -> None:
     """One line for a run the Hugging Face export cannot map (before anything is
-    written): a model other than the built-in transformer, or its mixture of experts."""
+    written): a model other than the built-in transformer, its mixture of experts, or
+    its blocks stacked into pipeline stages."""
     model_cfg = config.get("model") or {}
     if model_cfg.get("name", "transformer") != "transformer":
         raise ExportError(f"--format=hf: model.name={model_cfg.get('name')}: the Hugging "
@@ -73,6 +74,11 @@ def exportable(config: dict) -> None:
     if experts:
         raise ConfigError("model.moe.experts", f"{experts}: a mixture-of-experts model is "
                           "not exportable to Hugging Face (export it with the default format)")
+    stages = (config.get("mesh") or {}).get("stage", 1)
+    if stages > 1:
+        raise ConfigError("mesh.stage", f"{stages}: a run with pipeline stages holds its "
+                          "blocks stacked per stage; the Hugging Face export maps the plain "
+                          "layer stack (export it with the default format)")
 
 
 def write(out: str, leaves: dict[str, np.ndarray], config: dict,

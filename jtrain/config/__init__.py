@@ -33,7 +33,8 @@ from jtrain.config import renamed, schema_population, space as space_lib
 from jtrain.config.fields import OpenChoices
 from jtrain.config.rules import (  # noqa: F401  (config.check_mesh, config.check_optim)
     _check_checkpoint, _check_early_stop, _check_init, _check_regexes, check_mesh,
-    MESH_AXES, check_optim, check_train_metrics, parse_faults, resolve_axis_sizes)
+    MESH_AXES, check_optim, check_stage, check_train_metrics, parse_faults,
+    resolve_axis_sizes)
 from jtrain.errors import ConfigError  # noqa: F401  (jtrain.config.ConfigError)
 
 
@@ -356,6 +357,7 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
         raise ConfigError("model.quant", f"{model['quant']} is not implemented for "
                           "model.moe.experts > 0 (the experts' matmuls would run unquantised); "
                           "set model.quant='none' or model.moe.experts=0")
+    check_stage(tree)
     if num_devices is None:
         return
     sizes = dict(zip(MESH_AXES, resolve_axis_sizes(mesh, num_devices), strict=True))
@@ -373,6 +375,7 @@ def _check_cross(tree: dict, num_devices: int | None) -> None:
                           "all-to-all dispatch takes whole sequences); use mesh.fsdp for "
                           "the experts")
     dp = data * fsdp * expert
+    check_stage(tree, dp)
     if batch % dp:
         raise ConfigError("data.batch_size",
                           f"global batch {batch} is not divisible by the data-parallel size "
@@ -398,7 +401,8 @@ def _check_context(tree: dict, context: int) -> None:
               ("finetune.lora.rank", tree["finetune"]["lora"]["rank"],
                tree["finetune"]["lora"]["rank"] > 0),
               ("model.quant", tree["model"].get("quant", "none"),
-               tree["model"].get("quant", "none") != "none")]
+               tree["model"].get("quant", "none") != "none"),
+              ("mesh.stage", tree["mesh"]["stage"], tree["mesh"]["stage"] > 1)]
     for key, value, on in others:
         if context > 1 and on:
             raise ConfigError("mesh.context", f"{context} splits the built-in transformer's "

@@ -137,7 +137,8 @@ AFTER_RUN: dict[str, tuple[str, str]] = {
         "run's own tokenizer, greedy equal to transformers' generate on the `--format=hf` "
         "export (tests/journeys/test_tokens_journey.py); refused in one line: a "
         "population, LoRA adapters, a step of your own "
-        "(tests/journeys/test_sample_journey.py), model.quant (tests/models/test_quant.py)",
+        "(tests/journeys/test_sample_journey.py), model.quant (tests/models/test_quant.py), "
+        "pipeline stages (tests/models/test_pipeline.py)",
         "language-models.md"),
     "`sample.prompts` (a run's end)": (
         "the final params, greedy, printed after the final eval loss, the state unchanged "
@@ -193,9 +194,16 @@ MODEL_OPTIONS: dict[str, tuple[str, str, str]] = {
                             "`--verify_resume` bitwise and `jtrain sample` (decoding runs "
                             "unsplit) at context 2; refused: a model or step of your own, "
                             "`population.size`, `determinism.topology_invariant`, LoRA "
-                            "(`finetune.lora.rank`), `model.quant`, `mesh.expert`; "
+                            "(`finetune.lora.rank`), `model.quant`, `mesh.expert`, `mesh.stage`; "
                             "tests/models/test_context.py, tests/journeys/"
                             "test_context_journey.py", "scaling-out.md"),
+    "pipeline stages": ("`mesh.stage`, `mesh.microbatches`", "the plain model's loss, "
+                        "gradients and steps on 1 and 8 devices (with `data` and `fsdp`), "
+                        "`--verify_resume` with gradient accumulation and the weight EMA; "
+                        "refused: a model of your own, `model.moe.experts`, `model.quant`, "
+                        "LoRA, a population, `determinism.topology_invariant`, `jtrain "
+                        "sample`, `mesh.context`, `jtrain export --format=hf`; "
+                        "tests/models/test_pipeline.py", "scaling-out.md"),
 }
 
 

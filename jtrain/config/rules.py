@@ -13,7 +13,7 @@ from jtrain.config.fields import OPTIMIZERS, SCHEDULE_FREE
 from jtrain.errors import ConfigError
 
 
-MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor", "stage")
 
 
 def check_mesh(mesh: dict) -> None:
@@ -24,7 +24,7 @@ def check_mesh(mesh: dict) -> None:
 
 
 def resolve_axis_sizes(mesh_cfg, num_devices: int) -> tuple[int, ...]:
-    """The sizes of MESH_AXES (data, fsdp, expert, context, tensor); a single -1 takes the rest.
+    """The sizes of MESH_AXES (data, fsdp, expert, context, tensor, stage); -1 takes the rest.
 
     Raises ConfigError("mesh.<axis>", why) when the sizes cannot cover num_devices.
     """
@@ -252,3 +252,39 @@ def _number(text: str) -> float | None:
     except ValueError:
         return None
     return value if value >= 0 and value == value and value != float("inf") else None
+
+
+def check_stage(tree, dp: int | None = None) -> None:
+    """mesh.stage > 1 (a pipeline over the built-in transformer's blocks): what it needs
+    and what it refuses; with `dp` (data x fsdp), the batches' split into microbatches."""
+    stages, m = tree["mesh"]["stage"], tree["mesh"]["microbatches"]
+    if stages == 1:
+        return
+    model = tree["model"]
+    refused = (
+        (model["name"] != "transformer", "mesh.stage", "pipeline stages split the built-in "
+         f"transformer's layer stack; model.name={model['name']} runs with mesh.stage=1"),
+        (model.get("num_layers", 0) % stages, "mesh.stage", f"model.num_layers="
+         f"{model.get('num_layers')} does not split into {stages} equal stages"),
+        ((model.get("moe") or {}).get("experts"), "model.moe.experts", "a mixture of "
+         "experts is not implemented with pipeline stages (mesh.stage > 1)"),
+        (tree["finetune"]["lora"]["rank"], "finetune.lora.rank", "LoRA adapters do not "
+         "wrap a pipeline's stacked blocks (mesh.stage > 1)"),
+        (model.get("quant", "none") != "none", "model.quant", "quantised matmuls are not "
+         "implemented with pipeline stages (mesh.stage > 1)"),
+        (tree["population"]["size"] > 1, "population.size", "a population is not "
+         "implemented with pipeline stages (mesh.stage > 1)"),
+        (tree["determinism"]["topology_invariant"], "determinism.topology_invariant",
+         "programs compiled for one device have no stage axis; set mesh.stage=1"))
+    for bad, key, why in refused:
+        if bad:
+            raise ConfigError(key, why)
+    if dp is None:
+        return
+    rows = tree["data"]["batch_size"] // tree["optim"]["grad_accum_steps"]
+    for key, n in (("data.batch_size", rows), ("eval.batch_size",
+                                               tree["eval"]["batch_size"] or rows)):
+        if n % (dp * m):
+            raise ConfigError(key, f"{n} rows per forward pass do not split into "
+                              f"mesh.microbatches={m} microbatches over the data-parallel "
+                              f"size {dp}")

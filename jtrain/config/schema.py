@@ -143,7 +143,13 @@ SCHEMA: dict[str, Any] = {
         "auto_shard_min_bytes": F(int, 4096, (0, INF), "mesh.auto_shard leaves smaller "
                                   "than this stay replicated (a shard's collective costs "
                                   "more than the memory it saves)"),
-    }),
+        "microbatches": F(int, 4, (1, INF), "with mesh.stage > 1: microbatches per "
+                          "pipelined forward pass; the idle share of a pass (the bubble) is "
+                          "(stage - 1) / (microbatches + stage - 1)"),
+    }) | {  # the parameters' layout: not resume-safe
+        "stage": F(int, 1, (1, INF), "pipeline stages: the built-in transformer's layers "
+                   "split over this axis, run as a GPipe schedule (docs/guide/scaling-out.md)"),
+    },
     "eval": _resume_safe({
         "every_steps": F(int, 200, (0, INF), "evaluate every N steps; 0 = only at the end"),
         "num_batches": F(int, 0, (0, INF), "eval batches; 0 = the whole eval set"),

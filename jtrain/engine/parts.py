@@ -155,6 +155,12 @@ def model_object(cfg, given, policy, mesh):
         raise ConfigError("mesh.context", f"{context} splits the built-in transformer's "
                           f"sequences; a model of your own ({type(user).__name__}) is not "
                           "split: set mesh.context=1")
+    if cfg.mesh.stage > 1:
+        if user is not None:
+            raise ConfigError("mesh.stage", "pipeline stages split the built-in "
+                              "transformer's layer stack; a model of your own runs with "
+                              "mesh.stage=1")
+        module = module.clone(stages=cfg.mesh.stage, microbatches=cfg.mesh.microbatches)
     if user is not None and policy.compute_dtype != np.float32:
         module = adapters.with_compute_dtype(module, policy.compute_dtype,
                                              tuple(cfg.model.keep_fp32))

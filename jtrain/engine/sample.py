@@ -287,6 +287,8 @@ def refusal(cfg) -> str | None:
          "own (jtrain export --merge_lora, then init.path)"),
         (bool(cfg.step.factory), "trained a step of your own: its state is not one "
          "model's params"),
+        (cfg.mesh.stage > 1, "trained with pipeline stages (mesh.stage > 1): the decoder "
+         "runs the plain layer stack"),
         (cfg.model.quant != "none", f"trained with model.quant={cfg.model.quant}: the "
          "decoder runs float matmuls, not the quantised ones it trained with"))
                  if refused), None)

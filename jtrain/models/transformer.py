@@ -31,16 +31,23 @@ Every parameter carries logical axis names from `jtrain.mesh.LOGICAL_RULES`:
 
 `model.moe.experts` > 0 replaces the MLP of every `model.moe.every`-th block (counted
 from the last) by MoeBlock: top-k routed experts (jtrain.models.moe).
+
+`stages` > 1 (mesh.stage) runs the blocks as a pipeline: `Stage`s of num_layers / stages
+blocks, parameters stacked under "pipeline" on a leading "stage" dimension
+(`stack_layers` maps a plain model's), microbatches run by the GPipe schedule
+(`Transformer._pipeline`, docs/guide/scaling-out.md).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from jtrain import mesh as mesh_lib
 from jtrain.models import moe as moe_lib
 
 
@@ -299,6 +306,8 @@ class Transformer(nn.Module):
     remat: str = "none"  # REMAT_POLICIES
     mlp: str = "gelu"  # MLP_KINDS
     moe: tuple = ()  # (experts, k, capacity_factor, every); () = dense MLPs
+    stages: int = 1  # mesh.stage: > 1 runs the blocks as a pipeline (Stage, gpipe)
+    microbatches: int = 1  # mesh.microbatches
 
     def init_cache(self, batch: int, length: int) -> dict:
         """An empty decoding cache of `length` <= max_len slots for `batch` rows: the
@@ -343,7 +352,11 @@ class Transformer(nn.Module):
         x = _dropout(x, self.dropout, train)
         block = block_class(self.remat)
         layers = []
-        for i in range(self.num_layers):
+        if self.stages > 1:
+            if decode is not None:
+                raise ValueError("mesh.stage: a pipelined model does not decode from a cache")
+            x = self._pipeline(x, train, segment_ids, positions)
+        for i in range(self.num_layers if self.stages == 1 else 0):
             # Keep the residual stream split by batch only: with params sharded on
             # "embed" (FSDP), XLA would otherwise reshard activations along D instead of
             # gathering the weights. A no-op unless the engine sets logical-axis rules.
@@ -370,6 +383,68 @@ class Transformer(nn.Module):
         if decode is None:
             return logits
         return logits, {"index": decode[0] + tokens.shape[1], "layers": layers}
+
+
+    def _pipeline(self, x, train, segment_ids, positions):
+        """The blocks as `stages` stages of num_layers / stages blocks each, their
+        parameters stacked on a leading stage dimension (logical axis "stage"), run on
+        `microbatches` microbatches by the GPipe schedule (`jtrain.mesh.gpipe`): a buffer
+        [stages, rows, T, D] holds each stage's input; every iteration runs all stages
+        at once (vmap, each stage on the devices of its "stage" coordinate) and shifts
+        the buffer one stage on (a collective permute over "stage")."""
+        b, t, d = x.shape
+        s, m = self.stages, math.gcd(b, self.microbatches)  # a batch of 1 (init): 1
+        run = nn.vmap(Stage, variable_axes={"params": 0}, in_axes=0, spmd_axis_name="stage",
+                      split_rngs={"params": True, "dropout": True},
+                      metadata_params={nn.PARTITION_NAME: "stage"})(
+            self.num_layers // s, (self.num_heads, self.d_ff, self.dropout, self.dtype,
+                                   self.param_dtype, self.attention, self.mlp),
+            self.remat, train, name="pipeline")
+        # Row i * m + j of the batch is row i of microbatch j: each microbatch keeps the
+        # batch's split over data x fsdp.
+        split = lambda a: None if a is None else a.reshape(b // m, m, *a.shape[1:])  # noqa: E731
+        xs, segs, pos = split(x), split(segment_ids), split(positions)
+        buffer = jnp.zeros((s, b // m, t, d), x.dtype)
+        outs = []
+        for it, row in enumerate(mesh_lib.gpipe(m, s)):
+            first = xs[:, it] if it < m else jnp.zeros_like(xs[:, 0])
+            buffer = jnp.concatenate([first[None], buffer[:-1]])  # one stage on
+            buffer = nn.with_logical_constraint(buffer, ("stage", "batch", "length", None))
+            which = [max(j, 0) for j in row]  # idle stages read microbatch 0, unused
+            buffer = run(buffer, *(None if a is None else jnp.moveaxis(a[:, which], 1, 0)
+                                   for a in (segs, pos)))
+            if row[-1] >= 0:
+                outs.append(buffer[-1])  # microbatch row[-1] leaves the last stage
+        return jnp.stack(outs, axis=1).reshape(b, t, d)
+
+
+class Stage(nn.Module):
+    """`layers` consecutive blocks of a pipeline; `block`: Block's fields up to `mlp`."""
+    layers: int
+    block: tuple
+    remat: str
+    train: bool
+
+    @nn.compact
+    def __call__(self, x, segment_ids=None, positions=None):  # x [B, T, D]
+        for j in range(self.layers):
+            x = nn.with_logical_constraint(x, ("batch", "length", None))
+            x = block_class(self.remat)(*self.block[:6], mlp=self.block[6],
+                                        name=f"layer_{j}")(x, self.train, segment_ids,
+                                                           positions)
+        return x
+
+
+def stack_layers(params: dict, stages: int) -> dict:
+    """A plain model's params (layer_0 .. layer_{L-1}) in the pipelined layout: layer
+    k * L / stages + j is pipeline/layer_j[k]."""
+    layers = sorted((k for k in params if k.startswith("layer_")), key=lambda k: int(k[6:]))
+    per = len(layers) // stages
+    out = {k: v for k, v in params.items() if not k.startswith("layer_")}
+    out["pipeline"] = {f"layer_{j}": jax.tree.map(
+        lambda *a: jnp.stack(a), *[params[layers[k * per + j]] for k in range(stages)])
+        for j in range(per)}
+    return out
 
 
 def _moe_of(moe: tuple, layer: int, layers: int) -> tuple:

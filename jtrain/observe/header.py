@@ -45,6 +45,11 @@ def describe_run(cfg, build, data, *, workdir: str, origin: str, peak: float | N
                                     params=build.abstract.params))
         extra.append(trainable_line(n_params, len(leaves), build.trainable))
     extra += sharding_lines(cfg.mesh, build.mesh, build.abstract, build.shardings)
+    if cfg.mesh.stage > 1:
+        from jtrain.mesh import pipeline_line
+
+        extra.append(pipeline_line(cfg.mesh.stage, cfg.mesh.microbatches,
+                                   cfg.model.num_layers))
     if build.abstract.ema is not None:
         extra.append(ema_line(cfg.optim.ema, cfg.eval.weights, build.abstract.ema,
                               build.shardings.ema))

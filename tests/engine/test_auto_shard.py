@@ -31,8 +31,9 @@ from jtrain.observe import header
 from journey import metric_by_step
 from numpy_metrics import accuracies
 
-FAKE = types.SimpleNamespace(shape={"data": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1})
-MESH8 = AbstractMesh((1, 8, 1, 1, 1), mesh_lib.MESH_AXES)
+FAKE = types.SimpleNamespace(shape={"data": 1, "fsdp": 8, "expert": 1, "context": 1,
+                                    "tensor": 1, "stage": 1})
+MESH8 = AbstractMesh((1, 8, 1, 1, 1, 1), mesh_lib.MESH_AXES)
 
 
 def test_the_largest_divisible_dimension_goes_on_fsdp():
@@ -248,8 +249,10 @@ def test_kill_and_resume_on_the_same_mesh_is_bitwise(runs):
 
 @pytest.mark.multidevice
 @pytest.mark.parametrize("name,mesh_shape,kernel_shard", [
-    ("elastic", {"data": 2, "fsdp": 4, "expert": 1, "context": 1, "tensor": 1}, (32, 16)),
-    ("elastic1", {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}, (32, 64))])
+    ("elastic", {"data": 2, "fsdp": 4, "expert": 1, "context": 1, "tensor": 1, "stage": 1},
+     (32, 16)),
+    ("elastic1", {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1, "stage": 1},
+     (32, 64))])
 def test_an_auto_sharded_checkpoint_resumes_under_another_mesh(runs, name, mesh_shape,
                                                               kernel_shard):
     """fsdp=8 -> data=2 x fsdp=4, and -> one device: the params reshard (auto_shard's
@@ -338,7 +341,7 @@ def test_train_accuracy_on_8_devices_with_microbatches_is_exact(runs):
 
 
 def test_an_expert_axis_without_experts_says_it_splits_the_batch():
-    mesh = AbstractMesh((1, 1, 8, 1, 1), mesh_lib.MESH_AXES)
+    mesh = AbstractMesh((1, 1, 8, 1, 1, 1), mesh_lib.MESH_AXES)
     lines = header.sharding_lines({"auto_shard": True}, mesh,
                                   types.SimpleNamespace(params=_tree(w=(16, 64)), opt_state={}),
                                   types.SimpleNamespace(params={"w": NamedSharding(mesh, P())},

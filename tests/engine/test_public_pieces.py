@@ -38,7 +38,8 @@ def test_make_optimizer_from_a_partial_dict_in_a_script(tmp_path):
     proc = run_python(tmp_path, "script.py")
     out = proc.stdout.splitlines()
     assert out[0].startswith("updated [0.9, 0.9, 0.9] ") and float(out[0].split()[-1]) > 0
-    assert out[1] == "mesh {'data': 1, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1}"
+    assert out[1] == ("mesh {'data': 1, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1, "
+                      "'stage': 1}")
     assert out[2] == "policy params float32, compute bfloat16"
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]

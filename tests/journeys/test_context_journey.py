@@ -55,7 +55,7 @@ def test_context_splits_what_one_device_cannot_hold_and_resumes(tmp_path):
     assert "mesh.context" in err[0]
     split = _run(tmp_path, 2, "--dry_run", budget, "--config.mesh.context=2")
     assert split.returncode == 0, split.stdout[-2000:] + split.stderr[-2000:]
-    assert "mesh data=1 x fsdp=1 x context=2 x tensor=1" in split.stdout
+    assert "mesh data=1 x fsdp=1 x expert=1 x context=2 x tensor=1" in split.stdout
     needed = float(re.search(r"needs ([0-9.]+) MiB per device", err[0]).group(1))
     assert _peak_mib(split.stdout) < 0.6 * needed, (split.stdout, err[0])
 

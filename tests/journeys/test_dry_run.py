@@ -30,7 +30,8 @@ def test_dry_run_of_64_devices_fsdp_x_tensor(tmp_path):
     p = _dry_run(tmp_path)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]
-    assert "dry run on 64 cpu devices, mesh data=2 x fsdp=8 x expert=1 x context=1 x tensor=4" in out
+    assert ("dry run on 64 cpu devices, mesh data=2 x fsdp=8 x expert=1 x context=1 x "
+            "tensor=4 x stage=1") in out
     # Each parameter group with its spec and per-device shape; layers folded into one line.
     assert "layer_0..1/attn/query: [64, 4, 16], P('fsdp', 'tensor', None) -> [8, 1, 16]" \
         in out

@@ -29,7 +29,7 @@ def test_dry_run_shows_the_experts_divided_by_the_axis(tmp_path):
                    "--config.mesh.fsdp=2")
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]
-    assert "mesh data=2 x fsdp=2 x expert=2 x tensor=1" in out
+    assert "mesh data=2 x fsdp=2 x expert=2 x context=1 x tensor=1" in out
     assert ("layer_0..1/moe/wi: [4, 32, 64], P(('fsdp', 'expert'), None, 'tensor') -> "
             "[1, 32, 64]") in out
     assert "nothing was initialised or run" in out

@@ -1,7 +1,9 @@
 """Exact resume on token shards (data.name=tokens), from the command line: a run
 SIGKILLed at its 5th step, in the middle of a shard, and rerun ends with the state hash
-of the same run trained straight through, on 1 device, on 8 fake devices and as 2
-processes over loopback (launch/local.sh, tests/multihost/launching.py's helpers)."""
+of the same run trained straight through, on 8 fake devices and as 2 processes over
+loopback (launch/local.sh, tests/multihost/launching.py's helpers). On 1 device the
+tokens journey's --verify_resume kills and resumes a token-shard run
+(tests/journeys/test_tokens_journey.py)."""
 
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def straight(cwd, launch, workdir: str, **env) -> dict:
     return summary(cwd / workdir)
 
 
-@pytest.mark.parametrize("topology", ["1 device", "8 devices", "2 processes"])
+@pytest.mark.parametrize("topology", ["8 devices", "2 processes"])
 def test_a_kill_mid_shard_resumes_to_the_uninterrupted_state(tmp_path, topology):
     cwd = user_dir(tmp_path)
     (cwd / "shards").mkdir()
@@ -60,5 +62,5 @@ def test_a_kill_mid_shard_resumes_to_the_uninterrupted_state(tmp_path, topology)
     got = killed_then_resumed(cwd, launch, "run", **env)
     assert got["step"] == ref["step"] == STEPS
     assert got["state_sha256"] == ref["state_sha256"]
-    devices = {"1 device": 1, "8 devices": 8, "2 processes": 2}[topology]
+    devices = {"8 devices": 8, "2 processes": 2}[topology]
     assert f"jtrain: {devices} cpu device(s)" in (cwd / "run" / "train.log").read_text()
