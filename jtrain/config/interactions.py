@@ -225,6 +225,36 @@ TOKEN_SHARDS: dict[str, tuple[str, str]] = {
 }
 
 
+# eval.lm_tasks (a language model scored on local files at each eval) beside the features
+# a language model trains with: works (the test that checks it) or refused before step 1
+# in one line. tests/engine/test_lm_tasks.py unless said.
+LM_TASKS: dict[str, str] = {
+    "one / eight devices": "works: rows sharded on the batch axis, summed on the host in "
+                           "float64; equal to a numpy computation on 1 and 8 devices",
+    "LoRA": "works: the run's model function, adapters included; equal to numpy",
+    "mixture of experts": "works: the logits of its outputs; equal to numpy",
+    "int8 / fp8 (model.quant)": "works, close not exact: activations are quantised with "
+                                "one scale per tensor, so a batch's padding moves a score "
+                                "(4e-4 relative in the test)",
+    "weight EMA, eval.weights": "scored for each evaluated weight set as the eval is "
+                                "(`eval/ema/TASK/...`); not covered by a test",
+    "early stop / plateau / best-k": "works: `eval/TASK/acc`, `acc_norm`, `ppl` are monitors; "
+                                     "tests/journeys/test_lm_tasks_journey.py",
+    "your own model (model.factory, NNX / Linen)": "works through the same model function "
+                                                   "when it maps tokens [B, L] to logits [B, "
+                                                   "L, V >= the vocabulary] (tested with the "
+                                                   "built-in Linen transformer); any other "
+                                                   "is refused in one line",
+    "population": "refused: the members would each need their tasks scored apart",
+    "async eval": "refused: the evaluator process scores the eval set only (eval.mode=sync)",
+    "external evaluator": "refused with it (eval.async_evaluator=external is async eval); "
+                          "`jtrain evaluate` scores the eval set, not the tasks",
+    "own step": "refused: a step of your own calls its model itself",
+    "lm-eval (jtrain.lm_eval)": "the same scores after the run: its loglikelihoods equal "
+                                "the metric's numpy computation",
+}
+
+
 def feature(name: str) -> Feature:
     return next(f for f in FEATURES if f.name == name)
 
@@ -334,6 +364,9 @@ def markdown() -> str:
     lines += ["", "## Token shards", "", "| with | verdict | test |", "|---|---|---|"]
     for other, (verdict, test) in TOKEN_SHARDS.items():
         lines.append(f"| {other} | {verdict} | {test} |")
+    lines += ["", "## Language-model eval tasks (eval.lm_tasks)", "",
+              "| with | decided |", "|---|---|"]
+    lines += [f"| {feature} | {decided} |" for feature, decided in LM_TASKS.items()]
     return "\n".join(lines) + "\n"
 
 

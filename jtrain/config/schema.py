@@ -165,6 +165,10 @@ SCHEMA: dict[str, Any] = {
         "predict_fn": F(str, "", None, "'package.module:fn', fn(outputs, batch) -> "
                         "(predictions, targets[, weights]) that the metrics compare (e.g. a "
                         "negative-binomial mean vs counts); '' = outputs vs batch targets"),
+        "lm_tasks": F("dict", {}, None, "a language model scored on local files at each "
+                      "eval: {name: {kind: choice | perplexity, path}} -> eval/<name>/acc, "
+                      "acc_norm (a JSONL of {context, choices, label}) or eval/<name>/ppl "
+                      "(a text file) (docs/guide/language-models.md)"),
     }) | {  # these change what the run decides and when: not resume-safe
         "mode": F(str, "sync", ("sync", "async"), "sync = the loop evaluates and waits; "
                   "async = each evaluation point's checkpoint is evaluated by a separate "

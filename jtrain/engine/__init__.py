@@ -20,5 +20,6 @@ commands that read a run.
     diff.py             diff_runs(): where two runs part
     replay.py           replay(): a recorded step re-run, its state hash compared
     sample.py           sample(): a language model's continuations of prompts (KV cache)
+    lm_tasks.py         eval.lm_tasks: choice accuracy, held-out perplexity as eval metrics
     dry_run.py          --dry_run: the steps compiled for a topology, memory reported
 """

@@ -18,6 +18,7 @@ from jtrain import step as step_lib
 from jtrain.control import decide as decide_lib
 from jtrain.engine import checks as model_checks
 from jtrain.engine import evaluation as evaluator
+from jtrain.engine import lm_tasks
 from jtrain.engine import own_step
 from jtrain.engine import parts
 from jtrain.engine.parts import Build, model_flops_per_example  # noqa: F401
@@ -117,9 +118,12 @@ def check_run(cfg, b: Build, data) -> None:
             "loss needs one: pass loss_fn(outputs, batch), or set loss.fn or loss.terms")
     terms = model_checks.loss_term_names(b.model_fns.apply, b.loss_fn, b.abstract.params,
                                       data.example, model_inputs)
-    decide_lib.check_monitors(cfg, None if data.eval is None
-                              else evaluator.metric_keys(b.eval_spec, terms,
-                                                         weights=cfg.eval.weights))
+    keys = None if data.eval is None else evaluator.metric_keys(b.eval_spec, terms,
+                                                                weights=cfg.eval.weights)
+    if cfg.eval.lm_tasks:  # their names come from the config alone
+        keys = (keys or set()) | lm_tasks.metric_names(cfg, [
+            evaluator.PREFIXES[w] for w in evaluator.weight_sets(cfg.eval.weights)])
+    decide_lib.check_monitors(cfg, keys)
     model_checks.check_targets(
         b.eval_spec, model_checks.output_shape_of(b.model_fns.apply, b.abstract.params,
                                                b.sample_inputs),

@@ -73,6 +73,7 @@ class Run:
     goodput: goodput_lib.Ledger  # where the session's seconds go (goodput.jsonl)
     record: dict = dataclasses.field(default_factory=dict)  # run.json (its "decided")
     async_evals: async_eval.AsyncEvals | None = None  # eval.mode=async; None: sync
+    lm_tasks: Callable | None = None  # eval.lm_tasks (engine.lm_tasks.Scorer); None: none
 
     def close(self):
         self.watchdog.pause()
@@ -461,14 +462,18 @@ def _evaluate(cfg, run: Run, state, step: int) -> dict:
     """The eval of `state` at `step` (a population: of each member, combined), a
     mixture's components as eval/<name>/...; written, said, and returned as the
     history's record."""
-    if run.data.eval is None:
+    if run.data.eval is None and run.lm_tasks is None:
         return {"step": step}
     t0 = time.perf_counter()
     with run.goodput.phase("eval"):
-        result = _score(cfg, run, state, run.data.eval)
+        result = (evaluator.Evaluation({}, {}, 0) if run.data.eval is None
+                  else _score(cfg, run, state, run.data.eval))
         for name, part in run.data.eval_parts.items():  # a mixture's components
             result.scalars.update({f"eval/{name}/{k.removeprefix('eval/')}": v
                                    for k, v in _score(cfg, run, state, part).scalars.items()})
+        for which in evaluator.weight_sets(cfg.eval.weights) if run.lm_tasks else ():
+            result.scalars.update(run.lm_tasks(state_lib.eval_params(state, which),
+                                               evaluator.PREFIXES[which]))
     run.out.perf.add("eval", time.perf_counter() - t0)
     run.out.writer.write_scalars(step, result.scalars)
     run.out.progress.message(evaluator.format_line(step, result), emphasis=True)

@@ -34,7 +34,7 @@ from jtrain.control import faults as faults_lib
 from jtrain.control import rule as rule_lib
 from jtrain.control import ledger as ledger_lib
 from jtrain.control import watchdog as watchdog_lib
-from jtrain.engine import async_eval
+from jtrain.engine import async_eval, lm_tasks
 from jtrain.engine import loop as loop_lib
 from jtrain.engine import summary as summary_lib
 from jtrain.checkpoint import store
@@ -262,6 +262,7 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
                           train_example=data.train_example, step=user_step,
                           tx=given.tx)
                 check_run(cfg, b, data)
+                scorer = lm_tasks.for_run(cfg, b, data)
             _precompile(cfg, b, data, startup)
             with startup.phase("state"):  # newest checkpoint, else init_from, else fresh
                 ckpt = checkpoint.open_checkpoints(workdir, cfg, data.info, mirror=mirror)
@@ -290,7 +291,7 @@ def _train_and_evaluate(config, workdir: str, given: _Given, on_eval, allow_chan
                 decisions=_decisions(cfg, workdir, ckpt.control, start, data, train_iter,
                                      on_eval, out.progress.message, callbacks),
                 stopper=stopper, startup=startup, goodput=ledger, record=out.record,
-                async_evals=async_evals)
+                async_evals=async_evals, lm_tasks=scorer)
             for line in notices:  # after the header: e.g. a warmup shortened for a short run
                 out.progress.message(f"jtrain: note: {line}")
             # Steps trace under the mesh and the logical-axis rules, so models' activation

@@ -82,6 +82,12 @@ METRICS: dict[str, tuple[str, str]] = {
                            "plain name is the mean over the members"),
     "eval/<component>/<metric>": ("evals", "a data.mixture component's eval set alone "
                                   "(eval/<metric> is all components together)"),
+    "eval/<task>/acc": ("evals (eval.lm_tasks)", "a choice task: share of examples whose "
+                        "likeliest choice (summed log-likelihood) is the label"),
+    "eval/<task>/acc_norm": ("evals (eval.lm_tasks)", "a choice task: the same, each "
+                             "choice's log-likelihood divided by its length in characters"),
+    "eval/<task>/ppl": ("evals (eval.lm_tasks)", "a perplexity task: exp of the mean "
+                        "negative log-likelihood per token of its text"),
     "perf/steps_per_sec": ("log steps, summary", "steps per second since the last log step "
                            "(summary: over the whole run)"),
     "perf/examples_per_sec": ("log steps, summary", "examples per second"),
@@ -106,7 +112,8 @@ METRICS: dict[str, tuple[str, str]] = {
 
 _PARTS = {"<term>": r"(?P<term>[A-Za-z0-9_.\-]+)", "<k>": r"\d+", "<i>": r"\d+",
           "<phase>": r"[a-z_]+", "<metric>": r"[A-Za-z0-9_.\-/]+", "<m>": r"\d+",
-          "<component>": r"(?P<component>[A-Za-z0-9_.\-]+)"}
+          "<component>": r"(?P<component>[A-Za-z0-9_.\-]+)",
+          "<task>": r"(?P<task>[A-Za-z0-9_.\-]+)"}
 
 
 def _regex(pattern: str) -> re.Pattern:
@@ -119,14 +126,15 @@ def _regex(pattern: str) -> re.Pattern:
 _COMPILED = [(p, _regex(p)) for p in METRICS]
 
 
-def listed(name: str, terms=(), components=()) -> bool:
+def listed(name: str, terms=(), components=(), tasks=()) -> bool:
     """True when `name` is one of `METRICS`; `<term>` matches only the loss's named
-    `terms`, `<component>` only the mixture's `components` (so the check is not vacuous
-    for plain names)."""
+    `terms`, `<component>` only the mixture's `components`, `<task>` only eval.lm_tasks'
+    `tasks` (so the check is not vacuous for plain names)."""
     for pattern, rx in _COMPILED:
         m = rx.match(name)
         if m and ("<term>" not in pattern or m.group("term") in terms) and (
-                "<component>" not in pattern or m.group("component") in components):
+                "<component>" not in pattern or m.group("component") in components) and (
+                "<task>" not in pattern or m.group("task") in tasks):
             return True
     return False
 
@@ -142,7 +150,8 @@ def markdown() -> str:
            "term, `<k>` eval.top_k, `<i>` a class index, `<phase>` a start-up phase "
            "(imports, distributed, data, build, state, writers, compile, other), "
            "`<metric>` another train/eval name less its namespace, `<m>` a "
-           "population member's index and `<component>` a data.mixture component.", "",
+           "population member's index, `<component>` a data.mixture component and `<task>` "
+           "an eval.lm_tasks entry.", "",
            "| name | written | what |", "|---|---|---|"]
     for name, (where, what) in METRICS.items():
         out.append(f"| `{name}` | {where} | {what} |")
