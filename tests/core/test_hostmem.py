@@ -87,12 +87,16 @@ def test_arena_cap_unless_the_user_chose():
         assert hostmem.arena_cap(env) is None, env
 
 
-# Threads that allocate after boot.start: glibc's malloc_info lists one <heap> per arena.
+# Threads that allocate after boot.start, alive together (on a loaded machine threads
+# run one after another and reuse a finished one's arena): glibc's malloc_info lists one
+# <heap> per arena.
 ARENAS = '''import ctypes, sys, threading
 from jtrain import boot
 boot.start("bench")
-def work():
+together = threading.Barrier(8)
+def work():  # all alive at once: a finished thread's arena is not handed to the next
     blocks = [bytearray(200_000) for _ in range(50)]
+    together.wait()
 threads = [threading.Thread(target=work) for _ in range(8)]
 [t.start() for t in threads]
 [t.join() for t in threads]
