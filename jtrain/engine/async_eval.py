@@ -138,7 +138,8 @@ class AsyncEvals:
                     f"{self.proc.returncode}) before step {step} was evaluated; its output "
                     f"is in WORKDIR/{layout.EVALS}/{LOG}")
             folder = os.path.join(self.ckpt.directory, str(step))
-            if not (os.path.isdir(folder) or glob.glob(folder + ".*")):  # nor in flight
+            if not (os.path.isdir(folder) or glob.glob(folder + ".*")) \
+                    and not self._saved_after_wait(folder):  # nor in flight
                 raise EvaluateError(f"eval.mode=async: checkpoint {step} is gone before it "
                                     "was evaluated")
             beat()
@@ -149,6 +150,14 @@ class AsyncEvals:
         self.ckpt.held.discard(step)
         self.applied = max(self.applied, step)
         return {"step": step, **{k: float(v) for k, v in record["metrics"].items()}}
+
+    def _saved_after_wait(self, folder: str) -> bool:
+        """Whether `folder` exists once the run's saves in flight are finished (an async
+        save may not have made its temporary folder yet, on a loaded machine)."""
+        wait = getattr(self.ckpt, "wait", None)
+        if wait is not None:
+            wait()
+        return os.path.isdir(folder)
 
     def close(self) -> None:
         proc, self.proc = self.proc, None

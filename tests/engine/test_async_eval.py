@@ -110,6 +110,24 @@ def test_a_resumed_run_writes_each_eval_once(tmp_path):
     assert train(tmp_path / "c") == evals
 
 
+def test_a_save_not_yet_on_disk_is_waited_for_not_called_gone(tmp_path):
+    """An async save that has not made its folder yet (a loaded machine) is waited for;
+    only a step still missing after the saves in flight finish is gone."""
+    def wait():  # the save in flight lands; the evaluator then writes its result
+        os.makedirs(tmp_path / "checkpoints" / "6")
+        layout.write_eval_result(str(tmp_path), 6, {"step": 6, "num_examples": 2,
+                                                    "metrics": {"eval/loss": 0.5}})
+    ckpt = types.SimpleNamespace(control=types.SimpleNamespace(eval_history=[]),
+                                 all_steps=lambda: [], held={6}, wait=wait,
+                                 directory=str(tmp_path / "checkpoints"))
+    evals = async_eval.AsyncEvals(_cfg(total=6), str(tmp_path), ckpt)
+    assert evals.take(6, lambda: None, say=lambda line: None) == {"step": 6,
+                                                                   "eval/loss": 0.5}
+    ckpt.wait = lambda: None
+    with pytest.raises(errors.EvaluateError, match="checkpoint 7 is gone"):
+        evals.take(7, lambda: None, say=lambda line: None)
+
+
 def test_a_checkpoint_deleted_under_the_evaluator_is_reported_and_skipped(tmp_path):
     def gone(step, abstract):
         raise FileNotFoundError(step)
