@@ -250,7 +250,7 @@ LM_TASKS: dict[str, str] = {
     "external evaluator": "refused with it (eval.async_evaluator=external is async eval); "
                           "`jtrain evaluate` scores the eval set, not the tasks",
     "own step": "refused: a step of your own calls its model itself",
-    "lm-eval (jtrain.lm_eval)": "the same scores after the run: its loglikelihoods equal "
+    "lm-eval (jtrain.engine.lm_eval)": "the same scores after the run: its loglikelihoods equal "
                                 "the metric's numpy computation",
 }
 

@@ -21,5 +21,6 @@ commands that read a run.
     replay.py           replay(): a recorded step re-run, its state hash compared
     sample.py           sample(): a language model's continuations of prompts (KV cache)
     lm_tasks.py         eval.lm_tasks: choice accuracy, held-out perplexity as eval metrics
+    lm_eval.py          JtrainLM: a run as an lm-eval model (the `lmeval` extra)
     dry_run.py          --dry_run: the steps compiled for a topology, memory reported
 """

@@ -1,6 +1,6 @@
 """eval.lm_tasks: a language model scored on local files at every evaluation, as eval
 metrics (early stopping, the plateau and best-k may watch them); the same scoring serves
-the lm-eval adapter (jtrain/lm_eval.py).
+the lm-eval adapter (jtrain/engine/lm_eval.py).
 
     eval.lm_tasks = {NAME: {"kind": "choice" | "perplexity", "path": FILE}}
 

@@ -1,4 +1,4 @@
-"""eval.lm_tasks (jtrain/engine/lm_tasks.py) and the lm-eval adapter (jtrain/lm_eval.py):
+"""eval.lm_tasks (jtrain/engine/lm_tasks.py) and the lm-eval adapter (jtrain/engine/lm_eval.py):
 a tiny byte-level transformer trained 2 steps with a choice task and a perplexity task;
 its eval/<task>/acc, acc_norm and ppl equal a numpy computation over the logits of a
 plain apply of the final parameters, one example at a time, unpadded; the same on 8 fake
@@ -123,7 +123,7 @@ def test_lm_eval_scores_the_run_as_the_metric_does(run, monkeypatch):
     monkeypatch.setattr(socket.socket, "connect", no_network)
     from lm_eval.api.instance import Instance
 
-    from jtrain.lm_eval import JtrainLM
+    from jtrain.engine.lm_eval import JtrainLM
 
     tmp, last, _, want = run
     # the guide's example (docs/guide/language-models.md): a task of a local YAML and

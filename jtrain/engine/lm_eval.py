@@ -1,6 +1,6 @@
 """jtrain's language models in EleutherAI's lm-evaluation-harness (the `lmeval` extra).
 
-    import jtrain.lm_eval                      # registers the model type "jtrain"
+    import jtrain.engine.lm_eval                      # registers the model type "jtrain"
     lm_eval.simple_evaluate(model="jtrain", model_args="run=runs/lm", tasks=[...])
 
 `JtrainLM(run, step=None, batch_size=16)` reads a run's parameters as `jtrain sample`
