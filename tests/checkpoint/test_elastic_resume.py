@@ -62,7 +62,7 @@ def run(workdir, total):
     c.eval.update(every_steps=0, num_batches=1)
     c.log.update(every_steps=5, writers=("jsonl",))
     c.checkpoint.update(every_steps=5, allow_changes=("total_steps",))
-    c.compile.cache_dir = ""
+    c.compile.cache_dir = "auto"  # the shared persistent cache (warm after a first run)
     r = jtrain.train(c, workdir, model=Model(), train_data=Windows(), loss_fn=loss_fn)
     print("RESULT", workdir, jax.device_count(), r.summary["resumed_from"],
           r.summary["train/loss"] if "train/loss" in r.summary
