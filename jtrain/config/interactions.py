@@ -215,7 +215,7 @@ TOKEN_SHARDS: dict[str, tuple[str, str]] = {
                                     "stay in each session's staging folder, never uploaded",
                                     "tests/journeys/test_tokens_s3_journey.py"),
     "several processes": ("works: bitwise resume after a SIGKILL mid-shard, 2 processes over "
-                          "loopback", "tests/multihost/test_tokens_resume.py"),
+                          "loopback", "tests/multihost/test_launch_runs.py"),
     "a mesh": ("works: bitwise resume after a SIGKILL mid-shard on 8 devices; the generated "
                "cases cross it with every feature", "tests/multihost/test_tokens_resume.py"),
     "data.packing": ("refused in one line: the windows already run across documents",

@@ -101,13 +101,7 @@ def _split(seed=0, samples=12, regions=60, positions=32):
     return train, evals
 
 
-try:
-    from torch.utils.data import IterableDataset
-except ImportError:  # the recipe needs torch (pip install 'jtrain[recipes]')
-    IterableDataset = object
-
-
-class Tracks(IterableDataset):
+class _Tracks:
     """The training windows as a stream, in a fresh order per epoch (set_epoch)."""
 
     def __init__(self, arrays: dict, seed: int):
@@ -122,18 +116,38 @@ class Tracks(IterableDataset):
             yield {k: v[i] for k, v in self.arrays.items()}
 
 
+_TRACKS = []
+
+
+def _tracks_class():
+    """Tracks: _Tracks as a torch IterableDataset, torch imported on first use (a report
+    of a finished run imports this module without needing torch)."""
+    if not _TRACKS:
+        try:
+            from torch.utils.data import IterableDataset
+        except ImportError:  # the recipe needs torch (pip install 'jtrain[recipes]')
+            raise ImportError("the imputation recipe streams a torch IterableDataset: "
+                              "pip install 'jtrain[recipes]'") from None
+        _TRACKS.append(type("Tracks", (_Tracks, IterableDataset), {"__module__": __name__}))
+    return _TRACKS[0]
+
+
+def __getattr__(name):
+    if name == "Tracks":
+        return _tracks_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def make_data(seed=0, samples=12, regions=60, positions=32):
     """data.source: {"train": Tracks (IterableDataset), "eval": dict of arrays}."""
-    if IterableDataset is object:
-        raise ImportError("the imputation recipe streams a torch IterableDataset: "
-                          "pip install 'jtrain[recipes]'")
+    tracks = _tracks_class()
     train, evals = _split(seed, samples, regions, positions)
     n_hidden = int(evals["holdout"].sum())
     print(f"recipe imputation: {len(train['sample'])} train windows (a torch "
           f"IterableDataset), {len(evals['sample'])} eval windows of {positions} positions "
           f"x {len(FEATURES)} features; {n_hidden} eval tracks hidden; per-step masking of "
           "available features in the step; NB + Gaussian NLL", flush=True)
-    return {"train": Tracks(train, seed), "eval": evals}
+    return {"train": tracks(train, seed), "eval": evals}
 
 
 def hide_in_graph(key, avail):

@@ -20,9 +20,10 @@ import flax.linen as nn
 import jtrain
 from jtrain.losses import ROW_MASK
 
-workdir, total = sys.argv[1], int(sys.argv[2])
-if len(sys.argv) > 3:  # address, number of processes, this process's id
-    jax.distributed.initialize(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+# WORKDIR:TOTAL[,WORKDIR:TOTAL...]: the runs one after another, in this process.
+runs = [(w, int(t)) for w, t in (r.split(":") for r in sys.argv[1].split(","))]
+if len(sys.argv) > 2:  # address, number of processes, this process's id
+    jax.distributed.initialize(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
 
 
 class Windows:  # a map-style dataset: example i knows its index
@@ -42,38 +43,48 @@ class Model(nn.Module):
         return nn.Dense(32)(nn.gelu(nn.Dense(32)(h)))
 
 
-def log_indices(idx):
-    with open(workdir + ".seen", "a") as f:
-        f.write(" ".join(map(str, np.asarray(idx).tolist())) + "\\n")
+def run(workdir, total):
+    def log_indices(idx):
+        with open(workdir + ".seen", "a") as f:
+            f.write(" ".join(map(str, np.asarray(idx).tolist())) + "\\n")
+
+    def loss_fn(outputs, batch):
+        if ROW_MASK not in batch:  # training batches (eval ones carry a row mask)
+            jax.debug.callback(log_indices, batch["idx"])
+        logp = jax.nn.log_softmax(outputs.astype(jnp.float32))
+        nll = -jnp.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+        return nll.sum(), jnp.asarray(nll.size, jnp.float32)
+
+    c = jtrain.defaults()
+    c.total_steps = total
+    c.data.update(batch_size=8, model_inputs=("inputs",))
+    c.optim.update(lr=1e-2, warmup_steps=1, decay_steps=60)
+    c.eval.update(every_steps=0, num_batches=1)
+    c.log.update(every_steps=5, writers=("jsonl",))
+    c.checkpoint.update(every_steps=5, allow_changes=("total_steps",))
+    c.compile.cache_dir = "auto"  # the shared persistent cache (warm after a first run)
+    r = jtrain.train(c, workdir, model=Model(), train_data=Windows(), loss_fn=loss_fn)
+    print("RESULT", workdir, jax.device_count(), r.summary["resumed_from"],
+          r.summary["train/loss"] if "train/loss" in r.summary
+          else r.train_history[-1]["train/loss"])
 
 
-def loss_fn(outputs, batch):
-    if ROW_MASK not in batch:  # training batches (eval ones carry a row mask)
-        jax.debug.callback(log_indices, batch["idx"])
-    logp = jax.nn.log_softmax(outputs.astype(jnp.float32))
-    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
-    return nll.sum(), jnp.asarray(nll.size, jnp.float32)
-
-
-c = jtrain.defaults()
-c.total_steps = total
-c.data.update(batch_size=8, model_inputs=("inputs",))
-c.optim.update(lr=1e-2, warmup_steps=1, decay_steps=60)
-c.eval.update(every_steps=0, num_batches=1)
-c.log.update(every_steps=5, writers=("jsonl",))
-c.checkpoint.update(every_steps=5, allow_changes=("total_steps",))
-c.compile.cache_dir = ""
-r = jtrain.train(c, workdir, model=Model(), train_data=Windows(), loss_fn=loss_fn)
-print("RESULT", jax.device_count(), r.summary["resumed_from"], r.summary["train/loss"]
-      if "train/loss" in r.summary else r.train_history[-1]["train/loss"])
+for workdir, total in runs:
+    run(workdir, total)
 '''
 
 
-def _phase(cwd, workdir, total, devices):
-    p = run_python(cwd, "elastic.py", workdir, total,
+def _results(stdout) -> dict:
+    """{workdir: [device count, resumed from, final loss]} of each run a process did."""
+    lines = [line.split()[1:] for line in stdout.splitlines() if line.startswith("RESULT ")]
+    return {w: rest for w, *rest in lines}
+
+
+def _phase(cwd, runs, devices):
+    p = run_python(cwd, "elastic.py", runs,
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     assert p.returncode == 0, p.stderr[-3000:]
-    return p.stdout.split("RESULT ", 1)[1].split()
+    return _results(p.stdout)
 
 
 def _seen(cwd, workdir):  # the train batches (set-up checks call the loss on 1 example)
@@ -87,12 +98,12 @@ def _two_processes(cwd, workdir, total):
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
     env = user_env(XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    procs = [subprocess.Popen([sys.executable, "elastic.py", workdir, str(total), address,
+    procs = [subprocess.Popen([sys.executable, "elastic.py", f"{workdir}:{total}", address,
                                "2", str(i)], cwd=cwd, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
-    return outs[0][0].split("RESULT ", 1)[1].split()
+    return _results(outs[0][0])[workdir]
 
 
 def _loss_at(cwd, workdir, step):
@@ -104,11 +115,15 @@ def _loss_at(cwd, workdir, step):
 
 def test_resume_on_4_then_2_then_1_devices_continues_the_data_order(tmp_path):
     (tmp_path / "elastic.py").write_text(SCRIPT)
-    reference = _phase(tmp_path, "ref", 60, 4)  # 60 steps x 8: 2.6 epochs
-    assert _phase(tmp_path, "el", 20, 4)[:2] == ["4", "None"]
+    # One 4-device process: the reference (60 steps x 8: 2.6 epochs), then the first 20
+    # steps of the elastic run (its own workdir, a fresh start).
+    first = _phase(tmp_path, "ref:60,el:20", 4)
+    reference = first["ref"]
+    assert reference[:2] == ["4", "None"]
+    assert first["el"][:2] == ["4", "None"]
     # 1 process x 4 devices -> 2 processes x 1 device -> 1 process x 1 device.
     assert _two_processes(tmp_path, "el", 40)[:2] == ["2", "20"]
-    last = _phase(tmp_path, "el", 60, 1)
+    last = _phase(tmp_path, "el:60", 1)["el"]
     assert last[:2] == ["1", "40"]
     ref, el = _seen(tmp_path, "ref"), _seen(tmp_path, "el")
     assert len(ref) == 60

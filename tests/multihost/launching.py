@@ -33,6 +33,18 @@ def user_dir(tmp_path) -> Path:
     return tmp_path
 
 
+def token_shards(cwd) -> int:
+    """Byte-tokenized documents in shards of 1500 tokens under cwd/shards (for
+    --config.data.name=tokens --config.data.path=shards); the number of shards."""
+    from jtrain.data import tokenizer, tokens
+
+    (cwd / "shards").mkdir()
+    docs = [f"doc {i}: " + "the windows of a shard, shuffled per epoch. " * (3 + i % 5)
+            for i in range(120)]
+    index = tokens.write_shards(tokenizer.load("byte"), docs, str(cwd / "shards"), 1500)
+    return len(index["shards"])
+
+
 def env(**extra) -> dict:
     """A user's shell: the venv's python first on PATH, then the fakes; CPU JAX."""
     base = {k: v for k, v in os.environ.items()

@@ -1,6 +1,7 @@
 """Real 2-process x 2-device training through each launcher, as users and schedulers run
-them (subprocesses from a temp cwd, relative paths): one run interrupted four ways, by
-four launchers, ends bitwise equal to the uninterrupted one; a SIGSTOPped peer ends its
+them (subprocesses from a temp cwd, relative paths): one run on token shards, interrupted
+four ways by four launchers (the first a SIGKILL in the middle of a shard), ends bitwise
+equal to the uninterrupted one; a SIGSTOPped peer ends its
 survivor with one line (exit 5); tpu_vm.sh delivers a SIGTERM to jtrain itself.
 
 The same launches prove the persistent compilation cache across processes: the
@@ -22,14 +23,16 @@ import time
 import pytest
 import yaml
 
-from launching import (LAUNCH, TINY, checkpoints, finish, free_port, start,
-                                       summary, user_dir, wait_for_checkpoint_after)
+from launching import (LAUNCH, TINY, checkpoints, finish, free_port, start, summary,
+                       token_shards, user_dir, wait_for_checkpoint_after)
 
 pytestmark = pytest.mark.slow
 
 STEPS = 40  # enough steps left after each interruption for the next signal to land
-RUN = [*TINY, f"--config.total_steps={STEPS}", "--config.checkpoint.every_steps=2",
-       "--workdir=run"]
+SYNTHETIC = [*TINY, f"--config.total_steps={STEPS}", "--config.checkpoint.every_steps=2",
+             "--workdir=run"]
+TOKENS = ["--config.data.name=tokens", "--config.data.path=shards"]
+RUN = [*SYNTHETIC, *TOKENS]  # the journey's: token shards in the user's directory
 TWO_DEVICES = "--xla_force_host_platform_device_count=2"
 # The journey's runs share a cache in the user's directory, fresh at its first run; each
 # compile, cache hit and miss is logged (into WORKDIR/train.log, every process's).
@@ -56,10 +59,11 @@ def journey(tmp_path_factory):
     """One run interrupted four ways, each launcher's result kept for the tests."""
     tmp_path = tmp_path_factory.mktemp("launch_runs")
     cwd = user_dir(tmp_path)
+    assert token_shards(cwd) >= 3
     seen: dict = {}
     # The reference: uninterrupted, launch/local.sh, and saving no checkpoint (the saves
     # of the interrupted runs must not change the state either); a fresh cache.
-    seen["reference"] = finish(_local(cwd, *TINY, f"--config.total_steps={STEPS}",
+    seen["reference"] = finish(_local(cwd, *TINY, *TOKENS, f"--config.total_steps={STEPS}",
                                       "--config.checkpoint.every_steps=0", "--workdir=ref",
                                       CACHE, **COMPILER_LOG))
     assert seen["reference"][0] == 0, seen["reference"][2] + seen["reference"][1]
@@ -71,6 +75,7 @@ def journey(tmp_path_factory):
     seen["kill_compiles"] = _compiles(cwd / "run")
     seen["entries_after_kill"] = _cache_entries(cwd)
     seen["saved"] = saved = checkpoints(cwd / "run")
+    seen["summary_after_kill"] = (cwd / "run" / "summary.json").exists()
 
     # 2. slurm.sh under the fake srun: SLURM's SIGTERM (--signal=B:TERM) to the batch
     # script -> forwarded, both save the same step, exit 0, the job is requeued.
@@ -108,6 +113,7 @@ def journey(tmp_path_factory):
     # --debug_multihost (both processes compare step and config hash every 10 steps).
     seen["resume"] = finish(_local(cwd, *RUN, CACHE, "--debug_multihost"))
     seen["summary"], seen["reference_summary"] = summary(cwd / "run"), summary(cwd / "ref")
+    seen["train_log"] = (cwd / "run" / "train.log").read_text()
     return seen
 
 
@@ -117,6 +123,7 @@ def test_kill_term_and_resume_through_every_launcher_match_the_uninterrupted_run
     assert rc == 137, err
     saved = journey["saved"]
     assert saved and saved[-1] < STEPS
+    assert not journey["summary_after_kill"]
 
     # 2. slurm.sh: the SIGTERM is forwarded, both save the same step, the job requeued.
     rc, out, err = journey["slurm"]
@@ -137,6 +144,8 @@ def test_kill_term_and_resume_through_every_launcher_match_the_uninterrupted_run
     assert rc == 0, err + out
     assert journey["summary"]["step"] == STEPS
     assert journey["summary"]["state_sha256"] == journey["reference_summary"]["state_sha256"]
+    assert "resum" in journey["train_log"].lower()
+    assert "jtrain: 4 cpu device(s)" in journey["train_log"]
 
 
 def test_a_second_two_process_run_compiles_nothing_in_either_process(journey):
@@ -153,7 +162,7 @@ def test_a_stopped_peer_ends_the_survivor_with_one_line(tmp_path):
     and does not hang on the stopped process (SIGCONT + SIGTERM, then SIGKILL)."""
     cwd = user_dir(tmp_path)
     t0 = time.monotonic()
-    launcher = _local(cwd, *RUN, "--config.total_steps=100",
+    launcher = _local(cwd, *SYNTHETIC, "--config.total_steps=100",
                       "--config.distributed.heartbeat_timeout_s=3",
                       JTRAIN_FAULT="step:4:STOP", JTRAIN_FAULT_PROCESS="1", GRACE="10")
     rc, out, err = finish(launcher)
@@ -176,9 +185,11 @@ def test_tpu_vm_sigterm_reaches_jtrain_which_saves_and_exits_0(tmp_path):
     checkout = user_dir(home / "jtrain")
     os.symlink(sys.prefix, checkout / ".venv")
     pids = tmp_path / "pids"
-    proc = start(["bash", LAUNCH / "tpu_vm.sh", "my-tpu", "zone-a", *RUN,
+    # The worker's HOME is a fresh one: its compile cache stays the shared (warm) one.
+    caches = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    proc = start(["bash", LAUNCH / "tpu_vm.sh", "my-tpu", "zone-a", *SYNTHETIC,
                   "--config.total_steps=100"], tmp_path, HOME=str(home),
-                 FAKE_GCLOUD_PIDS=str(pids), JTRAIN_DISTRIBUTED="")
+                 FAKE_GCLOUD_PIDS=str(pids), JTRAIN_DISTRIBUTED="", XDG_CACHE_HOME=caches)
     wait_for_checkpoint_after(checkout / "run", 0, proc)
     (pid,) = map(int, pids.read_text().split())
     with open(f"/proc/{pid}/cmdline", "rb") as f:  # exec'ed: the worker's process is jtrain

@@ -1,15 +1,17 @@
 """Exact resume on token shards (data.name=tokens), from the command line: a run
 SIGKILLed at its 5th step, in the middle of a shard, and rerun ends with the state hash
-of the same run trained straight through, on 8 fake devices and as 2 processes over
-loopback (launch/local.sh, tests/multihost/launching.py's helpers). On 1 device the
-tokens journey's --verify_resume kills and resumes a token-shard run
+of the same run trained straight through, on 8 fake devices. As 2 processes over
+loopback, the launcher journey (tests/multihost/test_launch_runs.py) trains on token
+shards: SIGKILLed at its 5th step by launch/local.sh, then stopped and resumed through
+slurm.sh and the k8s Job, it ends with the uninterrupted run's state hash. On 1 device
+the tokens journey's --verify_resume kills and resumes a token-shard run
 (tests/journeys/test_tokens_journey.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from launching import LAUNCH, TINY, finish, start, summary, user_dir
+from launching import TINY, finish, start, summary, token_shards, user_dir
 
 pytestmark = pytest.mark.slow
 
@@ -17,16 +19,6 @@ STEPS = 12
 RUN = [*TINY, "--config.data.name=tokens", "--config.data.path=shards",
        f"--config.total_steps={STEPS}"]
 EIGHT = "--xla_force_host_platform_device_count=8"
-
-
-def shards(cwd) -> int:
-    """Byte-tokenized documents in shards of 1500 tokens; the number of shards."""
-    from jtrain.data import tokenizer, tokens
-
-    docs = [f"doc {i}: " + "the windows of a shard, shuffled per epoch. " * (3 + i % 5)
-            for i in range(120)]
-    index = tokens.write_shards(tokenizer.load("byte"), docs, str(cwd / "shards"), 1500)
-    return len(index["shards"])
 
 
 def killed_then_resumed(cwd, launch, workdir: str, **env) -> dict:
@@ -48,19 +40,12 @@ def straight(cwd, launch, workdir: str, **env) -> dict:
     return summary(cwd / workdir)
 
 
-@pytest.mark.parametrize("topology", ["8 devices", "2 processes"])
-def test_a_kill_mid_shard_resumes_to_the_uninterrupted_state(tmp_path, topology):
+def test_a_kill_mid_shard_resumes_to_the_uninterrupted_state(tmp_path):
     cwd = user_dir(tmp_path)
-    (cwd / "shards").mkdir()
-    assert shards(cwd) >= 3
-    launch, env = ["python", "-m", "jtrain.main"], {}
-    if topology == "8 devices":
-        env = {"XLA_FLAGS": EIGHT}
-    elif topology == "2 processes":
-        launch, env = ["bash", LAUNCH / "local.sh", 2], {"DEVICES": "1"}
+    assert token_shards(cwd) >= 3
+    launch, env = ["python", "-m", "jtrain.main"], {"XLA_FLAGS": EIGHT}
     ref = straight(cwd, launch, "ref", **env)
     got = killed_then_resumed(cwd, launch, "run", **env)
     assert got["step"] == ref["step"] == STEPS
     assert got["state_sha256"] == ref["state_sha256"]
-    devices = {"8 devices": 8, "2 processes": 2}[topology]
-    assert f"jtrain: {devices} cpu device(s)" in (cwd / "run" / "train.log").read_text()
+    assert "jtrain: 8 cpu device(s)" in (cwd / "run" / "train.log").read_text()
