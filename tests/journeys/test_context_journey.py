@@ -1,7 +1,7 @@
 """mesh.context as a user runs it from the command line on fake CPU devices: a sequence
 whose train step does not fit a stated memory budget on one device fits when split over
 two (the dry run's per-device report shrinks), a run split over context 2 is killed and
-resumed bitwise (--verify_resume) and sampled on one device, and a model of the user's
+resumed bitwise (--verify_resume, one kill) and sampled on one device, and a model of the user's
 own is refused in one line."""
 
 import re
@@ -59,7 +59,11 @@ def test_context_splits_what_one_device_cannot_hold_and_resumes(tmp_path):
     needed = float(re.search(r"needs ([0-9.]+) MiB per device", err[0]).group(1))
     assert _peak_mib(split.stdout) < 0.6 * needed, (split.stdout, err[0])
 
-    resumed = _run(tmp_path, 2, "--verify_resume", "--config.mesh.context=2",
+    # one kill proves the split state resumes (a checkpoint each step, saved before the
+    # next, so the restart has one to resume from); tests/verify/test_resume_chaos.py covers
+    # the verifier's kinds of kill
+    resumed = _run(tmp_path, 2, "--verify_resume", "--verify_kills=1", "--config.mesh.context=2",
+                   "--config.checkpoint.every_steps=1", "--config.checkpoint.async_save=False",
                    "--config.data.seq_len=32", "--config.model.max_len=32")
     lines = [ln for ln in resumed.stdout.splitlines() if ln.startswith("jtrain: verify_resume:")]
     assert resumed.returncode == 0 and len(lines) == 1, resumed.stdout[-3000:] + resumed.stderr

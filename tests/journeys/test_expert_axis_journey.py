@@ -38,7 +38,8 @@ def test_dry_run_shows_the_experts_divided_by_the_axis(tmp_path):
 def test_verify_resume_with_expert_2_is_bitwise(tmp_path):
     (tmp_path / "cfg.py").write_text(CONFIG)
     p = run_python(tmp_path, "-m", "jtrain.main", "--config=cfg.py", "--workdir=run",
-                   "--verify_resume", "--verify_kills=2", timeout=600,
+                   "--verify_resume", "--verify_kills=1", "--config.checkpoint.every_steps=1",
+                   "--config.checkpoint.async_save=False", timeout=600,
                    XLA_FLAGS="--xla_force_host_platform_device_count=2")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "jtrain: verify_resume: PASS: bitwise identical" in p.stdout + p.stderr
